@@ -1,0 +1,5 @@
+"""mopd.bridge."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""mopd.capture."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""mopd.profiling."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
