@@ -1,5 +1,25 @@
-"""mopd.capture."""
+"""mopd.capture: the teacher's pre-LM-head hidden states, captured on the GPU.
+
+The public API is NeMo-RL's ``nemo_rl.models.megatron.opd_full_capture`` (same names, same
+semantics), plus the helpers that real Megatron setups need.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from mopd.capture.capture import (
+    CaptureMisuseError,
+    OutputLayerInputCapture,
+    get_opd_full_capture_context,
+)
+from mopd.capture.gather import ReusableBuffer, gather_sequence_parallel
+from mopd.capture.unwrap import find_output_layer, unwrap_model
+
+__all__ = [
+    "CaptureMisuseError",
+    "OutputLayerInputCapture",
+    "ReusableBuffer",
+    "find_output_layer",
+    "gather_sequence_parallel",
+    "get_opd_full_capture_context",
+    "unwrap_model",
+]

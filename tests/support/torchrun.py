@@ -62,10 +62,20 @@ class TorchrunItem(pytest.Item):
     def runtest(self) -> None:
         config = self.config
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--standalone", f"--nproc-per-node={self.nproc}",
-            "-m", "pytest", str(self.path),
-            f"--rootdir={config.rootpath}", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.nproc}",
+            "-m",
+            "pytest",
+            str(self.path),
+            f"--rootdir={config.rootpath}",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
         ]
         kexpr = config.getoption("keyword", default="")
         if kexpr:
@@ -73,30 +83,39 @@ class TorchrunItem(pytest.Item):
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(config.rootpath), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(config.rootpath), env.get("PYTHONPATH")])
+        )
         proc = subprocess.Popen(
-            cmd, cwd=config.rootpath, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            cmd,
+            cwd=config.rootpath,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         try:
             out, _ = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-            raise TorchrunFailure(f"torchrun timed out after {self.timeout}s (ranks hung)", out) from None
+            raise TorchrunFailure(
+                f"torchrun timed out after {self.timeout}s (ranks hung)", out
+            ) from None
         if proc.returncode == 5 or (" passed" not in out):
             raise TorchrunFailure(f"no test ran under torchrun (exit {proc.returncode})", out)
         if proc.returncode != 0:
             raise TorchrunFailure(f"torchrun exited {proc.returncode}", out)
 
-    def repr_failure(self, excinfo, style=None):  # noqa: ANN001
+    def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, TorchrunFailure):
             msg, out = excinfo.value.args
             tail = "\n".join(out.splitlines()[-400:])
             return f"{msg}\n--- ranks' output (tail) ---\n{tail}"
         return super().repr_failure(excinfo, style=style)
 
-    def reportinfo(self):  # noqa: ANN201
+    def reportinfo(self):
         return self.path, 0, f"torchrun[{self.nproc}] {self.path.name}"
 
 
@@ -107,7 +126,7 @@ class TorchrunFailure(Exception):
 class TorchrunFile(pytest.File):
     """A test module collected as one torchrun launch."""
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         knobs = module_knobs(self.path)
         yield TorchrunItem.from_parent(
             self,
@@ -117,7 +136,7 @@ class TorchrunFile(pytest.File):
         )
 
 
-def pytest_pycollect_makemodule(module_path: Path, parent):  # noqa: ANN001, ANN201
+def pytest_pycollect_makemodule(module_path: Path, parent):
     if under_torchrun():
         return None
     if "TORCHRUN_NPROC" not in module_knobs(module_path):
@@ -129,7 +148,7 @@ def pytest_pycollect_makemodule(module_path: Path, parent):  # noqa: ANN001, ANN
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
+def pytest_runtest_makereport(item, call):
     """After each test's call phase, agree across ranks on whether any rank failed.
 
     A test that fails on one rank only would otherwise leave the other ranks entering the next
@@ -160,7 +179,7 @@ def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201
 _SYNC = None
 
 
-def _sync_group():  # noqa: ANN202
+def _sync_group():
     """A gloo group over the world for the outcome agreement, created once."""
     global _SYNC
     import torch.distributed as dist

@@ -1,0 +1,75 @@
+"""Starting a torchrun job from a console command, and finding the CPU patches megatron needs.
+
+Why this file exists: ``mopd demo`` (and the benchmarks) start torchrun themselves, so a user
+types one command. On CPU, megatron-core needs patches that live in the repository's test support
+(``tests/support/megatron_cpu.py``), never in the library; a CPU run therefore needs a checkout,
+and this module finds it (the current directory or ``MOPD_CHECKOUT``) and says so clearly when it
+cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["cpu_support_root", "run_torchrun"]
+
+
+def cpu_support_root() -> Path:
+    """The checkout whose ``tests/support/megatron_cpu.py`` a CPU run imports.
+
+    Raises:
+        ValueError: no checkout found (the message says how to fix it).
+    """
+    candidates = [
+        os.environ.get("MOPD_CHECKOUT"),
+        os.getcwd(),
+        str(Path(__file__).resolve().parents[1]),
+    ]
+    for c in candidates:
+        if c and (Path(c) / "tests" / "support" / "megatron_cpu.py").is_file():
+            return Path(c).resolve()
+    raise ValueError(
+        "a CPU (gloo) run needs megatron-core's CPU patches from the mopd-bridge checkout "
+        "(tests/support/megatron_cpu.py); run from the checkout or set MOPD_CHECKOUT to it, "
+        "or use --backend nccl on GPUs"
+    )
+
+
+def run_torchrun(
+    module: str, args: list[str], *, nproc: int, timeout_s: float, env: dict[str, str] | None = None
+) -> int:
+    """Run ``python -m module args...`` under ``torchrun --standalone --nproc-per-node nproc``.
+
+    The whole job is killed (its process group) after ``timeout_s`` seconds; returns the exit
+    code (124 on timeout).
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"mopd: job timed out after {timeout_s:.0f}s and was killed", file=sys.stderr)
+        return 124
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        return 130

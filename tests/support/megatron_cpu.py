@@ -1,0 +1,230 @@
+"""CPU-only patches and builders that let real megatron-core GPTModels run under gloo.
+
+Why this file exists: megatron-core assumes CUDA (buffers on ``torch.cuda.current_device()``,
+the RNG tracker on the CUDA generator, SP only with fused norms). Tier-2 tests run real
+GPTModels on CPU ranks, so the test harness applies the patches below once per process
+(``tests/torchrun/conftest.py``). The library never imports this module.
+
+What is patched (see ../shared/notes/megatron-on-cpu.md for why each is needed):
+- ``torch.cuda.current_device`` returns ``"cpu"`` (megatron allocates with it);
+- the "CUDA" RNG state used by megatron's tracker is the CPU default generator;
+- ``WrappedTorchNorm`` is built with sequence parallelism off and its parameters tagged
+  ``sequence_parallel`` (torch's LayerNorm asserts when SP is on; the math is per token);
+- ``get_pos_emb_on_this_cp_rank`` without pinned memory, the default causal mask on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = [
+    "apply",
+    "build_gpt",
+    "destroy_parallel",
+    "full_state",
+    "gather_vocab_shards",
+    "init_parallel",
+    "load_full_state",
+    "tiny_config",
+]
+
+_APPLIED = False
+
+
+def apply() -> None:
+    """Apply the CPU patches (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import torch_norm
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(state)
+
+    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = get_rng_state  # type: ignore[assignment]
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    torch.cuda.manual_seed = manual_seed  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = manual_seed  # type: ignore[assignment]
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = set_rng_state
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        sp = config.sequence_parallel
+        cfg = dataclasses.replace(config, sequence_parallel=False) if sp else config
+        norm = original_new(cls, cfg, hidden_size, eps, **kwargs)
+        if sp:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign]
+
+    def pos_emb_on_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
+        pos_emb = pos_emb.view(
+            *pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :]
+        )
+        pos_emb = pos_emb.index_select(seq_dim, idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+    rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_cp_rank
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    tutils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+    _APPLIED = True
+
+
+def init_parallel(
+    *, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
+) -> None:
+    """(Re)initialize megatron's parallel_state over the current world, and its RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    apply()
+    destroy_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        create_gloo_process_groups=False,
+        distributed_timeout_minutes=2,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def tiny_config(**overrides: Any):
+    """A small float32 TransformerConfig that runs on CPU."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(
+    config: Any,
+    *,
+    vocab_size: int = 64,
+    max_seq_len: int = 32,
+    pre_process: bool = True,
+    post_process: bool = True,
+    share_embeddings: bool = False,
+    vp_stage: int | None = None,
+    position_embedding_type: str = "learned_absolute",
+    mtp: bool = False,
+):
+    """A megatron-core GPTModel with the local (non-TE) layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    apply()
+    spec = get_gpt_layer_local_spec()
+    extra: dict[str, Any] = {}
+    if mtp:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    if vp_stage is not None:
+        extra["vp_stage"] = vp_stage
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type=position_embedding_type,
+        **extra,
+    )
+
+
+def gather_vocab_shards(logits_local: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """All-gather ``[..., V/tp]`` vocab shards over ``tp_group`` into ``[..., V]``."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(tp_group)
+    if world == 1:
+        return logits_local
+    parts = [torch.empty_like(logits_local) for _ in range(world)]
+    dist.all_gather(parts, logits_local.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def full_state(model: torch.nn.Module, tp_group: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of a TP-sharded model, gathered to its full (TP=1) shape.
+
+    Megatron tags parallel parameters with ``tensor_model_parallel`` and ``partition_dim``;
+    shards concatenate along that dim in TP-rank order (true for the local layer spec, whose
+    QKV is laid out by query group).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if getattr(p, "tensor_model_parallel", False):
+            out[name] = gather_vocab_shards(t.movedim(p.partition_dim, -1), tp_group).movedim(
+                -1, p.partition_dim
+            )
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def load_full_state(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int
+) -> None:
+    """Load full (TP=1) tensors into a TP-sharded model: the inverse of :func:`full_state`."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = full[name]
+            if getattr(p, "tensor_model_parallel", False) and tp_size > 1:
+                t = t.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+            p.copy_(t)
