@@ -1,0 +1,90 @@
+"""Tier 1: ``pip install .`` (not editable) ships the ``mopd`` namespace and nothing generic.
+
+Builds the wheel from this checkout, installs it into a temporary folder and imports it from
+there in a fresh interpreter, away from the source tree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBPACKAGES = ("capture", "bridge", "kernels", "profiling")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+        ],
+        check=True,
+        cwd=out,
+        timeout=300,
+    )
+    (whl,) = out.glob("mopd_bridge-*.whl")
+    return whl
+
+
+def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"mopd", next(t for t in tops if t.endswith(".dist-info"))}
+    assert "mopd/__init__.py" not in names  # a namespace, shared with nothing generic
+    for sub in SUBPACKAGES:
+        assert f"mopd/{sub}/__init__.py" in names
+        assert f"mopd/{sub}/py.typed" in names
+    assert not any("/results/" in n for n in names)
+    src_cu = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
+    assert sorted(n.split("/")[-1] for n in names if n.endswith(".cu")) == src_cu
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "mopd = mopd.profiling.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_installed_wheel_imports_away_from_the_checkout(wheel: Path, tmp_path: Path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
+    code = (
+        "import mopd.capture, mopd.bridge, mopd.kernels, mopd.profiling, sys;"
+        "from mopd.capture import OutputLayerInputCapture, get_opd_full_capture_context;"
+        "print(mopd.capture.__file__)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().startswith(str(target))
