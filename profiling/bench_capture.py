@@ -1,0 +1,188 @@
+"""Benchmark: the capture's SP gather into a reused buffer against the naive gather-then-cat.
+
+Why this file exists: the design's capture target is "no allocation per step after the first at a
+steady shape" at no more bandwidth than one pass. This prints, side by side in one run, time per
+step, effective GB/s and allocations per step for (a) ``gather_sequence_parallel`` into a
+:class:`ReusableBuffer` and (b) the usual ``all_gather`` into a fresh list + ``torch.cat``, and
+the forward-time overhead of the capture hook on a Megatron GPTModel when megatron-core is there.
+
+Run: ``python -m mopd.profiling.bench_capture [--quick] [--results-dir DIR]`` (one process; NCCL
+at world size 1 on a GPU, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mopd.capture import OutputLayerInputCapture, ReusableBuffer, gather_sequence_parallel
+from mopd.profiling.results import format_table, record
+
+__all__ = ["main"]
+
+
+def _timer(device: torch.device):
+    if device.type == "cuda":
+
+        def run(fn, n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b))
+            return out
+    else:
+
+        def run(fn, n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t) * 1e3)
+            return out
+
+    return run
+
+
+def _allocs(device: torch.device) -> int | None:
+    return torch.cuda.memory_stats()["allocation.all.allocated"] if device.type == "cuda" else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_capture", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (harness check on CPU)")
+    p.add_argument("--results-dir", type=Path, default=None)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not dist.is_initialized():
+        kw = {"device_id": device} if cuda else {}
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+            **kw,
+        )
+    group = dist.group.WORLD
+    S, B, H = (256, 2, 512) if args.quick or not cuda else (8192, 4, 4096)
+    dtype = torch.bfloat16
+    local = torch.randn(S, B, H, device=device).to(dtype)
+    nbytes = local.numel() * local.element_size()
+    timer = _timer(device)
+    rows = []
+
+    buf = ReusableBuffer()
+
+    def reused() -> None:
+        gather_sequence_parallel(local, group, buf.get((S, B, H), dtype, device))
+
+    def naive() -> None:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        torch.cat(parts, dim=0)
+
+    for name, fn in (("reused buffer (mopd)", reused), ("all_gather + cat (naive)", naive)):
+        timer(fn, 3)
+        before = _allocs(device)
+        ms = statistics.median(timer(fn, args.iters))
+        after = _allocs(device)
+        per_step = None if before is None else (after - before) / args.iters
+        rows.append(
+            {
+                "path": name,
+                "shape": f"[{S},{B},{H}] bf16",
+                "ms/step": ms,
+                "GB/s (read+write)": 2 * nbytes / ms / 1e6,
+                "allocations/step": "n/a (CPU)" if per_step is None else per_step,
+            }
+        )
+
+    try:
+        rows += _hook_overhead(device, timer, args)
+    except ImportError as exc:
+        print(f"(hook overhead skipped: {exc})")
+    print(format_table(rows))
+    record(
+        "capture",
+        rows,
+        out_dir=args.results_dir,
+        notes="NCCL/gloo world size 1: the gather is a copy; the figure is the buffer's reuse, not link speed.",
+    )
+    dist.destroy_process_group()
+    return 0
+
+
+def _hook_overhead(device: torch.device, timer, args: argparse.Namespace) -> list[dict]:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if device.type != "cuda":
+        raise ImportError("megatron-core forward on CPU needs the test harness's patches")
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    H = 256 if args.quick else 2048
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=16,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = (
+        GPTModel(
+            config=cfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=32768,
+            max_sequence_length=2048,
+        )
+        .to(device)
+        .eval()
+    )
+    ids = torch.randint(0, 32768, (4, 2048), device=device)
+    pos = torch.arange(2048, device=device).expand(4, -1)
+    cap = OutputLayerInputCapture(model)
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(ids, pos, None)
+
+    def captured() -> None:
+        with torch.no_grad(), cap.capture_context():
+            model(ids, pos, None)
+        cap.get_hidden_states()
+
+    out = []
+    for name, fn in (("GPT forward, no capture", plain), ("GPT forward + capture", captured)):
+        timer(fn, 3)
+        out.append(
+            {
+                "path": name,
+                "shape": f"[2048,4,{H}] 2 layers",
+                "ms/step": statistics.median(timer(fn, args.iters)),
+            }
+        )
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

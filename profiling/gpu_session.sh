@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One prepared run of every GPU check, for a lent GPU machine (one H200 in this project's case):
+# the tier-3 tests of every package, then the benchmarks, each bounded in time, with logs and
+# result files written under $OUT (default ./gpu-out). Run from the repository root:
+#
+#   bash profiling/gpu_session.sh            # everything
+#   ONLY="tests kernels" bash profiling/gpu_session.sh
+#
+# Python packages missing on the machine (megatron-core, nvtx) are installed from ./.whl when that
+# folder exists (wheels for the machine's Python), since such a machine reaches no registry.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+ONLY=${ONLY:-"env tests kernels kl bridge capture"}
+PY=${PYTHON:-python3}
+SITE=/tmp/mopd-site
+start=$(date +%s)
+log() { echo "[gpu_session +$(( $(date +%s) - start ))s] $*"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || log "wheel install failed"
+fi
+# the project itself, as a regular install (setuptools from the image, no index)
+$PY -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . || { log "project install failed"; exit 1; }
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+cd /tmp && $PY -c "import mopd.kernels, mopd.capture; print('mopd from', mopd.kernels.__file__)"; cd - >/dev/null
+
+status=0
+run() {  # run NAME TIMEOUT CMD...
+    local name=$1 t=$2; shift 2
+    log "start $name (limit ${t}s)"
+    timeout --kill-after=10 "$t" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    log "end $name rc=$rc"; tail -n 25 "$OUT/$name.log"
+    [ $rc -eq 0 ] || status=1
+}
+
+for part in $ONLY; do
+    case $part in
+    env) run env 60 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
+    tests) run tests 240 $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -o addopts= --timeout 200 ;;
+    kernels) run bench_kernels 150 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
+    kl) run bench_kl 150 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
+    bridge) run bench_bridge 90 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
+    capture) run bench_capture 60 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
+    *) log "unknown part $part"; status=1 ;;
+    esac
+done
+log "done, status $status"
+exit $status
