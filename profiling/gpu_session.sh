@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-ONLY=${ONLY:-"env tests kernels kl bridge capture"}
+ONLY=${ONLY:-"env tests kernels kl bridge capture ranges"}
 PY=${PYTHON:-python3}
 SITE=/tmp/mopd-site
 start=$(date +%s)
@@ -45,6 +45,8 @@ for part in $ONLY; do
     kl) run bench_kl 150 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
     bridge) run bench_bridge 90 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
     capture) run bench_capture 60 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
+    ranges) run bench_ranges 60 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"
+            run nsys_absent 30 bash profiling/nsys.sh --out "$OUT/nsys" -- $PY -c 'print(1)' ;;
     *) log "unknown part $part"; status=1 ;;
     esac
 done
