@@ -15,10 +15,12 @@ Module-level knobs (read with ``ast``, the module is not imported by the parent)
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,8 @@ class TorchrunItem(pytest.Item):
             "no:cacheprovider",
             "-o",
             "addopts=",
+            "-p",  # this plugin, also for modules outside tests/ (a no-op when conftest loads it)
+            "tests.support.torchrun",
         ]
         kexpr = config.getoption("keyword", default="")
         if kexpr:
@@ -86,23 +90,28 @@ class TorchrunItem(pytest.Item):
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(config.rootpath), env.get("PYTHONPATH")])
         )
-        proc = subprocess.Popen(
-            cmd,
-            cwd=config.rootpath,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            raise TorchrunFailure(
-                f"torchrun timed out after {self.timeout}s (ranks hung)", out
-            ) from None
+        # output goes to a file, not a pipe: a hung grandchild holding a pipe open cannot block us
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=config.rootpath,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=self.timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                proc.wait()
+                timed_out = True
+            log.seek(0)
+            out = log.read()
+        if timed_out:
+            raise TorchrunFailure(f"torchrun timed out after {self.timeout}s (ranks hung)", out)
         if proc.returncode == 5 or (" passed" not in out):
             raise TorchrunFailure(f"no test ran under torchrun (exit {proc.returncode})", out)
         if proc.returncode != 0:
@@ -117,6 +126,27 @@ class TorchrunItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, 0, f"torchrun[{self.nproc}] {self.path.name}"
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant (torchrun's workers included)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(children.get(p, []))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in seen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 class TorchrunFailure(Exception):
