@@ -1,0 +1,96 @@
+"""Loading the ``.cu`` sources of :mod:`mopd.kernels` into CuPy, compiled once and cached.
+
+Why this file exists: the CUDA sources live as ``.cu`` files next to the Python code (so nvcc
+can check them, see tests/unit/test_kernels_compile.py); CuPy compiles them with NVRTC on first
+use (and keeps the binary in its on-disk kernel cache). This module is the one place that
+reads a source, builds the ``cupy.RawModule`` and hands out kernels per device, and the one
+place that bridges torch's CUDA stream and tensors to CuPy.
+
+CuPy is imported lazily, inside the functions: importing this module never needs CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["get_kernel", "kernel_source", "on_torch_stream", "to_cupy"]
+
+_lock = threading.Lock()
+_log = logging.getLogger(__name__)
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``kernels/<filename>``."""
+    return (Path(__file__).resolve().parent / filename).read_text()
+
+
+@functools.cache
+def _module(filename: str, device_index: int, compiler: str) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return cupy.RawModule(code=kernel_source(filename), backend=compiler)
+
+
+@functools.cache
+def _kernel(filename: str, name: str, device_index: int) -> Any:
+    import cupy
+
+    compile_error = getattr(getattr(cupy.cuda, "compiler", None), "CompileException", Exception)
+    with cupy.cuda.Device(device_index):
+        try:
+            return _module(filename, device_index, "nvrtc").get_function(name)
+        except compile_error as exc:
+            # The sources are checked with nvcc (tier 1); should NVRTC disagree, use nvcc.
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            _log.warning("NVRTC failed on %s (%s); compiling with nvcc", filename, first_line)
+            return _module(filename, device_index, "nvcc").get_function(name)
+
+
+def get_kernel(filename: str, name: str, device: torch.device) -> Any:
+    """The ``cupy.RawKernel`` ``name`` of ``kernels/<filename>`` on CUDA ``device``.
+
+    Compiled on first use (NVRTC, or CuPy's on-disk cache; nvcc if NVRTC fails, with a
+    warning), then kept for the process.
+    """
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _lock:
+        return _kernel(filename, name, index)
+
+
+@contextmanager
+def on_torch_stream(device: torch.device) -> Iterator[Any]:
+    """Make torch's current stream on ``device`` CuPy's current stream (and device).
+
+    Kernels launched and DLPack exchanges made inside run in torch's stream order, with no
+    synchronization added: CuPy passes this same stream to ``__dlpack__``, so torch has nothing
+    to wait for.
+    """
+    import cupy
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    stream_ptr = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index):
+        stream = cupy.cuda.ExternalStream(stream_ptr)
+        with stream:
+            yield stream
+
+
+def to_cupy(tensor: torch.Tensor) -> Any:
+    """Zero-copy CuPy view of a CUDA tensor, through DLPack (call inside :func:`on_torch_stream`).
+
+    Dtypes CuPy may not take through DLPack (bf16 before CuPy 14) must be viewed by width first,
+    e.g. as ``torch.uint8``; the row kernels always pass bytes. The tensor is detached first
+    (torch refuses to export tensors that require grad; kernels work outside autograd).
+    """
+    import cupy
+
+    return cupy.from_dlpack(tensor.detach())

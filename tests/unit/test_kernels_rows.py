@@ -1,0 +1,325 @@
+"""Tier 1: the row-movement API (mopd.kernels.rows) and its torch twins, on CPU.
+
+Checks the twins bit for bit against naive Python loops over rows (random shapes, every width
+of dtype, strided views, empty and one-row cases), the validation rules (each bad input raises
+``ValueError`` naming the values), and the backend rule of mopd.kernels.backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from mopd.kernels import backend as backend_mod
+from mopd.kernels import copy_runs, gather_rows, scatter_rows
+from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, run_rows, scatter_rows_torch
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]
+
+
+def random_rows(n: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """``[n, h]`` of random *bits* (NaNs and infs included for floats)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n, h * itemsize), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (so NaN payloads compare exactly)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def poisoned(n: int, h: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, h]`` filled with the byte 0xA5, a pattern a correct kernel overwrites."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.full((n, h * itemsize), 0xA5, dtype=torch.uint8).view(dtype)
+
+
+def naive_gather(src_NH: torch.Tensor, index: list[int], out_RH: torch.Tensor) -> torch.Tensor:
+    for r, i in enumerate(index):
+        out_RH[r] = src_NH[i]
+    return out_RH
+
+
+def naive_scatter(src_RH: torch.Tensor, index: list[int], out_NH: torch.Tensor) -> torch.Tensor:
+    for r, i in enumerate(index):
+        out_NH[i] = src_RH[r]
+    return out_NH
+
+
+def naive_runs(src_NH, src_start, dst_start, length, out_MH) -> torch.Tensor:
+    for s, d, n in zip(src_start, dst_start, length, strict=True):
+        for j in range(n):
+            out_MH[d + j] = src_NH[s + j]
+    return out_MH
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_matches_loop(dtype: torch.dtype, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    h = int(torch.randint(1, 37, (1,), generator=gen))
+    r = int(torch.randint(0, 50, (1,), generator=gen))
+    src = random_rows(n, h, dtype, gen)
+    index = torch.randint(0, n, (r,), generator=gen)  # repeats allowed in a gather
+    out = gather_rows(src, index, out_RH=poisoned(r, h, dtype))
+    ref = naive_gather(src, index.tolist(), poisoned(r, h, dtype))
+    assert torch.equal(bits(out), bits(ref))
+    assert torch.equal(bits(gather_rows(src, index)), bits(ref))  # allocated output
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_scatter_matches_loop(dtype: torch.dtype, seed: int) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    h = int(torch.randint(1, 37, (1,), generator=gen))
+    r = int(torch.randint(0, n + 1, (1,), generator=gen))
+    src = random_rows(r, h, dtype, gen)
+    index = torch.randperm(n, generator=gen)[:r]
+    out = scatter_rows(src, index, poisoned(n, h, dtype))
+    ref = naive_scatter(src, index.tolist(), poisoned(n, h, dtype))
+    assert torch.equal(bits(out), bits(ref))
+    untouched = sorted(set(range(n)) - set(index.tolist()))
+    assert torch.equal(bits(out[untouched]), bits(poisoned(len(untouched), h, dtype)))
+
+
+def random_runs(n: int, m: int, k: int, gen: torch.Generator) -> tuple[list[int], ...]:
+    """``k`` runs with distinct, non-overlapping destinations in ``[0, m)`` (some empty)."""
+    cuts = sorted(torch.randint(0, m + 1, (2 * k,), generator=gen).tolist())
+    src_start, dst_start, length = [], [], []
+    for a, b in zip(cuts[0::2], cuts[1::2], strict=True):
+        length_k = min(b - a, n)
+        length.append(length_k)
+        dst_start.append(a)
+        src_start.append(int(torch.randint(0, n - length_k + 1, (1,), generator=gen)))
+    return src_start, dst_start, length
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_runs_matches_loop(dtype: torch.dtype, seed: int) -> None:
+    gen = torch.Generator().manual_seed(200 + seed)
+    n = int(torch.randint(1, 60, (1,), generator=gen))
+    m = int(torch.randint(1, 60, (1,), generator=gen))
+    h = int(torch.randint(1, 37, (1,), generator=gen))
+    k = int(torch.randint(0, 8, (1,), generator=gen))
+    src = random_rows(n, h, dtype, gen)
+    s, d, ln = random_runs(n, m, k, gen)
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    out = copy_runs(src, as_t(s), as_t(d), as_t(ln), poisoned(m, h, dtype))
+    ref = naive_runs(src, s, d, ln, poisoned(m, h, dtype))
+    assert torch.equal(bits(out), bits(ref))
+
+
+def test_run_rows_expands_in_order() -> None:
+    src_rows, dst_rows = run_rows(
+        torch.tensor([5, 0, 9]), torch.tensor([0, 3, 3]), torch.tensor([3, 0, 2])
+    )
+    assert src_rows.tolist() == [5, 6, 7, 9, 10]
+    assert dst_rows.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_strided_views() -> None:
+    """Row strides are free: a column slice as source, a column slice of a wider buffer as out."""
+    gen = torch.Generator().manual_seed(7)
+    big = random_rows(20, 16, torch.bfloat16, gen)
+    src = big[:, 3:12]  # stride(0) = 16, starts at element 3
+    index = torch.randint(0, 20, (11,), generator=gen)
+    wide_out = poisoned(11, 24, torch.bfloat16)
+    out = gather_rows(src, index, out_RH=wide_out[:, 5:14])
+    assert torch.equal(
+        bits(out), bits(naive_gather(src, index.tolist(), poisoned(11, 9, src.dtype)))
+    )
+    assert torch.equal(bits(wide_out[:, :5]), bits(poisoned(11, 5, src.dtype)))
+    assert torch.equal(bits(wide_out[:, 14:]), bits(poisoned(11, 10, src.dtype)))
+    dst = poisoned(20, 24, torch.bfloat16)
+    perm = torch.randperm(20, generator=gen)[:11]
+    scatter_rows(out, perm, dst[:, 1:10])
+    ref = naive_scatter(out, perm.tolist(), poisoned(20, 24, torch.bfloat16)[:, 1:10].clone())
+    assert torch.equal(bits(dst[:, 1:10]), bits(ref))
+
+
+def test_transpose_as_gather() -> None:
+    """[S, B, H] -> [B, S, H] is one gather with index b * S + s -> s * B + b."""
+    gen = torch.Generator().manual_seed(3)
+    s_len, b_len, h = 7, 3, 5
+    src_SBH = random_rows(s_len * b_len, h, torch.float16, gen).view(s_len, b_len, h)
+    b_idx, s_idx = torch.meshgrid(torch.arange(b_len), torch.arange(s_len), indexing="ij")
+    index = (s_idx * b_len + b_idx).reshape(-1)
+    out = gather_rows(src_SBH.view(-1, h), index).view(b_len, s_len, h)
+    assert torch.equal(bits(out), bits(src_SBH.transpose(0, 1)))
+
+
+def test_empty_and_one_row() -> None:
+    src = torch.arange(12.0).view(3, 4)
+    empty = torch.empty(0, dtype=torch.int64)
+    assert gather_rows(src, empty).shape == (0, 4)
+    out = torch.full((3, 4), -1.0)
+    assert torch.equal(scatter_rows(torch.empty(0, 4), empty, out), torch.full((3, 4), -1.0))
+    assert torch.equal(copy_runs(src, empty, empty, empty, out), torch.full((3, 4), -1.0))
+    one = torch.tensor([2])
+    assert torch.equal(gather_rows(src, one), src[2:3])
+    assert torch.equal(scatter_rows(src[:1], one, out)[2], src[0])
+
+
+def test_twins_share_signatures() -> None:
+    import inspect
+
+    from mopd.kernels import cupy_rows
+
+    for twin, kernel in (
+        (gather_rows_torch, cupy_rows.gather_rows_cupy),
+        (scatter_rows_torch, cupy_rows.scatter_rows_cupy),
+        (copy_runs_torch, cupy_rows.copy_runs_cupy),
+    ):
+        assert inspect.signature(twin) == inspect.signature(kernel), twin.__name__
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("index", "match"),
+    [
+        (torch.tensor([0, 3]), r"out of range: values in \[0, 3\], valid range is \[0, 3\)"),
+        (torch.tensor([-1, 0]), r"out of range: values in \[-1, 0\]"),
+        (torch.tensor([0, 1], dtype=torch.int32), "1-D int64 tensor.*torch.int32"),
+        (torch.tensor([[0, 1]]), r"1-D int64 tensor, got shape \(1, 2\)"),
+    ],
+)
+def test_bad_index_raises(index: torch.Tensor, match: str) -> None:
+    src = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match=match):
+        gather_rows(src, index)
+    with pytest.raises(ValueError, match=match):
+        scatter_rows(torch.zeros(index.shape[-1], 4), index, src)
+
+
+def test_check_bounds_false_skips_value_checks_only() -> None:
+    src = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="int64"):
+        gather_rows(src, torch.tensor([0], dtype=torch.int32), check_bounds=False)
+    assert gather_rows(src, torch.tensor([2]), check_bounds=False).shape == (1, 4)
+
+
+def test_shape_mismatches_raise() -> None:
+    src = torch.zeros(5, 4)
+    index = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="out_RH has 3 rows but index_R has 2 entries"):
+        gather_rows(src, index, out_RH=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="row widths differ: src_NH has H=4, out_RH has H=5"):
+        gather_rows(src, index, out_RH=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"torch.float32 but out_RH is torch.float16"):
+        gather_rows(src, index, out_RH=torch.zeros(2, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="src_RH has 3 rows but index_R has 2 entries"):
+        scatter_rows(torch.zeros(3, 4), index, src)
+    with pytest.raises(ValueError, match=r"must be 2-D \[rows, H\], got shape \(5, 2, 2\)"):
+        gather_rows(src.view(5, 2, 2), index)
+
+
+def test_non_contiguous_rows_rejected() -> None:
+    src = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match=r"rows must be contiguous \(stride\(1\) == 1\)"):
+        gather_rows(src.t(), torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        gather_rows(src[:, ::2], torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows overlap"):
+        scatter_rows(torch.zeros(1, 6), torch.tensor([0]), src.view(-1)[:6].expand(4, 6))
+    # a column slice has contiguous rows: accepted
+    assert gather_rows(src[:, 1:4], torch.tensor([3])).shape == (1, 3)
+
+
+def test_copy_runs_validation() -> None:
+    src, out = torch.zeros(5, 2), torch.zeros(6, 2)
+    t = lambda *xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    with pytest.raises(ValueError, match="run arrays differ in length"):
+        copy_runs(src, t(0), t(0, 1), t(1), out)
+    with pytest.raises(ValueError, match=r"negative run length \(-1\)"):
+        copy_runs(src, t(0), t(0), t(-1), out)
+    with pytest.raises(ValueError, match=r"source runs out of range.*ends <= 6.*5 rows"):
+        copy_runs(src, t(2), t(0), t(4), out)
+    with pytest.raises(ValueError, match=r"destination runs out of range.*ends <= 7.*6 rows"):
+        copy_runs(src, t(0), t(3), t(4), out)
+    with pytest.raises(ValueError, match="length_K must be a 1-D int64"):
+        copy_runs(src, t(0), t(0), torch.tensor([1], dtype=torch.int32), out)
+
+
+def test_bad_variant_and_backend_raise() -> None:
+    src = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="variant must be None or one of"):
+        gather_rows(src, torch.tensor([0]), variant="fastest")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gather_rows(src, torch.tensor([0]), backend="triton")  # type: ignore[arg-type]
+
+
+def test_variant_ignored_by_twin_warns() -> None:
+    with pytest.warns(UserWarning, match="variant='warp' is ignored"):
+        gather_rows(torch.zeros(3, 4), torch.tensor([0]), variant="warp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gather_rows(torch.zeros(3, 4), torch.tensor([0]))
+
+
+# ---- backend choice --------------------------------------------------------------------------
+
+
+def test_explicit_cupy_on_cpu_raises() -> None:
+    src = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="backend='cupy' needs CUDA tensors, got tensors on"):
+        gather_rows(src, torch.tensor([0]), backend="cupy")
+    with pytest.raises(ValueError, match="backend='cupy' needs CUDA tensors"):
+        copy_runs(
+            src,
+            torch.tensor([0]),
+            torch.tensor([0]),
+            torch.tensor([1]),
+            src.clone(),
+            backend="cupy",
+        )
+
+
+class _FakeCuda:
+    """Just enough of a CUDA tensor for resolve_backend (it reads .device and .is_cuda)."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+
+def test_auto_falls_back_once_when_cupy_missing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(backend_mod, "_cupy_import_error", lambda: "ImportError: no cupy")
+    monkeypatch.setattr(backend_mod, "_fallback_logged", set())
+    with caplog.at_level(logging.WARNING, logger=backend_mod.__name__):
+        assert backend_mod.resolve_backend("auto", "op_x", _FakeCuda()) == "torch"
+        assert backend_mod.resolve_backend("auto", "op_x", _FakeCuda()) == "torch"
+    fallbacks = [r for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(fallbacks) == 1 and "no cupy" in fallbacks[0].getMessage()
+    with pytest.raises(RuntimeError, match="backend='cupy' requested but CuPy is unusable"):
+        backend_mod.resolve_backend("cupy", "op_x", _FakeCuda())
+
+
+def test_auto_picks_cupy_on_cuda_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend_mod, "_cupy_import_error", lambda: None)
+    assert backend_mod.resolve_backend("auto", "op_y", _FakeCuda()) == "cupy"
+    assert backend_mod.resolve_backend("cupy", "op_y", _FakeCuda()) == "cupy"
+    assert backend_mod.resolve_backend("torch", "op_y", _FakeCuda()) == "torch"
+    # CPU tensors: the twin, silently, even with CuPy present
+    assert backend_mod.resolve_backend("auto", "op_y", torch.zeros(1)) == "torch"
+
+
+def test_inputs_requiring_grad_move_outside_autograd() -> None:
+    src = torch.randn(4, 3, requires_grad=True)
+    out = torch.zeros(4, 3, requires_grad=True)
+    index = torch.tensor([3, 1, 2, 0])
+    assert torch.equal(gather_rows(src, index).detach(), src.detach()[index])
+    scatter_rows(src, index, out)
+    assert torch.equal(out.detach()[index], src.detach())
+    run = torch.tensor([0])
+    copy_runs(src, run, run, torch.tensor([4]), out)
+    assert torch.equal(out.detach(), src.detach())
