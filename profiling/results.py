@@ -55,7 +55,9 @@ def environment() -> dict[str, str]:
 def default_results_dir() -> Path:
     """``profiling/results`` of the source tree when run from a checkout, else ``./results``."""
     here = Path(__file__).resolve().parent / "results"
-    return here if here.parent.joinpath("results.py").exists() and here.exists() else Path("results")
+    return (
+        here if here.parent.joinpath("results.py").exists() and here.exists() else Path("results")
+    )
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -105,5 +107,7 @@ def record(
         writer.writeheader()
         writer.writerows(rows)
     env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
-    md_path.write_text(f"# {name}\n\n{format_table(rows)}\n{notes}\n\n## Environment\n{env_lines}\n")
+    md_path.write_text(
+        f"# {name}\n\n{format_table(rows)}\n{notes}\n\n## Environment\n{env_lines}\n"
+    )
     return csv_path, md_path
