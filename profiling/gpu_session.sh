@@ -4,7 +4,7 @@
 # result files written under $OUT (default ./gpu-out). Run from the repository root:
 #
 #   bash profiling/gpu_session.sh            # everything
-#   ONLY="tests kernels" bash profiling/gpu_session.sh
+#   ONLY="tests kernels" TESTS=tests/gpu/test_kernels_gpu.py bash profiling/gpu_session.sh
 #
 # Python packages missing on the machine (megatron-core, nvtx) are installed from ./.whl when that
 # folder exists (wheels for the machine's Python), since such a machine reaches no registry.
@@ -12,6 +12,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 ONLY=${ONLY:-"env tests kernels kl bridge capture ranges"}
+TESTS=${TESTS:-tests/gpu}
 PY=${PYTHON:-python3}
 SITE=/tmp/mopd-site
 start=$(date +%s)
@@ -40,7 +41,7 @@ run() {  # run NAME TIMEOUT CMD...
 for part in $ONLY; do
     case $part in
     env) run env 60 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
-    tests) run tests 240 $PY -m pytest tests/gpu -q -rs -p no:cacheprovider -o addopts= --timeout 200 ;;
+    tests) run tests 240 $PY -m pytest $TESTS -q -rs -p no:cacheprovider -o addopts= --timeout 200 ;;
     kernels) run bench_kernels 150 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
     kl) run bench_kl 150 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
     bridge) run bench_bridge 90 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
