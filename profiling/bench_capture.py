@@ -143,20 +143,18 @@ def _hook_overhead(device: torch.device, timer, args: argparse.Namespace) -> lis
         hidden_size=H,
         num_attention_heads=16,
         bf16=True,
-        params_dtype=torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    model = (
-        GPTModel(
-            config=cfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=32768,
-            max_sequence_length=2048,
-        )
-        .to(device)
-        .eval()
-    )
+    from megatron.core.transformer.module import Float16Module
+
+    inner = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=32768,
+        max_sequence_length=2048,
+    ).to(device)
+    model = Float16Module(cfg, inner).eval()
     ids = torch.randint(0, 32768, (4, 2048), device=device)
     pos = torch.arange(2048, device=device).expand(4, -1)
     cap = OutputLayerInputCapture(model)

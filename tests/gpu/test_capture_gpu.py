@@ -50,16 +50,17 @@ def test_capture_of_a_cuda_gptmodel_with_a_caller_buffer(nccl_world):
 
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
+    from megatron.core.transformer.module import Float16Module
+
     cfg = TransformerConfig(
         num_layers=2,
         hidden_size=256,
         num_attention_heads=4,
-        params_dtype=torch.bfloat16,
         bf16=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    model = (
+    inner = (
         GPTModel(
             config=cfg,
             transformer_layer_spec=get_gpt_layer_local_spec(),
@@ -69,6 +70,7 @@ def test_capture_of_a_cuda_gptmodel_with_a_caller_buffer(nccl_world):
         .cuda()
         .eval()
     )
+    model = Float16Module(cfg, inner)  # bf16 params and activations, as in training
     S, B = 128, 4
     out = torch.empty(S, B, 256, device="cuda", dtype=torch.bfloat16)
     cap = OutputLayerInputCapture(model, out=out)
@@ -84,7 +86,7 @@ def test_capture_of_a_cuda_gptmodel_with_a_caller_buffer(nccl_world):
             if step > 0:
                 assert _allocs() == before
             assert h.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
-            ref = (h.float() @ model.output_layer.weight.float().t()).transpose(0, 1)
+            ref = (h.float() @ inner.output_layer.weight.float().t()).transpose(0, 1)
             torch.testing.assert_close(logits.float(), ref, rtol=2e-2, atol=2e-2)
     finally:
         parallel_state.destroy_model_parallel()
