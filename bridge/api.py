@@ -1,0 +1,429 @@
+"""The live bridge: teacher hidden states -> every student rank's own layout, one call per step.
+
+Why this file exists: it ties the pieces together on a running job. Each call
+
+1. builds this rank's local view (layouts, buffer shapes) and catches local errors instead of
+   raising them alone (:mod:`mopd.bridge.metadata` carries them);
+2. all-gathers that metadata over the bridge group (timeouts on every collective);
+3. validates the gathered data on every rank identically (local errors anywhere, ranks that
+   disagree on the meshes, missing or extra buffers, hidden size / dtype / device mismatches,
+   wrong output shapes, TP replicas with different layouts, tokens held twice or by nobody), so
+   every rank raises the same ``ValueError`` before any data moves and none is left waiting;
+4. plans (cached by the gathered layouts' content) and starts the exchange
+   (:class:`mopd.bridge.executor.Executor`), returning a handle to ``.wait()`` on.
+
+Call convention: every rank of the bridge group (every rank of every mesh) calls
+:meth:`HiddenStateBridge.exchange` with what it holds: teacher ranks on their mesh's last stage
+pass ``hidden={teacher_index: buffer}`` and ``layouts={teacher_index: layout}``; student ranks on
+the last stage pass ``student_layout`` (and optionally ``outputs``, one buffer per teacher);
+other ranks pass nothing. A layout may be given as a zero-argument callable: it is then built
+inside the guarded phase, so an error it raises (e.g. a sequence length not divisible by
+``2 * cp``) reaches every rank as the same ``ValueError``.
+
+Outputs: one buffer per teacher, the student shard's full ``[N, H_teacher]`` flat rows (or this
+rank's ``[N / tp, H]`` SP slice with ``keep_sp_shard``); a row no teacher ``i`` fills (padding, or
+a token routed to another teacher) is zero in teacher ``i``'s buffer, and
+:attr:`PreparedExchange.owner_N` says which teacher filled each row (``-1``: padding).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mopd.bridge.executor import ExchangeHandle, Executor
+from mopd.bridge.groups import BridgeGroups
+from mopd.bridge.layout import TokenLayout
+from mopd.bridge.mesh import Mesh, meshes_overlap
+from mopd.bridge.metadata import RankRecord, encode_record, gather_records
+from mopd.bridge.planner import StudentBatch, TeacherBatch, TransferPlan, plan_token_exchange
+
+__all__ = ["BridgeConfig", "HiddenStateBridge", "LayoutArg", "PreparedExchange", "TeacherSpec"]
+
+LayoutArg = TokenLayout | Callable[[], TokenLayout]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherSpec:
+    """A teacher as the bridge sees it: its mesh and hidden size."""
+
+    mesh: Mesh
+    hidden_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hidden_size, int) or self.hidden_size < 1:
+            raise ValueError(
+                f"{self.mesh}: hidden_size must be a positive int, got {self.hidden_size!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeConfig:
+    """Settings of a :class:`HiddenStateBridge`.
+
+    Attributes:
+        timeout_s: seconds any collective or transfer may take before failing.
+        local_copy: serve a destination from a replica on the same rank by a local copy.
+        keep_sp_shard: each student TP rank keeps only its ``[N / tp, H]`` slice (no all-gather).
+        max_cached_plans: plans kept by layout signature.
+    """
+
+    timeout_s: float = 300.0
+    local_copy: bool = True
+    keep_sp_shard: bool = False
+    max_cached_plans: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.max_cached_plans < 1:
+            raise ValueError(f"max_cached_plans must be >= 1, got {self.max_cached_plans}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PreparedExchange:
+    """A validated, planned exchange for this rank (``start`` it; reusable for the same layouts).
+
+    Attributes:
+        plan: the plan (identical on every rank).
+        sources: ``teacher -> [R, H]`` flat views of this rank's captured buffers.
+        outputs: ``teacher -> `` this rank's output buffers, as passed or allocated.
+        owner_N: which teacher fills each row of this rank's output (``-1``: padding); ``None``
+            on ranks without a student shard.
+    """
+
+    plan: TransferPlan
+    sources: dict[int, torch.Tensor]
+    outputs: dict[int, torch.Tensor]
+    owner_N: torch.Tensor | None
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dim() < 2:
+        raise ValueError(f"{what} must have a hidden dim last (>= 2-D), got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (the bridge moves rows of its flat view)")
+    return t.view(-1, t.shape[-1])
+
+
+class HiddenStateBridge:
+    """Moves captured teacher hidden states into the student's layout (see the module doc).
+
+    Args:
+        teachers: the teachers, index = owner = key of ``hidden`` / ``layouts`` / ``outputs``.
+        student: the student mesh.
+        groups: this rank's groups (:func:`mopd.bridge.groups.create_bridge_groups`).
+        config: settings.
+        rank: this process's global rank (default: ``dist.get_rank()``).
+    """
+
+    def __init__(
+        self,
+        *,
+        teachers: Sequence[TeacherSpec],
+        student: Mesh,
+        groups: BridgeGroups,
+        config: BridgeConfig | None = None,
+        rank: int | None = None,
+    ) -> None:
+        if not teachers:
+            raise ValueError("the bridge needs at least one teacher")
+        self.teachers = tuple(teachers)
+        self.student = student
+        self.groups = groups
+        self.config = config or BridgeConfig()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        self.executor = Executor(rank=self.rank, timeout=self.timeout)
+        backend = dist.get_backend(groups.bridge) if groups.bridge is not None else "gloo"
+        self.device_type = "cuda" if backend == "nccl" else "cpu"
+        meshes = [t.mesh for t in self.teachers] + [student]
+        if not self.config.local_copy and not meshes_overlap(meshes):
+            warnings.warn(
+                "BridgeConfig(local_copy=False) has no effect: no teacher shares a rank with the "
+                "student",
+                stacklevel=2,
+            )
+        if self.config.keep_sp_shard and student.tp == 1:
+            warnings.warn(
+                "BridgeConfig(keep_sp_shard=True) has no effect: the student has tp=1",
+                stacklevel=2,
+            )
+        if not self.config.local_copy and backend != "nccl" and meshes_overlap(meshes):
+            raise ValueError(
+                f"local_copy=False sends colocated rows to the same rank, which the {backend} "
+                "backend cannot do (gloo has no send-to-self); use NCCL or local_copy=True"
+            )
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.device_type == "cuda"
+            else torch.device("cpu")
+        )
+        sig = repr(
+            [(*t.mesh.as_ints(), t.hidden_size) for t in self.teachers]
+            + [student.as_ints(), self.config.local_copy, self.config.keep_sp_shard, groups.members]
+        )
+        self.config_sig = int.from_bytes(
+            hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
+        )
+        self._plans: dict[str, TransferPlan] = {}
+
+    # --- the call ------------------------------------------------------------------------------
+
+    def exchange(
+        self,
+        *,
+        hidden: Mapping[int, torch.Tensor] | None = None,
+        layouts: Mapping[int, LayoutArg] | None = None,
+        student_layout: LayoutArg | None = None,
+        outputs: Mapping[int, torch.Tensor] | None = None,
+    ) -> ExchangeHandle:
+        """Validate, plan and start one exchange (collective over the bridge group)."""
+        return self.start(
+            self.prepare(
+                hidden=hidden, layouts=layouts, student_layout=student_layout, outputs=outputs
+            )
+        )
+
+    def start(self, prepared: PreparedExchange) -> ExchangeHandle:
+        """Start a prepared exchange; ``.wait()`` on the handle before reading the outputs.
+
+        Every rank of the bridge group must start the same prepared exchange (same step).
+        """
+        flat_out = {o: t.view(-1, t.shape[-1]) for o, t in prepared.outputs.items()}
+        handle = self.executor.start(
+            prepared.plan,
+            sources=prepared.sources,
+            outputs=flat_out,
+            group=self.groups.bridge,
+            tp_group=self.groups.student_tp,
+            keep_slice=self.config.keep_sp_shard,
+        )
+        handle.outputs = dict(prepared.outputs)
+        return handle
+
+    def prepare(
+        self,
+        *,
+        hidden: Mapping[int, torch.Tensor] | None = None,
+        layouts: Mapping[int, LayoutArg] | None = None,
+        student_layout: LayoutArg | None = None,
+        outputs: Mapping[int, torch.Tensor] | None = None,
+    ) -> PreparedExchange:
+        """Exchange metadata, validate it identically on every rank, and plan (cached)."""
+        if self.groups.bridge is None:
+            raise ValueError(
+                f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
+            )
+        hidden, layouts, outputs = dict(hidden or {}), dict(layouts or {}), dict(outputs or {})
+        n = len(self.teachers)
+        error = ""
+        src_meta: list[tuple[TokenLayout, int, torch.dtype, torch.device] | None] = [None] * n
+        out_meta: list[tuple[int, int, torch.dtype, torch.device] | None] = [None] * n
+        sources: dict[int, torch.Tensor] = {}
+        stu: TokenLayout | None = None
+        try:
+            stu = self._local_checks(
+                hidden, layouts, student_layout, outputs, src_meta, out_meta, sources
+            )
+        except ValueError as exc:
+            error = f"global rank {self.rank}: {exc}"
+        record = encode_record(
+            config_sig=self.config_sig, error=error, sources=src_meta, student=stu, outputs=out_meta
+        )
+        records = gather_records(
+            record,
+            group=self.groups.bridge,
+            members=self.groups.members,
+            device=self.device,
+            timeout=self.timeout,
+        )
+        plan = self._validate_and_plan(records)
+        owner_N = None
+        me = self.student.coord(self.rank)
+        if me is not None and me.pp_rank == self.student.pp - 1:
+            dest = next(d for d in plan.dests if self.rank in d.ranks)
+            owner_N = dest.owner_N
+            if self.config.keep_sp_shard:
+                j = dest.ranks.index(self.rank)
+                owner_N = owner_N[j * dest.slice_rows : (j + 1) * dest.slice_rows]
+            if not outputs:
+                rows = owner_N.numel()
+                for o in range(n):
+                    rec = next(r.sources[o] for r in records if r.sources[o] is not None)
+                    outputs[o] = torch.empty(
+                        (rows, rec.hidden), dtype=rec.dtype, device=self.device
+                    )
+        return PreparedExchange(plan=plan, sources=sources, outputs=outputs, owner_N=owner_N)
+
+    # --- local phase (errors are gathered, not raised) -----------------------------------------
+
+    def _local_checks(
+        self,
+        hidden: dict[int, torch.Tensor],
+        layouts: dict[int, LayoutArg],
+        student_layout: LayoutArg | None,
+        outputs: dict[int, torch.Tensor],
+        src_meta: list[Any],
+        out_meta: list[Any],
+        sources: dict[int, torch.Tensor],
+    ) -> TokenLayout | None:
+        n = len(self.teachers)
+        for o in list(hidden) + list(layouts) + list(outputs):
+            if not (isinstance(o, int) and 0 <= o < n):
+                raise ValueError(f"teacher index {o!r} outside [0, {n})")
+        for o, spec in enumerate(self.teachers):
+            holds = spec.mesh.is_last_stage(self.rank)
+            if holds != (o in hidden) or holds != (o in layouts):
+                want = "must pass" if holds else "must not pass"
+                raise ValueError(
+                    f"teacher {o} ({spec.mesh}): this rank {want} hidden[{o}] and layouts[{o}]"
+                )
+            if not holds:
+                continue
+            layout = layouts[o]() if callable(layouts[o]) else layouts[o]
+            flat = _flat(hidden[o], f"teacher {o} hidden buffer")
+            if flat.shape[0] != layout.num_rows:
+                raise ValueError(
+                    f"teacher {o} hidden buffer has {flat.shape[0]} rows (shape {tuple(hidden[o].shape)}) "
+                    f"but its layout describes {layout.num_rows}"
+                )
+            src_meta[o] = (layout, flat.shape[1], flat.dtype, flat.device)
+            sources[o] = flat
+        is_student = self.student.is_last_stage(self.rank)
+        if is_student != (student_layout is not None):
+            want = "must pass" if is_student else "must not pass"
+            raise ValueError(f"student ({self.student}): this rank {want} student_layout")
+        if not is_student:
+            if outputs:
+                raise ValueError("outputs given on a rank without a student shard")
+            return None
+        stu = student_layout() if callable(student_layout) else student_layout
+        assert stu is not None
+        if outputs and set(outputs) != set(range(n)):
+            raise ValueError(
+                f"outputs must have one buffer per teacher {list(range(n))}, got {sorted(outputs)}"
+            )
+        for o, t in outputs.items():
+            flat = _flat(t, f"output buffer for teacher {o}")
+            out_meta[o] = (flat.shape[0], flat.shape[1], flat.dtype, flat.device)
+        return stu
+
+    # --- global phase: same data, same verdict on every rank -----------------------------------
+
+    def _validate_and_plan(self, records: list[RankRecord]) -> TransferPlan:
+        by_rank = {r.rank: r for r in records}
+        sigs = sorted({r.config_sig for r in records})
+        if len(sigs) > 1:
+            groups = {s: [r.rank for r in records if r.config_sig == s] for s in sigs}
+            raise ValueError(
+                f"ranks were built with different meshes or settings: {list(groups.values())}"
+            )
+        bad = [r for r in records if r.error]
+        if bad:
+            raise ValueError(
+                f"bridge input rejected on global rank(s) {[r.rank for r in bad]}: "
+                + "; ".join(r.error for r in bad)
+            )
+        dev = self.device_type
+        teacher_batches = []
+        for o, spec in enumerate(self.teachers):
+            m = spec.mesh
+            lay: dict[tuple[int, int], TokenLayout] = {}
+            dtypes = set()
+            for d, c in m.shards():
+                ranks = m.tp_group_ranks(dp_rank=d, cp_rank=c)
+                first = by_rank[ranks[0]].sources[o]
+                for r in ranks:
+                    rec = by_rank[r].sources[o]
+                    assert rec is not None and first is not None and rec.layout is not None
+                    if rec.hidden != spec.hidden_size:
+                        raise ValueError(
+                            f"teacher {o} on global rank {r}: hidden size {rec.hidden}, expected {spec.hidden_size}"
+                        )
+                    if rec.device != dev:
+                        raise ValueError(
+                            f"teacher {o} on global rank {r}: buffer on {rec.device}, the bridge group moves {dev} tensors"
+                        )
+                    if rec.dtype is None:
+                        raise ValueError(f"teacher {o} on global rank {r}: unsupported dtype")
+                    dtypes.add(rec.dtype)
+                    assert first.layout is not None
+                    if not rec.layout.same_as(first.layout):
+                        raise ValueError(
+                            f"teacher {o} TP replicas {list(ranks)} (dp={d}, cp={c}) hold different token layouts"
+                        )
+                lay[(d, c)] = first.layout  # type: ignore[union-attr]
+            if len(dtypes) != 1:
+                raise ValueError(
+                    f"teacher {o}: ranks hold different dtypes {sorted(map(str, dtypes))}"
+                )
+            dtype = dtypes.pop()
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            teacher_batches.append(
+                (
+                    TeacherBatch(
+                        mesh=m, layouts=lay, hidden_size=spec.hidden_size, itemsize=itemsize
+                    ),
+                    dtype,
+                )
+            )
+        s = self.student
+        stu: dict[tuple[int, int], TokenLayout] = {}
+        for d, c in s.shards():
+            ranks = s.tp_group_ranks(dp_rank=d, cp_rank=c)
+            first = by_rank[ranks[0]].student
+            assert first is not None
+            if first.num_rows % s.tp:
+                raise ValueError(
+                    f"student (dp={d}, cp={c}): {first.num_rows} rows do not split into tp={s.tp} equal slices"
+                )
+            want_rows = first.num_rows // s.tp if self.config.keep_sp_shard else first.num_rows
+            for r in ranks:
+                rec = by_rank[r]
+                assert rec.student is not None
+                if not rec.student.same_as(first):
+                    raise ValueError(
+                        f"student TP ranks {list(ranks)} (dp={d}, cp={c}) want different token layouts"
+                    )
+                for o, out in enumerate(rec.outputs):
+                    if out is None:
+                        continue
+                    tb, dtype = teacher_batches[o]
+                    if out.rows != want_rows or out.hidden != tb.hidden_size:
+                        raise ValueError(
+                            f"output buffer for teacher {o} on global rank {r} has {out.rows} rows of {out.hidden}, "
+                            f"expected {want_rows} rows of {tb.hidden_size}"
+                        )
+                    if out.dtype != dtype or out.device != dev:
+                        raise ValueError(
+                            f"output buffer for teacher {o} on global rank {r} is {out.dtype} on {out.device}, "
+                            f"expected {dtype} on {dev} (the teacher's dtype)"
+                        )
+            stu[(d, c)] = first
+        key = hashlib.blake2b(digest_size=16)
+        for tb, dtype in teacher_batches:
+            key.update(str(dtype).encode())
+            for v in tb.layouts.values():
+                key.update(v.digest().encode())
+        for v in stu.values():
+            key.update(v.digest().encode())
+        cache_key = key.hexdigest()
+        plan = self._plans.get(cache_key)
+        if plan is None:
+            plan = plan_token_exchange(
+                [tb for tb, _ in teacher_batches],
+                StudentBatch(mesh=s, layouts=stu),
+                local_copy=self.config.local_copy,
+            )
+            if len(self._plans) >= self.config.max_cached_plans:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[cache_key] = plan
+        return plan

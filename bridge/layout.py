@@ -1,0 +1,338 @@
+"""Token layouts: which global token ``(sample_id, position)`` each row of a local buffer holds.
+
+Why this file exists: teacher and student batch, pack, shard and order tokens differently. The
+bridge never reasons about those schemes; it joins the *keys* of source rows and destination rows.
+This module turns every supported scheme into one explicit form, :class:`TokenLayout`.
+
+Conventions (all tensors int64, on the CPU, describing a buffer seen as its flat row view
+``buffer.view(-1, H)``; the buffer must be contiguous):
+
+- ``[S, B, H]`` padded batch (Megatron's default, ``order="sbh"``): row ``s * B + b``.
+- ``[B, S, H]`` padded batch (``order="bsh"``): row ``b * S + s``.
+- ``[T, 1, H]`` packed sequences (THD, Megatron's packed layout): row ``t``; sequence ``i``
+  occupies ``cu_seqlens_padded[i] : cu_seqlens_padded[i + 1]`` (each padded to a multiple of
+  ``2 * cp``, times ``tp`` under SP), its tail past the real length is padding.
+- Context parallelism (Megatron's load balancing): a sequence of (padded) length ``P`` is cut
+  into ``2 * cp`` chunks of ``P / (2 * cp)``; CP rank ``r`` holds chunk ``r`` then chunk
+  ``2 * cp - 1 - r``, concatenated. Padded batches cut the whole ``S`` this way; THD cuts each
+  sequence separately and concatenates the rank's pieces in sequence order.
+- Sequence parallelism: after CP, the sequence dimension (``S``, or ``T`` for THD) is split into
+  ``sp`` equal contiguous slices; SP rank ``k`` holds slice ``k``.
+- Data parallelism and micro-batches: each rank is given its own global ``sample_ids``; a buffer
+  holding several micro-batches one after another is :func:`concat_layouts` of theirs.
+- Padding rows have ``sample_id == position == -1``. Sample ids are global and link teacher and
+  student, so both sides may batch, pack and order samples differently.
+- The LM head reshard reuses the same form with ``sample_id = 0`` and ``position = vocab row``
+  (:func:`vocab_layout`).
+
+A layout travels between ranks as runs (:func:`layout_to_runs`): rows of one sample with
+consecutive positions and a constant row step, so a ``[S, B, H]`` batch is ``B`` runs per CP chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "TokenLayout",
+    "concat_layouts",
+    "cp_positions",
+    "encode_keys",
+    "layout_from_runs",
+    "layout_to_runs",
+    "packed_layout",
+    "padded_layout",
+    "vocab_layout",
+]
+
+_I64 = torch.int64
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class TokenLayout:
+    """The global key of every row of one local buffer.
+
+    Attributes:
+        sample_id_R: ``[R]`` int64, the global sample id of row ``r`` or ``-1`` for padding.
+        position_R: ``[R]`` int64, the token position inside its sample, or ``-1`` for padding.
+    """
+
+    sample_id_R: torch.Tensor
+    position_R: torch.Tensor
+
+    def __post_init__(self) -> None:
+        s, p = self.sample_id_R, self.position_R
+        if s.dim() != 1 or p.dim() != 1 or s.shape != p.shape:
+            raise ValueError(
+                f"TokenLayout wants two 1-D tensors of one length, got {tuple(s.shape)} and {tuple(p.shape)}"
+            )
+        if s.dtype != _I64 or p.dtype != _I64 or s.device.type != "cpu" or p.device.type != "cpu":
+            raise ValueError(
+                f"TokenLayout wants int64 CPU tensors, got {s.dtype}/{s.device} and {p.dtype}/{p.device}"
+            )
+        pad_s, pad_p = s < 0, p < 0
+        if not torch.equal(pad_s, pad_p) or bool((s < -1).any()) or bool((p < -1).any()):
+            raise ValueError("TokenLayout: padding rows must have sample_id == position == -1")
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the local buffer (padding included)."""
+        return int(self.sample_id_R.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows that hold a real token."""
+        return int((self.sample_id_R >= 0).sum())
+
+    def digest(self) -> str:
+        """A short content hash (for plan caching and messages)."""
+        h = hashlib.blake2b(digest_size=12)
+        h.update(self.sample_id_R.numpy().tobytes())
+        h.update(self.position_R.numpy().tobytes())
+        return h.hexdigest()
+
+    def same_as(self, other: TokenLayout) -> bool:
+        """True if both layouts map every row to the same key."""
+        return torch.equal(self.sample_id_R, other.sample_id_R) and torch.equal(
+            self.position_R, other.position_R
+        )
+
+
+def encode_keys(sample_id_R: torch.Tensor, position_R: torch.Tensor, stride: int) -> torch.Tensor:
+    """``[R]`` int64 keys ``sample_id * stride + position``; ``-1`` where the row is padding."""
+    return torch.where(
+        sample_id_R >= 0, sample_id_R * stride + position_R, torch.full_like(sample_id_R, -1)
+    )
+
+
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """``[seq_len / cp]`` positions CP rank ``cp_rank`` holds of a sequence of ``seq_len``.
+
+    Chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` equal chunks.
+    """
+    if seq_len % (2 * cp_size) and cp_size > 1:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size} (context parallelism)"
+        )
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    if cp_size == 1:
+        return torch.arange(seq_len, dtype=_I64)
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=_I64)
+    j = 2 * cp_size - 1 - cp_rank
+    second = torch.arange(j * chunk, (j + 1) * chunk, dtype=_I64)
+    return torch.cat([first, second])
+
+
+def _sp_slice(n: int, sp_size: int, sp_rank: int, what: str) -> slice:
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} outside [0, {sp_size})")
+    if n % sp_size:
+        raise ValueError(f"{what} {n} is not divisible by the sequence-parallel size {sp_size}")
+    per = n // sp_size
+    return slice(sp_rank * per, (sp_rank + 1) * per)
+
+
+def padded_layout(
+    sample_ids: Sequence[int] | torch.Tensor,
+    seq_len: int,
+    *,
+    order: Literal["sbh", "bsh"] = "sbh",
+    lengths: Sequence[int] | torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sp_size: int = 1,
+    sp_rank: int = 0,
+) -> TokenLayout:
+    """Layout of a padded batch ``[S_local, B, H]`` (``sbh``) or ``[B, S_local, H]`` (``bsh``).
+
+    Args:
+        sample_ids: ``[B]`` global sample ids of the batch columns.
+        seq_len: the padded sequence length ``S`` (before CP / SP).
+        lengths: ``[B]`` real lengths; positions at or past them are padding (default: all real).
+        cp_size, cp_rank: context parallelism (zigzag, ``S % (2 * cp) == 0``).
+        sp_size, sp_rank: sequence parallelism over the local sequence dim (``S_local = S / cp / sp``).
+    """
+    sample_B = torch.as_tensor(sample_ids, dtype=_I64).reshape(-1)
+    if bool((sample_B < 0).any()):
+        raise ValueError(f"sample ids must be non-negative, got {sample_B.tolist()}")
+    if order not in ("sbh", "bsh"):
+        raise ValueError(f"order must be 'sbh' or 'bsh', got {order!r}")
+    pos_S = cp_positions(seq_len, cp_size, cp_rank)
+    pos_S = pos_S[_sp_slice(pos_S.numel(), sp_size, sp_rank, "local sequence length")]
+    B, S = sample_B.numel(), pos_S.numel()
+    if lengths is None:
+        len_B = torch.full((B,), seq_len, dtype=_I64)
+    else:
+        len_B = torch.as_tensor(lengths, dtype=_I64).reshape(-1)
+        if len_B.numel() != B or bool((len_B < 0).any()) or bool((len_B > seq_len).any()):
+            raise ValueError(f"lengths {len_B.tolist()} must be {B} values in [0, {seq_len}]")
+    if order == "sbh":
+        s_R = sample_B.expand(S, B)
+        p_R = pos_S[:, None].expand(S, B)
+        valid = p_R < len_B[None, :]
+    else:
+        s_R = sample_B[:, None].expand(B, S)
+        p_R = pos_S[None, :].expand(B, S)
+        valid = p_R < len_B[:, None]
+    minus = torch.full((), -1, dtype=_I64)
+    return TokenLayout(
+        sample_id_R=torch.where(valid, s_R, minus).reshape(-1).contiguous(),
+        position_R=torch.where(valid, p_R, minus).reshape(-1).contiguous(),
+    )
+
+
+def packed_layout(
+    sample_ids: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sp_size: int = 1,
+    sp_rank: int = 0,
+) -> TokenLayout:
+    """Layout of packed sequences (THD; Megatron's ``[T_local, 1, H]``).
+
+    Args:
+        sample_ids: ``[N]`` global sample ids, in packing order.
+        seq_lens: ``[N]`` real lengths.
+        cu_seqlens_padded: ``[N + 1]`` padded offsets over the *global* (pre-CP) packed sequence;
+            by default each length is rounded up to a multiple of ``2 * cp * sp`` (Megatron's
+            padding under CP, times tp when SP is on; pass ``sp_size=tp`` then).
+        cp_size, cp_rank: per-sequence zigzag; each padded length must divide ``2 * cp``.
+        sp_size, sp_rank: split of the local ``T`` into ``sp`` slices.
+    """
+    sample_N = torch.as_tensor(sample_ids, dtype=_I64).reshape(-1)
+    len_N = torch.as_tensor(seq_lens, dtype=_I64).reshape(-1)
+    if sample_N.numel() != len_N.numel():
+        raise ValueError(f"{sample_N.numel()} sample ids but {len_N.numel()} sequence lengths")
+    if bool((sample_N < 0).any()) or bool((len_N < 0).any()):
+        raise ValueError("sample ids and sequence lengths must be non-negative")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    if cu_seqlens_padded is None:
+        mult = 2 * cp_size * sp_size if cp_size > 1 else sp_size
+        pad_N = (len_N + mult - 1) // mult * mult
+    else:
+        cu = torch.as_tensor(cu_seqlens_padded, dtype=_I64).reshape(-1)
+        if cu.numel() != len_N.numel() + 1 or int(cu[0]) != 0:
+            raise ValueError(
+                f"cu_seqlens_padded must be {len_N.numel() + 1} offsets from 0, got {cu.tolist()}"
+            )
+        pad_N = cu[1:] - cu[:-1]
+        if bool((pad_N < len_N).any()):
+            raise ValueError(
+                f"cu_seqlens_padded {cu.tolist()} leaves less room than seq_lens {len_N.tolist()}"
+            )
+    if cp_size > 1:
+        bad = pad_N % (2 * cp_size) != 0
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"packed sequence {i} (sample {int(sample_N[i])}) has padded length {int(pad_N[i])}, "
+                f"not divisible by 2*cp = {2 * cp_size} (context parallelism)"
+            )
+    local_N = pad_N // cp_size
+    chunk_N = pad_N // (2 * cp_size) if cp_size > 1 else pad_N
+    seq_T = torch.repeat_interleave(torch.arange(sample_N.numel(), dtype=_I64), local_N)
+    starts = torch.cumsum(local_N, 0) - local_N
+    j_T = torch.arange(seq_T.numel(), dtype=_I64) - starts[seq_T]
+    if cp_size > 1:
+        c_T = chunk_N[seq_T]
+        second = j_T >= c_T
+        pos_T = torch.where(
+            second, (2 * cp_size - 1 - cp_rank) * c_T + (j_T - c_T), cp_rank * c_T + j_T
+        )
+    else:
+        pos_T = j_T
+    sl = _sp_slice(pos_T.numel(), sp_size, sp_rank, "local packed length")
+    seq_T, pos_T = seq_T[sl], pos_T[sl]
+    valid = pos_T < len_N[seq_T]
+    minus = torch.full((), -1, dtype=_I64)
+    return TokenLayout(
+        sample_id_R=torch.where(valid, sample_N[seq_T], minus).contiguous(),
+        position_R=torch.where(valid, pos_T, minus).contiguous(),
+    )
+
+
+def concat_layouts(layouts: Sequence[TokenLayout]) -> TokenLayout:
+    """Layout of buffers stacked along rows (e.g. all micro-batches of a step, one after another)."""
+    if not layouts:
+        empty = torch.empty(0, dtype=_I64)
+        return TokenLayout(sample_id_R=empty, position_R=empty.clone())
+    return TokenLayout(
+        sample_id_R=torch.cat([x.sample_id_R for x in layouts]),
+        position_R=torch.cat([x.position_R for x in layouts]),
+    )
+
+
+def vocab_layout(
+    vocab_size: int, padded_vocab_size: int, tp_size: int, tp_rank: int
+) -> TokenLayout:
+    """Rows of a vocab-parallel weight shard: key ``(0, vocab_row)``; rows past ``vocab_size`` are padding."""
+    if padded_vocab_size < vocab_size or padded_vocab_size % tp_size:
+        raise ValueError(
+            f"padded vocab size {padded_vocab_size} must be >= vocab size {vocab_size} "
+            f"and divisible by tp = {tp_size}"
+        )
+    per = padded_vocab_size // tp_size
+    v_R = torch.arange(tp_rank * per, (tp_rank + 1) * per, dtype=_I64)
+    valid = v_R < vocab_size
+    minus = torch.full((), -1, dtype=_I64)
+    return TokenLayout(
+        sample_id_R=torch.where(valid, torch.zeros_like(v_R), minus),
+        position_R=torch.where(valid, v_R, minus),
+    )
+
+
+def layout_to_runs(layout: TokenLayout) -> torch.Tensor:
+    """``[K, 5]`` int64 runs ``(sample_id, position_start, row_start, row_step, length)``.
+
+    Each run is rows ``row_start + i * row_step`` holding positions ``position_start + i``
+    (``i < length``) of one sample. Padding rows are not listed. Vectorized; not always the
+    fewest runs, always exact (:func:`layout_from_runs` inverts it).
+    """
+    s, p = layout.sample_id_R, layout.position_R
+    row = torch.nonzero(s >= 0).reshape(-1)
+    if row.numel() == 0:
+        return torch.empty((0, 5), dtype=_I64)
+    s, p = s[row], p[row]
+    order = torch.argsort(s * (int(p.max()) + 1) + p, stable=True)
+    s, p, row = s[order], p[order], row[order]
+    n = row.numel()
+    d = row[1:] - row[:-1]
+    cont = (s[1:] == s[:-1]) & (p[1:] == p[:-1] + 1)
+    # Break before element i+1 when (i, i+1) is not continuous, or its step differs from (i-1, i)'s.
+    step_change = torch.zeros(n - 1, dtype=torch.bool)
+    if n > 2:
+        step_change[1:] = cont[:-1] & (d[1:] != d[:-1])
+    brk = ~cont | step_change
+    start = torch.cat([torch.zeros(1, dtype=_I64), torch.nonzero(brk).reshape(-1) + 1])
+    length = torch.diff(torch.cat([start, torch.tensor([n], dtype=_I64)]))
+    step = torch.zeros_like(start)
+    multi = length > 1
+    step[multi] = d[start[multi]]
+    return torch.stack([s[start], p[start], row[start], step, length], dim=1)
+
+
+def layout_from_runs(runs_K5: torch.Tensor, num_rows: int) -> TokenLayout:
+    """Invert :func:`layout_to_runs`: the layout of ``num_rows`` rows described by ``runs_K5``."""
+    sample_R = torch.full((num_rows,), -1, dtype=_I64)
+    pos_R = torch.full((num_rows,), -1, dtype=_I64)
+    if runs_K5.numel():
+        length = runs_K5[:, 4]
+        k = torch.repeat_interleave(torch.arange(runs_K5.shape[0], dtype=_I64), length)
+        i = torch.arange(k.numel(), dtype=_I64) - (torch.cumsum(length, 0) - length)[k]
+        rows = runs_K5[k, 2] + i * runs_K5[k, 3]
+        if int(rows.min()) < 0 or int(rows.max()) >= num_rows:
+            raise ValueError(f"layout runs name rows outside [0, {num_rows})")
+        sample_R[rows] = runs_K5[k, 0]
+        pos_R[rows] = runs_K5[k, 1] + i
+    return TokenLayout(sample_id_R=sample_R, position_R=pos_R)
