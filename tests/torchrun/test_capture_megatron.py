@@ -135,7 +135,12 @@ def test_vpp_chunk_list_captures_on_the_last_chunk():
 
 def test_mtp_captures_the_main_head_not_an_mtp_depth():
     mc.init_parallel(tp=2)
-    cfg = mc.tiny_config(tensor_model_parallel_size=2, sequence_parallel=True, mtp_num_layers=1)
+    cfg = mc.tiny_config(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        mtp_num_layers=1,
+        mtp_loss_scaling_factor=0.1,
+    )
     model = mc.build_gpt(cfg, mtp=True)
     ids, pos = _batch(3)
     inputs: list[torch.Tensor] = []
