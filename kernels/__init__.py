@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
-__all__ = ["copy_runs", "gather_rows", "scatter_rows"]
+__all__ = [
+    "KLConfig",
+    "copy_runs",
+    "fused_vocab_parallel_kl",
+    "gather_rows",
+    "scatter_rows",
+    "vocab_parallel_kl",
+]

@@ -1,50 +1,306 @@
-"""``mopd demo``: the main job. Starts torchrun itself and runs the pipeline on tiny models.
+"""``mopd demo``: a real multi-teacher MOPD training job on tiny models, started with one command.
 
-Why this file exists: a user should see the pipeline work, end to end and verified, with one
-command on a fresh machine before wiring it into a trainer. Today the demo covers the first stage:
-a frozen teacher GPTModel (tensor- and sequence-parallel over the ranks) runs a forward pass under
-the capture, and every rank checks the captured ``[S, B, H]`` against the model's own logits
-(``captured @ W_full^T == logits``). It exits non-zero on any mismatch.
+Why this file exists: a user should see the whole pipeline work, end to end and verified, before
+wiring it into a trainer. ``main`` starts torchrun itself (8 ranks on CPU with gloo by default,
+NCCL when there are enough GPUs) and every rank runs ``--worker``:
+
+- two (or more) frozen teacher GPTModels, each on its own mesh with its own hidden size
+  (default teacher 0: TP2 DP2 on ranks 0-3, teacher 1: TP4 on ranks 4-7, both with SP on CPU),
+  and a student GPTModel on its own mesh (default TP2 CP2 DP2 over all 8 ranks, THD-packed sequences, CP zigzag). Each
+  model is built on explicit process groups (megatron's ``pg_collection``), so the meshes differ
+  inside one job; megatron's global ``parallel_state`` is set up as plain data parallelism only
+  for what still reads it (the global memory buffer, the RNG tracker);
+- each step draws a batch of samples with global ids; sample ``i`` is routed to teacher
+  ``i % num_teachers``. Teacher forward under the capture -> bridge (teacher ``[S, B, H]``
+  padded layouts -> the student's packed CP layout) -> student forward (overlapping the
+  transfer) -> full-vocabulary reverse KL with the teachers' LM-head shards (resharded once at
+  start-up) -> backward -> gradient all-reduce over the student's DP x CP ranks -> Adam step;
+- step 1's bridged buffers are checked on every student rank against an all-gather reference
+  (every teacher's captured hidden states on every rank, joined by key); any mismatch makes the
+  job exit non-zero; otherwise rank 0 prints ``verification: OK``;
+- rank 0 shows a progress bar over steps and ends with a table: time per phase (max over ranks),
+  loss per step, and bytes per link from the transfer plans.
+
+On CPU the megatron patches and the stand-in CP/THD core attention come from the checkout's test
+support (``tests/support/megatron_cpu.py``, ``tests/support/cpu_attention.py``); on GPUs only the
+stand-in attention is used (megatron's local attention does neither CP nor THD).
+The teachers are random-init models fed random tokens: the job shows data movement and training
+mechanics, not distillation quality.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import math
 import os
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    import torch
+
+    from mopd.bridge import GroupPool, Mesh
+
+__all__ = [
+    "PHASE_NAMES",
+    "DemoConfig",
+    "MeshArg",
+    "main",
+    "model_process_groups",
+    "parse_mesh",
+]
+
+#: The timed phases of one step, in table order.
+PHASE_NAMES: tuple[str, ...] = (
+    "capture (teacher fwd)",
+    "bridge",
+    "student fwd",
+    "loss",
+    "backward",
+    "grad sync",
+    "optimizer",
+)
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mopd demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks (teacher TP size); default 2")
+@dataclass(frozen=True, kw_only=True)
+class MeshArg:
+    """A mesh as given on the command line: ``tp=2,cp=1,dp=2,at=0`` (``at``: first global rank)."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    at: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"mesh {name} must be >= 1, got {getattr(self, name)}")
+        if self.at < 0:
+            raise ValueError(f"mesh at (first global rank) must be >= 0, got {self.at}")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    def __str__(self) -> str:
+        return f"tp={self.tp},cp={self.cp},dp={self.dp},at={self.at}"
+
+
+def parse_mesh(text: str) -> MeshArg:
+    """``"tp=2,dp=2,at=0"`` -> :class:`MeshArg`; missing keys default (1, 1, 1, 0)."""
+    values: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or key not in ("tp", "cp", "dp", "at"):
+            raise ValueError(
+                f"mesh {text!r}: expected comma-separated tp=/cp=/dp=/at=, got {part!r}"
+            )
+        try:
+            values[key] = int(raw)
+        except ValueError:
+            raise ValueError(f"mesh {text!r}: {key} must be an integer, got {raw!r}") from None
+    return MeshArg(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything a worker needs, validated identically on every rank (and in the launcher).
+
+    Attributes:
+        nproc: ranks in the job.
+        teachers / teacher_hidden: one mesh and hidden size per teacher (same vocabulary).
+        student / student_hidden: the student's mesh and hidden size.
+        heads, layers, vocab, seq_len: model and batch shape (``seq_len`` = max sample length).
+        samples: samples per step over the whole job (global ids ``step * samples + i``).
+        steps, lr, seed: the training run.
+        teacher_init_std: the teachers' init std (large -> peaked teacher distributions).
+        overlap: run the student forward while the bridge transfer is in flight.
+    """
+
+    nproc: int
+    teachers: tuple[MeshArg, ...]
+    teacher_hidden: tuple[int, ...]
+    student: MeshArg
+    student_hidden: int
+    heads: int = 4
+    layers: int = 2
+    vocab: int = 256
+    seq_len: int = 32
+    samples: int = 8
+    steps: int = 3
+    lr: float = 3e-3
+    seed: int = 1234
+    teacher_init_std: float = 0.2
+    overlap: bool = True
+    min_len: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "nproc",
+            "heads",
+            "layers",
+            "vocab",
+            "seq_len",
+            "samples",
+            "steps",
+            "student_hidden",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or not self.teacher_init_std > 0:
+            raise ValueError(
+                f"lr and teacher_init_std must be > 0, got {self.lr}, {self.teacher_init_std}"
+            )
+        if not self.teachers:
+            raise ValueError("at least one teacher is needed")
+        if len(self.teacher_hidden) != len(self.teachers):
+            raise ValueError(
+                f"{len(self.teachers)} teacher meshes but {len(self.teacher_hidden)} teacher hidden sizes "
+                f"{list(self.teacher_hidden)}"
+            )
+        models = [
+            (f"teacher {i}", m, h)
+            for i, (m, h) in enumerate(zip(self.teachers, self.teacher_hidden, strict=True))
+        ]
+        models.append(("student", self.student, self.student_hidden))
+        covered: set[int] = set()
+        for label, m, h in models:
+            end = m.at + m.size
+            if end > self.nproc:
+                raise ValueError(
+                    f"{label} mesh ({m}) needs global ranks {m.at}..{end - 1}, the job has {self.nproc}"
+                )
+            covered |= set(range(m.at, end))
+            if self.heads % m.tp:
+                raise ValueError(
+                    f"{label}: {self.heads} attention heads do not divide by tp={m.tp}"
+                )
+            if h < 1 or h % self.heads:
+                raise ValueError(
+                    f"{label}: hidden size {h} must be a positive multiple of {self.heads} heads"
+                )
+            if self.vocab % m.tp:
+                raise ValueError(f"{label}: vocab {self.vocab} does not divide by tp={m.tp}")
+        if covered != set(range(self.nproc)):
+            raise ValueError(
+                f"every rank must hold a model; ranks {sorted(set(range(self.nproc)) - covered)} hold none "
+                f"(teachers {[str(t) for t in self.teachers]}, student {self.student}, nproc {self.nproc})"
+            )
+        for i, t in enumerate(self.teachers):
+            if t.cp != 1:
+                raise ValueError(
+                    f"teacher {i}: context parallelism is not supported in the demo (cp={t.cp})"
+                )
+            if self.seq_len % t.tp:
+                raise ValueError(
+                    f"teacher {i}: seq_len {self.seq_len} must divide by tp={t.tp} (sequence parallel)"
+                )
+            per_teacher = len(range(i, self.samples, len(self.teachers)))
+            if per_teacher < t.dp:
+                raise ValueError(
+                    f"teacher {i} gets {per_teacher} of {self.samples} samples per step, fewer than its dp={t.dp}"
+                )
+        if self.student.cp > 1 and self.seq_len % (2 * self.student.cp):
+            raise ValueError(
+                f"seq_len {self.seq_len} must divide by 2*cp = {2 * self.student.cp} (student context parallelism)"
+            )
+        if self.samples % len(self.teachers):
+            raise ValueError(
+                f"samples per step ({self.samples}) must divide by the number of teachers ({len(self.teachers)})"
+            )
+        if self.samples < self.student.dp:
+            raise ValueError(
+                f"{self.samples} samples per step are fewer than the student's dp={self.student.dp}"
+            )
+        object.__setattr__(self, "min_len", max(1, self.seq_len // 2))
+
+    @property
+    def num_teachers(self) -> int:
+        return len(self.teachers)
+
+
+_ARGV_ENV = "MOPD_DEMO_ARGV"
+_DEFAULT_TEACHERS = ("tp=2,dp=2,at=0", "tp=4,at=4")
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, DemoConfig]:
+    p = argparse.ArgumentParser(
+        prog="mopd demo",
+        description=__doc__.split("\n\n")[0],
+        epilog="MESH: comma-separated tp=, cp=, dp= and at= (the mesh's first global rank), "
+        "e.g. tp=2,dp=2,at=0; missing keys are 1 (at: 0). Teachers take cp=1. Sample i goes "
+        "to teacher i % (number of teachers).",
+    )
+    p.add_argument("--nproc", type=int, default=8, help="ranks (default 8)")
     p.add_argument(
         "--backend",
         choices=["auto", "gloo", "nccl"],
         default="auto",
         help="auto: NCCL when there are enough GPUs, else gloo on CPU",
     )
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument(
+        "--teacher",
+        action="append",
+        metavar="MESH",
+        help=f"a teacher mesh, repeat per teacher (default: {' and '.join(_DEFAULT_TEACHERS)})",
+    )
+    p.add_argument(
+        "--teacher-hidden", default="64,96", help="hidden size per teacher (default 64,96)"
+    )
+    p.add_argument(
+        "--student",
+        default="tp=2,cp=2,dp=2",
+        metavar="MESH",
+        help="student mesh (default tp=2,cp=2,dp=2)",
+    )
+    p.add_argument("--student-hidden", type=int, default=48)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument(
+        "--seq-len", type=int, default=32, help="max sample length (lengths vary in [seq/2, seq])"
+    )
+    p.add_argument("--samples", type=int, default=8, help="samples per step, whole job")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--no-overlap", action="store_true", help="wait for the bridge before the student forward"
+    )
+    p.add_argument(
+        "--trace", metavar="DIR", help="write a torch.profiler chrome trace per rank into DIR"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is killed")
+    p.add_argument("--inject-mismatch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("nproc", "seq_len", "batch", "hidden", "vocab", "layers"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.seq_len % args.nproc or args.vocab % args.nproc:
-        p.error(
-            f"--seq-len {args.seq_len} and --vocab {args.vocab} must divide by --nproc {args.nproc}"
+    try:
+        teachers = tuple(parse_mesh(t) for t in (args.teacher or _DEFAULT_TEACHERS))
+        hidden = tuple(int(h) for h in args.teacher_hidden.split(",") if h.strip())
+        cfg = DemoConfig(
+            nproc=args.nproc,
+            teachers=teachers,
+            teacher_hidden=hidden,
+            student=parse_mesh(args.student),
+            student_hidden=args.student_hidden,
+            heads=args.heads,
+            layers=args.layers,
+            vocab=args.vocab,
+            seq_len=args.seq_len,
+            samples=args.samples,
+            steps=args.steps,
+            lr=args.lr,
+            seed=args.seed,
+            overlap=not args.no_overlap,
         )
-    if args.hidden % 4:
-        p.error(f"--hidden {args.hidden} must divide by 4 (attention heads)")
-    return args
+    except ValueError as exc:
+        p.error(str(exc))
+    return args, cfg
 
 
 def _resolve_backend(args: argparse.Namespace) -> str:
@@ -58,45 +314,108 @@ def _resolve_backend(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    """Launch the demo under torchrun (or, with ``--worker``, be one of its ranks)."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv == ["--worker"]:  # a rank: the user's arguments come through the environment
+        argv = [*json.loads(os.environ[_ARGV_ENV]), "--worker"]
+    args, cfg = _parse(argv)
     if args.worker:
-        return _worker(args)
+        return _worker(args, cfg)
     from mopd.profiling.launch import cpu_support_root, run_torchrun
 
     backend = _resolve_backend(args)
-    env = {"MOPD_DEMO_BACKEND": backend}
-    if backend == "gloo":
-        try:
-            env["MOPD_CHECKOUT"] = str(cpu_support_root())
-        except ValueError as exc:
-            print(f"mopd demo: {exc}", file=sys.stderr)
+    if backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < cfg.nproc:
+            print(
+                f"mopd demo: --backend nccl needs {cfg.nproc} GPUs, found {gpus}", file=sys.stderr
+            )
             return 2
-    print(f"mopd demo: {args.nproc} ranks, backend {backend}")
-    passthrough = list(argv) if argv is not None else sys.argv[1:]
+    env = {"MOPD_DEMO_BACKEND": backend}
+    try:  # the stand-in CP/THD attention comes from the checkout on every backend
+        env["MOPD_CHECKOUT"] = str(cpu_support_root())
+    except ValueError as exc:
+        print(f"mopd demo: {exc}", file=sys.stderr)
+        return 2
+    print(f"mopd demo: {cfg.nproc} ranks, backend {backend}, {cfg.steps} steps", flush=True)
+    # not on torchrun's command line: its parser would claim options like --nproc (a prefix)
+    env[_ARGV_ENV] = json.dumps(list(argv))
     return run_torchrun(
         "mopd.profiling.demo",
-        [*passthrough, "--worker"],
-        nproc=args.nproc,
+        ["--worker"],
+        nproc=cfg.nproc,
         timeout_s=args.timeout,
         env=env,
     )
 
 
-def _worker(args: argparse.Namespace) -> int:
+# --- process groups --------------------------------------------------------------------------
+
+
+def model_process_groups(mesh: Mesh, pool: GroupPool) -> Any | None:
+    """A megatron ``ProcessGroupCollection`` for this rank's place in ``mesh`` (``pp == 1``).
+
+    Collective over the default group: every global rank calls it with the same meshes in the
+    same order (groups are created through ``pool``, which deduplicates rank sets). Returns
+    ``None`` on ranks outside the mesh. Groups: tp, cp, dp, dp_cp, tp_cp, tp_dp_cp, pp (one rank),
+    mp (= tp); no embedding groups (untied embeddings, one stage).
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if mesh.pp != 1:
+        raise ValueError(f"{mesh}: the demo builds one-stage models (pp=1), got pp={mesh.pp}")
+    tp_r, cp_r, dp_r = range(mesh.tp), range(mesh.cp), range(mesh.dp)
+
+    def at(t: int, c: int, d: int) -> int:
+        return mesh.global_rank(tp_rank=t, cp_rank=c, dp_rank=d)
+
+    kinds: dict[str, list[list[int]]] = {
+        "tp": [[at(t, c, d) for t in tp_r] for d in dp_r for c in cp_r],
+        "cp": [[at(t, c, d) for c in cp_r] for d in dp_r for t in tp_r],
+        "dp": [[at(t, c, d) for d in dp_r] for c in cp_r for t in tp_r],
+        "dp_cp": [[at(t, c, d) for d in dp_r for c in cp_r] for t in tp_r],
+        "tp_cp": [[at(t, c, d) for c in cp_r for t in tp_r] for d in dp_r],
+        "tp_dp_cp": [list(mesh.ranks)],
+        "pp": [[r] for r in mesh.ranks],
+    }
+    mine: dict[str, Any] = {}
+    me = _rank()
+    for kind, rank_sets in kinds.items():
+        for ranks in rank_sets:
+            group = pool.create(ranks)
+            if me in ranks:
+                mine[kind] = group
+    if mesh.coord(me) is None:
+        return None
+    return ProcessGroupCollection(**mine, mp=mine["tp"], embd=None, pos_embd=None)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+# --- the worker ------------------------------------------------------------------------------
+
+
+def _worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
     import warnings
 
     import torch
+    import torch.distributed as dist
 
     # megatron-core without TE/apex warns on import and on each deprecated c10d call it makes
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
     )
-    import torch.distributed as dist
-
     backend = os.environ.get("MOPD_DEMO_BACKEND", "gloo")
+    sys.path.insert(0, os.environ["MOPD_CHECKOUT"])
     if backend == "gloo":
-        sys.path.insert(0, os.environ["MOPD_CHECKOUT"])
         from tests.support import megatron_cpu
 
         megatron_cpu.apply()
@@ -106,100 +425,665 @@ def _worker(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=120),
+        timeout=datetime.timedelta(seconds=max(60.0, args.timeout / 2)),
         **({"device_id": device} if backend == "nccl" else {}),
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        ok = _capture_stage(args, device, rank, world)
+        ok = _Job(cfg, args, device).run()
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1
 
 
-def _capture_stage(args: argparse.Namespace, device, rank: int, world: int) -> bool:
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Batch:
+    """One step's global batch, identical on every rank.
 
-    from mopd.capture import get_opd_full_capture_context
+    Attributes:
+        sample_id_N: ``[N]`` int64 global sample ids.
+        length_N: ``[N]`` int64 real lengths.
+        tokens_NS: ``[N, S]`` int64 token ids (past ``length`` they are padding, never read as real).
+    """
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=world, create_gloo_process_groups=False
-    )
-    model_parallel_cuda_manual_seed(1234)
-    cfg = TransformerConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=4,
-        tensor_model_parallel_size=world,
-        sequence_parallel=world > 1,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-    )
-    teacher = (
-        GPTModel(
-            config=cfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=args.vocab,
-            max_sequence_length=args.seq_len,
+    sample_id_N: torch.Tensor
+    length_N: torch.Tensor
+    tokens_NS: torch.Tensor
+
+
+def _split(items: list[int], parts: int, index: int) -> list[int]:
+    """Contiguous near-equal split (``numpy.array_split`` semantics): part ``index`` of ``parts``."""
+    q, r = divmod(len(items), parts)
+    start = index * q + min(index, r)
+    return items[start : start + q + (1 if index < r else 0)]
+
+
+class _Job:
+    """One rank's share of the demo (built collectively, then :meth:`run`)."""
+
+    def __init__(self, cfg: DemoConfig, args: argparse.Namespace, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.cfg, self.args, self.device = cfg, args, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout = datetime.timedelta(seconds=max(60.0, args.timeout / 2))
+        self._captures: dict[int, Any] = {}
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from mopd.bridge import (
+            BridgeConfig,
+            GroupPool,
+            HiddenStateBridge,
+            Mesh,
+            TeacherSpec,
+            VocabSpec,
+            create_bridge_groups,
+            reshard_lm_head,
         )
-        .to(device)
-        .eval()
-    )
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g).to(device)
-    pos = torch.arange(args.seq_len, device=device).expand(args.batch, -1)
+        from tests.support.cpu_attention import cpu_gpt_layer_spec
 
-    ctx, capture = get_opd_full_capture_context(teacher, enabled=True)
-    t0 = time.perf_counter()
-    with torch.no_grad(), ctx:
-        logits_local = teacher(ids, pos, None)
-    hidden_SBH = capture.get_hidden_states()
-    capture_ms = (time.perf_counter() - t0) * 1e3
-
-    # verify: captured @ W_full^T equals the gathered logits
-    tp = parallel_state.get_tensor_model_parallel_group()
-    w_local = teacher.output_layer.weight.detach()
-    w_parts = [torch.empty_like(w_local) for _ in range(world)]
-    dist.all_gather(w_parts, w_local, group=tp)
-    l_parts = [torch.empty_like(logits_local) for _ in range(world)]
-    dist.all_gather(l_parts, logits_local.contiguous(), group=tp)
-    ref = (hidden_SBH @ torch.cat(w_parts).t()).transpose(0, 1)
-    err = (torch.cat(l_parts, dim=-1) - ref).abs().max().item()
-    ok = err <= 1e-4
-    flag = torch.tensor([0 if ok else 1], device=hidden_SBH.device)
-    dist.all_reduce(flag)
-    if rank == 0:
-        S, B, H = hidden_SBH.shape
-        rows = [
-            ("ranks (teacher TP, SP on)", f"{world}"),
-            ("hook saw, per rank", f"[{S // world if world > 1 else S}, {B}, {H}]"),
-            (
-                "captured (SP undone)",
-                f"[{S}, {B}, {H}] {str(hidden_SBH.dtype).replace('torch.', '')}",
-            ),
-            (
-                "bytes / token: hidden vs logits",
-                f"{H * hidden_SBH.element_size()} vs {args.vocab * 4}",
-            ),
-            ("forward + capture", f"{capture_ms:.1f} ms"),
-            ("max |logits - captured @ W^T|", f"{err:.2e}"),
-            ("verification (all ranks)", "OK" if int(flag) == 0 else "MISMATCH"),
+        cfg = self.cfg
+        # Global parallel_state as plain data parallelism: only what still reads it (the global
+        # memory buffer, the RNG tracker) sees it; every model runs on its own pg_collection.
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1,
+            create_gloo_process_groups=False,
+            distributed_timeout_minutes=max(1, int(self.timeout.total_seconds() // 60)),
+        )
+        model_parallel_cuda_manual_seed(cfg.seed)
+        self.teacher_meshes = [
+            Mesh(tp=t.tp, dp=t.dp, rank_offset=t.at, name=f"teacher{i}")
+            for i, t in enumerate(cfg.teachers)
         ]
-        width = max(len(k) for k, _ in rows)
-        print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
-    parallel_state.destroy_model_parallel()
-    return int(flag) == 0
+        s = cfg.student
+        self.student_mesh = Mesh(tp=s.tp, cp=s.cp, dp=s.dp, rank_offset=s.at, name="student")
+        pool = GroupPool(timeout=self.timeout)
+        teacher_pgs = [model_process_groups(m, pool) for m in self.teacher_meshes]
+        student_pg = model_process_groups(self.student_mesh, pool)
+        groups = create_bridge_groups(pool, self.teacher_meshes, self.student_mesh)
+        self.pool = pool
+
+        self.teachers: dict[int, Any] = {}
+        for i, (mesh, pg) in enumerate(zip(self.teacher_meshes, teacher_pgs, strict=True)):
+            if pg is None:
+                continue
+            torch.manual_seed(cfg.seed + 101 * (i + 1))
+            tcfg = self._transformer_config(
+                hidden=cfg.teacher_hidden[i],
+                tp=mesh.tp,
+                cp=1,
+                sp=self._teacher_sp(mesh.tp),
+                std=cfg.teacher_init_std,
+            )
+            model = GPTModel(
+                config=tcfg,
+                transformer_layer_spec=get_gpt_layer_local_spec(),
+                vocab_size=cfg.vocab,
+                max_sequence_length=cfg.seq_len,
+                position_embedding_type="learned_absolute",
+                pg_collection=pg,
+            )
+            model = model.to(self.device).eval().requires_grad_(False)
+            self.teachers[i] = model
+        self.student = None
+        self.student_pg = student_pg
+        if student_pg is not None:
+            torch.manual_seed(cfg.seed)
+            scfg = self._transformer_config(
+                hidden=cfg.student_hidden, tp=s.tp, cp=s.cp, sp=False, std=0.02
+            )
+            self.student = GPTModel(
+                config=scfg,
+                transformer_layer_spec=cpu_gpt_layer_spec(),
+                vocab_size=cfg.vocab,
+                max_sequence_length=cfg.seq_len,
+                position_embedding_type="learned_absolute",
+                pg_collection=student_pg,
+            ).to(self.device)
+            self.optimizer = torch.optim.Adam(self.student.parameters(), lr=cfg.lr)
+
+        # the teachers' LM heads, resharded once into the student's vocab partition
+        self.lm_heads: list[torch.Tensor] = []
+        vocab = VocabSpec(vocab_size=cfg.vocab, teacher_padded=cfg.vocab, student_padded=cfg.vocab)
+        for i, mesh in enumerate(self.teacher_meshes):
+            weight = (
+                self.teachers[i].output_layer.weight.detach().contiguous()
+                if i in self.teachers
+                else None
+            )
+            shard = reshard_lm_head(
+                weight,
+                teacher=mesh,
+                student=self.student_mesh,
+                vocab=vocab,
+                hidden_size=cfg.teacher_hidden[i],
+                groups=groups,
+                timeout_s=self.timeout.total_seconds(),
+            )
+            if shard is not None:
+                self.lm_heads.append(shard.weight_VH)
+                self.vocab_start = shard.vocab_start
+        self.bridge = HiddenStateBridge(
+            teachers=[
+                TeacherSpec(mesh=m, hidden_size=h)
+                for m, h in zip(self.teacher_meshes, cfg.teacher_hidden, strict=True)
+            ],
+            student=self.student_mesh,
+            groups=groups,
+            config=BridgeConfig(timeout_s=self.timeout.total_seconds()),
+        )
+        self.student_tp_group = student_pg.tp if student_pg is not None else None
+        self.student_dp_cp_group = student_pg.dp_cp if student_pg is not None else None
+
+    def _teacher_sp(self, tp: int) -> bool:
+        """Sequence parallelism on a teacher: with TP, where the norm supports it.
+
+        On CPU the test-support patch makes torch's LayerNorm SP-safe; on GPUs megatron's local
+        spec needs apex's fused norm for SP (its torch norm asserts), so without apex SP is off.
+        """
+        if tp == 1:
+            return False
+        if self.device.type == "cpu":
+            return True
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        return bool(getattr(gpt_layer_specs, "HAVE_APEX", False))
+
+    def _transformer_config(self, *, hidden: int, tp: int, cp: int, sp: bool, std: float) -> Any:
+        import torch
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig(
+            num_layers=self.cfg.layers,
+            hidden_size=hidden,
+            num_attention_heads=self.cfg.heads,
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            sequence_parallel=sp,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            init_method_std=std,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bias_dropout_fusion=False,
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+        )
+
+    # ---- data --------------------------------------------------------------------------------
+
+    def _batch(self, step: int) -> _Batch:
+        import torch
+
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+        ids = torch.arange(step * cfg.samples, (step + 1) * cfg.samples, dtype=torch.int64)
+        lengths = torch.randint(cfg.min_len, cfg.seq_len + 1, (cfg.samples,), generator=g)
+        tokens = torch.randint(0, cfg.vocab, (cfg.samples, cfg.seq_len), generator=g)
+        return _Batch(sample_id_N=ids, length_N=lengths, tokens_NS=tokens)
+
+    def _teacher_samples(self, i: int, dp_rank: int) -> list[int]:
+        """Indices into the batch of the samples teacher ``i``'s DP rank ``dp_rank`` runs."""
+        # ids are step * samples + index and samples % num_teachers == 0: id % T == index % T
+        mine = list(range(i, self.cfg.samples, self.cfg.num_teachers))
+        return _split(mine, self.teacher_meshes[i].dp, dp_rank)
+
+    def _student_samples(self, dp_rank: int) -> list[int]:
+        return _split(list(range(self.cfg.samples)), self.student_mesh.dp, dp_rank)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        from mopd.profiling import ranges
+
+        for phase in ("loss", "optimizer", "grad_sync", "verify"):
+            ranges.register_phase(phase)
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self._build()
+        setup_s = time.perf_counter() - t0
+        if self.rank == 0:
+            self._print_meshes(setup_s)
+        self.times = torch.zeros(cfg.steps, len(PHASE_NAMES), dtype=torch.float64)
+        self.losses = torch.zeros(cfg.steps, dtype=torch.float64)
+        self.link_bytes: dict[tuple[int, int, int], int] = {}
+        profiler = None
+        if self.args.trace:
+            ranges.enable()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.__enter__()
+        bar = None
+        if self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=cfg.steps, desc="mopd demo", unit="step", file=sys.stderr, dynamic_ncols=True
+            )
+        ok = True
+        try:
+            for step in range(cfg.steps):
+                with ranges.span("step", step):
+                    ok = self._step(step)
+                if not ok:
+                    break
+                if bar is not None:
+                    bar.set_postfix(loss=f"{float(self.losses[step]):.4f}")
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                os.makedirs(self.args.trace, exist_ok=True)
+                path = os.path.join(self.args.trace, f"trace_rank{self.rank}.json")
+                profiler.export_chrome_trace(path)
+        if ok:
+            self._report()
+        if profiler is not None and self.rank == 0:
+            print(f"traces: {self.args.trace}/trace_rank<r>.json ({self.world} ranks)", flush=True)
+        from megatron.core import parallel_state
+
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        return ok
+
+    def _step(self, step: int) -> bool:
+        import torch
+        import torch.distributed as dist
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from mopd.bridge import packed_layout, padded_layout
+        from mopd.kernels.kl import vocab_parallel_kl
+        from mopd.profiling import ranges
+        from tests.support.cpu_attention import packed_rows
+
+        cfg, dev = self.cfg, self.device
+        batch = self._batch(step)
+        times = self.times[step]
+
+        # teacher forward under the capture
+        t = time.perf_counter()
+        hidden: dict[int, torch.Tensor] = {}
+        layouts: dict[int, Any] = {}
+        for i, model in self.teachers.items():
+            coord = self.teacher_meshes[i].coord(self.rank)
+            assert coord is not None
+            idx = self._teacher_samples(i, coord.dp_rank)
+            tokens_BS = batch.tokens_NS[idx].to(dev)
+            pos_BS = torch.arange(cfg.seq_len, device=dev).expand(len(idx), -1)
+            capture = self._capture(i, model)
+            with ranges.span("forward", f"teacher{i}"), torch.no_grad(), capture.capture_context():
+                model(tokens_BS, pos_BS, None)
+            with ranges.span("capture", i):
+                hidden_SBH = capture.get_hidden_states()
+            assert hidden_SBH is not None and hidden_SBH.shape[:2] == (cfg.seq_len, len(idx))
+            hidden[i] = hidden_SBH.contiguous()
+            layouts[i] = padded_layout(
+                batch.sample_id_N[idx], cfg.seq_len, order="sbh", lengths=batch.length_N[idx]
+            )
+        self._sync()
+        times[0] = time.perf_counter() - t
+
+        # the student's packed CP layout and inputs
+        s_coord = self.student_mesh.coord(self.rank)
+        student_layout = None
+        if s_coord is not None:
+            idx = self._student_samples(s_coord.dp_rank)
+            ids, lens = batch.sample_id_N[idx], batch.length_N[idx]
+            mult = 2 * self.student_mesh.cp if self.student_mesh.cp > 1 else 1
+            cu = torch.zeros(len(idx) + 1, dtype=torch.int64)
+            cu[1:] = torch.cumsum((lens + mult - 1) // mult * mult, 0)
+            student_layout = packed_layout(
+                ids,
+                lens,
+                cu_seqlens_padded=cu,
+                cp_size=self.student_mesh.cp,
+                cp_rank=s_coord.cp_rank,
+            )
+            seq_T, pos_T = packed_rows(cu, self.student_mesh.cp, s_coord.cp_rank)
+            # our invariant: the attention's row order is the bridge layout's row order
+            real_T = pos_T < lens[seq_T]
+            assert torch.equal(torch.where(real_T, ids[seq_T], -1), student_layout.sample_id_R)
+            assert torch.equal(torch.where(real_T, pos_T, -1), student_layout.position_R)
+            tokens_1T = batch.tokens_NS[torch.tensor(idx)[seq_T], pos_T][None].to(dev)
+            pos_1T = pos_T[None].to(dev)
+            cu_real = torch.zeros_like(cu)
+            cu_real[1:] = torch.cumsum(lens, 0)
+            psp = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu_real.to(torch.int32).to(dev),
+                cu_seqlens_kv=cu_real.to(torch.int32).to(dev),
+                cu_seqlens_q_padded=cu.to(torch.int32).to(dev),
+                cu_seqlens_kv_padded=cu.to(torch.int32).to(dev),
+                max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
+                max_seqlen_kv=int((cu[1:] - cu[:-1]).max()),
+            )
+
+        # bridge (the transfer overlaps the student forward unless --no-overlap)
+        t = time.perf_counter()
+        with ranges.span("plan"):
+            prepared = self.bridge.prepare(
+                hidden=hidden, layouts=layouts, student_layout=student_layout
+            )
+        handle = self.bridge.start(prepared)
+        self._count_links(prepared.plan)
+        bridge_s = time.perf_counter() - t
+        logits = None
+        if not cfg.overlap:
+            t = time.perf_counter()
+            with ranges.span("wait"):
+                handle.wait()
+            self._sync()
+            bridge_s += time.perf_counter() - t
+        if self.student is not None:
+            t = time.perf_counter()
+            with ranges.span("forward", "student"):
+                logits = self.student(tokens_1T, pos_1T, None, packed_seq_params=psp)
+            self._sync()
+            times[2] = time.perf_counter() - t
+        t = time.perf_counter()
+        with ranges.span("wait"):
+            outputs = handle.wait()
+        self._sync()
+        times[1] = bridge_s + time.perf_counter() - t
+
+        if step == 0:
+            if (
+                self.args.inject_mismatch
+                and s_coord is not None
+                and self.rank == max(self.student_mesh.ranks)
+            ):
+                owner = prepared.owner_N
+                assert owner is not None
+                row = int(torch.nonzero(owner == 0)[0])
+                outputs[0][row, 0] += 1.0
+            with ranges.span("verify"):
+                ok = self._verify(batch, hidden, layouts, student_layout, prepared.owner_N, outputs)
+            if not ok:
+                return False
+
+        loss_value = torch.zeros((), dtype=torch.float64)
+        if self.student is not None:
+            assert logits is not None and prepared.owner_N is not None
+            owner_T = prepared.owner_N.to(dev)
+            logits_TV = logits.reshape(-1, logits.shape[-1])
+            total_tokens = int(batch.length_N.sum())
+            t = time.perf_counter()
+            with ranges.span("loss"):
+                loss = vocab_parallel_kl(
+                    logits_TV,
+                    [outputs[i] for i in range(cfg.num_teachers)],
+                    self.lm_heads,
+                    vocab_start=self.vocab_start,
+                    vocab_size=cfg.vocab,
+                    teacher_index_T=owner_T.clamp(min=0),
+                    loss_mask_T=(owner_T >= 0).to(torch.float32) / total_tokens,
+                    group=self.student_tp_group,
+                )
+            self._sync()
+            times[3] = time.perf_counter() - t
+            t = time.perf_counter()
+            with ranges.span("backward"):
+                loss.backward()
+            self._sync()
+            times[4] = time.perf_counter() - t
+            t = time.perf_counter()
+            with ranges.span("grad_sync"):
+                self._all_reduce_grads()
+            self._sync()
+            times[5] = time.perf_counter() - t
+            t = time.perf_counter()
+            with ranges.span("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self._sync()
+            times[6] = time.perf_counter() - t
+            assert s_coord is not None
+            if s_coord.tp_rank == 0:  # the loss is replicated over TP; one rank per token shard
+                loss_value = loss.detach().to(torch.float64).cpu()
+        # the global mean KL per token: every token shard's sum, once
+        total = loss_value.reshape(1).to(dev)
+        dist.all_reduce(total)
+        self.losses[step] = float(total)
+        return True
+
+    def _capture(self, i: int, model: Any) -> Any:
+        from mopd.capture import OutputLayerInputCapture
+
+        if i not in self._captures:
+            self._captures[i] = OutputLayerInputCapture(model)
+        return self._captures[i]
+
+    def _all_reduce_grads(self) -> None:
+        """Sum the student's gradients over its DP x CP ranks (the loss is already / global tokens)."""
+        import torch
+        import torch.distributed as dist
+
+        assert self.student is not None
+        if self.student_dp_cp_group is None or dist.get_world_size(self.student_dp_cp_group) == 1:
+            return
+        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.student_dp_cp_group)
+        for g, synced in zip(
+            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+        ):
+            g.copy_(synced)
+
+    def _count_links(self, plan: Any) -> None:
+        t = plan.transfers_T5
+        for owner, src, dst, _, count in t.tolist():
+            key = (owner, src, dst)
+            self.link_bytes[key] = self.link_bytes.get(key, 0) + count * plan.row_bytes[owner]
+
+    # ---- verification ------------------------------------------------------------------------
+
+    def _verify(
+        self,
+        batch: _Batch,
+        hidden: dict[int, torch.Tensor],
+        layouts: dict[int, Any],
+        student_layout: Any,
+        owner_N: torch.Tensor | None,
+        outputs: dict[int, torch.Tensor],
+    ) -> bool:
+        """Every student rank checks its bridged rows against an all-gather reference (bit-exact).
+
+        Reference: each teacher's captured ``[S, B, H]`` (from its TP rank 0 of every DP shard),
+        all-gathered to every rank with the key of every row; the student's rows are joined to
+        it by key. Checked: owner of each row (``sample_id % num_teachers``, ``-1`` for padding),
+        each owned row equal to the reference row, rows of other teachers zero.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from mopd.bridge import encode_keys
+
+        cfg, dev = self.cfg, self.device
+        stride = cfg.seq_len
+        problems: list[str] = []
+        max_b = [
+            max(len(self._teacher_samples(i, d)) for d in range(m.dp))
+            for i, m in enumerate(self.teacher_meshes)
+        ]
+        refs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, mesh in enumerate(self.teacher_meshes):
+            cap = cfg.seq_len * max_b[i]
+            h = cfg.teacher_hidden[i]
+            rows_RH = torch.zeros(cap, h, dtype=torch.float32, device=dev)
+            keys_R = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+            coord = mesh.coord(self.rank)
+            if i in hidden and coord is not None and coord.tp_rank == 0:
+                flat = hidden[i].reshape(-1, h)
+                rows_RH[: flat.shape[0]] = flat
+                lay = layouts[i]
+                keys_R[: flat.shape[0]] = encode_keys(lay.sample_id_R, lay.position_R, stride).to(
+                    dev
+                )
+            all_rows = [torch.empty_like(rows_RH) for _ in range(self.world)]
+            all_keys = [torch.empty_like(keys_R) for _ in range(self.world)]
+            dist.all_gather(all_rows, rows_RH)
+            dist.all_gather(all_keys, keys_R)
+            keys = torch.cat(all_keys).cpu()
+            rows = torch.cat(all_rows)
+            valid = keys >= 0
+            keys, rows = keys[valid], rows[valid.to(dev)]
+            order = torch.argsort(keys)
+            refs.append((keys[order], rows[order.to(dev)]))
+        checked = 0
+        if student_layout is not None:
+            assert owner_N is not None
+            keys_N = encode_keys(student_layout.sample_id_R, student_layout.position_R, stride)
+            want_owner = torch.where(
+                keys_N >= 0,
+                student_layout.sample_id_R % cfg.num_teachers,
+                torch.full_like(keys_N, -1),
+            )
+            if not torch.equal(owner_N.cpu(), want_owner):
+                bad = int((owner_N.cpu() != want_owner).sum())
+                problems.append(f"{bad} rows have the wrong owner teacher")
+            for i in range(cfg.num_teachers):
+                out = outputs[i]
+                mine = (want_owner == i).nonzero().reshape(-1)
+                ref_keys, ref_rows = refs[i]
+                pos = torch.searchsorted(ref_keys, keys_N[mine]).clamp(
+                    max=max(ref_keys.numel() - 1, 0)
+                )
+                found = ref_keys.numel() > 0 and torch.equal(ref_keys[pos], keys_N[mine])
+                if not found:
+                    problems.append(
+                        f"teacher {i}: some student keys are missing from the reference"
+                    )
+                    continue
+                got = out[mine.to(dev)]
+                want = ref_rows[pos.to(dev)]
+                if not torch.equal(got, want):
+                    diff = (got != want).any(dim=1).nonzero().reshape(-1)
+                    first = int(mine[diff[0]])
+                    problems.append(
+                        f"teacher {i}: {diff.numel()} of {mine.numel()} rows differ from the reference "
+                        f"(first: row {first}, sample {int(student_layout.sample_id_R[first])}, "
+                        f"position {int(student_layout.position_R[first])})"
+                    )
+                others = (want_owner != i).nonzero().reshape(-1).to(dev)
+                if bool((out[others] != 0).any()):
+                    problems.append(
+                        f"teacher {i}: rows owned by no teacher or another teacher are not zero"
+                    )
+                checked += mine.numel()
+        flag = torch.tensor([1 if problems else 0, checked], dtype=torch.int64, device=dev)
+        dist.all_reduce(flag)
+        for p in problems:
+            print(f"verification: global rank {self.rank}: {p}", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            if int(flag[0]) == 0:
+                print(
+                    f"verification: OK (step 1: {int(flag[1])} bridged rows on "
+                    f"{self.student_mesh.size} student ranks bit-exact against the all-gather reference)",
+                    flush=True,
+                )
+            else:
+                print(f"verification: MISMATCH on {int(flag[0])} rank(s)", flush=True)
+        return int(flag[0]) == 0
+
+    # ---- printing ----------------------------------------------------------------------------
+
+    def _print_meshes(self, setup_s: float) -> None:
+        cfg = self.cfg
+        lines = [
+            f"world: {self.world} ranks, backend {os.environ.get('MOPD_DEMO_BACKEND', 'gloo')}"
+        ]
+        for i, m in enumerate(self.teacher_meshes):
+            lines.append(
+                f"{m} hidden={cfg.teacher_hidden[i]} sp={'on' if self._teacher_sp(m.tp) else 'off'} "
+                f"frozen; gets samples with id % {cfg.num_teachers} == {i}"
+            )
+        lines.append(
+            f"{self.student_mesh} hidden={cfg.student_hidden} THD-packed, CP zigzag; "
+            f"vocab={cfg.vocab} layers={cfg.layers} heads={cfg.heads}"
+        )
+        lines.append(
+            f"batch: {cfg.samples} samples/step, lengths {cfg.min_len}..{cfg.seq_len}; set-up {setup_s:.1f} s"
+        )
+        print("\n".join(f"  {x}" for x in lines), flush=True)
+
+    def _report(self) -> None:
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        times = self.times.to(self.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        if self.rank != 0:
+            return
+        times = times.cpu() * 1e3
+        head = ["phase (ms, max over ranks)"] + [f"step {s + 1}" for s in range(cfg.steps)]
+        rows = [
+            [name] + [f"{float(times[s, k]):.1f}" for s in range(cfg.steps)]
+            for k, name in enumerate(PHASE_NAMES)
+        ]
+        rows.append(["total"] + [f"{float(times[s].sum()):.1f}" for s in range(cfg.steps)])
+        rows.append(["loss (reverse KL / token)"] + [f"{float(x):.6f}" for x in self.losses])
+        widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+
+        def fmt(r: Sequence[str]) -> str:
+            return (
+                "  "
+                + r[0].ljust(widths[0])
+                + "".join(f"  {x.rjust(w)}" for x, w in zip(r[1:], widths[1:], strict=True))
+            )
+
+        out = [fmt(head), "  " + "-" * (sum(widths) + 2 * (len(widths) - 1))]
+        out += [fmt(r) for r in rows]
+        out.append("")
+        out.append(
+            f"  bytes per link (teacher rank -> student rank, from the plans, {cfg.steps} steps):"
+        )
+        cross = local = 0
+        for (owner, src, dst), nbytes in sorted(self.link_bytes.items()):
+            kind = "local copy" if src == dst else "sent"
+            if src == dst:
+                local += nbytes
+            else:
+                cross += nbytes
+            out.append(f"    teacher{owner} r{src} -> r{dst}  {_human(nbytes):>10}  {kind}")
+        tokens = sum(int(self._batch(k).length_N.sum()) for k in range(cfg.steps))
+        logits_bytes = 4 * cfg.vocab * tokens
+        out.append(
+            f"  total: {_human(cross)} sent, {_human(local)} local copies "
+            f"(teacher logits instead: {_human(logits_bytes)}, {tokens} tokens x {cfg.vocab} fp32)"
+        )
+        first, last = float(self.losses[0]), float(self.losses[-1])
+        trend = "decreasing" if last < first else "not decreasing"
+        out.append(f"  loss: {first:.6f} -> {last:.6f} ({trend})")
+        print("\n".join(out), flush=True)
+
+
+def _human(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    exp = min(int(math.log(n, 1024)), 3)
+    return f"{n / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB'][exp]}"
 
 
 if __name__ == "__main__":

@@ -160,14 +160,23 @@ def build_gpt(
     vp_stage: int | None = None,
     position_embedding_type: str = "learned_absolute",
     mtp: bool = False,
+    layer_spec: Any = None,
+    pg_collection: Any = None,
 ):
-    """A megatron-core GPTModel with the local (non-TE) layer spec."""
+    """A megatron-core GPTModel with the local (non-TE) layer spec.
+
+    ``layer_spec`` replaces the local spec (e.g. ``tests.support.cpu_attention.cpu_gpt_layer_spec()``
+    for CP / THD packing); ``pg_collection`` (a megatron ``ProcessGroupCollection``) builds the
+    model on explicit process groups instead of megatron's global ``parallel_state`` ones.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     apply()
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec() if layer_spec is None else layer_spec
     extra: dict[str, Any] = {}
+    if pg_collection is not None:
+        extra["pg_collection"] = pg_collection
     if mtp:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 

@@ -1,0 +1,137 @@
+"""CuPy launchers for the KL's row-wise kernels (``kl_kernels.cu``).
+
+Why this file exists: it maps torch tensors onto the two KL kernels (grid, column split, vector
+alignment) and launches them; :mod:`mopd.kernels.kl_rowwise` decides when it is used and holds
+the torch twins with the same contracts. Compilation and the torch-stream bridge are
+:mod:`mopd.kernels.cupy_loader`'s. CuPy is only imported when a kernel runs.
+
+bf16 tensors are handed to CuPy as int16 views (CuPy before 14 cannot take bf16 through DLPack);
+the kernels reinterpret the bits. Kernels run on torch's current CUDA stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mopd.kernels.cupy_loader import get_kernel, on_torch_stream, to_cupy
+from mopd.kernels.kl_rowwise import combine_partials
+
+__all__ = ["row_grad_cupy", "row_stats_cupy", "unsupported_reason"]
+
+_SOURCE = "kl_kernels.cu"
+_THREADS = 256
+_TARGET_BLOCKS = 1024  # enough blocks in flight to saturate HBM on a 132-SM part
+_MIN_COLS_PER_BLOCK = 4096
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def unsupported_reason(*tensors: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these CUDA ``tensors`` (``None`` when they can)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _SUFFIX:
+        return f"dtypes {sorted(map(str, dtypes))}: the kernels need all bfloat16 or all float32"
+    if any(t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1) for t in tensors):
+        return "a tensor is not 2-D with contiguous columns"
+    return None
+
+
+def _as_cupy(t: torch.Tensor):
+    """Zero-copy CuPy view; bf16 goes through as int16 (the kernels reinterpret the bits)."""
+    return to_cupy(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+
+
+def _geometry(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(n, span, P)`` column split of ``t``'s rows into ``P`` blocks of ``span`` columns."""
+    C, n = t.shape
+    vec = 16 // t.element_size()
+    per_row = max(1, min(-(-_TARGET_BLOCKS // max(C, 1)), -(-n // _MIN_COLS_PER_BLOCK)))
+    span = -(-n // per_row)
+    span = -(-span // vec) * vec
+    P = max(1, -(-n // span)) if n else 1
+    return n, span, P
+
+
+def _vec_ok(*tensors: torch.Tensor) -> int:
+    """1 when every row of every tensor starts on a 16-byte boundary."""
+    for t in tensors:
+        if t.data_ptr() % 16 or (t.shape[0] > 1 and (t.stride(0) * t.element_size()) % 16):
+            return 0
+    return 1
+
+
+def _ld(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool) -> torch.Tensor:
+    """:func:`mopd.kernels.kl_rowwise.row_stats_torch`'s contract as a CuPy kernel."""
+    import numpy as np
+
+    C, _ = s_CV.shape
+    n, span, P = _geometry(s_CV)
+    part_6CP = torch.empty((6, C, P), dtype=torch.float32, device=s_CV.device)
+    if C == 0:
+        return part_6CP[:, :, 0]
+    if n == 0:
+        part_6CP[:2] = float("-inf")
+        part_6CP[2:] = 0.0
+        return combine_partials(part_6CP)
+    kernel = get_kernel(_SOURCE, f"kl_row_stats_{_SUFFIX[s_CV.dtype]}", s_CV.device)
+    with on_torch_stream(s_CV.device):
+        kernel(
+            (P, C),
+            (_THREADS,),
+            (
+                _as_cupy(s_CV),
+                np.int64(_ld(s_CV)),
+                _as_cupy(u_CV),
+                np.int64(_ld(u_CV)),
+                np.int32(n),
+                np.int32(span),
+                np.int32(_vec_ok(s_CV, u_CV)),
+                np.int32(1 if need_forward else 0),
+                _as_cupy(part_6CP),
+                np.int32(C),
+                np.int32(P),
+            ),
+        )
+    return combine_partials(part_6CP)
+
+
+def row_grad_cupy(
+    s_CV: torch.Tensor,
+    u_CV: torch.Tensor,
+    coef_5C: torch.Tensor,
+    out_CV: torch.Tensor,
+    *,
+    teacher_term: bool,
+) -> torch.Tensor:
+    """:func:`mopd.kernels.kl_rowwise.row_grad_torch`'s contract as a CuPy kernel."""
+    import numpy as np
+
+    C, _ = s_CV.shape
+    n, span, P = _geometry(s_CV)
+    if C == 0 or n == 0:
+        return out_CV
+    coef_5C = coef_5C.to(torch.float32).contiguous()
+    kernel = get_kernel(_SOURCE, f"kl_row_grad_{_SUFFIX[s_CV.dtype]}", s_CV.device)
+    with on_torch_stream(s_CV.device):
+        kernel(
+            (P, C),
+            (_THREADS,),
+            (
+                _as_cupy(s_CV),
+                np.int64(_ld(s_CV)),
+                _as_cupy(u_CV),
+                np.int64(_ld(u_CV)),
+                _as_cupy(out_CV),
+                np.int64(_ld(out_CV)),
+                np.int32(n),
+                np.int32(span),
+                np.int32(_vec_ok(s_CV, u_CV, out_CV)),
+                _as_cupy(coef_5C),
+                np.int32(C),
+                np.int32(1 if teacher_term else 0),
+            ),
+        )
+    return out_CV

@@ -1,0 +1,84 @@
+"""A float64 reference for the vocab-parallel KL that materializes everything.
+
+Why this file exists: the chunked, vocab-parallel loss in :mod:`mopd.kernels.kl` is checked
+(tier 1, 2 and 3 tests, the benchmark's sanity check) against one obviously-correct formula over
+the full, unsharded vocabulary. Nothing here is fast or memory-frugal, on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["reference_kl"]
+
+
+def reference_kl(
+    student_logits_TV: torch.Tensor,
+    teacher_hidden: Sequence[torch.Tensor],
+    teacher_weight: Sequence[torch.Tensor],
+    *,
+    vocab_size: int,
+    kind: str = "reverse",
+    mix_weight: float = 0.5,
+    loss_mask_T: torch.Tensor | None = None,
+    teacher_index_T: torch.Tensor | None = None,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """The KL in float64 over the full vocabulary, differentiable through ``student_logits_TV``.
+
+    Args:
+        student_logits_TV: ``[T, V_pad]`` full (unsharded) student logits, any float dtype; the
+            result is differentiable with respect to it (the math runs in float64).
+        teacher_hidden: one tensor per teacher, ``[T, H_k]`` (row t is token t) or ``[T_k, H_k]``
+            (the rows of the tokens with ``teacher_index == k``, in token order).
+        teacher_weight: one ``[V_pad, H_k]`` full LM-head weight per teacher.
+        vocab_size: the real vocabulary; columns ``>= vocab_size`` are padding and ignored.
+        kind: ``"reverse"`` (KL(p_S || p_T)), ``"forward"`` (KL(p_T || p_S)) or ``"mixed"``
+            (``mix_weight * reverse + (1 - mix_weight) * forward``).
+        loss_mask_T: ``[T]`` bool or float weights (``None``: all ones).
+        teacher_index_T: ``[T]`` int64 teacher of each token (``None``: teacher 0 for all).
+        reduction: ``"sum"``, ``"mean"`` (over the mask's total weight) or ``"none"``.
+    Returns:
+        float64 scalar, or ``[T]`` float64 per-token ``mask * KL`` for ``"none"``.
+    """
+    T = student_logits_TV.shape[0]
+    dev = student_logits_TV.device
+    s_TV = student_logits_TV.double()[:, :vocab_size]
+    index_T = (
+        torch.zeros(T, dtype=torch.int64, device=dev)
+        if teacher_index_T is None
+        else teacher_index_T
+    )
+    u_TV = torch.empty_like(s_TV)
+    for k, (h_XH, w_VH) in enumerate(zip(teacher_hidden, teacher_weight, strict=True)):
+        rows_N = torch.nonzero(index_T == k).flatten()
+        h_NH = h_XH.double() if h_XH.shape[0] != T else h_XH.double()[rows_N]
+        u_TV[rows_N] = h_NH @ w_VH.double()[:vocab_size].T
+    log_ps_TV = torch.log_softmax(s_TV, dim=1)
+    log_pt_TV = torch.log_softmax(u_TV, dim=1)
+    reverse_T = (log_ps_TV.exp() * (log_ps_TV - log_pt_TV)).sum(1)
+    forward_T = (log_pt_TV.exp() * (log_pt_TV - log_ps_TV)).sum(1)
+    if kind == "reverse":
+        kl_T = reverse_T
+    elif kind == "forward":
+        kl_T = forward_T
+    elif kind == "mixed":
+        kl_T = mix_weight * reverse_T + (1.0 - mix_weight) * forward_T
+    else:
+        raise ValueError(f"kind must be 'reverse', 'forward' or 'mixed', got {kind!r}")
+    mask_T = (
+        torch.ones(T, dtype=torch.float64, device=dev)
+        if loss_mask_T is None
+        else loss_mask_T.double()
+    )
+    per_token_T = mask_T * kl_T
+    if reduction == "none":
+        return per_token_T
+    if reduction == "sum":
+        return per_token_T.sum()
+    if reduction == "mean":
+        total = mask_T.sum()
+        return per_token_T.sum() / total.clamp_min(torch.finfo(torch.float64).tiny)
+    raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")

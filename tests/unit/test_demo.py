@@ -1,0 +1,149 @@
+"""``mopd demo``: the multi-teacher MOPD job, run for real as a subprocess (it starts torchrun).
+
+What can fail here: the job's exit code, its step-1 verification (bridged rows against an
+all-gather reference), the final table (phases and a loss per step), the detection of a
+corrupted bridge buffer (a hidden ``--inject-mismatch`` flag must make the job exit non-zero),
+and the equivalence of the parallel job with a one-rank run of the same models: same seeds give
+the same weights whatever the meshes, so the loss per step of the 8-rank job (student TP2 CP2 DP2,
+teachers TP2 DP2 and TP4) must match the one-rank job's. Also: bad flags are rejected before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mopd.profiling import demo
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = (
+    "capture (teacher fwd)",
+    "bridge",
+    "student fwd",
+    "loss",
+    "backward",
+    "grad sync",
+    "optimizer",
+)
+SINGLE_RANK = ["--nproc", "1", "--teacher", "tp=1", "--teacher", "tp=1", "--student", "tp=1"]
+FOUR_RANKS = ["--nproc", "4", "--teacher", "tp=2,at=0", "--teacher", "tp=2,at=2"]
+FOUR_RANKS += ["--student", "tp=2,cp=2"]
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MOPD_CHECKOUT=str(ROOT))
+    env.pop("MOPD_NVTX", None)
+    return subprocess.run(
+        [sys.executable, "-m", "mopd.profiling.demo", *args, "--timeout", str(timeout - 20)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _losses(stdout: str) -> list[float]:
+    line = next(x for x in stdout.splitlines() if x.strip().startswith("loss (reverse KL / token)"))
+    return [float(v) for v in line.split(")")[1].split()]
+
+
+def _explain(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> subprocess.CompletedProcess[str]:
+    return _run("--steps", "2")
+
+
+def test_demo_runs_verifies_and_prints_the_table(eight_ranks) -> None:
+    out = eight_ranks.stdout
+    assert eight_ranks.returncode == 0, _explain(eight_ranks)
+    assert re.search(r"^verification: OK \(step 1: \d+ bridged rows on 8 student ranks", out, re.M)
+    assert "student Mesh(tp=2, cp=2, dp=2" in out and "teacher1 Mesh(tp=4" in out
+    for phase in PHASES:
+        row = next(x for x in out.splitlines() if x.strip().startswith(phase + " "))
+        times = [float(v) for v in row.split()[-2:]]
+        assert all(t >= 0 and math.isfinite(t) for t in times), row
+    losses = _losses(out)
+    assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses), losses
+    links = re.findall(r"teacher(\d) r(\d) -> r(\d)\s+[\d.]+ \w?i?B\s+(sent|local copy)", out)
+    assert {int(t) for t, *_ in links} == {0, 1}
+    # teacher 1 lives on ranks 4-7 only; the student spans 0-7: some of its rows cross
+    assert any(t == "1" and int(d) < 4 for t, _, d, _ in links)
+    assert "sent" in {k for *_, k in links} and "local copy" in {k for *_, k in links}
+
+
+def test_parallel_job_matches_a_one_rank_run(eight_ranks) -> None:
+    assert eight_ranks.returncode == 0, _explain(eight_ranks)
+    single = _run("--steps", "2", *SINGLE_RANK)
+    assert single.returncode == 0, _explain(single)
+    assert "verification: OK" in single.stdout
+    par, ref = _losses(eight_ranks.stdout), _losses(single.stdout)
+    # step 1: same weights, same tokens, float32 reductions in another order
+    assert par[0] == pytest.approx(ref[0], rel=1e-5), (par, ref)
+    # step 2 also checks the gradient sync and the optimizer step (Adam amplifies tiny noise)
+    assert par[1] == pytest.approx(ref[1], rel=1e-4), (par, ref)
+    assert par[1] != pytest.approx(par[0], rel=1e-4)  # the step changed the student
+
+
+def test_injected_mismatch_fails_the_job() -> None:
+    proc = _run("--steps", "1", "--inject-mismatch", *FOUR_RANKS)
+    assert proc.returncode != 0, _explain(proc)
+    assert "verification: MISMATCH" in proc.stdout, _explain(proc)
+    assert "verification: OK" not in proc.stdout
+    assert re.search(r"teacher 0: 1 of \d+ rows differ from the reference", proc.stderr), _explain(
+        proc
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--student", "tp=3"], "do not divide by tp=3"),
+        (["--nproc", "4"], "needs global ranks"),
+        (
+            ["--teacher", "tp=2", "--teacher", "tp=2", "--student", "tp=2,cp=2"],
+            "ranks [4, 5, 6, 7] hold none",
+        ),
+        (["--student", "tp=2,zz=1"], "expected comma-separated"),
+        (["--teacher-hidden", "64"], "2 teacher meshes but 1 teacher hidden sizes"),
+        (
+            ["--seq-len", "30", "--teacher", "tp=2,dp=2", "--teacher", "tp=2,dp=2,at=4"],
+            "must divide by 2*cp = 4",
+        ),
+        (["--samples", "7"], "must divide by the number of teachers"),
+    ],
+)
+def test_bad_flags_are_rejected_before_launch(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() >= 8,
+    reason="needs a machine with fewer than 8 GPUs (checks the refusal)",
+)
+def test_nccl_without_enough_gpus_is_refused(capsys) -> None:
+    assert demo.main(["--backend", "nccl"]) == 2
+    assert "--backend nccl needs 8 GPUs" in capsys.readouterr().err
+
+
+def test_parse_mesh() -> None:
+    assert demo.parse_mesh("tp=2,dp=2,at=4") == demo.MeshArg(tp=2, dp=2, at=4)
+    assert demo.parse_mesh("") == demo.MeshArg()
+    with pytest.raises(ValueError, match="must be an integer"):
+        demo.parse_mesh("tp=two")
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        demo.parse_mesh("tp=0")

@@ -1,0 +1,424 @@
+"""Tier 1: the vocab-parallel KL (no TP) against a float64 reference that materializes everything.
+
+Covers values and gradients for both entry points (logits; fused hidden + weight), all three KL
+kinds and reductions, random shapes, padded vocab, bool and float masks, several teachers of
+different hidden sizes in token or compact layouts, chunk-size invariance, the row-wise torch
+twins, the configuration and the ValueErrors (raised before any collective).
+
+Tolerances: the loss keeps its statistics in fp32, so with float64 inputs values and gradients
+match the float64 reference to ~1e-6 relative; we assert rtol=1e-4, atol=1e-5 (scaled by the
+reference's magnitude where stated).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mopd.kernels import kl as kl_mod
+from mopd.kernels.kl import (
+    KLConfig,
+    choose_chunk_tokens,
+    fused_vocab_parallel_kl,
+    vocab_parallel_kl,
+)
+from mopd.kernels.kl_reference import reference_kl
+from mopd.kernels.kl_rowwise import (
+    combine_partials,
+    resolve_backend,
+    row_grad,
+    row_grad_torch,
+    row_stats,
+    row_stats_torch,
+)
+
+KINDS = ("reverse", "forward", "mixed")
+REDUCTIONS = ("sum", "mean", "none")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, *, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)
+
+
+def _case(
+    seed: int, *, n_teachers: int, compact: bool, dtype: torch.dtype = torch.float64
+) -> tuple[Any, ...]:
+    """Random inputs: T tokens, V_pad padded vocab with V_real real ids, teachers of sizes H_k."""
+    g = torch.Generator().manual_seed(seed)
+    T = int(torch.randint(1, 60, (1,), generator=g))
+    V_pad = int(torch.randint(2, 90, (1,), generator=g))
+    V_real = int(torch.randint(1, V_pad + 1, (1,), generator=g))
+    hs = [int(torch.randint(1, 12, (1,), generator=g)) for _ in range(n_teachers)]
+    index_T = torch.randint(0, n_teachers, (T,), generator=g)
+    hidden, weight = [], []
+    for k, H in enumerate(hs):
+        rows = int((index_T == k).sum()) if compact else T
+        hidden.append(torch.randn(rows, H, generator=g, dtype=dtype) * 2)
+        weight.append(torch.randn(V_pad, H, generator=g, dtype=dtype))
+    mask_T = torch.rand(T, generator=g) > 0.25
+    student_T_V = torch.randn(T, V_pad, generator=g, dtype=dtype) * 3
+    return T, V_pad, V_real, hidden, weight, index_T, mask_T, student_T_V, g
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("seed", range(4))
+def test_logits_path_matches_reference(kind: str, reduction: str, seed: int) -> None:
+    n_teachers = 1 + seed % 3
+    T, _V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, g = _case(
+        seed, n_teachers=n_teachers, compact=seed % 2 == 1
+    )
+    mask_T = (
+        mask_T.double() * torch.rand(T, generator=g, dtype=torch.float64) if seed == 3 else mask_T
+    )
+    s_TV.requires_grad_(True)
+    cfg = KLConfig(
+        kind=kind,
+        reduction=reduction,
+        chunk_tokens=1 + seed * 5,
+        mix_weight=0.3 if kind == "mixed" else None,
+    )
+    index = index_T if n_teachers > 1 else None
+    out = vocab_parallel_kl(
+        s_TV, hidden, weight, vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T,
+        teacher_index_T=index, config=cfg,
+    )  # fmt: skip
+    ref = reference_kl(
+        s_TV, hidden, weight, vocab_size=V_real, kind=kind, mix_weight=0.3, loss_mask_T=mask_T,
+        teacher_index_T=index, reduction=reduction,
+    )  # fmt: skip
+    assert out.dtype == torch.float32
+    assert out.shape == ref.shape
+    _close(out, ref, atol=1e-5 * max(1.0, float(ref.detach().abs().max())))
+    up = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, s_TV, up.float())
+    (want,) = torch.autograd.grad(ref, s_TV, up)
+    assert got.dtype == s_TV.dtype
+    _close(got, want, atol=1e-6 * max(1.0, float(up.abs().max())))
+    assert torch.count_nonzero(got[:, V_real:]) == 0  # padded vocab gets no gradient
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_path_matches_reference(kind: str, reduction: str, seed: int) -> None:
+    n_teachers = 1 + (seed + 1) % 3
+    T, V_pad, V_real, hidden, weight, index_T, mask_T, _, g = _case(
+        100 + seed, n_teachers=n_teachers, compact=seed == 2
+    )
+    H_s = int(torch.randint(1, 10, (1,), generator=g))
+    h_TH = torch.randn(T, H_s, generator=g, dtype=torch.float64, requires_grad=True)
+    w_VH = torch.randn(V_pad, H_s, generator=g, dtype=torch.float64, requires_grad=True)
+    cfg = KLConfig(kind=kind, reduction=reduction, chunk_tokens=3 + 4 * seed)
+    index = index_T if n_teachers > 1 else None
+    out = fused_vocab_parallel_kl(
+        h_TH, w_VH, hidden, weight, vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T,
+        teacher_index_T=index, config=cfg,
+    )  # fmt: skip
+    ref = reference_kl(
+        h_TH @ w_VH.T, hidden, weight, vocab_size=V_real, kind=kind, loss_mask_T=mask_T,
+        teacher_index_T=index, reduction=reduction,
+    )  # fmt: skip
+    _close(out, ref, atol=1e-5 * max(1.0, float(ref.detach().abs().max())))
+    up = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (h_TH, w_VH), up.float())
+    want = torch.autograd.grad(ref, (h_TH, w_VH), up)
+    scale = max(1.0, float(up.abs().max()))
+    for a, b in zip(got, want, strict=True):
+        _close(a, b, atol=1e-5 * scale * max(1.0, float(b.abs().max())))
+    assert torch.count_nonzero(got[1][V_real:]) == 0
+
+
+def test_float32_inputs_and_teacher_gets_no_grad() -> None:
+    _T, _V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, _ = _case(
+        7, n_teachers=2, compact=False, dtype=torch.float32
+    )
+    for t in (*hidden, *weight):
+        t.requires_grad_(True)
+    s_TV.requires_grad_(True)
+    out = vocab_parallel_kl(
+        s_TV, hidden, weight, vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T,
+        teacher_index_T=index_T,
+    )  # fmt: skip
+    ref = reference_kl(
+        s_TV, hidden, weight, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index_T
+    )
+    _close(out, ref, rtol=1e-4, atol=1e-4)
+    out.backward()
+    assert s_TV.grad is not None and torch.isfinite(s_TV.grad).all()
+    assert all(t.grad is None for t in (*hidden, *weight))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunk_size_does_not_change_result(fused: bool) -> None:
+    T, V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, g = _case(
+        11, n_teachers=3, compact=True, dtype=torch.float32
+    )
+    h_TH = torch.randn(T, 5, generator=g)
+    w_VH = torch.randn(V_pad, 5, generator=g)
+    results = []
+    for chunk in (1, 2, 7, T, 10_000):
+        cfg = KLConfig(kind="mixed", mix_weight=0.7, chunk_tokens=min(chunk, 32768))
+        xs = (h_TH.clone().requires_grad_(), w_VH.clone().requires_grad_()) if fused else (
+            s_TV.clone().requires_grad_(),
+        )  # fmt: skip
+        kwargs = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index_T)
+        if fused:
+            out = fused_vocab_parallel_kl(*xs, hidden, weight, config=cfg, **kwargs)
+        else:
+            out = vocab_parallel_kl(*xs, hidden, weight, config=cfg, **kwargs)
+        grads = torch.autograd.grad(out, xs)
+        results.append((out, grads))
+    out0, grads0 = results[0]
+    for out, grads in results[1:]:
+        _close(out, out0, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, grads0, strict=True):
+            _close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_token_layout_and_compact_teacher_rows_agree() -> None:
+    _T, _V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, _ = _case(
+        21, n_teachers=3, compact=False
+    )
+    compact = [h[index_T == k] for k, h in enumerate(hidden)]
+    kwargs = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index_T)
+    a = vocab_parallel_kl(s_TV, hidden, weight, config=KLConfig(reduction="none"), **kwargs)
+    b = vocab_parallel_kl(s_TV, compact, weight, config=KLConfig(reduction="none"), **kwargs)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_unmasked_sorted_tokens_take_the_gather_free_path() -> None:
+    """All tokens active and grouped by teacher: no processing order is built (slices only)."""
+    _T, _V_pad, V_real, hidden, weight, index_T, _, s_TV, _ = _case(31, n_teachers=2, compact=True)
+    index_T = torch.sort(index_T).values
+    hidden = [
+        torch.randn(int((index_T == k).sum()), h.shape[1], dtype=h.dtype)
+        for k, h in enumerate(hidden)
+    ]
+    job = kl_mod._prepare(
+        student_TX=s_TV, student_weight_VH=None, teacher_hidden=hidden, teacher_weight=weight,
+        vocab_start=0, vocab_size=V_real, loss_mask_T=None, teacher_index_T=index_T, group=None,
+        config=KLConfig(),
+    )  # fmt: skip
+    assert job.order_N is None and all(t.rows_M is None for t in job.teachers)
+    s_TV.requires_grad_(True)
+    out = vocab_parallel_kl(
+        s_TV, hidden, weight, vocab_start=0, vocab_size=V_real, teacher_index_T=index_T,
+        config=KLConfig(chunk_tokens=4),
+    )  # fmt: skip
+    ref = reference_kl(s_TV, hidden, weight, vocab_size=V_real, teacher_index_T=index_T)
+    _close(out, ref)
+    _close(torch.autograd.grad(out, s_TV)[0], torch.autograd.grad(ref, s_TV)[0])
+
+
+def test_all_masked_gives_zero_loss_and_gradient() -> None:
+    T, _V_pad, V_real, hidden, weight, _, _, s_TV, _ = _case(41, n_teachers=1, compact=False)
+    s_TV.requires_grad_(True)
+    for reduction in REDUCTIONS:
+        out = vocab_parallel_kl(
+            s_TV, hidden, weight, vocab_start=0, vocab_size=V_real,
+            loss_mask_T=torch.zeros(T, dtype=torch.bool), config=KLConfig(reduction=reduction),
+        )  # fmt: skip
+        assert torch.count_nonzero(out) == 0
+        (grad,) = torch.autograd.grad(out.sum(), s_TV)
+        assert torch.count_nonzero(grad) == 0
+
+
+def test_no_gradient_work_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad (or with inputs that need no grad) the row-gradient pass never runs."""
+    _T, _V_pad, V_real, hidden, weight, _, mask_T, s_TV, _ = _case(43, n_teachers=1, compact=False)
+    calls: list[int] = []
+    real = kl_mod.row_grad
+    monkeypatch.setattr(kl_mod, "row_grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kwargs = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T)
+    with_grad = s_TV.clone().requires_grad_(True)
+    with torch.no_grad():
+        a = vocab_parallel_kl(with_grad, hidden, weight, **kwargs)
+    b = vocab_parallel_kl(s_TV, hidden, weight, **kwargs)
+    assert calls == [] and not a.requires_grad and not b.requires_grad
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    vocab_parallel_kl(with_grad, hidden, weight, **kwargs).backward()
+    assert calls and with_grad.grad is not None
+
+
+def test_kl_is_zero_when_student_equals_teacher() -> None:
+    g = torch.Generator().manual_seed(5)
+    h_TH = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    w_VH = torch.randn(13, 4, generator=g, dtype=torch.float64)
+    for kind in KINDS:
+        out = fused_vocab_parallel_kl(
+            h_TH, w_VH, h_TH, w_VH, vocab_start=0, vocab_size=13,
+            config=KLConfig(kind=kind, reduction="none"),
+        )  # fmt: skip
+        assert float(out.abs().max()) < 1e-5
+
+
+def test_vocab_sharded_statistics_combine_like_one_rank() -> None:
+    """The rescale-and-sum used across TP ranks equals the statistics of the whole row."""
+    g = torch.Generator().manual_seed(3)
+    s_CV = torch.randn(6, 40, generator=g) * 4
+    u_CV = torch.randn(6, 40, generator=g) * 4
+    whole = row_stats_torch(s_CV, u_CV, need_forward=True)
+    cuts = [0, 7, 7, 25, 40]  # includes an empty block (a rank holding only padding)
+    parts = [
+        row_stats_torch(s_CV[:, a:b], u_CV[:, a:b], need_forward=True)
+        for a, b in itertools.pairwise(cuts)
+    ]
+    merged = combine_partials(torch.stack(parts, dim=-1))
+    torch.testing.assert_close(merged, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_row_twins_against_float64() -> None:
+    g = torch.Generator().manual_seed(4)
+    s64 = torch.randn(5, 33, generator=g, dtype=torch.float64) * 3
+    u64 = torch.randn(5, 33, generator=g, dtype=torch.float64) * 3
+    st = row_stats_torch(s64.float(), u64.float(), need_forward=True).double()
+    m_s, m_t = s64.amax(1), u64.amax(1)
+    e_s, e_t = (s64 - m_s[:, None]).exp(), (u64 - m_t[:, None]).exp()
+    want = torch.stack(
+        [m_s, m_t, e_s.sum(1), e_t.sum(1), (e_s * (s64 - u64)).sum(1), (e_t * (s64 - u64)).sum(1)]
+    )
+    torch.testing.assert_close(st, want, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(row_stats_torch(s64, u64, need_forward=False)[5]) == 0
+    coef = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    coef[0], coef[1] = m_s, m_t
+    out = torch.full((5, 33), float("nan"))  # poisoned: every element must be written
+    row_grad_torch(s64.float(), u64.float(), coef.float(), out, teacher_term=True)
+    c = coef[:, :, None]
+    ref = (s64 - c[0]).exp() * (c[2] * (s64 - u64) + c[3]) + c[4] * (u64 - c[1]).exp()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    out.fill_(float("nan"))
+    row_grad(s64.float(), u64.float(), coef.float(), out, teacher_term=False, backend="auto")
+    torch.testing.assert_close(out.double(), ref - c[4] * (u64 - c[1]).exp(), rtol=1e-5, atol=1e-5)
+    stats = row_stats(s64.float(), u64.float(), need_forward=True, backend="torch")
+    torch.testing.assert_close(stats, st.float())
+
+
+def test_backend_rules_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    t = torch.zeros(2, 3)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_backend("auto", t) == "torch"
+    assert not caplog.records  # CPU tensors: the twin is the natural choice, not a fallback
+    assert resolve_backend("torch", t) == "torch"
+    with pytest.raises(ValueError, match="backend='cupy' needs CUDA tensors"):
+        resolve_backend("cupy", t)
+    with pytest.raises(ValueError, match="backend must be"):
+        resolve_backend("triton", t)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend='cupy'"):
+        vocab_parallel_kl(t, torch.zeros(2, 2), torch.zeros(3, 2), vocab_start=0, vocab_size=3,
+                          config=KLConfig(backend="cupy"))  # fmt: skip
+
+
+def test_chunk_size_from_budget() -> None:
+    cfg = KLConfig(memory_budget_bytes=512 * 2**20)
+    c = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="cupy")
+    assert c % 64 == 0 and c * 151936 * 4 <= 512 * 2**20 < (c + 64) * 151936 * 4
+    c_logits = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="cupy", fused=False)
+    assert c_logits * 151936 * 6 <= 512 * 2**20 < (c_logits + 64) * 151936 * 6
+    c_torch = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="torch")
+    assert c_torch < c
+    assert choose_chunk_tokens(KLConfig(memory_budget_bytes=1), v_local=10, element_size=4,
+                               backend="torch") == 1  # fmt: skip
+    assert choose_chunk_tokens(KLConfig(chunk_tokens=17), v_local=10, element_size=4,
+                               backend="torch") == 17  # fmt: skip
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="kind must be"):
+        KLConfig(kind="js")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduction must be"):
+        KLConfig(reduction="max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mix_weight must be in"):
+        KLConfig(kind="mixed", mix_weight=1.5)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        KLConfig(memory_budget_bytes=0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        KLConfig(chunk_tokens=0)
+    with pytest.raises(ValueError, match="collective_timeout_s"):
+        KLConfig(collective_timeout_s=0)
+    with pytest.warns(UserWarning, match="mix_weight=0.2 is ignored"):
+        KLConfig(kind="reverse", mix_weight=0.2)
+    with pytest.warns(UserWarning, match="memory_budget_bytes=1024 is ignored"):
+        KLConfig(chunk_tokens=8, memory_budget_bytes=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = KLConfig(kind="mixed", mix_weight=0.2)
+    assert (cfg.reverse_weight, cfg.forward_weight) == (0.2, pytest.approx(0.8))
+    assert KLConfig(kind="mixed").reverse_weight == 0.5
+    assert KLConfig(kind="forward").reverse_weight == 0.0
+
+
+def _bad_inputs() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+    T, V, H = 6, 10, 4
+    s = torch.randn(T, V)
+    h = torch.randn(T, H)
+    w = torch.randn(V, H)
+    ok = dict(vocab_start=0, vocab_size=V)
+    two = ([h, torch.randn(T, 3)], [w, torch.randn(V, 3)])
+    idx = torch.tensor([0, 1, 0, 1, 1, 0])
+    return [
+        ("must be 2-D", (s[0], h, w), ok),
+        ("floating tensor", (s.long(), h, w), ok),
+        ("vocab rows", (s, h, torch.randn(V + 1, H)), ok),
+        ("disagree on the teacher's hidden size", (s, h, torch.randn(V, H + 1)), ok),
+        ("dtype", (s, h.double(), w), ok),
+        ("rows: expected T=6", (s, torch.randn(T + 1, H), w), ok),
+        ("one teacher hidden tensor per", (s, [h, h], [w]), ok),
+        ("no teacher_index_T", (s, *two), ok),
+        ("valid is \\[0, 2\\)", (s, *two), dict(ok, teacher_index_T=idx * 2)),
+        ("int64 or int32", (s, *two), dict(ok, teacher_index_T=idx.float())),
+        ("teacher_index_T must be a \\[T=6\\]", (s, *two), dict(ok, teacher_index_T=idx[:5])),
+        ("loss_mask_T must be a \\[T=6\\]", (s, h, w), dict(ok, loss_mask_T=torch.ones(5))),
+        ("bool or floating", (s, h, w), dict(ok, loss_mask_T=torch.ones(T, dtype=torch.int64))),
+        ("vocab_size must be >= 1", (s, h, w), dict(ok, vocab_size=0)),
+        ("exceeds the padded vocab", (s, h, w), dict(ok, vocab_size=V + 1)),
+        ("starts at 0", (s, h, w), dict(ok, vocab_start=V)),
+        ("must be ints", (s, h, w), dict(ok, vocab_size=float(V))),
+        ("contiguous columns", (torch.randn(V, T).T, h, w), ok),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_bad_input_raises_before_any_collective(
+    case: tuple[str, tuple[Any, ...], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    match, args, kwargs = case
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append("all_reduce"))
+    with pytest.raises(ValueError, match=match):
+        vocab_parallel_kl(*args, **kwargs)
+    assert calls == []
+
+
+def test_fused_specific_errors() -> None:
+    h = torch.randn(6, 4)
+    w = torch.randn(10, 4)
+    t_h, t_w = torch.randn(6, 3), torch.randn(10, 3)
+    with pytest.raises(ValueError, match="disagree on the hidden size"):
+        fused_vocab_parallel_kl(h, torch.randn(10, 5), t_h, t_w, vocab_start=0, vocab_size=10)
+    with pytest.raises(ValueError, match="student_weight_VH dtype"):
+        fused_vocab_parallel_kl(h, w.double(), t_h, t_w, vocab_start=0, vocab_size=10)
+    with pytest.raises(ValueError, match=r"student_weight_VH must be a torch\.Tensor"):
+        fused_vocab_parallel_kl(h, None, t_h, t_w, vocab_start=0, vocab_size=10)  # type: ignore[arg-type]
+
+
+def test_debug_mode_detects_non_finite_inputs() -> None:
+    s = torch.randn(4, 6)
+    h, w = torch.randn(4, 3), torch.randn(6, 3)
+    h_bad = h.clone()
+    h_bad[2, 1] = float("inf")
+    cfg = KLConfig(debug=True)
+    with pytest.raises(ValueError, match=r"teacher_hidden\[0\] contain\(s\) NaN or inf"):
+        vocab_parallel_kl(s, h_bad, w, vocab_start=0, vocab_size=6, config=cfg)
+    s_bad = s.clone()
+    s_bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"student input contain\(s\) NaN"):
+        vocab_parallel_kl(s_bad, h, w, vocab_start=0, vocab_size=6, config=cfg)
+    # without debug the NaN propagates instead of raising
+    assert torch.isnan(vocab_parallel_kl(s_bad, h, w, vocab_start=0, vocab_size=6))
