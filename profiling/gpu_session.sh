@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run of every GPU check, for a lent GPU machine (one H200 in this project's case):
 # the tier-3 tests of every package, then the benchmarks, each bounded in time, with logs and
-# result files written under $OUT (default ./gpu-out). Run from the repository root:
+# result files packed into $OUT/gpu_session.tgz (default ./gpu-out). Run from the repository root:
 #
 #   bash profiling/gpu_session.sh            # everything
 #   ONLY="tests kernels" TESTS=tests/gpu/test_kernels_gpu.py bash profiling/gpu_session.sh
@@ -9,8 +9,9 @@
 # Python packages missing on the machine (megatron-core, nvtx) are installed from ./.whl when that
 # folder exists (wheels for the machine's Python), since such a machine reaches no registry.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
+FINAL=${OUT:-$PWD/gpu-out}
+OUT=$(mktemp -d)  # everything is written here, then packed into $FINAL/gpu_session.tgz
+mkdir -p "$FINAL"
 ONLY=${ONLY:-"env tests kernels kl bridge capture ranges"}
 TESTS=${TESTS:-tests/gpu}
 PY=${PYTHON:-python3}
@@ -43,7 +44,7 @@ for part in $ONLY; do
     env) run env 60 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
     tests) run tests 240 $PY -m pytest $TESTS -q -rs -p no:cacheprovider -o addopts= --timeout 200 ;;
     kernels) run bench_kernels 150 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
-    kl) run bench_kl 150 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
+    kl) run bench_kl 200 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
     bridge) run bench_bridge 90 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
     capture) run bench_capture 60 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
     ranges) run bench_ranges 60 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"
@@ -53,4 +54,5 @@ for part in $ONLY; do
     esac
 done
 log "done, status $status"
+tar czf "$FINAL/gpu_session.tgz" -C "$OUT" . && log "packed $(ls "$OUT" | wc -l) files into $FINAL/gpu_session.tgz"
 exit $status
