@@ -33,37 +33,44 @@ def kernel_source(filename: str) -> str:
 
 
 @functools.cache
-def _module(filename: str, device_index: int, compiler: str) -> Any:
+def _module(filename: str, device_index: int, compiler: str, defines: tuple[str, ...] = ()) -> Any:
     import cupy
 
+    options = tuple(f"-D{d}" for d in defines)
     with cupy.cuda.Device(device_index):
-        return cupy.RawModule(code=kernel_source(filename), backend=compiler)
+        return cupy.RawModule(code=kernel_source(filename), backend=compiler, options=options)
 
 
 @functools.cache
-def _kernel(filename: str, name: str, device_index: int) -> Any:
+def _kernel(filename: str, name: str, device_index: int, defines: tuple[str, ...] = ()) -> Any:
     import cupy
 
     compile_error = getattr(getattr(cupy.cuda, "compiler", None), "CompileException", Exception)
     with cupy.cuda.Device(device_index):
         try:
-            return _module(filename, device_index, "nvrtc").get_function(name)
+            return _module(filename, device_index, "nvrtc", defines).get_function(name)
         except compile_error as exc:
             # The sources are checked with nvcc (tier 1); should NVRTC disagree, use nvcc.
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            _log.warning("NVRTC failed on %s (%s); compiling with nvcc", filename, first_line)
-            return _module(filename, device_index, "nvcc").get_function(name)
+            _log.warning(
+                "NVRTC failed on %s %s (%s); compiling with nvcc", filename, defines, first_line
+            )
+            return _module(filename, device_index, "nvcc", defines).get_function(name)
 
 
-def get_kernel(filename: str, name: str, device: torch.device) -> Any:
+def get_kernel(
+    filename: str, name: str, device: torch.device, *, defines: tuple[str, ...] = ()
+) -> Any:
     """The ``cupy.RawKernel`` ``name`` of ``kernels/<filename>`` on CUDA ``device``.
 
     Compiled on first use (NVRTC, or CuPy's on-disk cache; nvcc if NVRTC fails, with a
-    warning), then kept for the process.
+    warning), then kept for the process. ``defines`` (``"NAME=VALUE"`` or ``"NAME"``) are
+    passed as ``-D`` options: each distinct tuple is its own module, so a source can be built
+    in parts that fail to compile independently.
     """
     index = torch.cuda.current_device() if device.index is None else device.index
     with _lock:
-        return _kernel(filename, name, index)
+        return _kernel(filename, name, index, defines)
 
 
 @contextmanager

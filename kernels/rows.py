@@ -113,7 +113,8 @@ def gather_rows(
         index_R: ``[R]`` int64 row indices into ``src_NH``, on its device (repeats allowed).
         out_RH: optional ``[R, H]`` destination (same dtype and device); allocated if ``None``.
         backend: ``"auto"``, ``"cupy"`` or ``"torch"`` (see :mod:`mopd.kernels.backend`).
-        variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the default.
+        variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the op's default
+            (``cupy_rows.DEFAULT_VARIANTS``).
         check_bounds: check index values (one device sync on CUDA).
     Returns:
         ``out_RH``.
@@ -155,7 +156,8 @@ def scatter_rows(
             unspecified), on the data's device.
         out_NH: ``[N, H]`` destination in its final layout, written in place.
         backend: ``"auto"``, ``"cupy"`` or ``"torch"``.
-        variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the default.
+        variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the op's default
+            (``cupy_rows.DEFAULT_VARIANTS``).
         check_bounds: check index values (one device sync on CUDA).
     Returns:
         ``out_NH``.
@@ -199,7 +201,8 @@ def copy_runs(
             ``out_MH`` must not overlap ``src_NH``.
         out_MH: ``[M, H]`` destination, written in place.
         backend: ``"auto"``, ``"cupy"`` or ``"torch"``.
-        variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the default.
+        variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the op's default
+            (``cupy_rows.DEFAULT_VARIANTS``).
         check_bounds: check run bounds (one device sync on CUDA).
     Returns:
         ``out_MH``.

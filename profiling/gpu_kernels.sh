@@ -9,7 +9,11 @@
 #   $OUT/kernels/kernels-<gpu>-<date>.{csv,md} the benchmark, via mopd.profiling.results.record
 # With $OUT unset, the log goes to ./gpu-out/kernels/ and the results to profiling/results/.
 # Exit status: non-zero if the tests failed (the benchmark runs regardless).
-# Expected wall time on an H200: about 2-3 minutes (NVRTC compiles rows.cu once, ~10-30 s).
+# Expected wall time on an H200: about 1-2 minutes: NVRTC compiles rows.cu once in two modules
+# (vector and bulk kernels, ~10-40 s, then CuPy's disk cache), ~1200 tier-3 tests (the bulk
+# variants' last), the benchmark (all variants, median of 15) well under a minute.
+# The benchmark prints each row as it is measured, then the table and a summary line naming the
+# best variant per op as a DEFAULT_VARIANTS dict (for kernels/cupy_rows.py).
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,8 +49,9 @@ try:
     print("cupy", cupy.__version__)
 except Exception as exc:
     print("cupy unusable:", exc)
-from mopd.kernels.cupy_rows import DEFAULT_VARIANT, VARIANTS
-print("variants", VARIANTS, "default", DEFAULT_VARIANT)
+from mopd.kernels.cupy_rows import DEFAULT_VARIANTS, VARIANTS
+print("variants", VARIANTS, "defaults", DEFAULT_VARIANTS)
+print("device", torch.cuda.get_device_name(0), "sm", torch.cuda.get_device_capability(0))
 EOF
 } >>"$LOG" 2>&1
 

@@ -4,8 +4,12 @@ Every kernel (gather, scatter, runs) in every variant, on fresh random bits, for
 dtype, odd shapes (H not a multiple of 8, one row, empty index) and misaligned views (starting
 at element 1, so the 2-byte path runs); outputs are poisoned first so an unwritten row fails.
 Also: the launch follows torch's current stream (a non-default stream whose input is produced
-behind a long sleep), no host synchronization happens with ``check_bounds=False``, and an
-explicit ``backend="cupy"`` on CPU tensors raises.
+behind a long sleep), no host synchronization happens with ``check_bounds=False``, an
+explicit ``backend="cupy"`` on CPU tensors raises, the per-op defaults are exact, and the bulk
+variants run the copy engine on sm_90+ (their fallback elsewhere). The bulk variants' own
+checks run last (end of file), so a broken one cannot hide the others' results. The helpers
+build bytes 1-D before viewing them as a dtype (a one-row ``[1, k]`` uint8 tensor may report
+``stride(0) == 1``, which ``.view(dtype)`` refuses: round 1's 105 failures).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopd.kernels import copy_runs, gather_rows, scatter_rows
+from mopd.kernels import copy_runs, cupy_rows, gather_rows, scatter_rows
 from mopd.kernels.backend import cupy_available, resolve_backend
 from mopd.kernels.cupy_rows import VARIANTS
 from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, scatter_rows_torch
@@ -28,15 +32,24 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
 
 
 def rand_rows(n: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """``[n, h]`` CUDA rows of random bits (NaN payloads included)."""
+    """``[n, h]`` CUDA rows of random bits (NaN payloads included).
+
+    The bytes are made 1-D, viewed as ``dtype``, then shaped: a ``[1, k]`` uint8 tensor may
+    report ``stride(0) == 1`` (torch 2.11 on CUDA did), and ``.view(dtype)`` to a wider dtype
+    then refuses it.
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n, h * itemsize), dtype=torch.uint8, device="cuda", generator=gen)
-    return raw.view(dtype)
+    raw = torch.randint(
+        0, 256, (n * h * itemsize,), dtype=torch.uint8, device="cuda", generator=gen
+    )
+    return raw.view(dtype).view(n, h)
 
 
 def poison(n: int, h: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, h]`` CUDA rows of the byte 0xA5 (built 1-D first, as :func:`rand_rows`)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.full((n, h * itemsize), 0xA5, dtype=torch.uint8, device="cuda").view(dtype)
+    raw = torch.full((n * h * itemsize,), 0xA5, dtype=torch.uint8, device="cuda")
+    return raw.view(dtype).view(n, h)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -55,13 +68,18 @@ SHAPES = [
     (257, 4096, 1),  # view at element 1: misaligned
     (5, 7, 0),  # tiny
     (1, 8192, 0),  # one row
+    (300, 8200, 0),  # 16400 B bf16 rows: bulk pieces 8192 + 8192 + 16, 16384 + 16
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
-def test_gather_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
+# Vector variants first; the bulk variants (Hopper copy engine) run last, at the end of the
+# file, so that if one of them breaks the device context, every other variant has been checked.
+VECTOR_VARIANTS = [v for v, spec in cupy_rows.VARIANT_SPECS.items() if spec.fallback is None]
+BULK_VARIANTS = [v for v, spec in cupy_rows.VARIANT_SPECS.items() if spec.fallback is not None]
+assert sorted(VECTOR_VARIANTS + BULK_VARIANTS) == sorted(VARIANTS)
+
+
+def check_gather(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
     gen = cuda_gen(n + h + offset)
     src = rand_rows(n, h + 16, dtype, gen)[:, offset : offset + h]
     for r in (0, 1, 3 * n + 1):
@@ -78,10 +96,7 @@ def test_gather_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offs
     assert same_bits(allocated, ref)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
-def test_scatter_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
+def check_scatter(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
     gen = cuda_gen(10_000 + n + h + offset)
     for r in (0, 1, n // 2, n):
         if r > n:
@@ -94,10 +109,7 @@ def test_scatter_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, off
         assert same_bits(out, ref), (variant, dtype, n, h, offset, r)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
-def test_copy_runs_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
+def check_copy_runs(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
     gen = torch.Generator().manual_seed(20_000 + n + h + offset)
     m = n + 7
     # non-overlapping destination runs, some empty, sources anywhere
@@ -119,8 +131,7 @@ def test_copy_runs_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, o
     assert same_bits(out2, poison(m, h, dtype))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_large_permutation(variant: str) -> None:
+def check_large_permutation(variant: str) -> None:
     """A 64 MiB bf16 buffer, [4096, 8192], random permutation both ways and as one big run."""
     gen = cuda_gen(7)
     src = rand_rows(4096, 8192, torch.bfloat16, gen)
@@ -133,6 +144,32 @@ def test_large_permutation(variant: str) -> None:
     whole = torch.tensor([4096], device="cuda")
     copied = copy_runs(src, one, one, whole, poison(4096, 8192, torch.bfloat16), variant=variant)
     assert same_bits(copied, src)
+
+
+@pytest.mark.parametrize("variant", VECTOR_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
+def test_gather_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
+    check_gather(variant, dtype, n, h, offset)
+
+
+@pytest.mark.parametrize("variant", VECTOR_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
+def test_scatter_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
+    check_scatter(variant, dtype, n, h, offset)
+
+
+@pytest.mark.parametrize("variant", VECTOR_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
+def test_copy_runs_bit_exact(variant: str, dtype: torch.dtype, n: int, h: int, offset: int) -> None:
+    check_copy_runs(variant, dtype, n, h, offset)
+
+
+@pytest.mark.parametrize("variant", VECTOR_VARIANTS)
+def test_large_permutation(variant: str) -> None:
+    check_large_permutation(variant)
 
 
 def test_transpose_sbh_to_bsh() -> None:
@@ -210,3 +247,71 @@ def test_inputs_requiring_grad() -> None:
     dst = torch.zeros(64, 1000, device="cuda", requires_grad=True)
     scatter_rows(src, index, dst, backend="cupy")
     assert same_bits(dst.detach()[index], src.detach())
+
+
+def test_helpers_handle_one_row() -> None:
+    """The round-1 failure: one-row helpers must give [1, h] of the dtype, contiguous."""
+    for dtype in DTYPES:
+        for n in (0, 1, 2):
+            t = rand_rows(n, 7, dtype, cuda_gen(0))
+            assert t.shape == (n, 7) and t.dtype == dtype and t.is_contiguous()
+            assert poison(n, 7, dtype).shape == (n, 7)
+
+
+def test_bulk_variants_launch_bulk_kernels_on_sm90() -> None:
+    """On sm_90+ with 16-byte rows the bulk variants run the copy engine, not their fallback."""
+    capability = torch.cuda.get_device_capability()
+    for name, spec in cupy_rows.VARIANT_SPECS.items():
+        if spec.fallback is None:
+            continue
+        launched = cupy_rows.resolve_variant(name, 16, capability)
+        assert launched == (name if capability >= (9, 0) else spec.fallback)
+        assert cupy_rows.resolve_variant(name, 8, capability) == spec.fallback
+
+
+def test_defaults_are_exact() -> None:
+    """The default path (variant=None: DEFAULT_VARIANTS per op), 16 KiB rows, odd row counts."""
+    gen = cuda_gen(17)
+    src = rand_rows(777, 8192, torch.bfloat16, gen)
+    perm = torch.randperm(777, device="cuda", generator=gen)
+    assert same_bits(gather_rows(src, perm, out_RH=poison(777, 8192, torch.bfloat16)), src[perm])
+    back = scatter_rows(src[perm], perm, poison(777, 8192, torch.bfloat16))
+    assert same_bits(back, src)
+    runs = [torch.tensor(x, device="cuda") for x in ([500, 0], [0, 277], [277, 500])]
+    moved = copy_runs(src, *runs, poison(777, 8192, torch.bfloat16))
+    assert same_bits(moved, torch.cat([src[500:777], src[0:500]]))
+
+
+# ---- bulk variants, last -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", BULK_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
+def test_bulk_gather_bit_exact(
+    variant: str, dtype: torch.dtype, n: int, h: int, offset: int
+) -> None:
+    check_gather(variant, dtype, n, h, offset)
+
+
+@pytest.mark.parametrize("variant", BULK_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
+def test_bulk_scatter_bit_exact(
+    variant: str, dtype: torch.dtype, n: int, h: int, offset: int
+) -> None:
+    check_scatter(variant, dtype, n, h, offset)
+
+
+@pytest.mark.parametrize("variant", BULK_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "h", "offset"), SHAPES)
+def test_bulk_copy_runs_bit_exact(
+    variant: str, dtype: torch.dtype, n: int, h: int, offset: int
+) -> None:
+    check_copy_runs(variant, dtype, n, h, offset)
+
+
+@pytest.mark.parametrize("variant", BULK_VARIANTS)
+def test_bulk_large_permutation(variant: str) -> None:
+    check_large_permutation(variant)

@@ -42,5 +42,34 @@ def test_broken_kernel_becomes_error_row(
 
 
 def test_measured_run_rejects_small_settings() -> None:
-    with pytest.raises(ValueError, match="--iters >= 20 and --gib >= 1"):
+    with pytest.raises(ValueError, match="--iters >= 15 and --gib >= 1"):
         bench_kernels.main(["--iters", "5"])
+
+
+def _row(op: str, indices: str, impl: str, pct: float, exact: object = True) -> dict[str, object]:
+    return {"op": op, "indices": indices, "impl": impl, "%_of_copy": pct, "bit_exact": exact}
+
+
+def test_summary_names_the_best_variant_per_op() -> None:
+    rows = [
+        _row("copy (ceiling)", "-", "tensor.copy_", 100.0, ""),
+        _row("gather", "random", "torch.index_select", 99.0, ""),  # peers never win
+        _row("gather", "random", "cupy:a", 94.0),
+        _row("gather", "runs", "cupy:a", 90.0),  # mean 92
+        _row("gather", "random", "cupy:b", 91.0),
+        _row("gather", "runs", "cupy:b", 95.0),  # mean 93: b wins gather
+        _row("gather", "random", "cupy:c", 99.0),  # c lacks the runs kind: not ranked
+        _row("scatter", "random", "cupy:a", 96.0),
+        _row("scatter", "runs", "cupy:a", 96.0),
+        _row("scatter", "random", "cupy:b", 98.0, False),  # not bit-exact: never wins
+        _row("scatter", "runs", "cupy:b", 98.0),
+        _row("copy_runs", "runs (K=3)", "cupy:a", 90.0),
+        _row("copy_runs", "runs (K=3)", "cupy:b", 97.0),
+        _row("gather (views at element 1)", "random", "cupy:a", 99.9),
+        {"op": "ERROR", "indices": "-", "impl": "cupy:d", "bit_exact": "RuntimeError()"},
+    ]
+    summary = bench_kernels.summarize(rows)
+    assert "best gather: b (mean 93.0% of copy: random 91.0%, runs 95.0%)" in summary
+    assert "best scatter: a" in summary and "best copy_runs: b" in summary
+    assert summary.endswith("DEFAULT_VARIANTS = {'gather': 'b', 'scatter': 'a', 'copy_runs': 'b'}")
+    assert "no CuPy kernels" in bench_kernels.summarize(rows[:2])

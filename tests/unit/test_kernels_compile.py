@@ -2,10 +2,15 @@
 
 - every ``kernels/*.cu`` compiles with ``nvcc -arch=sm_90`` and ``ptxas -v`` reports no spills;
 - every kernel name the CuPy launcher can ask for (op x variant x vector width) exists;
+- the bulk kernels (Hopper copy engine) build alone (``MOPD_KERNEL_SET=2``, the module CuPy
+  compiles for them, apart from the vector kernels so a failure there costs only them);
 - rows.cu's drivers, built for the host (``-DMOPD_HOST_EMULATION``), run every launch thread by
-  thread on the CPU with the grid the launcher would use and the vector width it would pick; the
+  thread on the CPU with the grid, block and variant the launcher would use (a bulk variant's
+  vector fallback where rows are not 16-byte aligned) and the vector width it would pick; the
   result must equal the torch twin bit for bit on poisoned outputs. This checks the kernels' work
-  split (chunks, lanes, unroll tails, persistent loops, run search) without a GPU.
+  split (chunks, lanes, unroll tails, persistent loops, flat numbering, run search and walk, the
+  bulk pipeline's stage ring, batches of 32 and drain) without a GPU; grids far smaller than the
+  work make every loop turn.
 
 Skipped, with the reason, where ``nvcc`` is absent.
 """
@@ -32,10 +37,22 @@ WIDTHS = (16, 8, 4, 2, 1)
 OPS = ("gather", "scatter", "runs")
 
 
-def _ptxas_report(cu: Path, tmp: Path) -> str:
+_reports: dict[tuple[Path, tuple[str, ...]], str] = {}
+
+
+def _ptxas_report(cu: Path, tmp: Path, *defines: str) -> str:
+    """ptxas's report for ``cu`` built for sm_90 (kept per source and defines: nvcc is slow)."""
+    key = (cu, defines)
+    if key not in _reports:
+        _reports[key] = _compile_report(cu, tmp, defines)
+    return _reports[key]
+
+
+def _compile_report(cu: Path, tmp: Path, defines: tuple[str, ...]) -> str:
     proc = subprocess.run(
         [
             NVCC,
+            *(f"-D{d}" for d in defines),
             "-arch=sm_90",
             "-cubin",
             "-Xptxas",
@@ -67,10 +84,37 @@ def test_every_launchable_row_kernel_exists(tmp_path: Path) -> None:
     report = _ptxas_report(KERNELS_DIR / "rows.cu", tmp_path)
     entries = set(re.findall(r"Compiling entry function '(\w+)'", report))
     wanted = {
-        cupy_rows.kernel_name(op, v, w) for op in OPS for v in cupy_rows.VARIANTS for w in WIDTHS
+        cupy_rows.kernel_name(op, cupy_rows.resolve_variant(v, w, cc), w)
+        for op in OPS
+        for v in cupy_rows.VARIANTS
+        for w in WIDTHS
+        for cc in ((8, 0), (9, 0))
     }
     assert wanted <= entries, sorted(wanted - entries)
-    assert cupy_rows.DEFAULT_VARIANT in cupy_rows.VARIANTS
+    assert set(cupy_rows.DEFAULT_VARIANTS) == set(cupy_rows.OPS)
+    assert set(cupy_rows.DEFAULT_VARIANTS.values()) <= set(cupy_rows.VARIANTS)
+    # bulk kernels exist at 16 bytes only, with one warp per block and <= 48 KiB static smem
+    for v, spec in cupy_rows.VARIANT_SPECS.items():
+        if spec.fallback is not None:
+            for op in OPS:
+                name = cupy_rows.kernel_name(op, v, 16)
+                assert name == f"mopd_{op}_{spec.kernel}_v16" and name in entries
+                assert cupy_rows.kernel_name(op, v, 8) == cupy_rows.kernel_name(
+                    op, spec.fallback, 8
+                )
+
+
+def test_bulk_kernel_set_is_its_own_module(tmp_path: Path) -> None:
+    """cupy_rows compiles the bulk kernels apart (MOPD_KERNEL_SET=2): exactly those, no spills."""
+    report = _ptxas_report(KERNELS_DIR / "rows.cu", tmp_path, "MOPD_KERNEL_SET=2")
+    entries = set(re.findall(r"Compiling entry function '(\w+)'", report))
+    bulk = [v for v, spec in cupy_rows.VARIANT_SPECS.items() if spec.fallback is not None]
+    assert bulk
+    assert entries == {cupy_rows.kernel_name(op, v, 16) for op in OPS for v in bulk}
+    assert cupy_rows._defines(bulk[0]) == ("MOPD_KERNEL_SET=2",)
+    assert cupy_rows._defines("warp") == ("MOPD_KERNEL_SET=1",)
+    assert "0 bytes spill stores" in report and " bytes spill stores" in report
+    assert not re.findall(r"[1-9]\d* bytes spill", report), report
 
 
 # ---- host emulation of the kernels -----------------------------------------------------------
@@ -114,6 +158,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         i64,
         i64,
         i64,
+        i64,
     ]
     lib.mopd_emulate.restype = ctypes.c_int
     return lib
@@ -132,19 +177,23 @@ def _emulate(
     rows: int,
     rows_bound: int,
     sm_count: int,
-) -> int:
-    """Run one launch exactly as cupy_rows would set it up; returns the vector width used."""
+    capability: tuple[int, int] = (9, 0),
+    grid: int | None = None,
+) -> str:
+    """Run one launch exactly as cupy_rows would set it up; returns the variant launched."""
     itemsize = src.element_size()
     row_bytes = src.shape[1] * itemsize
     src_stride, dst_stride = src.stride(0) * itemsize, out.stride(0) * itemsize
     width = cupy_rows.vector_bytes(
         row_bytes, src.data_ptr(), out.data_ptr(), src_stride, dst_stride
     )
-    grid = cupy_rows.launch_grid(variant, rows_bound, row_bytes // width, sm_count)
+    launched = cupy_rows.resolve_variant(variant, width, capability)
+    if grid is None:
+        grid = cupy_rows.launch_grid(launched, rows_bound, row_bytes // width, sm_count)
     p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     rc = lib.mopd_emulate(
         OPS.index(op),
-        cupy_rows.VARIANT_SPECS[variant].kernel.encode(),
+        cupy_rows.VARIANT_SPECS[launched].kernel.encode(),
         width,
         src.data_ptr(),
         out.data_ptr(),
@@ -157,19 +206,24 @@ def _emulate(
         src_stride,
         dst_stride,
         grid,
+        cupy_rows.launch_block(launched),
     )
-    assert rc == 0, f"no emulated kernel {op}/{variant}/v{width}"
-    return width
+    assert rc == 0, f"emulation of {op}/{launched}/v{width} failed: {rc}"
+    return launched
 
 
 def _rand_bytes_rows(n: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    # 1-D bytes viewed as dtype, then shaped: a [1, k] uint8 may report stride(0) == 1,
+    # which .view(dtype) refuses for wider dtypes
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n, h * itemsize), dtype=torch.uint8, generator=gen).view(dtype)
+    raw = torch.randint(0, 256, (n * h * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(n, h)
 
 
 def _poison(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.full((shape[0], shape[1] * itemsize), 0x5A, dtype=torch.uint8).view(dtype)
+    raw = torch.full((shape[0] * shape[1] * itemsize,), 0x5A, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
 # (dtype, H, element offset of the views): 16-byte rows, odd widths, misaligned starts.
@@ -198,9 +252,9 @@ def test_emulated_kernels_match_twins(
     index = torch.randint(0, n, (r,), generator=gen)
     out_buf = _poison((r, h + offset), dtype)
     out = out_buf[:, offset:]
-    width = _emulate(emulator, "gather", variant, src, out, index, None, None, 0, r, r, sm_count)
-    if offset == 0 and (h * src.element_size()) % 16 == 0:
-        assert width == 16
+    launched = _emulate(emulator, "gather", variant, src, out, index, None, None, 0, r, r, sm_count)
+    aligned = offset == 0 and (h * src.element_size()) % 16 == 0
+    assert launched == (variant if aligned else cupy_rows.resolve_variant(variant, 8, (9, 0)))
     ref = gather_rows_torch(src, index, out_RH=_poison((r, h), dtype))
     assert torch.equal(out.contiguous().view(torch.uint8), ref.view(torch.uint8))
 
@@ -247,6 +301,14 @@ def test_vector_width_rule() -> None:
     assert cupy_rows.vector_bytes(16, 0, 0, 16, 24) == 8  # row stride limits the width
 
 
+def test_one_row_stride_does_not_narrow_the_width() -> None:
+    """torch may give a size-1 dim any stride (round 1 saw 1); one row never uses it."""
+    one = torch.empty(1, 8192, dtype=torch.bfloat16).as_strided((1, 8192), (1, 1))
+    many = torch.empty(5, 8192, dtype=torch.bfloat16)
+    assert cupy_rows._geometry(one, many) == (16, 1024, 16384, 16384)
+    assert cupy_rows._geometry(many[:, 1:], many[:2, 1:])[0] == 2  # real misalignment stays
+
+
 def test_launch_grid_rule() -> None:
     # warp variant: 2 KiB chunks of 16-byte vectors; 8 warps per block
     assert cupy_rows.launch_grid("warp_cs", 1, 1024, 132) == 1  # one 16 KiB row: 8 chunks
@@ -255,3 +317,61 @@ def test_launch_grid_rule() -> None:
     assert cupy_rows.launch_grid("grid", 2, 100, 132) == 1
     assert cupy_rows.launch_grid("block_cs", 5, 1025, 132) == 10
     assert cupy_rows.launch_grid("warp_cs_flat", 10**6, 1024, 132) == 10**6  # one warp per chunk
+    # flat: one thread per 4 (or 8) vectors, non-persistent
+    assert cupy_rows.launch_grid("flat", 1, 1024, 132) == 1  # one 16 KiB row per block
+    assert cupy_rows.launch_grid("flat", 10**6, 1024, 132) == 10**6
+    assert cupy_rows.launch_grid("flat8", 3, 100, 132) == 1  # 300 vectors < 2048
+    # bulk: one item (row piece) per block up to 6 one-warp blocks per SM
+    assert cupy_rows.launch_grid("bulk", 5, 1024, 132) == 10  # two 8 KiB pieces per row
+    assert cupy_rows.launch_grid("bulk16", 5, 1025, 132) == 10  # 16 KiB + 16 B
+    assert cupy_rows.launch_grid("bulk", 10**6, 1024, 132) == 6 * 132
+    assert cupy_rows.launch_block("bulk") == 32 and cupy_rows.launch_block("flat") == 256
+
+
+def test_resolve_variant_rule() -> None:
+    assert cupy_rows.resolve_variant("bulk", 16, (9, 0)) == "bulk"
+    assert cupy_rows.resolve_variant("bulk", 8, (9, 0)) == "warp"  # not 16-byte aligned
+    assert cupy_rows.resolve_variant("bulk16", 16, (8, 0)) == "warp"  # before sm_90
+    assert cupy_rows.resolve_variant("flat", 2, (8, 0)) == "flat"
+    assert cupy_rows.default_variant("copy_runs") in cupy_rows.VARIANTS
+    with pytest.raises(ValueError, match="op must be one of"):
+        cupy_rows.default_variant("runs")
+
+
+@pytest.mark.parametrize("variant", ["bulk", "bulk16", "flat", "flat8", "warp16", "warp32"])
+@pytest.mark.parametrize("grid", [1, 3])
+def test_emulated_small_grid_loops(emulator, variant: str, grid: int) -> None:
+    """A grid far smaller than the work: flat blocks loop; a bulk block wraps its stage ring many
+    times and takes its items in several batches of 32 (lane 0's pipeline, then the drain)."""
+    gen = torch.Generator().manual_seed(grid)
+    dtype, h, n, r = torch.bfloat16, 4104, 150, 131  # 8208 B rows: bulk pieces 8192 + 16
+    src = _rand_bytes_rows(n, h, dtype, gen)
+    index = torch.randint(0, n, (r,), generator=gen)
+    out = _poison((r, h), dtype)
+    launched = _emulate(
+        emulator, "gather", variant, src, out, index, None, None, 0, r, r, 1, grid=grid
+    )
+    assert launched == variant
+    assert torch.equal(out.view(torch.uint8), src[index].view(torch.uint8))
+    perm = torch.randperm(n, generator=gen)[:r]
+    dst = _poison((n, h), dtype)
+    rows_src = _rand_bytes_rows(r, h, dtype, gen)
+    _emulate(emulator, "scatter", variant, rows_src, dst, perm, None, None, 0, r, r, 1, grid=grid)
+    ref = scatter_rows_torch(rows_src, perm, _poison((n, h), dtype))
+    assert torch.equal(dst.view(torch.uint8), ref.view(torch.uint8))
+    # 40 runs (some empty) covering [0, m) of the destination in shuffled order
+    lengths = torch.randint(0, 7, (40,), generator=gen)
+    m = int(lengths.sum())
+    dst_start = torch.cumsum(lengths, 0) - lengths
+    src_start = torch.tensor(
+        [int(torch.randint(0, n - ln + 1, (1,), generator=gen)) for ln in lengths]
+    )
+    order = torch.randperm(40, generator=gen)
+    runs = [t[order].contiguous() for t in (src_start, dst_start, lengths)]
+    prefix = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(runs[2], 0)])
+    runs_out = _poison((m, h), dtype)
+    _emulate(
+        emulator, "runs", variant, src, runs_out, runs[0], runs[1], prefix, 40, 0, m, 1, grid=grid
+    )
+    ref = copy_runs_torch(src, *runs, _poison((m, h), dtype))
+    assert torch.equal(runs_out.view(torch.uint8), ref.view(torch.uint8))

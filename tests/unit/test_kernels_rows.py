@@ -23,8 +23,10 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float6
 def random_rows(n: int, h: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """``[n, h]`` of random *bits* (NaNs and infs included for floats)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n, h * itemsize), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype)
+    # 1-D, viewed, then shaped: a [1, k] uint8 may report stride(0) == 1 (torch 2.11, CUDA),
+    # which .view(dtype) refuses for a wider dtype
+    raw = torch.randint(0, 256, (n * h * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(n, h)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +37,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def poisoned(n: int, h: int, dtype: torch.dtype) -> torch.Tensor:
     """``[n, h]`` filled with the byte 0xA5, a pattern a correct kernel overwrites."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.full((n, h * itemsize), 0xA5, dtype=torch.uint8).view(dtype)
+    return torch.full((n * h * itemsize,), 0xA5, dtype=torch.uint8).view(dtype).view(n, h)
 
 
 def naive_gather(src_NH: torch.Tensor, index: list[int], out_RH: torch.Tensor) -> torch.Tensor:
@@ -323,3 +325,25 @@ def test_inputs_requiring_grad_move_outside_autograd() -> None:
     run = torch.tensor([0])
     copy_runs(src, run, run, torch.tensor([4]), out)
     assert torch.equal(out.detach(), src.detach())
+
+
+def test_bulk_variant_needs_sm90_when_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a pre-sm_90 device: a named bulk variant raises; a bulk default falls back, logged once."""
+    from mopd.kernels import cupy_rows
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(cupy_rows, "_device_facts", lambda index: (108, (8, 0)))
+    monkeypatch.setattr(cupy_rows, "_fallback_logged", set())
+    with pytest.raises(ValueError, match=r"variant 'bulk' needs an sm_90\+ device.*sm_80"):
+        cupy_rows._plan("gather", "bulk", 16, cuda0)
+    assert cupy_rows._plan("gather", "flat", 16, cuda0) == ("flat", 108, 256)
+    monkeypatch.setitem(cupy_rows.DEFAULT_VARIANTS, "gather", "bulk16")
+    with caplog.at_level(logging.WARNING, logger=cupy_rows.__name__):
+        assert cupy_rows._plan("gather", None, 16, cuda0) == ("warp", 108, 256)
+        assert cupy_rows._plan("gather", None, 16, cuda0) == ("warp", 108, 256)
+    assert len([r for r in caplog.records if "needs sm_90+" in r.getMessage()]) == 1
+    monkeypatch.setattr(cupy_rows, "_device_facts", lambda index: (132, (9, 0)))
+    assert cupy_rows._plan("gather", None, 16, cuda0) == ("bulk16", 132, 32)
+    assert cupy_rows._plan("runs", "bulk", 8, cuda0) == ("warp", 132, 256)  # misaligned
