@@ -39,7 +39,7 @@ from mopd.bridge import (
     reshard_lm_head,
 )
 from mopd.capture import OutputLayerInputCapture
-from mopd.profiling.demo import model_process_groups
+from mopd.profiling.megatron_groups import model_process_groups
 from tests.support import megatron_cpu as mc
 from tests.support.cpu_attention import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from tests.support.dist import COLLECTIVE_TIMEOUT
