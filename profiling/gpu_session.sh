@@ -7,12 +7,18 @@
 #   ONLY="tests kernels" TESTS=tests/gpu/test_kernels_gpu.py bash profiling/gpu_session.sh
 #
 # Python packages missing on the machine (megatron-core, nvtx) are installed from ./.whl when that
-# folder exists (wheels for the machine's Python), since such a machine reaches no registry.
+# folder exists (wheels for the machine's Python), since such a machine reaches no registry. Fetch
+# them beforehand where pip works, for the GPU machine's Python (3.12 on the H200 image):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     megatron-core==0.16.1 nvtx==0.2.17
+# Parts (ONLY): env, tests (TESTS: the tier-3 files, default all), kernels, kl, bridge, capture,
+# ranges (with nsys.sh's check), demo (the MOPD demo on NCCL at world size 1).
 set -uo pipefail
 FINAL=${OUT:-$PWD/gpu-out}
 OUT=$(mktemp -d)  # everything is written here, then packed into $FINAL/gpu_session.tgz
 mkdir -p "$FINAL"
-ONLY=${ONLY:-"env tests kernels kl bridge capture ranges"}
+ONLY=${ONLY:-"env tests kernels kl bridge capture ranges demo"}
 TESTS=${TESTS:-tests/gpu}
 PY=${PYTHON:-python3}
 SITE=/tmp/mopd-site
@@ -50,6 +56,8 @@ for part in $ONLY; do
     ranges) run bench_ranges 60 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"
             # nsys is not on that image: expect nsys.sh's clear failure (exit 2)
             run nsys_check 30 bash -c "bash profiling/nsys.sh --out '$OUT/nsys' -- $PY -c 'print(1)'; rc=\$?; echo nsys.sh rc=\$rc; command -v nsys >/dev/null || [ \$rc -eq 2 ]" ;;
+    demo) run demo 180 $PY -m mopd.profiling.demo --backend nccl --nproc 1 --teacher tp=1 \
+              --teacher tp=1 --student tp=1 --steps 3 --trace "$OUT/demo_trace" ;;
     *) log "unknown part $part"; status=1 ;;
     esac
 done
