@@ -2,10 +2,16 @@
 
 Why this file exists: deciding who sends which row to whom is pure integer work that must give
 the same answer on every rank, be checkable without any process group (the ``mopd plan``
-inspector, the unit tests) and be fast for a million tokens. It is vectorized (one sort of the
-int64 keys of both sides joins them; no per-token Python) and knows nothing about tensors'
-contents. Measured: ~150 ms for 1M tokens over 256 ranks on 2 CPU threads (``bench_bridge``);
-plans are cached by layout signature, so a repeated layout costs nothing.
+inspector, the unit tests) and be fast for a million tokens, every step (packing changes the
+layout each step, so the cache does not always help). It joins *runs* of keys
+(:mod:`mopd.bridge.planner_runs`: ``O(runs log runs)`` plus a few linear passes to write the row
+arrays), and keeps the per-token join (one sort of every key of both sides) as the reference
+(``method="tokens"``), which the property tests compare it with, plan for plan. Measured on 1M
+tokens over 256 ranks (``bench_bridge`` prints both; profiling/results/bridge-plan-cpu-*.md), THD
+both sides: 12-18 ms by runs against 150-260 ms per token on 2 / 1 CPU threads; an ``[S, B, H]``
+student (strided runs): ~45 ms against 190-320 ms. Keys that are not run-structured (with
+``method="auto"``) and bad input (for the exact error message) go through the per-token path.
+Knows nothing about tensors' contents.
 
 Model:
 
@@ -32,17 +38,21 @@ output buffer per teacher).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from mopd.bridge.layout import TokenLayout, encode_keys
+from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
+from mopd.bridge.planner_runs import extract_runs, is_run_structured, plan_from_runs
 
 __all__ = [
     "DestGroup",
     "DestPlan",
+    "PlanMethod",
     "SourceGroup",
     "StudentBatch",
     "TeacherBatch",
@@ -53,6 +63,11 @@ __all__ = [
 ]
 
 _I64 = torch.int64
+_log = logging.getLogger(__name__)
+_logged_fallback: set[bool] = set()
+
+#: How :func:`plan_transfers` joins keys: ``"runs"``, ``"tokens"`` (the reference) or ``"auto"``.
+PlanMethod = Literal["auto", "runs", "tokens"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -114,7 +129,7 @@ class TransferPlan:
         dst_rows_M: ``[M]`` int64 rows of the destination group's full flat buffer.
         dests: one :class:`DestPlan` per destination group.
         num_missing: destination rows with no source (zero-filled; only with ``allow_missing``).
-        signature: a content hash of the inputs.
+        signature: a content hash of the inputs (of the keys as runs, which encode them exactly).
         replica_groups: the ranks of each source group (for balance figures).
         local_copy: if False, a transfer whose source and destination rank coincide still goes
             through the process group (a send/recv to self), e.g. to exercise NCCL at world size 1.
@@ -202,7 +217,9 @@ class TransferPlan:
             "bytes_cross": int(nbytes[cross].sum()) if t.numel() else 0,
             "bytes_local": int(nbytes[~cross].sum()) if t.numel() else 0,
             "max_send_bytes": max(vols) if vols else 0,
-            "send_imbalance": (max(vols) / (sum(vols) / len(vols)) - 1.0) if vols else 0.0,
+            "send_imbalance": (
+                (max(vols) / (sum(vols) / len(vols)) - 1.0) if vols and sum(vols) else 0.0
+            ),
             "replica_imbalance": rep,
             "missing_rows": self.num_missing,
         }
@@ -219,34 +236,9 @@ def _signature(parts: Sequence[object]) -> str:
     return h.hexdigest()
 
 
-def plan_transfers(
-    sources: Sequence[SourceGroup],
-    dests: Sequence[DestGroup],
-    *,
-    num_owners: int | None = None,
-    row_bytes: Sequence[int] | None = None,
-    local_copy: bool = True,
-    allow_missing: bool = False,
-    describe_key: Callable[[int], str] = str,
-) -> TransferPlan:
-    """Join source and destination keys into a :class:`TransferPlan` (pure, deterministic).
-
-    Raises:
-        ValueError: a key held by two source rows (two owners, or twice in one group), a
-            destination key held by no source (unless ``allow_missing``), or a destination buffer
-            whose rows do not split evenly over its ranks.
-    """
-    num_owners = (
-        num_owners if num_owners is not None else (max((s.owner for s in sources), default=-1) + 1)
-    )
-    row_bytes = tuple(row_bytes) if row_bytes is not None else (0,) * num_owners
-    if len(row_bytes) != num_owners:
-        raise ValueError(f"row_bytes has {len(row_bytes)} entries for {num_owners} owners")
-    sig = _signature(
-        [num_owners, row_bytes, local_copy, allow_missing]
-        + [x for s in sources for x in (s.owner, s.ranks, s.key_R)]
-        + [x for d in dests for x in (d.ranks, d.key_R)]
-    )
+def _check_groups(
+    sources: Sequence[SourceGroup], dests: Sequence[DestGroup], num_owners: int
+) -> None:
     for s in sources:
         if not s.ranks or not 0 <= s.owner < num_owners:
             raise ValueError(
@@ -261,6 +253,161 @@ def plan_transfers(
                 f"{len(d.ranks)} equal slices (one per rank of its TP group)"
             )
 
+
+def plan_transfers(
+    sources: Sequence[SourceGroup],
+    dests: Sequence[DestGroup],
+    *,
+    num_owners: int | None = None,
+    row_bytes: Sequence[int] | None = None,
+    local_copy: bool = True,
+    allow_missing: bool = False,
+    describe_key: Callable[[int], str] = str,
+    method: PlanMethod = "auto",
+) -> TransferPlan:
+    """Join source and destination keys into a :class:`TransferPlan` (pure, deterministic).
+
+    Args:
+        method: ``"runs"`` joins runs of keys (:mod:`mopd.bridge.planner_runs`; milliseconds for
+            1M tokens), ``"tokens"`` joins every key (the per-token reference), ``"auto"`` takes
+            runs unless the keys average fewer than ``MIN_MEAN_RUN`` per run (not run-structured,
+            e.g. arbitrary per-row keys), then tokens (logged once). All give identical plans,
+            signature included; errors always come from the per-token path (same messages).
+
+    Raises:
+        ValueError: a key held by two source rows (two owners, or twice in one group), a
+            destination key held by no source (unless ``allow_missing``), or a destination buffer
+            whose rows do not split evenly over its ranks.
+    """
+    if method not in ("auto", "runs", "tokens"):
+        raise ValueError(f"method must be 'auto', 'runs' or 'tokens', got {method!r}")
+    num_owners = (
+        num_owners if num_owners is not None else (max((s.owner for s in sources), default=-1) + 1)
+    )
+    row_bytes = tuple(row_bytes) if row_bytes is not None else (0,) * num_owners
+    if len(row_bytes) != num_owners:
+        raise ValueError(f"row_bytes has {len(row_bytes)} entries for {num_owners} owners")
+    _check_groups(sources, dests, num_owners)
+
+    # runs of both sides: the join's input and, being an exact encoding of the keys, the
+    # signature's (hashing runs instead of every key keeps the signature at microseconds)
+    sizes = [int(d.key_R.numel()) for d in dests]
+    slot_counts = [len(d.ranks) for d in dests]
+    slot_off = [0]
+    for n in slot_counts:
+        slot_off.append(slot_off[-1] + n)
+    src_runs = extract_runs([s.key_R.reshape(-1) for s in sources])
+    dst_runs = extract_runs(
+        [d.key_R.reshape(-1) for d in dests],
+        slice_rows=[n // k for n, k in zip(sizes, slot_counts, strict=True)],
+        slot_offsets=slot_off[:-1],
+    )
+    sig = _signature(
+        [num_owners, row_bytes, local_copy, allow_missing]
+        + [(s.owner, s.ranks, int(s.key_R.numel())) for s in sources]
+        + [(d.ranks, n) for d, n in zip(dests, sizes, strict=True)]
+        + [src_runs.table(), dst_runs.table()]
+    )
+    common = {
+        "num_owners": num_owners,
+        "row_bytes": row_bytes,
+        "local_copy": local_copy,
+        "signature": sig,
+    }
+    use_runs = method == "runs" or (
+        method == "auto" and bool(sources) and is_run_structured(src_runs, dst_runs)
+    )
+    if method == "auto" and not use_runs and src_runs.num_tokens and not _logged_fallback:
+        _logged_fallback.add(True)
+        _log.info(
+            "planner: keys are not run-structured (%d runs for %d keys); planning per token",
+            src_runs.num_runs + dst_runs.num_runs,
+            src_runs.num_tokens + dst_runs.num_tokens,
+        )
+    if use_runs and sources:
+        rep_count = [len(s.ranks) for s in sources]
+        rp = plan_from_runs(
+            src_runs,
+            dst_runs,
+            owner_G=torch.tensor([s.owner for s in sources], dtype=_I64),
+            rep_rank=torch.tensor([r for s in sources for r in s.ranks], dtype=_I64),
+            rep_off_G=torch.tensor([0, *rep_count], dtype=_I64).cumsum(0),
+            slot_rank=torch.tensor([r for d in dests for r in d.ranks], dtype=_I64),
+            dst_sizes=sizes,
+            local_copy=local_copy,
+            allow_missing=allow_missing,
+        )
+        if rp is not None:
+            return _assemble(
+                sources,
+                dests,
+                sizes,
+                transfers_T5=rp.transfers_T5,
+                src_rows_M=rp.src_rows_M,
+                dst_rows_M=rp.dst_rows_M,
+                owner_all=rp.owner_N,
+                num_missing=rp.num_missing,
+                **common,
+            )
+        # bad input: the per-token path below raises the error with its exact message
+    return _plan_per_token(
+        sources, dests, allow_missing=allow_missing, describe_key=describe_key, **common
+    )
+
+
+def _assemble(
+    sources: Sequence[SourceGroup],
+    dests: Sequence[DestGroup],
+    sizes: Sequence[int],
+    *,
+    num_owners: int,
+    row_bytes: tuple[int, ...],
+    local_copy: bool,
+    signature: str,
+    transfers_T5: torch.Tensor,
+    src_rows_M: torch.Tensor,
+    dst_rows_M: torch.Tensor,
+    owner_all: torch.Tensor,
+    num_missing: int,
+) -> TransferPlan:
+    """The :class:`TransferPlan` of both paths' arrays (``owner_all``: destinations concatenated)."""
+    dest_plans = []
+    at = 0
+    for d, n in zip(dests, sizes, strict=True):
+        dest_plans.append(
+            DestPlan(ranks=d.ranks, num_rows=n, owner_N=owner_all[at : at + n], label=d.label)
+        )
+        at += n
+    return TransferPlan(
+        num_owners=num_owners,
+        row_bytes=row_bytes,
+        transfers_T5=transfers_T5.contiguous(),
+        src_rows_M=src_rows_M.contiguous(),
+        dst_rows_M=dst_rows_M.contiguous(),
+        dests=tuple(dest_plans),
+        num_missing=num_missing,
+        signature=signature,
+        replica_groups=tuple(s.ranks for s in sources),
+        local_copy=local_copy,
+    )
+
+
+def _plan_per_token(
+    sources: Sequence[SourceGroup],
+    dests: Sequence[DestGroup],
+    *,
+    num_owners: int,
+    row_bytes: tuple[int, ...],
+    local_copy: bool,
+    allow_missing: bool,
+    describe_key: Callable[[int], str],
+    signature: str,
+) -> TransferPlan:
+    """The per-token reference: one sort of every source and destination key joins them.
+
+    ``O(tokens log tokens)``; kept as the reference the run join is checked against (and as the
+    path for keys that are not run-structured, and for error messages). Expects validated input.
+    """
     # --- sources: [key, group, row] of every held row -----------------------------------------
     empty = torch.empty((0, 3), dtype=_I64)
     src_KGR = (
@@ -340,15 +487,6 @@ def plan_transfers(
     dst_off = torch.tensor([0, *sizes], dtype=_I64).cumsum(0)
     owner_all = torch.full((int(dst_off[-1]),), -1, dtype=_I64)
     owner_all[dst_off[rows[:, 2]] + rows[:, 3]] = owners_src[rows[:, 0]]
-    dest_plans = [
-        DestPlan(
-            ranks=d.ranks,
-            num_rows=n,
-            owner_N=owner_all[int(dst_off[i]) : int(dst_off[i]) + n],
-            label=d.label,
-        )
-        for i, (d, n) in enumerate(zip(dests, sizes, strict=True))
-    ]
 
     # --- blocks: (source group, destination slot), rows by destination row; replica choice -----
     n_rows_max = max(sizes, default=0) + 1
@@ -402,17 +540,19 @@ def plan_transfers(
     )
     t_order = torch.argsort((t_owner * w + t_src) * w + t_dst, stable=True)
     transfers = torch.stack([t_owner, t_src, t_dst, t_starts, t_counts], dim=1)[t_order]
-    return TransferPlan(
+    return _assemble(
+        sources,
+        dests,
+        sizes,
         num_owners=num_owners,
         row_bytes=row_bytes,
-        transfers_T5=transfers.contiguous(),
-        src_rows_M=src_row.contiguous(),
-        dst_rows_M=dst_row.contiguous(),
-        dests=tuple(dest_plans),
-        num_missing=num_missing,
-        signature=sig,
-        replica_groups=tuple(s.ranks for s in sources),
         local_copy=local_copy,
+        signature=signature,
+        transfers_T5=transfers,
+        src_rows_M=src_row,
+        dst_rows_M=dst_row,
+        owner_all=owner_all,
+        num_missing=num_missing,
     )
 
 
@@ -473,12 +613,33 @@ def key_stride(layouts: Sequence[TokenLayout]) -> int:
     return m + 1
 
 
+def _keys_of(layouts: Sequence[TokenLayout], stride: int) -> list[torch.Tensor]:
+    """Per layout, ``[R]`` int64 keys as :func:`encode_keys` (``-1`` = padding), as adjacent views
+    of one buffer (so the run join reads them without a copy). Three passes, no temporaries."""
+    buf = torch.empty(sum(x.num_rows for x in layouts), dtype=_I64)
+    out = []
+    at = 0
+    for x in layouts:
+        v = buf[at : at + x.num_rows]
+        torch.mul(x.sample_id_R, stride, out=v)
+        v.add_(x.position_R)
+        v.clamp_(min=-1)  # padding: -stride - 1 -> -1
+        out.append(v)
+        at += x.num_rows
+    return out
+
+
 def plan_token_exchange(
-    teachers: Sequence[TeacherBatch], student: StudentBatch, *, local_copy: bool = True
+    teachers: Sequence[TeacherBatch],
+    student: StudentBatch,
+    *,
+    local_copy: bool = True,
+    method: PlanMethod = "auto",
 ) -> TransferPlan:
     """Plan moving every token the student's layouts want from the teacher that holds it.
 
     Pure: needs meshes and layouts only (no process group). Owner ``i`` is ``teachers[i]``.
+    ``method`` as in :func:`plan_transfers` (``"tokens"``: the per-token reference).
     """
     all_layouts = [x for t in teachers for x in t.layouts.values()] + list(student.layouts.values())
     stride = key_stride(all_layouts)
@@ -489,25 +650,26 @@ def plan_token_exchange(
         raise ValueError(
             f"sample ids up to {max_sample} with positions up to {stride} overflow int64 keys"
         )
+    src_shards = [(i, d, c) for i, t in enumerate(teachers) for d, c in t.mesh.shards()]
+    src_keys = _keys_of([teachers[i].layouts[(d, c)] for i, d, c in src_shards], stride)
     sources = [
         SourceGroup(
             owner=i,
-            ranks=t.mesh.tp_group_ranks(dp_rank=d, cp_rank=c),
-            key_R=encode_keys(t.layouts[(d, c)].sample_id_R, t.layouts[(d, c)].position_R, stride),
+            ranks=teachers[i].mesh.tp_group_ranks(dp_rank=d, cp_rank=c),
+            key_R=k,
             label=f"teacher {i} (dp={d}, cp={c})",
         )
-        for i, t in enumerate(teachers)
-        for d, c in t.mesh.shards()
+        for (i, d, c), k in zip(src_shards, src_keys, strict=True)
     ]
+    dst_shards = student.mesh.shards()
+    dst_keys = _keys_of([student.layouts[x] for x in dst_shards], stride)
     dests = [
         DestGroup(
             ranks=student.mesh.tp_group_ranks(dp_rank=d, cp_rank=c),
-            key_R=encode_keys(
-                student.layouts[(d, c)].sample_id_R, student.layouts[(d, c)].position_R, stride
-            ),
+            key_R=k,
             label=f"student (dp={d}, cp={c})",
         )
-        for d, c in student.mesh.shards()
+        for (d, c), k in zip(dst_shards, dst_keys, strict=True)
     ]
 
     def describe(key: int) -> str:
@@ -520,4 +682,5 @@ def plan_token_exchange(
         row_bytes=[t.hidden_size * t.itemsize for t in teachers],
         local_copy=local_copy,
         describe_key=describe,
+        method=method,
     )

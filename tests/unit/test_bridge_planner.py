@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mopd.bridge import (
+    DestGroup,
     Mesh,
+    SourceGroup,
     StudentBatch,
     TeacherBatch,
     TokenLayout,
@@ -22,8 +25,11 @@ from mopd.bridge import (
     padded_layout,
     plan_lm_head,
     plan_token_exchange,
+    plan_transfers,
+    planner_runs,
     vocab_layout,
 )
+from mopd.bridge import planner as planner_mod
 from mopd.bridge.executor import RankSchedule
 from mopd.bridge.lm_head import VocabSpec
 from mopd.bridge.synthetic import SideFormat, synthetic_step
@@ -212,7 +218,7 @@ def check_plan(plan, teachers, student, layouts_t, layouts_s, *, local_copy=True
 
 
 @st.composite
-def scenarios(draw):
+def scenarios(draw, max_len=12):
     def mesh(off):
         return Mesh(
             tp=draw(st.integers(1, 3)),
@@ -242,7 +248,7 @@ def scenarios(draw):
         teachers=teachers,
         student=student,
         num_samples=draw(st.integers(1, 8)),
-        max_len=draw(st.integers(1, 12)),
+        max_len=draw(st.integers(1, max_len)),
         teacher_formats=t_fmts,
         student_format=s_fmt,
         seed=draw(st.integers(0, 2**16)),
@@ -381,6 +387,202 @@ def test_contiguous_rows_need_no_pack_pass():
         c = RankSchedule.build(plan, r).counts()
         assert c["pack_bytes"] == 0 and c["unpack_bytes"] == 0
     assert plan.summary()["messages"] == 2
+
+
+# --- the run join against the per-token reference -----------------------------------------
+
+
+def assert_same_plan(a, b):
+    """Bit-identical plans: transfers, row arrays, owners, missing count and signature."""
+    assert a.signature == b.signature
+    assert torch.equal(a.transfers_T5, b.transfers_T5)
+    assert torch.equal(a.src_rows_M, b.src_rows_M)
+    assert torch.equal(a.dst_rows_M, b.dst_rows_M)
+    assert a.src_rows_M.dtype == b.src_rows_M.dtype == torch.int64
+    assert a.num_missing == b.num_missing and a.row_bytes == b.row_bytes
+    assert len(a.dests) == len(b.dests)
+    for x, y in zip(a.dests, b.dests, strict=True):
+        assert x.ranks == y.ranks and x.num_rows == y.num_rows
+        assert torch.equal(x.owner_N, y.owner_N)
+
+
+@given(scenarios(max_len=48), st.booleans())
+@SETTINGS
+def test_run_join_gives_the_per_token_plan(scenario, local_copy):
+    teachers, student, step, _ = scenario
+    ref = _plan(teachers, student, step, local_copy=local_copy, method="tokens")
+    for method in ("runs", "auto"):
+        assert_same_plan(_plan(teachers, student, step, local_copy=local_copy, method=method), ref)
+
+
+def _interleaved_sbh_step():
+    teacher = Mesh(tp=2, cp=1, dp=1)
+    student = Mesh(tp=2, cp=2, dp=2, rank_offset=2)
+    return (
+        teacher,
+        student,
+        synthetic_step(
+            teachers=[teacher],
+            student=student,
+            num_samples=12,
+            max_len=200,
+            teacher_formats=[SideFormat(kind="thd", micro_batch=6)],
+            student_format=SideFormat(kind="sbh", micro_batch=3, pad_multiple=2),
+            seed=5,
+        ),
+    )
+
+
+def test_strided_student_runs_interleave_and_still_match():
+    # [S, B, H] student: a sample's rows are B apart, so within one (teacher shard, student rank)
+    # block the runs interleave and the run join must merge them into destination-row order
+    teacher, student, step = _interleaved_sbh_step()
+    ref = _plan([teacher], student, step, method="tokens")
+    got = _plan([teacher], student, step, method="runs")
+    assert_same_plan(got, ref)
+    check_plan(got, [teacher], student, step.teacher_layouts, step.student_layouts)
+    # the interleaving is real: some transfer's destination rows are not one contiguous range
+    gaps = [int((got.rows_of(t)[1].diff() > 1).sum()) for t in range(got.num_transfers)]
+    assert max(gaps) > 0
+
+
+def test_run_join_plans_long_runs_from_few_runs():
+    # 256 ranks, THD both sides: the plan the benchmark times, at a size a unit test affords
+    teacher = Mesh(tp=8, cp=2, dp=8)
+    student = Mesh(tp=4, cp=4, dp=8, rank_offset=128)
+    step = synthetic_step(
+        teachers=[teacher],
+        student=student,
+        num_samples=24,
+        max_len=512,
+        teacher_formats=[SideFormat(kind="thd", micro_batch=8)],
+        student_format=SideFormat(kind="thd", micro_batch=4, pad_multiple=4),
+        seed=0,
+    )
+    ref = _plan([teacher], student, step, method="tokens")
+    got = _plan([teacher], student, step, method="runs")
+    assert_same_plan(got, ref)
+    assert got.summary()["rows_cross"] == step.num_tokens
+
+
+@st.composite
+def arbitrary_groups(draw):
+    """Source and destination groups with arbitrary keys: shuffled, sorted (runs), padded,
+    duplicated or missing; ranks shared between groups."""
+    sources = []
+    for i in range(draw(st.integers(1, 4))):
+        keys = draw(st.lists(st.integers(-1, 60), max_size=16, unique=draw(st.booleans())))
+        if draw(st.booleans()):
+            keys = sorted(keys)
+        sources.append(
+            SourceGroup(
+                owner=draw(st.integers(0, 1)),
+                ranks=tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True))),
+                key_R=torch.tensor(keys, dtype=torch.int64),
+                label=f"src{i}",
+            )
+        )
+    held = [k for s in sources for k in s.key_R.tolist() if k >= 0]
+    dests = []
+    for i in range(draw(st.integers(0, 4))):
+        ranks = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True)))
+        n = len(ranks) * draw(st.integers(0, 6))
+        pick = st.sampled_from(held) if held and draw(st.booleans()) else st.integers(-1, 62)
+        keys = draw(st.lists(st.one_of(pick, st.just(-1)), min_size=n, max_size=n))
+        if draw(st.booleans()):
+            keys = sorted(keys)
+        dests.append(
+            DestGroup(ranks=ranks, key_R=torch.tensor(keys, dtype=torch.int64), label=f"dst{i}")
+        )
+    return sources, dests
+
+
+def _outcome(sources, dests, **kw):
+    try:
+        return plan_transfers(sources, dests, num_owners=2, row_bytes=[4, 6], **kw)
+    except ValueError as e:
+        return str(e)
+
+
+@given(arbitrary_groups(), st.booleans(), st.booleans())
+@SETTINGS
+def test_run_join_matches_reference_on_arbitrary_keys(groups, local_copy, allow_missing):
+    sources, dests = groups
+    kw = {"local_copy": local_copy, "allow_missing": allow_missing}
+    ref = _outcome(sources, dests, method="tokens", **kw)
+    for method in ("runs", "auto"):
+        got = _outcome(sources, dests, method=method, **kw)
+        if isinstance(ref, str):
+            assert got == ref  # the same error, word for word
+        else:
+            assert not isinstance(got, str), got
+            assert_same_plan(got, ref)
+
+
+def test_run_join_matches_reference_with_missing_rows_allowed():
+    src = [SourceGroup(owner=0, ranks=(0, 1), key_R=torch.tensor([5, 6, 7, 8, -1, 20, 21]))]
+    dst = [DestGroup(ranks=(2, 0), key_R=torch.tensor([4, 5, 6, 7, 8, 9, -1, 21]))]
+    ref = plan_transfers(src, dst, allow_missing=True, method="tokens")
+    got = plan_transfers(src, dst, allow_missing=True, method="runs")
+    assert_same_plan(got, ref)
+    assert got.num_missing == 2 and got.dests[0].owner_N.tolist() == [-1, 0, 0, 0, 0, -1, -1, 0]
+
+
+def test_auto_plans_unstructured_keys_per_token_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(planner_mod, "_logged_fallback", set())
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    src = [SourceGroup(owner=0, ranks=(0,), key_R=perm * 3)]  # keys 3 apart: no runs at all
+    dst = [DestGroup(ranks=(1,), key_R=perm.flip(0) * 3)]
+    with caplog.at_level("INFO", logger=planner_mod.__name__):
+        a = plan_transfers(src, dst)
+        b = plan_transfers(src, dst)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "not run-structured" in caplog.records[0].message
+    assert_same_plan(a, plan_transfers(src, dst, method="runs"))
+    assert_same_plan(b, plan_transfers(src, dst, method="tokens"))
+
+
+def test_signature_tells_layouts_apart():
+    src = [SourceGroup(owner=0, ranks=(0,), key_R=torch.arange(8))]
+
+    def sig(keys):
+        return plan_transfers(src, [DestGroup(ranks=(1,), key_R=torch.tensor(keys))]).signature
+
+    assert sig([0, 1, 2, 3]) == sig([0, 1, 2, 3])
+    assert (
+        len({sig([0, 1, 2, 3]), sig([0, 1, 2, 4]), sig([0, 1, 2, 3, -1]), sig([1, 0, 2, 3])}) == 4
+    )
+
+
+def test_backward_and_strided_runs_match_the_reference():
+    # rows holding descending keys (step -1) and strided ones (step 3, 2) on both sides
+    src = [
+        SourceGroup(owner=0, ranks=(0, 1), key_R=torch.arange(40, 0, -1)),  # keys 40..1
+        SourceGroup(owner=1, ranks=(2,), key_R=torch.arange(100, 130).view(10, 3).T.reshape(-1)),
+    ]
+    want = torch.cat([torch.arange(1, 41).view(20, 2).T.reshape(-1), torch.arange(129, 99, -1)])
+    dst = [DestGroup(ranks=(3, 0), key_R=want), DestGroup(ranks=(1,), key_R=want.flip(0))]
+    for local_copy in (True, False):
+        ref = plan_transfers(src, dst, local_copy=local_copy, method="tokens")
+        assert_same_plan(plan_transfers(src, dst, local_copy=local_copy, method="runs"), ref)
+        assert ref.summary()["rows_cross"] + ref.summary()["rows_local"] == 2 * want.numel()
+
+
+def test_adjacent_key_views_are_read_without_a_copy():
+    buf = torch.arange(20)
+    views = [buf[0:5], buf[5:5], buf[5:12], buf[12:20]]
+    got = planner_runs._concat(views)
+    assert np.shares_memory(got, buf.numpy()) and got.tolist() == list(range(20))
+    gap = planner_runs._concat([buf[0:5], buf[6:12]])  # not adjacent: copied, still right
+    assert not np.shares_memory(gap, buf.numpy())
+    assert gap.tolist() == [*range(5), *range(6, 12)]
+    apart = planner_runs._concat([torch.arange(3), torch.arange(3, 6)])  # two buffers
+    assert apart.tolist() == list(range(6))
+
+
+def test_plan_method_is_validated():
+    with pytest.raises(ValueError, match="method must be 'auto', 'runs' or 'tokens', got 'fast'"):
+        plan_transfers([], [], method="fast")
 
 
 # --- errors --------------------------------------------------------------------------------

@@ -1,0 +1,447 @@
+"""The run-based join behind the transfer planner: work per run of keys, not per token.
+
+Why this file exists: a layout changes every step when packing does, so the plan cannot always
+come from the cache, and the per-token join (one sort of every source and destination key) costs
+~150-300 ms for 1M tokens over 256 ranks. But a buffer's keys are runs: a sample's tokens on a
+rank are a few contiguous position ranges (THD, ``[B, S, H]``, CP chunks), or strided ones
+(``[S, B, H]``). This module finds those runs, joins source runs with destination runs by key
+interval (``O(runs log runs)``), assigns teacher TP replicas per block, and only then expands the
+result into the plan's per-token row arrays with a few linear passes (no sort of the tokens
+unless strided destination runs interleave inside one block; then a merge of sorted runs).
+
+It produces exactly what the per-token reference in :mod:`mopd.bridge.planner` produces (same
+arrays, same order); the property tests check that on random meshes and layouts. It knows nothing
+about :class:`~mopd.bridge.planner.TransferPlan`: it takes key tensors and rank tables and returns
+plain arrays, so :mod:`mopd.bridge.planner` stays the one place the model lives.
+
+Key runs: rows ``row + i * step`` hold keys ``key + i`` (``i < length``) of one group's flat
+buffer. A destination run never crosses a slice boundary (the rows of one receiving rank). Runs
+are found in row order (step 1, one linear pass); a group whose runs come out short (``[S, B, H]``)
+is re-cut by sorting its keys. The linear passes over rows use numpy (one thread, far less
+per-call overhead than torch on the CPU, and no temporaries where ``out=`` serves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MIN_MEAN_RUN",
+    "KeyRuns",
+    "RunPlan",
+    "extract_runs",
+    "is_run_structured",
+    "plan_from_runs",
+]
+
+_I64 = torch.int64
+
+#: Mean run length below which a group's row-order runs are re-found by sorting its keys (strided
+#: ``[S, B, H]`` layouts), and below which, for all groups together, the keys are not considered
+#: run-structured (``method="auto"`` then plans per token).
+MIN_MEAN_RUN = 4
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class KeyRuns:
+    """Runs of the keys of several groups' flat buffers (``K`` runs in all).
+
+    Attributes:
+        group_K: ``[K]`` int64 group index of each run.
+        key_K: ``[K]`` int64 first key; the run holds keys ``key .. key + length - 1``.
+        row_K: ``[K]`` int64 row of the first key, in its group's flat buffer.
+        step_K: ``[K]`` int64 row step between consecutive keys (1 for runs of length 1).
+        length_K: ``[K]`` int64 number of keys (>= 1).
+        slot_K: ``[K]`` int64 global slot (receiving rank) of the run for destinations, else -1.
+        num_tokens: rows with a key (``sum(length_K)``).
+    """
+
+    group_K: torch.Tensor
+    key_K: torch.Tensor
+    row_K: torch.Tensor
+    step_K: torch.Tensor
+    length_K: torch.Tensor
+    slot_K: torch.Tensor
+    num_tokens: int
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.key_K.numel())
+
+    def table(self) -> torch.Tensor:
+        """``[K, 6]`` int64 ``(group, key, row, step, length, slot)`` (for hashing and printing)."""
+        return torch.stack(
+            [self.group_K, self.key_K, self.row_K, self.step_K, self.length_K, self.slot_K], dim=1
+        )
+
+
+def _row_order_runs(key_R: np.ndarray, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Step-1 runs of ``[R]`` keys in row order: ``(start_K, length_K)`` rows; no run spans a break.
+
+    ``breaks`` holds rows where a run must start anew (group and slice starts). Padding (any
+    negative key) belongs to no run. Linear: a few elementwise passes, no sort.
+    """
+    n = key_R.size
+    if n == 0:
+        e = np.empty(0, dtype=np.int64)
+        return e, e.copy()
+    cont = np.empty(n, dtype=bool)  # cont[r]: row r continues row r - 1
+    cont[0] = False
+    np.equal(np.diff(key_R), 1, out=cont[1:])
+    cont[1:] &= key_R[:-1] >= 0
+    cont[breaks] = False
+    start = np.flatnonzero(~cont)  # every maximal chain; a padding row is a chain of its own
+    length = np.diff(start, append=n)
+    keep = key_R[start] >= 0
+    return start[keep], length[keep]
+
+
+def _sorted_runs(
+    key_R: np.ndarray, slice_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of one group's ``[R]`` keys in key order, any constant row step: ``(key, row, step, length)``.
+
+    For strided layouts (``[S, B, H]``: a sample's rows are ``B`` apart). ``slice_rows > 0``
+    keeps each run inside one slice ``row // slice_rows``. ``O(R log R)`` (one stable sort).
+    """
+    row = np.flatnonzero(key_R >= 0)
+    if row.size == 0:
+        e = np.empty(0, dtype=np.int64)
+        return e, e.copy(), e.copy(), e.copy()
+    order = np.argsort(key_R[row], kind="stable")
+    row = row[order]
+    k = key_R[row]
+    n = row.size
+    d = np.diff(row)
+    cont = np.diff(k) == 1
+    if slice_rows > 0:
+        cont &= np.diff(row // slice_rows) == 0
+    # break before element i + 1 if (i, i + 1) is not continuous or changes the step of (i - 1, i)
+    step_change = np.zeros(n - 1, dtype=bool)
+    if n > 2:
+        step_change[1:] = cont[:-1] & (d[1:] != d[:-1])
+    start = np.concatenate([[0], np.flatnonzero(~cont | step_change) + 1]).astype(np.int64)
+    length = np.diff(start, append=n)
+    step = np.ones_like(start)
+    multi = length > 1
+    step[multi] = d[start[multi]]
+    return k[start], row[start], step, length
+
+
+def _as_np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).contiguous().numpy()
+
+
+def _concat(keys: Sequence[torch.Tensor]) -> np.ndarray:
+    """All keys one after another; no copy when they are adjacent views of one int64 buffer."""
+    if not keys:
+        return np.empty(0, dtype=np.int64)
+    if len(keys) == 1:
+        return _as_np(keys[0])
+    first = keys[0]
+    storage = first.untyped_storage()
+    total = sum(k.numel() for k in keys)
+    adjacent = first.numel() > 0 and first.dtype == torch.int64
+    at = first.storage_offset()
+    for k in keys:
+        adjacent = (
+            adjacent
+            and k.dtype == torch.int64
+            and k.is_contiguous()
+            and k.untyped_storage().data_ptr() == storage.data_ptr()
+            and (k.numel() == 0 or k.storage_offset() == at)
+        )
+        at += k.numel()
+    if adjacent and at * 8 <= storage.nbytes():
+        flat = torch.empty(0, dtype=torch.int64).set_(
+            storage, first.storage_offset(), (total,), (1,)
+        )
+        return flat.numpy()
+    return np.concatenate([_as_np(k) for k in keys])
+
+
+def extract_runs(
+    keys: Sequence[torch.Tensor],
+    *,
+    slice_rows: Sequence[int] | None = None,
+    slot_offsets: Sequence[int] | None = None,
+) -> KeyRuns:
+    """Runs of every group's keys (deterministic: a function of the keys and slice sizes only).
+
+    Args:
+        keys: per group, ``[R_g]`` int64 keys of its flat buffer (negative = padding).
+        slice_rows: for destinations, per group the rows of one receiving rank's slice; runs break
+            at slice boundaries and carry their global slot ``slot_offsets[g] + row // slice_rows[g]``.
+        slot_offsets: per group, the global index of its first slot (with ``slice_rows``).
+
+    Row-order step-1 runs first (linear); a group whose mean run is shorter than
+    :data:`MIN_MEAN_RUN` is re-cut by sorting its keys, which finds strided runs.
+    """
+    n_groups = len(keys)
+    sizes = [int(k.numel()) for k in keys]
+    off = [0]
+    for s in sizes:
+        off.append(off[-1] + s)
+    dest = slice_rows is not None
+    slices = list(slice_rows) if slice_rows is not None else [0] * n_groups
+    slots0 = list(slot_offsets) if slot_offsets is not None else [0] * n_groups
+    brk = []
+    for g in range(n_groups):
+        if sizes[g]:
+            brk.append(off[g])
+            if slices[g] > 0:
+                brk.extend(range(off[g] + slices[g], off[g + 1], slices[g]))
+    key_all = _concat(keys)
+    start, length = _row_order_runs(key_all, np.asarray(brk, dtype=np.int64))
+    off_a = np.asarray(off, dtype=np.int64)
+    # runs come in row order, so each group's runs are one slice of them
+    bounds = np.searchsorted(start, off_a)
+    runs_g = np.diff(bounds)
+    cum = np.concatenate([[0], np.cumsum(length)])
+    tok_g = cum[bounds[1:]] - cum[bounds[:-1]]
+    # groups with short row-order runs are re-cut by key order (strided runs)
+    short_g = runs_g * MIN_MEAN_RUN > tok_g
+    if short_g.any():
+        keep = np.repeat(~short_g, runs_g)
+        start, length = start[keep], length[keep]
+        runs_g = np.where(short_g, 0, runs_g)
+    group = np.repeat(np.arange(n_groups, dtype=np.int64), runs_g)
+    key = key_all[start]
+    row = start - off_a[group]
+    step = np.ones_like(start)
+    if short_g.any():
+        cols: list[list[np.ndarray]] = [[group], [key], [row], [step], [length]]
+        for g in np.flatnonzero(short_g).tolist():
+            k, r, st, ln = _sorted_runs(key_all[off[g] : off[g + 1]], slices[g])
+            for c, v in zip(cols, (np.full_like(k, g), k, r, st, ln), strict=True):
+                c.append(v)
+        group, key, row, step, length = (np.concatenate(c) for c in cols)
+    if dest and group.size:
+        slice_a = np.maximum(np.asarray(slices, dtype=np.int64), 1)
+        slot = np.asarray(slots0, dtype=np.int64)[group] + row // slice_a[group]
+    else:
+        slot = np.full_like(group, -1)
+    t = torch.from_numpy
+    return KeyRuns(
+        group_K=t(group),
+        key_K=t(key),
+        row_K=t(row),
+        step_K=t(step),
+        length_K=t(length),
+        slot_K=t(slot),
+        num_tokens=int(length.sum()),
+    )
+
+
+def is_run_structured(*runs: KeyRuns) -> bool:
+    """True if the runs average at least :data:`MIN_MEAN_RUN` keys (the run join pays off)."""
+    n_runs = sum(r.num_runs for r in runs)
+    n_tok = sum(r.num_tokens for r in runs)
+    return n_runs * MIN_MEAN_RUN <= n_tok
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RunPlan:
+    """The plan's arrays, exactly as the per-token reference builds them.
+
+    Attributes:
+        transfers_T5: ``[T, 5]`` int64 ``(owner, src_rank, dst_rank, start, count)``, sorted.
+        src_rows_M: ``[M]`` int64 source rows, by (source group, slot, destination row).
+        dst_rows_M: ``[M]`` int64 destination rows, same order.
+        owner_N: ``[sum N_g]`` int64 owner filling each destination row (groups concatenated), or -1.
+        num_missing: destination rows with a key that no source holds.
+    """
+
+    transfers_T5: torch.Tensor
+    src_rows_M: torch.Tensor
+    dst_rows_M: torch.Tensor
+    owner_N: torch.Tensor
+    num_missing: int
+
+
+def _expand(
+    start_S: np.ndarray,
+    step_S: np.ndarray,
+    offset_S: np.ndarray,
+    length_S: np.ndarray,
+    iota_M: np.ndarray,
+) -> np.ndarray:
+    """``[M]`` rows ``start + i * step`` of each segment, segments one after another."""
+    if bool((step_S == 1).all()):
+        out = np.repeat(start_S - offset_S, length_S)
+        out += iota_M
+        return out
+    out = np.repeat(step_S, length_S)
+    out *= iota_M
+    out += np.repeat(start_S - offset_S * step_S, length_S)
+    return out
+
+
+def plan_from_runs(
+    src: KeyRuns,
+    dst: KeyRuns,
+    *,
+    owner_G: torch.Tensor,
+    rep_rank: torch.Tensor,
+    rep_off_G: torch.Tensor,
+    slot_rank: torch.Tensor,
+    dst_sizes: Sequence[int],
+    local_copy: bool,
+    allow_missing: bool,
+) -> RunPlan | None:
+    """Join source runs with destination runs and build the plan's arrays.
+
+    Args:
+        src: source runs (``group`` = source group index).
+        dst: destination runs (``group`` = destination index, ``slot`` = global slot).
+        owner_G: ``[G]`` owner of each source group.
+        rep_rank: replica global ranks of all source groups, concatenated.
+        rep_off_G: ``[G + 1]`` offsets of each group's replicas in ``rep_rank``.
+        slot_rank: ``[n_slots]`` receiving global rank of each slot.
+        dst_sizes: rows of each destination buffer.
+
+    Returns:
+        The arrays, or ``None`` when the input is bad (a key held twice, or a needed key held by
+        nobody without ``allow_missing``): the caller then runs the per-token path, which raises
+        the error with its exact message.
+    """
+    n_slots = max(int(slot_rank.numel()), 1)
+    n_rows_max = max(dst_sizes, default=0) + 1
+    total_rows = sum(dst_sizes)
+    rep_count = rep_off_G[1:] - rep_off_G[:-1]
+
+    # --- the join: source runs sorted by first key must be disjoint -----------------------
+    ks, o = torch.sort(src.key_K)
+    s_len, s_grp, s_row, s_step = src.length_K[o], src.group_K[o], src.row_K[o], src.step_K[o]
+    ke = ks + s_len
+    if bool((ks[1:] < ke[:-1]).any()):
+        return None  # a key held twice
+    kd, d_len = dst.key_K, dst.length_K
+    lo = torch.searchsorted(ke, kd, right=True)  # first source run ending past kd
+    hi = torch.searchsorted(ks, kd + d_len)  # first source run starting at or past kd + len
+    n_pc = (hi - lo).clamp(min=0)
+    n_pieces = int(n_pc.sum())
+    p = torch.repeat_interleave(torch.arange(kd.numel(), dtype=_I64), n_pc, output_size=n_pieces)
+    s = lo[p] + torch.arange(n_pieces, dtype=_I64) - (torch.cumsum(n_pc, 0) - n_pc)[p]
+    a = torch.maximum(kd[p], ks[s])
+    length = torch.minimum(kd[p] + d_len[p], ke[s]) - a
+    num_missing = dst.num_tokens - int(length.sum())
+    if num_missing and not allow_missing:
+        return None
+
+    # --- segments, ordered by (source group, slot, destination row) = the token order --------
+    seg_grp = s_grp[s]
+    seg_slot = dst.slot_K[p]
+    seg_srow = s_row[s] + (a - ks[s]) * s_step[s]
+    seg_sstep = s_step[s]
+    seg_drow = dst.row_K[p] + (a - kd[p]) * dst.step_K[p]
+    seg_dstep = dst.step_K[p]
+    seg_dgrp = dst.group_K[p]
+    pair = seg_grp * n_slots + seg_slot
+    o = torch.argsort(pair * n_rows_max + seg_drow)
+    seg_grp, seg_slot, pair = seg_grp[o], seg_slot[o], pair[o]
+    seg_srow, seg_sstep, seg_drow, seg_dstep = seg_srow[o], seg_sstep[o], seg_drow[o], seg_dstep[o]
+    seg_dgrp, length = seg_dgrp[o], length[o]
+    n_seg = int(length.numel())
+    m = int(length.sum()) if n_seg else 0
+
+    # --- blocks: (source group, slot) ------------------------------------------------------
+    new_block = torch.ones(n_seg, dtype=torch.bool)
+    if n_seg > 1:
+        new_block[1:] = pair[1:] != pair[:-1]
+    seg_block = torch.cumsum(new_block, 0) - 1
+    first_seg = torch.nonzero(new_block).reshape(-1)
+    n_blocks = int(first_seg.numel())
+    b_count = torch.zeros(n_blocks, dtype=_I64).index_add_(0, seg_block, length)
+    b_start = torch.cumsum(b_count, 0) - b_count
+    b_grp, b_slot = seg_grp[first_seg], seg_slot[first_seg]
+
+    # --- the per-token rows: a few linear passes (numpy: one thread, little overhead) -------
+    n_ = _as_np
+    seg_len = n_(length)
+    seg_off = np.cumsum(seg_len) - seg_len
+    iota = np.arange(m, dtype=np.int64)
+    src_rows = _expand(n_(seg_srow), n_(seg_sstep), seg_off, seg_len, iota)
+    dst_rows = _expand(n_(seg_drow), n_(seg_dstep), seg_off, seg_len, iota)
+    # within a block the tokens must be in increasing destination-row order; they are unless
+    # strided segments interleave (or a segment runs backwards): then merge the sorted segments
+    seg_last = seg_drow + (length - 1) * seg_dstep
+    ordered = bool((seg_last >= seg_drow).all())
+    if ordered and n_seg > 1:
+        same = ~new_block[1:]
+        ordered = not bool((same & (seg_drow[1:] <= seg_last[:-1])).any())
+    if not ordered:
+        blk = np.repeat(n_(seg_block), seg_len)
+        blk *= n_rows_max
+        blk += dst_rows
+        perm = np.argsort(blk, kind="stable")  # timsort: merges the sorted segments
+        src_rows, dst_rows = src_rows[perm], dst_rows[perm]
+
+    # --- owner of every destination row ----------------------------------------------------
+    dst_off = torch.tensor([0, *dst_sizes], dtype=_I64).cumsum(0)
+    seg_owner = owner_G[seg_grp]
+    g_start = dst_off[seg_dgrp] + seg_drow
+    if bool((seg_dstep == 1).all()):  # disjoint row ranges: mark the edges, then a prefix sum
+        delta = torch.zeros(total_rows + 1, dtype=_I64)
+        delta.index_add_(0, g_start, seg_owner + 1)
+        delta.index_add_(0, g_start + length, -(seg_owner + 1))
+        owner_np = np.cumsum(delta.numpy()[:-1])
+        owner_np -= 1
+        owner_all = torch.from_numpy(owner_np)
+    else:
+        owner_all = torch.full((total_rows,), -1, dtype=_I64)
+        g_rows = _expand(n_(g_start), n_(seg_dstep), seg_off, seg_len, iota)
+        owner_all.numpy()[g_rows] = np.repeat(n_(seg_owner), seg_len)
+
+    # --- replicas per block: k near-equal chunks rotated by block, or one local copy --------
+    k_b = rep_count[b_grp]
+    b_rank = slot_rank[b_slot] if n_blocks else torch.empty(0, dtype=_I64)
+    local_rep = torch.full((n_blocks,), -1, dtype=_I64)
+    if local_copy and n_blocks:
+        for r_i in range(int(rep_count.max())):
+            has = (r_i < k_b) & (local_rep < 0)
+            at = torch.where(has, rep_off_G[b_grp] + r_i, torch.zeros_like(b_grp))
+            local_rep[has & (rep_rank[at] == b_rank)] = r_i
+    is_local = local_rep >= 0
+    n_chunks = torch.where(is_local, torch.ones_like(k_b), k_b)
+    n_ch = int(n_chunks.sum()) if n_blocks else 0
+    c_block = torch.repeat_interleave(
+        torch.arange(n_blocks, dtype=_I64), n_chunks, output_size=n_ch
+    )
+    c = torch.arange(n_ch, dtype=_I64) - (torch.cumsum(n_chunks, 0) - n_chunks)[c_block]
+    k_c, cnt_c = k_b[c_block], b_count[c_block]
+    loc_c = is_local[c_block]
+    # chunk c holds block tokens i with i * k // count == c: [ceil(c count / k), ceil((c+1) count / k))
+    c_lo = torch.where(loc_c, torch.zeros_like(c), (c * cnt_c + k_c - 1) // k_c)
+    c_hi = torch.where(loc_c, cnt_c, ((c + 1) * cnt_c + k_c - 1) // k_c)
+    rep = torch.where(loc_c, local_rep[c_block], (c + c_block % k_c) % k_c)
+    nz = torch.nonzero(c_hi > c_lo).reshape(-1)
+    c_block, rep, c_lo, c_hi = c_block[nz], rep[nz], c_lo[nz], c_hi[nz]
+    t_grp = b_grp[c_block]
+    t_src = rep_rank[rep_off_G[t_grp] + rep]
+    t_dst = slot_rank[b_slot[c_block]] if n_blocks else torch.empty(0, dtype=_I64)
+    t_owner = owner_G[t_grp]
+    t_start = b_start[c_block] + c_lo
+    t_count = c_hi - c_lo
+    w = (
+        int(
+            max(
+                int(rep_rank.max()) if rep_rank.numel() else 0,
+                int(slot_rank.max()) if slot_rank.numel() else 0,
+            )
+        )
+        + 1
+    )
+    t_order = torch.argsort((t_owner * w + t_src) * w + t_dst, stable=True)
+    transfers = torch.stack([t_owner, t_src, t_dst, t_start, t_count], dim=1)[t_order]
+    return RunPlan(
+        transfers_T5=transfers.contiguous(),
+        src_rows_M=torch.from_numpy(np.ascontiguousarray(src_rows)),
+        dst_rows_M=torch.from_numpy(np.ascontiguousarray(dst_rows)),
+        owner_N=owner_all,
+        num_missing=num_missing,
+    )
