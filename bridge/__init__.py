@@ -21,6 +21,13 @@ One step, on every rank of every mesh::
 from __future__ import annotations
 
 from mopd.bridge.api import BridgeConfig, HiddenStateBridge, PreparedExchange, TeacherSpec
+from mopd.bridge.errors import (
+    BridgeCommError,
+    BridgeError,
+    BridgeIntegrityError,
+    BridgeStateError,
+    BridgeTimeoutError,
+)
 from mopd.bridge.executor import ExchangeHandle, Executor, RankSchedule
 from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups, lookup_bridge_groups
 from mopd.bridge.layout import (
@@ -55,8 +62,13 @@ from mopd.bridge.planner import (
 )
 
 __all__ = [
+    "BridgeCommError",
     "BridgeConfig",
+    "BridgeError",
     "BridgeGroups",
+    "BridgeIntegrityError",
+    "BridgeStateError",
+    "BridgeTimeoutError",
     "DestGroup",
     "DestPlan",
     "ExchangeHandle",

@@ -12,6 +12,13 @@ Why this file exists: it ties the pieces together on a running job. Each call
 4. plans (cached by the gathered layouts' content) and starts the exchange
    (:class:`mopd.bridge.executor.Executor`), returning a handle to ``.wait()`` on.
 
+Failures of the run (issue 7) are not ``ValueError``: a rank that never calls, raises or dies
+leaves the others with a :class:`~mopd.bridge.errors.BridgeTimeoutError` (or
+:class:`~mopd.bridge.errors.BridgeCommError`) within ``BridgeConfig.timeout_s`` of the phase they
+wait in (the metadata all-gather, or ``wait()``), naming the phase, the peers and the timeout;
+after one, the bridge refuses further calls (:class:`~mopd.bridge.errors.BridgeStateError`).
+``BridgeConfig(integrity=True)`` checks every delivered row (:mod:`mopd.bridge.integrity`).
+
 Call convention: every rank of the bridge group (every rank of every mesh) calls
 :meth:`HiddenStateBridge.exchange` with what it holds: teacher ranks on their mesh's last stage
 pass ``hidden={teacher_index: buffer}`` and ``layouts={teacher_index: layout}``; student ranks on
@@ -30,7 +37,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,14 +47,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.executor import ExchangeHandle, Executor
+from mopd.bridge.errors import (
+    BridgeCommError,
+    BridgeError,
+    BridgeIntegrityError,
+    BridgeStateError,
+    BridgeTimeoutError,
+)
+from mopd.bridge.executor import DebugHook, ExchangeHandle, Executor, buffers_overlap, comm_failure
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import RankRecord, encode_record, gather_records
 from mopd.bridge.planner import StudentBatch, TeacherBatch, TransferPlan, plan_token_exchange
 
-__all__ = ["BridgeConfig", "HiddenStateBridge", "LayoutArg", "PreparedExchange", "TeacherSpec"]
+__all__ = [
+    "BridgeCommError",
+    "BridgeConfig",
+    "BridgeError",
+    "BridgeIntegrityError",
+    "BridgeStateError",
+    "BridgeTimeoutError",
+    "HiddenStateBridge",
+    "LayoutArg",
+    "PreparedExchange",
+    "TeacherSpec",
+]
 
 LayoutArg = TokenLayout | Callable[[], TokenLayout]
 
@@ -69,22 +96,43 @@ class BridgeConfig:
     """Settings of a :class:`HiddenStateBridge`.
 
     Attributes:
-        timeout_s: seconds any collective or transfer may take before failing.
+        timeout_s: seconds each phase may wait on other ranks (the metadata all-gather; a
+            handle's ``wait()``, counted from the call) before raising
+            :class:`~mopd.bridge.errors.BridgeTimeoutError`. Create the groups with a
+            :class:`~mopd.bridge.groups.GroupPool` whose timeout is not longer, so the
+            transport also gives up on abandoned operations.
         local_copy: serve a destination from a replica on the same rank by a local copy.
         keep_sp_shard: each student TP rank keeps only its ``[N / tp, H]`` slice (no all-gather).
-        max_cached_plans: plans kept by layout signature.
+        max_cached_plans: plans (and executor schedules) kept, least recently used dropped.
+        integrity: check every delivered row against the sender's checksum (one extra read of
+            the source and of the output rows, one small message per transfer, and a small
+            all-gather in ``wait()``, which then must be called on every rank of the bridge
+            group); a mismatch raises :class:`~mopd.bridge.errors.BridgeIntegrityError` with the
+            same text on every rank.
     """
 
     timeout_s: float = 300.0
     local_copy: bool = True
     keep_sp_shard: bool = False
     max_cached_plans: int = 8
+    integrity: bool = False
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        if self.max_cached_plans < 1:
-            raise ValueError(f"max_cached_plans must be >= 1, got {self.max_cached_plans}")
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, int | float)
+            or not 0 < self.timeout_s < float("inf")
+        ):
+            raise ValueError(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        if (
+            isinstance(self.max_cached_plans, bool)
+            or not isinstance(self.max_cached_plans, int)
+            or self.max_cached_plans < 1
+        ):
+            raise ValueError(f"max_cached_plans must be an int >= 1, got {self.max_cached_plans!r}")
+        for name in ("local_copy", "keep_sp_shard", "integrity"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -106,6 +154,8 @@ class PreparedExchange:
 
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() < 2:
         raise ValueError(f"{what} must have a hidden dim last (>= 2-D), got shape {tuple(t.shape)}")
     if not t.is_contiguous():
@@ -122,6 +172,7 @@ class HiddenStateBridge:
         groups: this rank's groups (:func:`mopd.bridge.groups.create_bridge_groups`).
         config: settings.
         rank: this process's global rank (default: ``dist.get_rank()``).
+        debug_hook: passed to the executor (tests: corrupt or fail an exchange mid-way).
     """
 
     def __init__(
@@ -132,16 +183,36 @@ class HiddenStateBridge:
         groups: BridgeGroups,
         config: BridgeConfig | None = None,
         rank: int | None = None,
+        debug_hook: DebugHook | None = None,
     ) -> None:
         if not teachers:
             raise ValueError("the bridge needs at least one teacher")
+        bad = [t for t in teachers if not isinstance(t, TeacherSpec)]
+        if bad or not isinstance(student, Mesh):
+            raise ValueError(
+                f"teachers must be TeacherSpec and student a Mesh, got {[type(t).__name__ for t in teachers]} "
+                f"and {type(student).__name__}"
+            )
         self.teachers = tuple(teachers)
         self.student = student
         self.groups = groups
         self.config = config or BridgeConfig()
         self.rank = dist.get_rank() if rank is None else rank
+        want = tuple(sorted(set(student.ranks).union(*(t.mesh.ranks for t in self.teachers))))
+        if tuple(groups.members) != want:
+            raise ValueError(
+                f"groups were created for global ranks {list(groups.members)} but these meshes "
+                f"span {list(want)}: pass create_bridge_groups(pool, teacher_meshes, student) "
+                "for the same meshes"
+            )
         self.timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        self.executor = Executor(rank=self.rank, timeout=self.timeout)
+        self.executor = Executor(
+            rank=self.rank,
+            timeout=self.timeout,
+            max_schedules=self.config.max_cached_plans,
+            integrity=self.config.integrity,
+            debug_hook=debug_hook,
+        )
         backend = dist.get_backend(groups.bridge) if groups.bridge is not None else "gloo"
         self.device_type = "cuda" if backend == "nccl" else "cpu"
         meshes = [t.mesh for t in self.teachers] + [student]
@@ -168,12 +239,18 @@ class HiddenStateBridge:
         )
         sig = repr(
             [(*t.mesh.as_ints(), t.hidden_size) for t in self.teachers]
-            + [student.as_ints(), self.config.local_copy, self.config.keep_sp_shard, groups.members]
+            + [
+                student.as_ints(),
+                self.config.local_copy,
+                self.config.keep_sp_shard,
+                self.config.integrity,
+                groups.members,
+            ]
         )
         self.config_sig = int.from_bytes(
             hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
         )
-        self._plans: dict[str, TransferPlan] = {}
+        self._plans: OrderedDict[str, TransferPlan] = OrderedDict()
 
     # --- the call ------------------------------------------------------------------------------
 
@@ -222,6 +299,7 @@ class HiddenStateBridge:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
+        self.executor.check_usable()
         hidden, layouts, outputs = dict(hidden or {}), dict(layouts or {}), dict(outputs or {})
         n = len(self.teachers)
         error = ""
@@ -238,13 +316,24 @@ class HiddenStateBridge:
         record = encode_record(
             config_sig=self.config_sig, error=error, sources=src_meta, student=stu, outputs=out_meta
         )
-        records = gather_records(
-            record,
-            group=self.groups.bridge,
-            members=self.groups.members,
-            device=self.device,
-            timeout=self.timeout,
-        )
+        t0 = time.monotonic()
+        try:
+            records = gather_records(
+                record,
+                group=self.groups.bridge,
+                members=self.groups.members,
+                device=self.device,
+                timeout=self.timeout,
+            )
+        except Exception as exc:
+            self.executor.mark_failed(exc)
+            raise comm_failure(
+                exc,
+                rank=self.rank,
+                what=f"the bridge's metadata all-gather over global ranks {list(self.groups.members)}",
+                timeout_s=self.config.timeout_s,
+                elapsed_s=time.monotonic() - t0,
+            ) from exc
         plan = self._validate_and_plan(records)
         owner_N = None
         me = self.student.coord(self.rank)
@@ -297,6 +386,7 @@ class HiddenStateBridge:
                 )
             src_meta[o] = (layout, flat.shape[1], flat.dtype, flat.device)
             sources[o] = flat
+        self._check_devices_and_aliasing(hidden, {})
         is_student = self.student.is_last_stage(self.rank)
         if is_student != (student_layout is not None):
             want = "must pass" if is_student else "must not pass"
@@ -314,7 +404,31 @@ class HiddenStateBridge:
         for o, t in outputs.items():
             flat = _flat(t, f"output buffer for teacher {o}")
             out_meta[o] = (flat.shape[0], flat.shape[1], flat.dtype, flat.device)
+        self._check_devices_and_aliasing(hidden, outputs)
         return stu
+
+    def _check_devices_and_aliasing(
+        self, hidden: Mapping[int, torch.Tensor], outputs: Mapping[int, torch.Tensor]
+    ) -> None:
+        """Buffers on another device of the bridge's type, and outputs sharing memory (local)."""
+        named = [(f"hidden[{o}]", t) for o, t in sorted(hidden.items())] + [
+            (f"outputs[{o}]", t) for o, t in sorted(outputs.items())
+        ]
+        for name, t in named:
+            if t.device.type == self.device.type and t.device != self.device:
+                raise ValueError(
+                    f"{name} is on {t.device} but this rank's bridge moves tensors on {self.device} "
+                    "(the current CUDA device when the bridge was built)"
+                )
+        for i, (name, t) in enumerate(named):
+            if not name.startswith("outputs"):
+                continue
+            for other, u in named[:i]:
+                if buffers_overlap(t, u):
+                    raise ValueError(
+                        f"{name} shares memory with {other} on this rank: the bridge writes every "
+                        "row of an output buffer, so it must not alias a source or another output"
+                    )
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
 
@@ -417,13 +531,15 @@ class HiddenStateBridge:
             key.update(v.digest().encode())
         cache_key = key.hexdigest()
         plan = self._plans.get(cache_key)
-        if plan is None:
+        if plan is not None:
+            self._plans.move_to_end(cache_key)
+        else:
             plan = plan_token_exchange(
                 [tb for tb, _ in teacher_batches],
                 StudentBatch(mesh=s, layouts=stu),
                 local_copy=self.config.local_copy,
             )
             if len(self._plans) >= self.config.max_cached_plans:
-                self._plans.pop(next(iter(self._plans)))
+                self._plans.popitem(last=False)
             self._plans[cache_key] = plan
         return plan

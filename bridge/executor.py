@@ -20,24 +20,66 @@ place (``all_gather_into_tensor`` with this rank's slice as input). Data never l
 of its tensors: CUDA tensors go over NCCL, CPU tensors over gloo. Kernels run with
 ``check_bounds=False`` (no host sync): plan rows are in range by construction, and buffer row
 counts are validated against the layouts before planning. Staging buffers are reused
-across calls with the same plan, dtype and device.
+across calls (a pool per owner and dtype, grown to the largest need, one buffer per exchange in
+flight); schedules are kept for the last ``max_schedules`` plans.
+
+Reliability (issue 7): every wait has a deadline of ``timeout`` from the start of
+:meth:`ExchangeHandle.wait`; a transfer that misses it, or fails because a peer died, raises a
+:class:`~mopd.bridge.errors.BridgeTimeoutError` / :class:`~mopd.bridge.errors.BridgeCommError`
+naming this rank, the peers whose messages did not complete, and the timeout. After such a
+failure the executor refuses further exchanges (:class:`~mopd.bridge.errors.BridgeStateError`):
+the process group may still hold pending receives into old buffers, and a late message could be
+matched to a later exchange. Handles complete in start order (waiting on a later handle completes
+the earlier ones first), so every rank issues the student TP all-gathers in the same order. With
+``integrity=True`` rows are checked end to end (:mod:`mopd.bridge.integrity`); ``wait()`` is then
+a collective over the bridge group (every rank's verdict is all-gathered, so all raise alike).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mopd.bridge.errors import (
+    BridgeCommError,
+    BridgeError,
+    BridgeIntegrityError,
+    BridgeStateError,
+    BridgeTimeoutError,
+)
 from mopd.bridge.groups import all_gather_flat
+from mopd.bridge.integrity import (
+    BlockMismatch,
+    decode_mismatches,
+    encode_mismatches,
+    format_mismatches,
+    row_checksum,
+)
 from mopd.bridge.planner import TransferPlan
 from mopd.kernels import copy_runs, gather_rows, scatter_rows
 
-__all__ = ["ExchangeHandle", "Executor", "RankSchedule", "row_runs"]
+__all__ = [
+    "DebugHook",
+    "ExchangeHandle",
+    "Executor",
+    "RankSchedule",
+    "buffers_overlap",
+    "comm_failure",
+    "row_runs",
+]
+
+#: ``hook(point, blocks)``: called at ``"packed"`` (send buffers, after packing, before posting),
+#: ``"posted"`` (after the batch is posted) and ``"received"`` (receive buffers, before
+#: unpacking) with ``(owner, peer_global_rank, rows_RH)`` blocks; tests use it to corrupt bytes
+#: in flight or to fail a rank mid-exchange.
+DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
 
 _I64 = torch.int64
 #: Average run length from which rows move as block copies (``copy_runs``) rather than per row.
@@ -97,6 +139,7 @@ class _Op:
     count: int
     stage_off: int  # offset in this owner's staging buffer (send or recv), -1 when none
     side: _Side
+    peer_rows: torch.Tensor  # [R] the other side's rows (for integrity messages)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -136,6 +179,7 @@ class RankSchedule:
     recv_stage_rows: dict[int, int]
     fill: dict[int, torch.Tensor]
     row_bytes: tuple[int, ...]
+    src_span: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @staticmethod
     def build(plan: TransferPlan, rank: int) -> RankSchedule:
@@ -190,7 +234,14 @@ class RankSchedule:
                     off = send_rows.get(owner, 0)
                     send_rows[owner] = off + src_rows.numel()
                 sends.append(
-                    _Op(owner=owner, peer=dst, count=src_rows.numel(), stage_off=off, side=side)
+                    _Op(
+                        owner=owner,
+                        peer=dst,
+                        count=src_rows.numel(),
+                        stage_off=off,
+                        side=side,
+                        peer_rows=dst_rows,
+                    )
                 )
             if dst == rank:
                 side = _side(dst_rows)
@@ -199,8 +250,24 @@ class RankSchedule:
                     off = recv_rows.get(owner, 0)
                     recv_rows[owner] = off + dst_rows.numel()
                 recvs.append(
-                    _Op(owner=owner, peer=src, count=dst_rows.numel(), stage_off=off, side=side)
+                    _Op(
+                        owner=owner,
+                        peer=src,
+                        count=dst_rows.numel(),
+                        stage_off=off,
+                        side=side,
+                        peer_rows=src_rows,
+                    )
                 )
+        span: dict[int, tuple[int, int]] = {}
+        for rows in [(o.owner, o.side.rows) for o in sends] + [
+            (x.owner, x.src.rows) for x in locals_
+        ]:
+            owner, r = rows
+            if r.numel():
+                lo, hi = int(r.min()), int(r.max()) + 1
+                old = span.get(owner, (lo, hi))
+                span[owner] = (min(lo, old[0]), max(hi, old[1]))
         fill: dict[int, torch.Tensor] = {}
         if dest_index >= 0:
             for owner in range(plan.num_owners):
@@ -221,6 +288,7 @@ class RankSchedule:
             recv_stage_rows=recv_rows,
             fill=fill,
             row_bytes=plan.row_bytes,
+            src_span=span,
         )
 
     def counts(self) -> dict[str, int]:
@@ -319,69 +387,206 @@ def _local(src_NH: torch.Tensor, op: _Local, out_NH: torch.Tensor, dev: _Dev) ->
         raise AssertionError(op.mode)
 
 
+def buffers_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if the byte ranges of ``a`` and ``b`` (contiguous, same device) intersect.
+
+    Tensors without storage (``meta``) or on different devices never overlap.
+    """
+    if a.device != b.device or a.device.type not in ("cpu", "cuda"):
+        return False
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def comm_failure(
+    exc: BaseException, *, rank: int, what: str, timeout_s: float, elapsed_s: float
+) -> BridgeError:
+    """A :class:`BridgeTimeoutError` or :class:`BridgeCommError` for a failed wait on ``what``.
+
+    A failure counts as a timeout when the transport says so or when the full timeout elapsed.
+    """
+    msg = str(exc)
+    low = msg.lower()
+    said_timeout = any(k in low for k in ("timed out", "timeout", "timing out", "time out"))
+    if said_timeout or elapsed_s >= 0.98 * timeout_s:
+        return BridgeTimeoutError(
+            f"global rank {rank}: {what} did not complete within BridgeConfig.timeout_s="
+            f"{timeout_s:g} s (waited {elapsed_s:.1f} s): a rank of the bridge group did not call "
+            "the bridge (called on some ranks only), raised or exited before its part, or is "
+            f"slower than the timeout. Transport said: {msg}"
+        )
+    return BridgeCommError(
+        f"global rank {rank}: {what} failed after {elapsed_s:.1f} s (timeout_s={timeout_s:g}): "
+        f"the transport reported an error, typically because a peer process died or aborted. "
+        f"Transport said: {msg}"
+    )
+
+
+class _StagePool:
+    """Staging buffers reused across exchanges.
+
+    Per key ``(kind, owner, dtype, device, H)`` a free list; a buffer is held by one exchange in
+    flight and returned on its ``wait()``; a buffer too small for a new plan is replaced by a
+    larger one. Memory is therefore bounded by (exchanges in flight) x (largest need).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self.allocations = 0
+        self.bytes = 0
+        self.buffers = 0
+
+    def acquire(self, key: tuple[Any, ...], rows: int, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get(key)
+        if free:
+            t = free.pop()
+            if t.shape[0] >= rows:
+                return t
+            self.bytes -= t.numel() * t.element_size()
+            self.buffers -= 1
+        t = torch.empty((rows, like.shape[1]), dtype=like.dtype, device=like.device)
+        self.allocations += 1
+        self.buffers += 1
+        self.bytes += t.numel() * t.element_size()
+        return t
+
+    def release(self, key: tuple[Any, ...], t: torch.Tensor) -> None:
+        self._free.setdefault(key, []).append(t)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Drop a buffer for good (a failed exchange may still write into it)."""
+        self.buffers -= 1
+        self.bytes -= t.numel() * t.element_size()
+
+
 @dataclass(kw_only=True, eq=False)
-class ExchangeHandle:
-    """An exchange in flight. :meth:`wait` returns ``owner -> output`` once rows are in place."""
+class _Flight:
+    """One started exchange: what ``wait()`` needs to complete, check and release it."""
 
     works: list[Any]
-    finish: Any
-    release: Any
+    descs: list[str]
+    finish: Callable[[], None]
+    staged: list[tuple[tuple[Any, ...], torch.Tensor]]
+    outputs: list[torch.Tensor]
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(kw_only=True, eq=False)
+class ExchangeHandle:
+    """An exchange in flight. :meth:`wait` returns ``owner -> output`` once rows are in place.
+
+    Handles of one executor complete in start order: waiting on a later handle first completes
+    the earlier ones (every rank then runs the student TP all-gathers in the same order).
+    """
+
+    executor: Executor
+    flight: _Flight
     timeout: datetime.timedelta
     outputs: dict[int, torch.Tensor]
-    done: bool = False
-    _result: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.flight.done
 
     def wait(self) -> dict[int, torch.Tensor]:
-        """Complete the transfer (and the student TP all-gather); idempotent."""
-        if not self.done:
-            try:
-                for w in self.works:
-                    w.wait(self.timeout)
-                self.finish()
-            finally:  # a failed wait does not leave the plan marked in flight
-                self.release()
-            self.done = True
+        """Complete the transfer (and the student TP all-gather); idempotent.
+
+        Raises:
+            BridgeTimeoutError: a transfer did not complete within the timeout (from this call).
+            BridgeCommError: the transport failed (a peer died).
+            BridgeIntegrityError: integrity mode found corrupted rows (on every rank alike).
+            BridgeStateError: an earlier exchange of this executor failed.
+        """
+        self.executor._complete_through(self.flight)
         return self.outputs
 
 
 class Executor:
-    """Runs plans for one global rank; caches schedules and staging buffers per plan.
+    """Runs plans for one global rank; caches schedules (LRU) and pools staging buffers.
 
     Args:
         rank: this process's global rank.
-        timeout: for waiting on sends/receives and the TP all-gather.
+        timeout: deadline for each ``wait()`` (sends/receives and the TP all-gather).
+        max_schedules: schedules kept (least recently used dropped first).
+        integrity: check every delivered row (:mod:`mopd.bridge.integrity`); makes ``wait()``
+            a collective over the bridge group.
+        debug_hook: see :data:`DebugHook` (tests only).
     """
 
-    def __init__(self, *, rank: int, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        timeout: datetime.timedelta,
+        max_schedules: int = 8,
+        integrity: bool = False,
+        debug_hook: DebugHook | None = None,
+    ) -> None:
+        if max_schedules < 1:
+            raise ValueError(f"max_schedules must be >= 1, got {max_schedules}")
         self.rank = rank
         self.timeout = timeout
-        self._schedules: dict[str, RankSchedule] = {}
-        self._stages: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.max_schedules = max_schedules
+        self.integrity = integrity
+        self.debug_hook = debug_hook
+        self._schedules: OrderedDict[str, RankSchedule] = OrderedDict()
         self._devs: dict[tuple[str, str], _Dev] = {}
+        self._pool = _StagePool()
         self._zeros: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._inflight: set[str] = set()
+        self._flights: list[_Flight] = []
+        self.failure: str | None = None
+        self.exchanges = 0
+
+    # --- bookkeeping ---------------------------------------------------------------------------
 
     def schedule(self, plan: TransferPlan) -> RankSchedule:
-        """This rank's schedule for ``plan`` (built once per plan signature)."""
+        """This rank's schedule for ``plan`` (built once per plan signature, LRU-bounded)."""
         s = self._schedules.get(plan.signature)
         if s is None:
-            if len(self._schedules) > 16:
-                self._schedules.clear()
-                self._devs.clear()
-                self._stages.clear()
             s = RankSchedule.build(plan, self.rank)
             self._schedules[plan.signature] = s
+            while len(self._schedules) > self.max_schedules:
+                old, _ = self._schedules.popitem(last=False)
+                for k in [k for k in self._devs if k[0] == old]:
+                    del self._devs[k]
+        else:
+            self._schedules.move_to_end(plan.signature)
         return s
 
-    def _stage(
-        self, plan: TransferPlan, kind: str, owner: int, rows: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        key = (plan.signature, kind, owner, like.dtype, like.device, like.shape[1])
-        t = self._stages.get(key)
-        if t is None or t.shape[0] < rows:
-            t = torch.empty((rows, like.shape[1]), dtype=like.dtype, device=like.device)
-            self._stages[key] = t
-        return t
+    def memory_stats(self) -> dict[str, int]:
+        """Buffers this executor holds: staging (bytes, buffers, allocations ever), zero rows,
+        cached schedules, device index caches, exchanges in flight and started."""
+        return {
+            "staging_bytes": self._pool.bytes,
+            "staging_buffers": self._pool.buffers,
+            "staging_allocations": self._pool.allocations,
+            "zeros_bytes": sum(z.numel() * z.element_size() for z in self._zeros.values()),
+            "schedules": len(self._schedules),
+            "device_caches": len(self._devs),
+            "in_flight": len(self._flights),
+            "exchanges": self.exchanges,
+        }
+
+    def check_usable(self) -> None:
+        """Raise :class:`BridgeStateError` if an earlier exchange failed (local, no communication)."""
+        if self.failure is not None:
+            raise BridgeStateError(
+                f"global rank {self.rank}: this bridge cannot be used after a failed exchange "
+                f"({self.failure}); its process group may still hold sends/receives of that "
+                "exchange, which a later one could match. Create new groups (a new GroupPool and "
+                "create_bridge_groups) and a new HiddenStateBridge on every rank."
+            )
+
+    def mark_failed(self, exc: BaseException) -> None:
+        """Refuse further exchanges (see :meth:`check_usable`); keeps the first cause."""
+        if self.failure is None:
+            self.failure = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    # --- start ---------------------------------------------------------------------------------
 
     def start(
         self,
@@ -399,71 +604,293 @@ class Executor:
             sources: ``owner -> [R, H]`` flat source rows this rank holds (as a replica).
             outputs: ``owner -> [N, H]`` the destination group's full flat buffer, or with
                 ``keep_slice`` this rank's ``[N / tp, H]`` slice. Rows are overwritten.
-            group: the bridge process group (point-to-point).
+            group: the bridge process group (point-to-point; the integrity verdict).
             tp_group: the destination group's all-gather group (ignored with ``keep_slice``).
         Returns:
             A handle; call ``.wait()`` before reading ``outputs``.
         """
-        if plan.signature in self._inflight:
-            raise RuntimeError(
-                "an exchange with this plan is still in flight on this rank: call .wait() on its "
-                "handle before starting the next one (they share staging buffers)"
-            )
+        self.check_usable()
+        for f in self._flights:
+            for a in f.outputs:
+                for b in outputs.values():
+                    if buffers_overlap(a, b):
+                        raise BridgeStateError(
+                            f"global rank {self.rank}: an exchange writing into the same output "
+                            "buffer is still in flight on this rank: call .wait() on its handle "
+                            "before starting the next one, or pass other output buffers"
+                        )
         sched = self.schedule(plan)
         dev_key = next(iter(outputs.values()), next(iter(sources.values()), None))
-        dev = self._dev(dev_key.device if dev_key is not None else torch.device("cpu"))
+        dev = self._dev(
+            plan.signature, dev_key.device if dev_key is not None else torch.device("cpu")
+        )
         off = 0 if keep_slice else sched.row_offset
         targets = {o: t[off : off + sched.slice_rows] for o, t in outputs.items()}
-        # zero rows nobody writes (disjoint from every written row, so order does not matter)
-        for owner, rows in sched.fill.items():
-            if rows.numel():
-                self._zero_rows(targets[owner], rows, dev)
-        ops: list[dist.P2POp] = []
-        pending: list[tuple[torch.Tensor, _Side, torch.Tensor]] = []
-        for op in sched.sends:
-            src = sources[op.owner]
-            if op.side.mode == "view":
-                buf = src[op.side.first : op.side.first + op.count]
-            else:
-                stage = self._stage(plan, "send", op.owner, sched.send_stage_rows[op.owner], src)
-                buf = stage[op.stage_off : op.stage_off + op.count]
-                _pack(src, op.side, buf, dev)
-            ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group))
-        for op in sched.recvs:
-            out = targets[op.owner]
-            if op.side.mode == "view":
-                buf = out[op.side.first : op.side.first + op.count]
-            else:
-                stage = self._stage(plan, "recv", op.owner, sched.recv_stage_rows[op.owner], out)
-                buf = stage[op.stage_off : op.stage_off + op.count]
-                pending.append((buf, op.side, out))
-            ops.append(dist.P2POp(dist.irecv, buf, op.peer, group=group))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self._inflight.add(plan.signature)
-        for op in sched.locals:
-            _local(sources[op.owner], op, targets[op.owner], dev)
+        staged: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+
+        def stage(kind: str, owner: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+            key = (kind, owner, like.dtype, like.device, like.shape[1])
+            t = self._pool.acquire(key, rows, like)
+            staged.append((key, t))
+            return t
+
+        try:
+            # zero rows nobody writes (disjoint from every written row, so order does not matter)
+            for owner, rows in sched.fill.items():
+                if rows.numel():
+                    self._zero_rows(targets[owner], rows, dev)
+            src_sums: dict[int, torch.Tensor] = {}
+            if self.integrity:  # checksums of the source rows, before any packing
+                for owner, (lo, hi) in sched.src_span.items():
+                    src_sums[owner] = row_checksum(sources[owner][lo:hi])
+            ops: list[dist.P2POp] = []
+            descs: list[str] = []
+            send_blocks: list[tuple[int, int, torch.Tensor]] = []
+            recv_blocks: list[tuple[int, int, torch.Tensor]] = []
+            pending: list[tuple[torch.Tensor, _Side, torch.Tensor]] = []
+            checks: list[tuple[_Op | _Local, torch.Tensor]] = []
+            send_stage = {
+                o: stage("send", o, n, sources[o]) for o, n in sched.send_stage_rows.items()
+            }
+            recv_stage = {
+                o: stage("recv", o, n, targets[o]) for o, n in sched.recv_stage_rows.items()
+            }
+            for op in sched.sends:
+                src = sources[op.owner]
+                if op.side.mode == "view":
+                    buf = src[op.side.first : op.side.first + op.count]
+                else:
+                    buf = send_stage[op.owner][op.stage_off : op.stage_off + op.count]
+                    _pack(src, op.side, buf, dev)
+                send_blocks.append((op.owner, op.peer, buf))
+                ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group))
+                descs.append(f"send to global rank {op.peer} (teacher {op.owner}, {op.count} rows)")
+                if self.integrity:
+                    lo = sched.src_span[op.owner][0]
+                    sums = src_sums[op.owner][dev(op.side.rows) - lo]
+                    ops.append(dist.P2POp(dist.isend, sums, op.peer, group=group))
+                    descs.append(f"send to global rank {op.peer} (teacher {op.owner}, checksums)")
+            for op in sched.recvs:
+                out = targets[op.owner]
+                if op.side.mode == "view":
+                    buf = out[op.side.first : op.side.first + op.count]
+                else:
+                    buf = recv_stage[op.owner][op.stage_off : op.stage_off + op.count]
+                    pending.append((buf, op.side, out))
+                recv_blocks.append((op.owner, op.peer, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, op.peer, group=group))
+                descs.append(
+                    f"receive from global rank {op.peer} (teacher {op.owner}, {op.count} rows)"
+                )
+                if self.integrity:
+                    sums = torch.empty(op.count, dtype=torch.int64, device=out.device)
+                    checks.append((op, sums))
+                    ops.append(dist.P2POp(dist.irecv, sums, op.peer, group=group))
+                    descs.append(
+                        f"receive from global rank {op.peer} (teacher {op.owner}, checksums)"
+                    )
+            if self.debug_hook is not None:
+                self.debug_hook("packed", send_blocks)
+            try:
+                works = dist.batch_isend_irecv(ops) if ops else []
+            except Exception as exc:
+                self.mark_failed(exc)
+                raise comm_failure(
+                    exc,
+                    rank=self.rank,
+                    what="posting the bridge's sends/receives",
+                    timeout_s=self.timeout.total_seconds(),
+                    elapsed_s=0.0,
+                ) from exc
+            self.exchanges += 1
+            if self.debug_hook is not None:
+                self.debug_hook("posted", [])
+            for lop in sched.locals:
+                if self.integrity:
+                    lo = sched.src_span[lop.owner][0]
+                    checks.append((lop, src_sums[lop.owner][dev(lop.src.rows) - lo]))
+                _local(sources[lop.owner], lop, targets[lop.owner], dev)
+
+        except BaseException as exc:
+            # this rank stops mid-exchange: peers' messages may still arrive for it, and its own
+            # posted receives may still land in the staging buffers, so neither is ever reused
+            self.mark_failed(exc)
+            for _key, t in staged:
+                self._pool.forget(t)
+            raise
 
         def finish() -> None:
+            if self.debug_hook is not None:
+                self.debug_hook("received", recv_blocks)
             for buf, side, out in pending:
                 _unpack(buf, side, out, dev)
+            if self.integrity:
+                self._verify(sched, targets, checks, dev, group)
             if tp_group is not None and not keep_slice and sched.dest_index >= 0:
                 n_ranks = len(plan.dests[sched.dest_index].ranks)
                 if n_ranks > 1:
                     for owner in sorted(outputs):
-                        all_gather_flat(
-                            outputs[owner], targets[owner], group=tp_group, timeout=self.timeout
+                        self._timed(
+                            lambda owner=owner: all_gather_flat(
+                                outputs[owner],
+                                targets[owner],
+                                group=tp_group,
+                                timeout=self.timeout,
+                            ),
+                            "the student TP all-gather after the crossing",
                         )
 
-        return ExchangeHandle(
-            works=works,
+        flight = _Flight(
+            works=list(works),
+            descs=descs if len(works) == len(descs) else ["; ".join(descs)] * len(works),
             finish=finish,
-            release=lambda: self._inflight.discard(plan.signature),
-            timeout=self.timeout,
-            outputs=dict(outputs),
+            staged=staged,
+            outputs=list(outputs.values()),
+        )
+        self._flights.append(flight)
+        return ExchangeHandle(
+            executor=self, flight=flight, timeout=self.timeout, outputs=dict(outputs)
         )
 
-    def _dev(self, device: torch.device) -> _Dev:
-        key = (str(device), "")
+    # --- wait ----------------------------------------------------------------------------------
+
+    def _timed(self, fn: Callable[[], None], what: str) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+        except BridgeError:
+            raise
+        except Exception as exc:
+            raise comm_failure(
+                exc,
+                rank=self.rank,
+                what=what,
+                timeout_s=self.timeout.total_seconds(),
+                elapsed_s=time.monotonic() - t0,
+            ) from exc
+
+    def _complete_through(self, flight: _Flight) -> None:
+        """Complete every flight started up to and including ``flight``, in start order."""
+        if flight.done:
+            if flight.error is not None:
+                raise flight.error
+            return
+        while self._flights:
+            f = self._flights[0]
+            try:
+                self._complete(f)
+            except BridgeIntegrityError as exc:
+                # every rank reached the same verdict and no message is pending: the group and
+                # the staging buffers stay usable, the rows of this exchange do not
+                f.error, f.done = exc, True
+                self._flights.pop(0)
+                for key, t in f.staged:
+                    self._pool.release(key, t)
+                raise
+            except BaseException as exc:
+                self.mark_failed(exc)
+                for g in self._flights:  # later flights share the broken group: fail them too
+                    g.error, g.done = exc, True
+                    for _key, t in g.staged:  # pending receives may still land there
+                        self._pool.forget(t)
+                self._flights.clear()
+                raise
+            f.done = True
+            self._flights.pop(0)
+            for key, t in f.staged:
+                self._pool.release(key, t)
+            if f is flight:
+                return
+
+    def _complete(self, f: _Flight) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout.total_seconds()
+        for i, w in enumerate(f.works):
+            left = max(deadline - time.monotonic(), 1e-3)
+            try:
+                w.wait(datetime.timedelta(seconds=left))
+            except Exception as exc:
+                pending = []
+                for w2, d in zip(f.works[i:], f.descs[i:], strict=True):
+                    try:
+                        completed = bool(w2.is_completed()) and w2 is not w
+                    except Exception:
+                        completed = False
+                    if not completed and d not in pending:
+                        pending.append(d)
+                raise comm_failure(
+                    exc,
+                    rank=self.rank,
+                    what="the bridge exchange (incomplete: " + "; ".join(pending) + ")",
+                    timeout_s=self.timeout.total_seconds(),
+                    elapsed_s=time.monotonic() - t0,
+                ) from exc
+        f.finish()
+
+    def _verify(
+        self,
+        sched: RankSchedule,
+        targets: Mapping[int, torch.Tensor],
+        checks: Sequence[tuple[_Op | _Local, torch.Tensor]],
+        dev: _Dev,
+        group: Any,
+    ) -> None:
+        """Compare delivered rows with the senders' checksums; same verdict on every rank."""
+        actual = {o: row_checksum(t) for o, t in targets.items()} if sched.dest_index >= 0 else {}
+        bad: list[torch.Tensor] = []
+        what: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        for op, expected in checks:
+            if isinstance(op, _Op):
+                dst_rows, src_rows, peer = op.side.rows, op.peer_rows, op.peer
+            else:
+                dst_rows, src_rows, peer = op.dst.rows, op.src.rows, self.rank
+            bad.append(actual[op.owner][dev(dst_rows)] != expected)
+            what.append((op.owner, peer, dst_rows, src_rows))
+        for owner, rows in sched.fill.items():
+            if rows.numel():
+                bad.append(actual[owner][dev(rows)] != 0)
+                what.append((owner, -1, rows, torch.empty(0, dtype=torch.int64)))
+        found: list[BlockMismatch] = []
+        if bad:
+            counts = torch.stack([b.sum() for b in bad]).tolist()  # the one host sync
+            for b, n, (owner, peer, dst_rows, src_rows) in zip(bad, counts, what, strict=True):
+                if not n:
+                    continue
+                idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
+                found.append(
+                    BlockMismatch(
+                        owner=owner,
+                        src_rank=peer,
+                        dst_rank=self.rank,
+                        rows=int(dst_rows.numel()),
+                        bad=int(n),
+                        dst_rows=tuple((dst_rows[idx] + sched.row_offset).tolist()),
+                        src_rows=tuple(src_rows[idx].tolist()) if src_rows.numel() else (),
+                    )
+                )
+        mine = encode_mismatches(found)
+        if group is None:
+            reports = [(self.rank, *decode_mismatches(mine))]
+        else:
+            device = next(iter(targets.values())).device if targets else torch.device("cpu")
+            if dist.get_backend(group) == "nccl" and device.type != "cuda":
+                device = torch.device("cuda", torch.cuda.current_device())
+            n = dist.get_world_size(group)
+            every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+            self._timed(
+                lambda: all_gather_flat(every, mine.to(device), group=group, timeout=self.timeout),
+                "the integrity verdict (all-gather over the bridge group)",
+            )
+            ranks = dist.get_process_group_ranks(group)
+            rows = every.cpu().view(n, -1)
+            reports = [(ranks[j], *decode_mismatches(rows[j])) for j in range(n)]
+        if any(count for _, count, _ in reports):
+            raise BridgeIntegrityError(format_mismatches(reports))
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _dev(self, signature: str, device: torch.device) -> _Dev:
+        key = (signature, str(device))
         d = self._devs.get(key)
         if d is None:
             d = _Dev(device)

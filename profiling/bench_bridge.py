@@ -12,7 +12,12 @@ side by side in one run:
    local copies and with NCCL/gloo send-to-self): time per exchange, bytes moved across ranks,
    messages, pack/unpack passes, and the same figures for the naive baseline that all-gathers
    every teacher row to every rank and then gathers its own rows (``vs naive`` = naive time /
-   bridge time).
+   bridge time);
+3. the first case that sends (NCCL send/recv to self at world size 1 on a GPU) again with
+   ``BridgeConfig(integrity=True)`` (per-row checksums of the source and output rows, one
+   checksum message per transfer, a small verdict all-gather in ``wait()``): ``integrity cost``
+   = its bridge time / the same exchange's time with integrity off, the two timed alternately
+   in the same call.
 
 Run: ``python -m mopd.profiling.bench_bridge [--quick] [--results-dir DIR]`` (one process, NCCL
 on a GPU, gloo on CPU), or ``torchrun --nproc-per-node 4 -m mopd.profiling.bench_bridge --quick``
@@ -51,8 +56,13 @@ from mopd.profiling.results import format_table, record
 __all__ = ["bench_exchange", "bench_plan", "main"]
 
 
-def bench_plan(*, samples: int, max_len: int, repeats: int = 3) -> dict:
-    """Plan time and figures for the 256-rank layout (``samples * max_len / 2`` tokens on average)."""
+def bench_plan(*, samples: int, max_len: int, repeats: int = 5, student_kind: str = "thd") -> dict:
+    """Plan time and figures for the 256-rank layout (``samples * max_len / 2`` tokens on average).
+
+    Times the run join (``method="runs"``, what the bridge uses) and the per-token reference
+    (``method="tokens"``) on the same layouts (medians of ``repeats`` after a warm-up), checks
+    they give the same plan, and prints both with their ratio. ``student_kind``: ``"thd"`` or ``"sbh"`` (strided runs that interleave).
+    """
     teacher = Mesh(tp=8, cp=2, dp=8, name="teacher")
     student = Mesh(tp=4, cp=4, dp=8, rank_offset=128, name="student")
     step = synthetic_step(
@@ -61,24 +71,38 @@ def bench_plan(*, samples: int, max_len: int, repeats: int = 3) -> dict:
         num_samples=samples,
         max_len=max_len,
         teacher_formats=[SideFormat(kind="thd", micro_batch=8)],
-        student_format=SideFormat(kind="thd", micro_batch=4, pad_multiple=student.tp),
+        student_format=SideFormat(kind=student_kind, micro_batch=4, pad_multiple=student.tp),
         seed=0,
     )
     tb = [TeacherBatch(mesh=teacher, layouts=step.teacher_layouts[0], hidden_size=4096)]
     sb = StudentBatch(mesh=student, layouts=step.student_layouts)
-    times = []
-    plan = None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        plan = plan_token_exchange(tb, sb)
-        times.append(time.perf_counter() - t)
-    assert plan is not None
+    med: dict[str, float] = {}
+    plans = {}
+    for method in ("runs", "tokens"):
+        plan_token_exchange(tb, sb, method=method)  # warm-up: first-touch page faults
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            plans[method] = plan_token_exchange(tb, sb, method=method)
+            times.append(time.perf_counter() - t)
+        med[method] = statistics.median(times)
+    plan, ref = plans["runs"], plans["tokens"]
+    if not (
+        plan.signature == ref.signature
+        and torch.equal(plan.transfers_T5, ref.transfers_T5)
+        and torch.equal(plan.src_rows_M, ref.src_rows_M)
+        and torch.equal(plan.dst_rows_M, ref.dst_rows_M)
+    ):
+        raise RuntimeError("bench_plan: the run join and the per-token reference disagree")
     s = plan.summary()
     return {
-        "case": "plan only: 256 ranks (tp8cp2dp8 -> tp4cp4dp8), THD both sides",
+        "case": f"plan only: 256 ranks (tp8cp2dp8 -> tp4cp4dp8), THD -> {student_kind.upper()}",
         "tokens": step.num_tokens,
         "hidden": 4096,
-        "plan ms": 1e3 * statistics.median(times),
+        "plan ms": 1e3 * med["runs"],
+        "plan ms (per-token reference)": 1e3 * med["tokens"],
+        "reference / runs": med["tokens"] / med["runs"],
+        "torch threads": torch.get_num_threads(),
         "bytes across ranks": s["bytes_cross"],
         "minimum bytes": step.num_tokens * 4096 * 2,
         "messages": s["messages"],
@@ -104,6 +128,7 @@ def bench_exchange(
     device: torch.device,
     iters: int,
     local_copy: bool = True,
+    integrity: bool = False,
 ) -> dict | None:
     """Time the bridge and the naive all-gather on ``teacher -> student`` (collective over the world)."""
     rank = dist.get_rank()
@@ -141,7 +166,7 @@ def bench_exchange(
         teachers=[TeacherSpec(mesh=teacher, hidden_size=hidden)],
         student=student,
         groups=groups,
-        config=BridgeConfig(timeout_s=120, local_copy=local_copy),
+        config=BridgeConfig(timeout_s=120, local_copy=local_copy, integrity=integrity),
     )
     prepared = bridge.prepare(**kw)
 
@@ -177,18 +202,39 @@ def bench_exchange(
 
     row_bytes = hidden * torch.empty((), dtype=dtype).element_size()
     figures = {}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        dist.barrier()
+        return time.perf_counter() - t
+
     for label, fn in (("bridge", bridged), ("naive", naive)):
         fn()
-        times = []
+        figures[label] = statistics.median(timed(fn) for _ in range(iters))
+    if integrity:
+        # the same exchange with integrity off, timed alternately with the integrity-on bridge
+        # in this call, so the ratio compares like with like (on a busy machine too)
+        plain_bridge = HiddenStateBridge(
+            teachers=[TeacherSpec(mesh=teacher, hidden_size=hidden)],
+            student=student,
+            groups=groups,
+            config=BridgeConfig(timeout_s=120, local_copy=local_copy),
+        )
+        plain_prepared = plain_bridge.prepare(**kw)
+
+        def plain() -> None:
+            plain_bridge.start(plain_prepared).wait()
+
+        plain()
+        on, off = [], []
         for _ in range(iters):
-            dist.barrier()
-            _sync(device)
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            dist.barrier()
-            times.append(time.perf_counter() - t)
-        figures[label] = statistics.median(times)
+            on.append(timed(bridged))
+            off.append(timed(plain))
+        figures["bridge"], figures["plain"] = statistics.median(on), statistics.median(off)
     sched = bridge.executor.schedule(prepared.plan).counts()
     totals = torch.tensor(
         [sched["pack_bytes"], sched["unpack_bytes"], sched["local_bytes"]], dtype=torch.int64
@@ -200,8 +246,17 @@ def bench_exchange(
     s = prepared.plan.summary()
     needed = sum(x.num_tokens * student.tp for x in step.student_layouts.values()) * row_bytes
     naive_bytes = (world - 1) * int(n_all.sum()) * row_bytes
+    extra = (
+        {
+            "integrity off ms": 1e3 * figures["plain"],
+            "integrity cost": figures["bridge"] / figures["plain"],
+        }
+        if integrity
+        else {}
+    )
     return {
         "case": name,
+        "integrity": "on" if integrity else "off",
         "tokens": step.num_tokens,
         "hidden": hidden,
         "bridge ms": 1e3 * figures["bridge"],
@@ -215,6 +270,7 @@ def bench_exchange(
         "unpack bytes": int(totals[1]),
         "messages": s["messages"],
         "replica imbalance": s["replica_imbalance"],
+        **extra,
     }
 
 
@@ -266,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if rank == 0 and not args.skip_plan:
         plan_samples = 64 if args.quick else 512
-        rows.append(bench_plan(samples=plan_samples, max_len=4096))
-        print(format_table(rows[-1:]), flush=True)
+        for kind in ("thd", "sbh"):
+            rows.append(bench_plan(samples=plan_samples, max_len=4096, student_kind=kind))
+            print(format_table(rows[-1:]), flush=True)
     pool = GroupPool(backend="nccl" if device.type == "cuda" else "gloo")
     cases: list[tuple[str, Mesh, Mesh, bool]] = []
     if world == 1:
@@ -294,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                 True,
             ),
         ]
-    for name, teacher, student, local in cases:
+    # the first case once more with integrity on: its cost against the row with it off
+    # (on the network path: NCCL send/recv to self at world size 1 on a GPU)
+    runs = [(c, False) for c in cases] + [(next((c for c in cases if not c[3]), cases[0]), True)]
+    for (name, teacher, student, local), integrity in runs:
         row = bench_exchange(
             name=name,
             teacher=teacher,
@@ -307,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
             iters=args.iters,
             local_copy=local,
+            integrity=integrity,
         )
         if row is not None:
             row["world"] = world
@@ -322,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             notes=(
                 "bridge vs naive (all-gather every teacher row to every rank, then gather one's "
                 "own rows), same run. 'vs naive' = naive ms / bridge ms. 'bytes across ranks' "
-                "excludes local copies; the planning row is pure (no process group)."
+                "excludes local copies; the planning row is pure (no process group). "
+                "'integrity cost' = bridge ms with BridgeConfig(integrity=True) / 'integrity "
+                "off ms' (the same exchange with it off, timed alternately in the same call)."
                 + (
                     f" CPU run: {world} gloo ranks share this machine's cores, so the times are "
                     "a functional check, not link or kernel speed."
