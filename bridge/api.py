@@ -58,7 +58,7 @@ from mopd.bridge.executor import DebugHook, ExchangeHandle, Executor, buffers_ov
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
-from mopd.bridge.metadata import RankRecord, encode_record, gather_records
+from mopd.bridge.metadata import RankRecord, decode_records, encode_record, gather_record_matrix
 from mopd.bridge.planner import StudentBatch, TeacherBatch, TransferPlan, plan_token_exchange
 
 __all__ = [
@@ -318,7 +318,7 @@ class HiddenStateBridge:
         )
         t0 = time.monotonic()
         try:
-            records = gather_records(
+            matrix, sizes = gather_record_matrix(
                 record,
                 group=self.groups.bridge,
                 members=self.groups.members,
@@ -334,7 +334,11 @@ class HiddenStateBridge:
                 timeout_s=self.config.timeout_s,
                 elapsed_s=time.monotonic() - t0,
             ) from exc
-        plan = self._validate_and_plan(records)
+        records = decode_records(matrix, sizes, self.groups.members)
+        # The plan cache key: every rank's whole (run-encoded, small) metadata, so a step whose
+        # layouts, dtypes and buffers all repeat reuses its plan without hashing every token.
+        digest = hashlib.blake2b(matrix.numpy().tobytes(), digest_size=16).hexdigest()
+        plan = self._validate_and_plan(records, digest)
         owner_N = None
         me = self.student.coord(self.rank)
         if me is not None and me.pp_rank == self.student.pp - 1:
@@ -432,7 +436,7 @@ class HiddenStateBridge:
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
 
-    def _validate_and_plan(self, records: list[RankRecord]) -> TransferPlan:
+    def _validate_and_plan(self, records: list[RankRecord], cache_key: str) -> TransferPlan:
         by_rank = {r.rank: r for r in records}
         sigs = sorted({r.config_sig for r in records})
         if len(sigs) > 1:
@@ -522,14 +526,6 @@ class HiddenStateBridge:
                             f"expected {dtype} on {dev} (the teacher's dtype)"
                         )
             stu[(d, c)] = first
-        key = hashlib.blake2b(digest_size=16)
-        for tb, dtype in teacher_batches:
-            key.update(str(dtype).encode())
-            for v in tb.layouts.values():
-                key.update(v.digest().encode())
-        for v in stu.values():
-            key.update(v.digest().encode())
-        cache_key = key.hexdigest()
         plan = self._plans.get(cache_key)
         if plan is not None:
             self._plans.move_to_end(cache_key)

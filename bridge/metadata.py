@@ -34,9 +34,11 @@ __all__ = [
     "code_device",
     "code_dtype",
     "decode_record",
+    "decode_records",
     "device_code",
     "dtype_code",
     "encode_record",
+    "gather_record_matrix",
     "gather_records",
 ]
 
@@ -204,18 +206,19 @@ def decode_record(rank: int, vec: torch.Tensor) -> RankRecord:
     )
 
 
-def gather_records(
+def gather_record_matrix(
     record: torch.Tensor,
     *,
     group: Any,
     members: Sequence[int],
     device: torch.device,
     timeout: datetime.timedelta,
-) -> list[RankRecord]:
-    """All-gather every member's encoded record over ``group`` and decode them (same list everywhere).
+) -> tuple[torch.Tensor, list[int]]:
+    """All-gather every member's encoded record over ``group``: ``([n, width] int64 CPU, sizes)``.
 
-    ``members`` are the group's global ranks in group-rank order (sorted). Tensors travel on
-    ``device`` (CUDA for NCCL groups, CPU for gloo).
+    Row ``j`` holds member ``j``'s record in its first ``sizes[j]`` entries (zero-padded after);
+    the result is identical on every rank. ``members`` are the group's global ranks in group-rank
+    order (sorted). Tensors travel on ``device`` (CUDA for NCCL groups, CPU for gloo).
     """
     n = len(members)
     size = torch.tensor([record.numel()], dtype=_I64, device=device)
@@ -227,5 +230,26 @@ def gather_records(
     padded[: record.numel()] = record.to(device)
     everything = torch.empty(n * width, dtype=_I64, device=device)
     all_gather_flat(everything, padded, group=group, timeout=timeout)
-    everything = everything.cpu().view(n, width)
-    return [decode_record(members[j], everything[j, : sizes_l[j]]) for j in range(n)]
+    return everything.cpu().view(n, width), sizes_l
+
+
+def decode_records(
+    matrix: torch.Tensor, sizes: Sequence[int], members: Sequence[int]
+) -> list[RankRecord]:
+    """Decode :func:`gather_record_matrix`'s output into one :class:`RankRecord` per member."""
+    return [decode_record(members[j], matrix[j, : sizes[j]]) for j in range(len(members))]
+
+
+def gather_records(
+    record: torch.Tensor,
+    *,
+    group: Any,
+    members: Sequence[int],
+    device: torch.device,
+    timeout: datetime.timedelta,
+) -> list[RankRecord]:
+    """All-gather every member's encoded record over ``group`` and decode them (same list everywhere)."""
+    matrix, sizes = gather_record_matrix(
+        record, group=group, members=members, device=device, timeout=timeout
+    )
+    return decode_records(matrix, sizes, members)
