@@ -114,6 +114,28 @@ class _Side:
     run_pos: torch.Tensor  # [K] positions in the transfer (staging offset) where runs start
 
 
+def _op(
+    owner: int,
+    peer: int,
+    rows: torch.Tensor,
+    peer_rows: torch.Tensor,
+    staged_rows: dict[int, int],
+) -> _Op:
+    """One send (or receive) of ``rows`` of this rank's buffer to (from) ``peer``.
+
+    Rows that are not one contiguous view get the next slot of ``owner``'s staging buffer;
+    ``staged_rows`` counts the rows staged so far per owner (updated in place).
+    """
+    side = _side(rows)
+    off = -1
+    if side.mode != "view":
+        off = staged_rows.get(owner, 0)
+        staged_rows[owner] = off + rows.numel()
+    return _Op(
+        owner=owner, peer=peer, count=rows.numel(), stage_off=off, side=side, peer_rows=peer_rows
+    )
+
+
 def _side(rows: torch.Tensor) -> _Side:
     start, length = row_runs(rows)
     if start.numel() <= 1:
@@ -228,37 +250,9 @@ class RankSchedule:
                 )
                 continue
             if src == rank:
-                side = _side(src_rows)
-                off = -1
-                if side.mode != "view":
-                    off = send_rows.get(owner, 0)
-                    send_rows[owner] = off + src_rows.numel()
-                sends.append(
-                    _Op(
-                        owner=owner,
-                        peer=dst,
-                        count=src_rows.numel(),
-                        stage_off=off,
-                        side=side,
-                        peer_rows=dst_rows,
-                    )
-                )
+                sends.append(_op(owner, dst, src_rows, dst_rows, send_rows))
             if dst == rank:
-                side = _side(dst_rows)
-                off = -1
-                if side.mode != "view":
-                    off = recv_rows.get(owner, 0)
-                    recv_rows[owner] = off + dst_rows.numel()
-                recvs.append(
-                    _Op(
-                        owner=owner,
-                        peer=src,
-                        count=dst_rows.numel(),
-                        stage_off=off,
-                        side=side,
-                        peer_rows=src_rows,
-                    )
-                )
+                recvs.append(_op(owner, src, dst_rows, src_rows, recv_rows))
         span: dict[int, tuple[int, int]] = {}
         for rows in [(o.owner, o.side.rows) for o in sends] + [
             (x.owner, x.src.rows) for x in locals_
