@@ -100,6 +100,11 @@ class OutputLayerInputCapture:
         )
         layer_sp = bool(getattr(layer, "sequence_parallel", False)) if layer is not None else False
         self._sequence_parallel = layer_sp if sequence_parallel is None else bool(sequence_parallel)
+        if self._sequence_parallel and layer is not None and self._tp_group is None:
+            raise ValueError(
+                "sequence_parallel=True but no tensor-parallel group is known for the output layer "
+                "(it has no tp_group and megatron's parallel_state is not initialized): pass tp_group="
+            )
         config = getattr(layer, "config", None)
         self._mtp_num_layers = int(getattr(config, "mtp_num_layers", None) or 0)
         self._out = out

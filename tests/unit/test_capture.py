@@ -290,3 +290,9 @@ def test_reusable_buffer_allocates_once_per_shape():
     assert c.shape == (5, 2, 3) and buf.allocations == 2
     buf.get((5, 2, 3), torch.bfloat16, torch.device("cpu"))
     assert buf.allocations == 3
+
+
+def test_sequence_parallel_without_a_group_is_refused():
+    model = TinyLM()
+    with pytest.raises(ValueError, match="no tensor-parallel group is known"):
+        OutputLayerInputCapture(model, sequence_parallel=True)
