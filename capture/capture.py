@@ -45,6 +45,14 @@ _ACTIVE_ON_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, OutputLayerInputCap
 )
 
 
+# output_layer -> the buffer the SP gather writes into, shared by every capture of that layer (one
+# is active at a time), so that a capture made anew each step (get_opd_full_capture_context in a
+# training loop) still allocates nothing after the first step at a steady shape.
+_BUFFER_OF_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, ReusableBuffer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class CaptureMisuseError(RuntimeError):
     """A capture used against its lifecycle (re-entered, doubled on one layer, spanning forwards)."""
 
@@ -78,11 +86,13 @@ class OutputLayerInputCapture:
             bridge's send buffer). Without it, the capture owns a buffer (under SP) that is
             allocated once per shape and reused.
 
-    Lifetime and stream of what :meth:`get_hidden_states` returns: it is valid until this
-    capture's next :meth:`capture_context` (the buffer is overwritten by the next step); it is
-    written on the current CUDA stream of the call to :meth:`get_hidden_states` (the SP
-    all-gather is ordered on that stream). Without SP and without ``out`` it is the layer's input
-    itself, detached, with no copy. It never holds the autograd graph.
+    Lifetime and stream of what :meth:`get_hidden_states` returns: it is valid until the next
+    :meth:`capture_context` on the same output layer (the owned buffer is shared by that layer's
+    captures, so a capture made anew every step reuses it; the next step overwrites it). It is
+    written on the current CUDA stream of the call to :meth:`get_hidden_states`, which first waits
+    for the stream the forward ran on (the SP all-gather is ordered on that stream). Without SP
+    and without ``out`` it is the layer's input itself, detached, with no copy. It never holds the
+    autograd graph.
     """
 
     def __init__(
@@ -99,6 +109,7 @@ class OutputLayerInputCapture:
             tp_group if tp_group is not None or layer is None else _default_tp_group(layer)
         )
         layer_sp = bool(getattr(layer, "sequence_parallel", False)) if layer is not None else False
+        self._sp_override = None if sequence_parallel is None else bool(sequence_parallel)
         self._sequence_parallel = layer_sp if sequence_parallel is None else bool(sequence_parallel)
         if self._sequence_parallel and layer is not None and self._tp_group is None:
             raise ValueError(
@@ -108,7 +119,13 @@ class OutputLayerInputCapture:
         config = getattr(layer, "config", None)
         self._mtp_num_layers = int(getattr(config, "mtp_num_layers", None) or 0)
         self._out = out
-        self._buffer = ReusableBuffer()
+        self._buffer = (
+            ReusableBuffer()
+            if layer is None
+            else _BUFFER_OF_LAYER.setdefault(layer, ReusableBuffer())
+        )
+        self._pending_sp = self._sequence_parallel
+        self._pending_stream: torch.cuda.Stream | None = None
         self._handle: torch.utils.hooks.RemovableHandle | None = None
         self._active = False
         self._pending: torch.Tensor | None = None
@@ -131,6 +148,16 @@ class OutputLayerInputCapture:
         self._calls += 1
         self._pending = args[0].detach()
         self._result = None
+        # Megatron may switch the layer's SP flag per forward (e.g. dynamic-batching inference):
+        # read it at the call unless the caller fixed it; remember the producing stream.
+        self._pending_sp = (
+            self._sp_override
+            if self._sp_override is not None
+            else bool(getattr(module, "sequence_parallel", self._sequence_parallel))
+        )
+        self._pending_stream = (
+            torch.cuda.current_stream(args[0].device) if args[0].is_cuda else None
+        )
 
     def _pre_hook_with_kwargs(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -203,7 +230,18 @@ class OutputLayerInputCapture:
                 "Use one capture_context per forward pass."
             )
         world = 1 if self._tp_group is None else dist.get_world_size(self._tp_group)
-        sp = self._sequence_parallel and world > 1
+        if self._pending_sp and self._tp_group is None:
+            raise ValueError(
+                "the output layer ran sequence-parallel but no tensor-parallel group is known: "
+                "pass tp_group= to OutputLayerInputCapture"
+            )
+        sp = self._pending_sp and world > 1
+        producer = self._pending_stream
+        if producer is not None:  # the forward may have run on another stream than this call's
+            current = torch.cuda.current_stream(local_SBH.device)
+            if producer != current:
+                current.wait_stream(producer)
+                local_SBH.record_stream(current)
         if sp or self._out is not None:
             shape = (local_SBH.shape[0] * (world if sp else 1), *local_SBH.shape[1:])
             out = (

@@ -376,7 +376,10 @@ class _Job:
         if s_coord is not None:
             idx = self._student_samples(s_coord.dp_rank)
             ids, lens = batch.sample_id_N[idx], batch.length_N[idx]
-            mult = 2 * self.student_mesh.cp if self.student_mesh.cp > 1 else 1
+            # pad each sequence so that every CP rank holds whole zigzag chunks and its rows
+            # split into student-TP equal slices (the bridge's TP split)
+            cp, tp = self.student_mesh.cp, self.student_mesh.tp
+            mult = (2 * cp if cp > 1 else 1) * tp
             cu = torch.zeros(len(idx) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum((lens + mult - 1) // mult * mult, 0)
             student_layout = packed_layout(

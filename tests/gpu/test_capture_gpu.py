@@ -90,3 +90,29 @@ def test_capture_of_a_cuda_gptmodel_with_a_caller_buffer(nccl_world):
             torch.testing.assert_close(logits.float(), ref, rtol=2e-2, atol=2e-2)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def test_copy_waits_for_the_stream_the_forward_ran_on(nccl_world):
+    """A forward on a side stream (delayed by a sleep kernel) and get_hidden_states on the default
+    stream: the copy into ``out`` must wait for the producer, or it reads unwritten rows."""
+    from mopd.capture import OutputLayerInputCapture
+
+    class Head(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum(-1)
+
+    holder = torch.nn.Module()
+    holder.output_layer = Head()
+    out = torch.full((64, 4, 4096), float("nan"), device="cuda")
+    cap = OutputLayerInputCapture(holder, out=out)
+    side = torch.cuda.Stream()
+    x = torch.randn(64, 4, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side), cap.capture_context():
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the producer writes
+        y = x * 3.0
+        holder.output_layer(y)
+    h = cap.get_hidden_states()  # default stream
+    torch.cuda.synchronize()
+    assert h.data_ptr() == out.data_ptr()
+    assert torch.equal(out, x * 3.0)

@@ -205,11 +205,12 @@ def test_megatron_ddp_and_float16module_wrappers():
 def test_sp_buffer_is_reused_across_steps_and_never_holds_the_graph():
     mc.init_parallel(tp=2)
     model = mc.build_gpt(mc.tiny_config(tensor_model_parallel_size=2, sequence_parallel=True))
-    cap = OutputLayerInputCapture(model)
     ptrs = set()
     for step in range(3):
         ids, pos = _batch(10 + step)
-        with cap.capture_context():
+        # a capture made anew every step, as get_opd_full_capture_context is used in a loop
+        ctx, cap = get_opd_full_capture_context(model, enabled=True)
+        with ctx:
             logits = model(ids, pos, None)  # grad enabled: a training-mode forward
         h = cap.get_hidden_states()
         assert h.grad_fn is None and not h.requires_grad
