@@ -12,18 +12,27 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     megatron-core==0.16.1 nvtx==0.2.17
+# With the device tool, name `.whl` in carry (it is git-ignored) and give timeout_s >= BUDGET + 60.
 # Parts (ONLY): env, tests (TESTS: the tier-3 files, default all), kernels, kl, bridge, capture,
 # ranges (with nsys.sh's check), demo (the MOPD demo on NCCL at world size 1).
+# BUDGET (seconds, default 480) bounds the whole run: each part's limit is cut to what is left,
+# and the archive is rewritten after every part (and on exit), so a run cut short still returns
+# everything finished so far.
 set -uo pipefail
 FINAL=${OUT:-$PWD/gpu-out}
 OUT=$(mktemp -d)  # everything is written here, then packed into $FINAL/gpu_session.tgz
 mkdir -p "$FINAL"
 ONLY=${ONLY:-"env tests kernels kl bridge capture ranges demo"}
+BUDGET=${BUDGET:-480}
 TESTS=${TESTS:-tests/gpu}
 PY=${PYTHON:-python3}
 SITE=/tmp/mopd-site
 start=$(date +%s)
 log() { echo "[gpu_session +$(( $(date +%s) - start ))s] $*"; }
+pack() { tar czf "$FINAL/.gpu_session.tgz" -C "$OUT" . 2>/dev/null && mv "$FINAL/.gpu_session.tgz" "$FINAL/gpu_session.tgz"; }
+trap pack EXIT
+
+rm -rf "$SITE" build  # a warm machine keeps /tmp: never test the previous run's install
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
@@ -36,31 +45,34 @@ export PYTHONUNBUFFERED=1
 cd /tmp && $PY -c "import mopd.kernels, mopd.capture; print('mopd from', mopd.kernels.__file__)"; cd - >/dev/null
 
 status=0
-run() {  # run NAME TIMEOUT CMD...
+run() {  # run NAME TIMEOUT CMD... (the limit is cut to what is left of BUDGET)
     local name=$1 t=$2; shift 2
+    local left=$(( BUDGET - ($(date +%s) - start) - 10 ))
+    if [ "$left" -lt 5 ]; then log "skip $name: BUDGET spent"; status=1; return; fi
+    [ "$t" -le "$left" ] || t=$left
     log "start $name (limit ${t}s)"
     timeout --kill-after=10 "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     log "end $name rc=$rc"; tail -n 25 "$OUT/$name.log"
     [ $rc -eq 0 ] || status=1
+    pack
 }
 
 for part in $ONLY; do
     case $part in
-    env) run env 60 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
-    tests) run tests 240 $PY -m pytest $TESTS -q -rs -p no:cacheprovider -o addopts= --timeout 200 ;;
-    kernels) run bench_kernels 150 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
-    kl) run bench_kl 200 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
-    bridge) run bench_bridge 90 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
-    capture) run bench_capture 60 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
-    ranges) run bench_ranges 60 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"
+    env) run env 30 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
+    tests) run tests 180 $PY -m pytest $TESTS -q -rs -p no:cacheprovider -o addopts= --timeout 120 ;;
+    kernels) run bench_kernels 90 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
+    kl) run bench_kl 120 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
+    bridge) run bench_bridge 60 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
+    capture) run bench_capture 45 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
+    ranges) run bench_ranges 30 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"
             # nsys is not on that image: expect nsys.sh's clear failure (exit 2)
-            run nsys_check 30 bash -c "bash profiling/nsys.sh --out '$OUT/nsys' -- $PY -c 'print(1)'; rc=\$?; echo nsys.sh rc=\$rc; command -v nsys >/dev/null || [ \$rc -eq 2 ]" ;;
-    demo) run demo 180 $PY -m mopd.profiling.demo --backend nccl --nproc 1 --teacher tp=1 \
+            run nsys_check 15 bash -c "bash profiling/nsys.sh --out '$OUT/nsys' -- $PY -c 'print(1)'; rc=\$?; echo nsys.sh rc=\$rc; command -v nsys >/dev/null || [ \$rc -eq 2 ]" ;;
+    demo) run demo 90 $PY -m mopd.profiling.demo --backend nccl --nproc 1 --teacher tp=1 \
               --teacher tp=1 --student tp=1 --steps 3 --trace "$OUT/demo_trace" ;;
     *) log "unknown part $part"; status=1 ;;
     esac
 done
-log "done, status $status"
-tar czf "$FINAL/gpu_session.tgz" -C "$OUT" . && log "packed $(ls "$OUT" | wc -l) files into $FINAL/gpu_session.tgz"
+pack && log "done, status $status; $(ls "$OUT" | wc -l) files packed into $FINAL/gpu_session.tgz"
 exit $status
