@@ -372,7 +372,8 @@ def scatter_rows_cupy(
 
     Args:
         src_RH: ``[R, H]`` CUDA rows (e.g. a received staging buffer).
-        index_R: ``[R]`` int64 destination rows, distinct (duplicates: one of them wins).
+        index_R: ``[R]`` int64 destination rows, distinct (with repeats the row's contents
+            are unspecified: a mix of the competing rows is possible, not one of them whole).
         out_NH: ``[N, H]`` destination, the final layout (any row stride, rows contiguous).
         variant: a kernel variant from :data:`VARIANTS` (default: :data:`DEFAULT_VARIANTS`).
     Returns:

@@ -10,8 +10,10 @@ without ever materializing a ``[T, V]`` fp32 tensor:
   ``O(C x V_local)`` (plus the gradients themselves);
 - per chunk, softmax statistics need exactly two all-reduces over the TP group: one MAX (both
   row maxima) and one SUM (both partition sums and the two cross terms, rescaled to the maxima);
-- the gradient is computed in the forward pass (Liger-Kernel style), so backward only scales it;
-  with ``reduction="none"`` the upstream gradient is per token, and backward recomputes instead;
+- the gradient is computed in the forward pass (Liger-Kernel style), so backward only scales it
+  (in fp32, one rounding); autograd keeps only the gradients, not the inputs. With
+  ``reduction="none"`` the upstream gradient is per token and backward recomputes instead, from
+  tensors saved with ``save_for_backward`` (an in-place change to them in between raises);
 - the row-wise passes are a CuPy kernel on CUDA (a torch twin elsewhere), see
   :mod:`mopd.kernels.kl_rowwise`.
 
@@ -33,14 +35,18 @@ chunks in the weight's dtype). Host syncs: none on the plain path (no mask, one 
 or a teacher index costs a few (the index range check and the grouping of tokens).
 
 Cross-rank contract: every rank of the TP group passes the same ``T``, mask and teacher index
-(they shard the vocabulary, not the tokens). Validation is local and raises before any collective;
-``KLConfig(debug=True)`` adds finiteness checks and one agreement all-reduce that catches ranks
-passing different tokens, and raises on every rank alike. The chunk size is derived from the
+(they shard the vocabulary, not the tokens). Validation is local and raises before any collective.
+An error specific to one rank (its ``vocab_start``, its shard size) then raises on that rank only,
+and with ``debug`` off the other ranks hang in the first all-reduce until the collective timeout
+(gloo) or the NCCL watchdog. ``KLConfig(debug=True)`` adds finiteness checks and one agreement
+all-reduce that catches ranks passing different tokens and carries any rank's validation failure
+(its message and rank), so every rank raises the same ValueError. The chunk size is derived from the
 config, ``V_local``, the dtype and the backend, so it agrees across ranks that agree on those.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import warnings
 from collections.abc import Sequence
@@ -80,6 +86,7 @@ class KLConfig:
         reduction: ``"sum"`` (of ``mask * KL``), ``"mean"`` (that sum over the mask's total
             weight; 0 when it is 0) or ``"none"`` (``[T]`` fp32 ``mask * KL``).
         memory_budget_bytes: working memory for one chunk's ``[C, V_local]`` blocks; sets ``C``.
+            It also bounds the fp32 buffer backward uses to scale a bf16/fp16 gradient.
         chunk_tokens: explicit chunk size; overrides the budget.
         backend: row-wise passes on ``"auto"`` / ``"cupy"`` / ``"torch"`` (see kl_rowwise).
         debug: check inputs for NaN/inf and check, with one extra all-reduce, that the TP ranks
@@ -90,6 +97,8 @@ class KLConfig:
         sum_hidden_grad_over_tp: fused path: all-reduce the student hidden-state gradient over
             the TP group (the hidden states are TP-replicated, as Megatron's
             copy-to-tensor-parallel-region does); ``False`` leaves this rank's partial sum.
+            The logits path has no hidden states: ``False`` there is ignored, with a warning
+            (once per process).
     """
 
     kind: KLKind = "reverse"
@@ -438,37 +447,99 @@ def _prepare(
 # ---- the chunk loop ------------------------------------------------------------------------------
 
 
+def _all_reduce_in(
+    t: torch.Tensor,
+    op: dist.ReduceOp,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+) -> None:
+    """In-place all-reduce of ``t`` over ``group``, waiting at most ``timeout_s`` (CPU tensors)."""
+    if t.is_cuda or timeout_s is None:
+        dist.all_reduce(t, op=op, group=group)
+        return
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, job: _Job) -> None:
     """In-place all-reduce over the TP group, waiting at most ``collective_timeout_s``."""
     if job.group is None or job.tp_size == 1:
         return
-    if t.is_cuda or job.config.collective_timeout_s is None:
-        dist.all_reduce(t, op=op, group=job.group)
-        return
-    work = dist.all_reduce(t, op=op, group=job.group, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=job.config.collective_timeout_s))
+    _all_reduce_in(t, op, job.group, job.config.collective_timeout_s)
 
 
-def _check_agreement(
+#: Bytes of a failing rank's error message carried by the debug agreement all-reduce.
+_MESSAGE_BYTES = 400
+
+
+def _job_signature(
     job: _Job, loss_mask_T: torch.Tensor | None, index_T: torch.Tensor | None
-) -> None:
-    """Debug mode: one MAX all-reduce of a token signature (and its negation) and of a
-    non-finite-input flag; raises the same ValueError on every rank."""
-    if job.group is None or job.tp_size == 1:
-        return
+) -> list[int]:
+    """What the TP ranks must agree on: ``T``, active tokens, teachers, ``V_local``, chunk, and
+    position-weighted sums of the mask and the teacher index (one host sync each)."""
     dev = job.weight_N.device
     pos_T = torch.arange(1, job.T + 1, device=dev, dtype=torch.int64)
     mask_sig = 0 if loss_mask_T is None else int(((loss_mask_T != 0).to(torch.int64) * pos_T).sum())
     index_sig = 0 if index_T is None else int((index_T.to(torch.int64) * pos_T).sum())
-    sig = [job.T, job.n_active, len(job.teachers), job.v_local, job.chunk, mask_sig, index_sig]
-    both = torch.tensor(
-        [*sig, *(-x for x in sig), len(job.nonfinite)], dtype=torch.int64, device=dev
-    )
-    _all_reduce(both, dist.ReduceOp.MAX, job)
-    if int(both[-1]):
-        where = ", ".join(job.nonfinite) if job.nonfinite else "another rank's inputs"
+    return [job.T, job.n_active, len(job.teachers), job.v_local, job.chunk, mask_sig, index_sig]
+
+
+_SIGNATURE_LEN = 7
+
+
+def _check_agreement(
+    *,
+    group: dist.ProcessGroup,
+    tp_size: int,
+    rank_in_group: int,
+    device: torch.device,
+    timeout_s: float | None,
+    signature: list[int] | None,
+    nonfinite: tuple[str, ...],
+    failure: ValueError | None,
+) -> None:
+    """Debug mode: one MAX all-reduce over the TP group; raises the same ValueError on every rank.
+
+    The int64 vector reduced is ``[sig (7), -sig (7), non-finite flag, failed flag,
+    message bytes (tp_size x _MESSAGE_BYTES)]``: a rank whose validation failed (``failure``,
+    ``signature`` then ``None``) sets its flag and writes its message into its own slot, so every
+    rank learns which ranks failed and why, and raises the same text. Otherwise: a non-finite
+    input anywhere, then any disagreement of the signature (max != min), raise.
+    """
+    n = _SIGNATURE_LEN
+    vec = torch.zeros(2 * n + 2 + tp_size * _MESSAGE_BYTES, dtype=torch.int64)
+    if signature is not None:
+        assert len(signature) == n
+        vec[:n] = torch.tensor(signature, dtype=torch.int64)
+        vec[n : 2 * n] = -vec[:n]
+    vec[2 * n] = len(nonfinite)
+    if failure is not None:
+        vec[2 * n + 1] = 1
+        msg = (str(failure) or "ValueError").encode("utf-8", errors="replace")[:_MESSAGE_BYTES]
+        first = 2 * n + 2 + rank_in_group * _MESSAGE_BYTES
+        vec[first : first + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    vec = vec.to(device)
+    _all_reduce_in(vec, dist.ReduceOp.MAX, group, timeout_s)
+    vec = vec.cpu()
+    if int(vec[2 * n + 1]):
+        slots = vec[2 * n + 2 :].reshape(tp_size, _MESSAGE_BYTES)
+        failed, parts = [], []
+        for r in range(tp_size):
+            raw = bytes(slots[r].to(torch.uint8).tolist()).rstrip(b"\0")
+            if raw:
+                failed.append(r)
+                parts.append(f"rank {r}: {raw.decode('utf-8', errors='replace')}")
+        error = ValueError(
+            f"invalid KL arguments on rank(s) {failed} of the TP group (KLConfig(debug=True)); "
+            + "; ".join(parts)
+        )
+        if failure is not None:
+            raise error from failure
+        raise error
+    if int(vec[2 * n]):
+        where = ", ".join(nonfinite) if nonfinite else "another rank's inputs"
         raise ValueError(f"NaN or inf in {where} (KLConfig(debug=True))")
-    hi, lo = both[: len(sig)], -both[len(sig) : 2 * len(sig)]
+    hi, lo = vec[:n], -vec[n : 2 * n]
     if not bool((hi == lo).all()):
         raise ValueError(
             "TP ranks disagree on (T, active tokens, teachers, V_local, chunk, mask, teacher "
@@ -638,8 +709,40 @@ def _reduce(job: _Job, kl_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
     return total * scale, job.weight_N * scale
 
 
+def _scale_(grad_RX: torch.Tensor, scale: torch.Tensor, budget_bytes: int) -> torch.Tensor:
+    """``grad_RX *= scale`` in place with one rounding, for a gradient of any dtype.
+
+    Args:
+        grad_RX: ``[R, X]`` (or any shape; dim 0 is chunked) gradient, scaled in place.
+        scale: 0-dim upstream gradient (fp32 from the loss).
+        budget_bytes: fp32 working memory for the reduced-precision path.
+    Returns:
+        ``grad_RX``.
+
+    ``bf16.mul_(fp32 0-dim)`` is not enough: on CUDA the 0-dim operand is cast to bf16 before
+    the multiply (``1/3`` becomes ``0.33398``, a 0.2% bias). Reduced-precision gradients are
+    therefore scaled in fp32, ``budget_bytes`` of rows at a time, and rounded once.
+    """
+    if grad_RX.dtype in (torch.float32, torch.float64) or grad_RX.dim() == 0:
+        return grad_RX.mul_(scale)
+    per_row = max(1, grad_RX[:1].numel() * 4)
+    step = max(1, budget_bytes // per_row)
+    for r0 in range(0, grad_RX.shape[0], step):
+        rows = grad_RX[r0 : r0 + step]
+        rows.copy_(rows.float().mul_(scale))
+    return grad_RX
+
+
 class _KLFunction(torch.autograd.Function):
-    """Autograd for both entry points: ``x_TX`` is the logits or the hidden states."""
+    """Autograd for both entry points: ``x_TX`` is the logits or the hidden states.
+
+    Precomputed path (``sum``/``mean`` with a backward to come): the forward computes the
+    gradients; ctx keeps only them (not the inputs, not the job) and backward scales them.
+    Recompute path (``none``): every tensor the backward reads (student input and weight, each
+    teacher's hidden states and LM-head shard) goes through ``ctx.save_for_backward``, so an
+    in-place change between forward and backward raises autograd's version-counter error instead
+    of silently giving a wrong gradient.
+    """
 
     @staticmethod
     def forward(
@@ -650,10 +753,22 @@ class _KLFunction(torch.autograd.Function):
         weight_VH: torch.Tensor | None,
     ):
         student = _Student(job, x_TX, weight_VH)
+        ctx.budget = job.config.memory_budget_bytes
         if job.config.reduction == "none" or not want_grad:
             kl_N = _run(job, student, None)
             loss, _ = _reduce(job, kl_N)
             ctx.precomputed = False
+            if want_grad:
+                teachers = job.teachers
+                ctx.save_for_backward(
+                    x_TX,
+                    weight_VH,
+                    *(t.hidden_XH for t in teachers),
+                    *(t.weight_VH for t in teachers),
+                )
+                # the job without its tensors: backward rebuilds them from the saved ones
+                ctx.slots = tuple((t.rows_M, t.start, t.stop) for t in teachers)
+                ctx.job = dataclasses.replace(job, teachers=())
         else:
             # the gradient needs d loss / d KL_t, which depends on the reduction only: compute
             # it now from the chunk's statistics, and have backward scale it
@@ -663,21 +778,26 @@ class _KLFunction(torch.autograd.Function):
             loss, _ = _reduce(job, kl_N)
             ctx.precomputed = True
             ctx.grads = (student.grad_x, student.grad_w)
-        ctx.job = job
-        ctx.student_args = (x_TX, weight_VH)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        job: _Job = ctx.job
         if ctx.precomputed:
             grad_x, grad_w = ctx.grads
             ctx.grads = None
-            grad_x = grad_x.mul_(grad_out.to(grad_x.dtype))
-            grad_w = None if grad_w is None else grad_w.mul_(grad_out.to(grad_w.dtype))
+            scale = grad_out.to(torch.float32)
+            grad_x = _scale_(grad_x, scale, ctx.budget)
+            grad_w = None if grad_w is None else _scale_(grad_w, scale, ctx.budget)
         else:
-            x_TX, weight_VH = ctx.student_args
+            # unpacking checks the version counters: RuntimeError if any was modified in place
+            x_TX, weight_VH, *rest = ctx.saved_tensors
+            K = len(ctx.slots)
+            teachers = tuple(
+                _Teacher(h, w, rows_M, start, stop)
+                for h, w, (rows_M, start, stop) in zip(rest[:K], rest[K:], ctx.slots, strict=True)
+            )
+            job = dataclasses.replace(ctx.job, teachers=teachers)
             student = _Student(job, x_TX, weight_VH)
             g_T = grad_out.to(torch.float32)
             g_N = g_T if job.order_N is None else g_T[job.order_N]
@@ -690,6 +810,25 @@ class _KLFunction(torch.autograd.Function):
             grad_x if ctx.needs_input_grad[2] else None,
             grad_w if ctx.needs_input_grad[3] else None,
         )
+
+
+def _group_position(group: dist.ProcessGroup | None) -> tuple[int, int] | None:
+    """``(tp_size, rank_in_group)`` when this rank can take part in a collective on ``group``."""
+    if group is None or not dist.is_initialized():
+        return None
+    rank_in_group = dist.get_rank(group)
+    if rank_in_group < 0:
+        return None
+    return dist.get_world_size(group), rank_in_group
+
+
+def _collective_device(x_TX: object, group: dist.ProcessGroup) -> torch.device:
+    """Where the debug agreement vector lives: the student's device, else the group's kind."""
+    if isinstance(x_TX, torch.Tensor):
+        return x_TX.device
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _call(
@@ -705,25 +844,65 @@ def _call(
     group: dist.ProcessGroup | None,
     config: KLConfig,
 ) -> torch.Tensor:
-    job = _prepare(
-        student_TX=x_TX,
-        student_weight_VH=weight_VH,
-        teacher_hidden=teacher_hidden,
-        teacher_weight=teacher_weight,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        loss_mask_T=loss_mask_T,
-        teacher_index_T=teacher_index_T,
-        group=group,
-        config=config,
-    )
-    if config.debug:
-        _check_agreement(job, loss_mask_T, teacher_index_T)
+    debug = isinstance(config, KLConfig) and config.debug
+    position = _group_position(group) if debug else None
+    try:
+        job = _prepare(
+            student_TX=x_TX,
+            student_weight_VH=weight_VH,
+            teacher_hidden=teacher_hidden,
+            teacher_weight=teacher_weight,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            loss_mask_T=loss_mask_T,
+            teacher_index_T=teacher_index_T,
+            group=group,
+            config=config,
+        )
+    except ValueError as exc:
+        if position is None or position[0] == 1:
+            raise
+        # debug: the other ranks are about to enter the agreement all-reduce; join it with the
+        # failure so that every rank raises the same error instead of waiting for this one
+        assert group is not None
+        _check_agreement(
+            group=group,
+            tp_size=position[0],
+            rank_in_group=position[1],
+            device=_collective_device(x_TX, group),
+            timeout_s=config.collective_timeout_s,
+            signature=None,
+            nonfinite=(),
+            failure=exc,
+        )
+        raise AssertionError("the agreement check returned after a failure") from exc
+    if debug and position is not None and position[0] > 1:
+        assert group is not None
+        _check_agreement(
+            group=group,
+            tp_size=position[0],
+            rank_in_group=position[1],
+            device=job.weight_N.device,
+            timeout_s=config.collective_timeout_s,
+            signature=_job_signature(job, loss_mask_T, teacher_index_T),
+            nonfinite=job.nonfinite,
+            failure=None,
+        )
     # precompute gradients in the forward only when a backward can follow
     want_grad = torch.is_grad_enabled() and (
         x_TX.requires_grad or (weight_VH is not None and weight_VH.requires_grad)
     )
     return _KLFunction.apply(job, want_grad, x_TX, weight_VH)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """``warnings.warn`` the first time ``message`` comes up in this process."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)  # the caller of the public function
 
 
 def vocab_parallel_kl(
@@ -759,8 +938,21 @@ def vocab_parallel_kl(
         every rank of the group.
     Raises:
         ValueError: inconsistent shapes, dtypes, devices, vocab range or group size, before
-            any collective.
+            any collective. Such an error can be specific to one rank (its ``vocab_start``, its
+            shard size); with ``config.debug`` off only that rank raises and the others block in
+            the first chunk's all-reduce until ``collective_timeout_s`` (gloo) or the NCCL
+            watchdog ends them. With ``config.debug`` on, the failure joins the agreement
+            all-reduce and every rank of the group raises the same ValueError.
+
+    ``config.sum_hidden_grad_over_tp`` has no meaning here (there are no hidden states): setting
+    it to ``False`` warns once per process.
     """
+    config = config or KLConfig()
+    if isinstance(config, KLConfig) and not config.sum_hidden_grad_over_tp:
+        _warn_once(
+            "KLConfig.sum_hidden_grad_over_tp=False is ignored by vocab_parallel_kl (it applies "
+            "to fused_vocab_parallel_kl's hidden-state gradient only)"
+        )
     return _call(
         student_logits_TV,
         None,
@@ -771,7 +963,7 @@ def vocab_parallel_kl(
         loss_mask_T=loss_mask_T,
         teacher_index_T=teacher_index_T,
         group=group,
-        config=config or KLConfig(),
+        config=config,
     )
 
 

@@ -216,3 +216,63 @@ def test_fused_extra_memory_is_bounded() -> None:
     grads = h.numel() * 2 + w.numel() * 2
     # the input gradients, one chunk's blocks (within the budget) and small per-token vectors
     assert extra <= grads + 1.25 * budget + 32 * 2**20, (extra, grads, budget)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_cuda_upstream_scale_rounds_once_in_bf16(fused: bool) -> None:
+    """The backward's scaling by a CUDA fp32 upstream gradient (1/3, as a loss averaged over 3
+    micro-batches gets) rounds once: bit-equal to ``round_bf16(g * (1/3))`` on the device (a plain
+    ``bf16.mul_(cuda fp32 0-dim)`` casts the scale to bf16 first)."""
+    _, hidden, weight, h_TH, w_VH, mask_T = _bf16_case(3, 300, 128, 1024, 1000, 1)
+    cfg = KLConfig(chunk_tokens=64)
+    kwargs = dict(vocab_start=0, vocab_size=1000, loss_mask_T=mask_T, config=cfg)
+
+    def grads(upstream: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = h_TH.clone().requires_grad_(True)
+        w = w_VH.clone().requires_grad_(True)
+        if fused:
+            out = fused_vocab_parallel_kl(h, w, hidden, weight, **kwargs)
+            return torch.autograd.grad(out, (h, w), upstream)
+        logits = (h_TH @ w_VH.T).requires_grad_(True)
+        return torch.autograd.grad(
+            vocab_parallel_kl(logits, hidden, weight, **kwargs), logits, upstream
+        )
+
+    third = torch.tensor(1.0 / 3.0, device=DEV)
+    for unit, scaled in zip(grads(torch.tensor(1.0, device=DEV)), grads(third), strict=True):
+        assert scaled.dtype == torch.bfloat16 and torch.count_nonzero(unit) > 0
+        want = (unit.float() * third).bfloat16()
+        assert torch.equal(scaled, want), int((scaled != want).sum())
+
+
+def test_cuda_recompute_path_raises_on_in_place_change() -> None:
+    """reduction='none' on CUDA: logits scaled in place after forward (Megatron's CE does this)
+    raise autograd's version-counter error in backward."""
+    _, hidden, weight, h_TH, w_VH, mask_T = _bf16_case(4, 200, 128, 512, 500, 1)
+    base = (h_TH @ w_VH.T).requires_grad_(True)
+    logits = base * 1.0
+    out = vocab_parallel_kl(
+        logits, hidden, weight, vocab_start=0, vocab_size=500, loss_mask_T=mask_T,
+        config=KLConfig(reduction="none"),
+    )  # fmt: skip
+    with torch.no_grad():
+        logits.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_cuda_precomputed_path_frees_the_logits() -> None:
+    """sum (default): once the caller drops its [T, V] logits after forward, their memory is
+    released (autograd keeps only the gradient)."""
+    _, hidden, weight, h_TH, w_VH, _ = _bf16_case(5, 2048, 128, 8192, 8000, 1)
+    base = (h_TH @ w_VH.T).requires_grad_(True)
+    logits = base * 1.0  # a non-leaf, as Megatron's output_layer returns
+    out = vocab_parallel_kl(logits, hidden, weight, vocab_start=0, vocab_size=8000)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    nbytes = logits.numel() * logits.element_size()
+    del logits
+    torch.cuda.synchronize()
+    assert before - torch.cuda.memory_allocated() >= nbytes
+    out.backward()
+    assert base.grad is not None and torch.isfinite(base.grad.float()).all()

@@ -5,12 +5,14 @@ one rank), then again as a member of a TP group of 2 and of 4 (sub-groups made w
 ``dist.new_group``, every rank creating the same groups in the same order), holding only its
 vocab shard. Loss and gradients must match the TP-1 run (fp32 statistics: rtol 1e-5). The vocab
 is padded so that in TP 4 the last rank holds only padding in one case. Also: exactly one MAX and
-one SUM all-reduce per chunk, validation that raises on every rank with no collective run, and the
-debug agreement check catching ranks that pass different masks.
+one SUM all-reduce per chunk, validation that raises on every rank with no collective run, the
+debug agreement check catching ranks that pass different masks, and (debug) a bad argument on one
+rank only (its vocab_start, its shard size) raising the same ValueError on every rank, no hang.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -208,3 +210,39 @@ def test_debug_catches_nan_on_one_rank_on_every_rank(
         x["weight"][0][12, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf in"):
         _logits_loss(x, 4, groups[4], KLConfig(debug=True))
+
+
+@pytest.mark.parametrize("bad", ["vocab_start", "teacher_shard_rows"])
+def test_debug_rank_specific_bad_argument_raises_on_every_rank(
+    groups: dict[int, dist.ProcessGroup | None], bad: str
+) -> None:
+    """One rank's validation fails (its vocab_start, or its teacher shard size): with debug on,
+    the failure joins the agreement all-reduce and every rank raises the same ValueError, naming
+    that rank and its error; a short collective timeout turns any hang into a different error."""
+    x = _inputs(7, 41)
+    start, cols = _shard(4)
+    weight = [w[cols] for w in x["weight"]]
+    bad_rank = 2
+    if dist.get_rank() % 4 == bad_rank:
+        if bad == "vocab_start":
+            start += 1
+        else:
+            weight[1] = weight[1][:-1]
+    s = x["logits_TV"][:, cols].clone().requires_grad_(True)
+    cfg = KLConfig(debug=True, collective_timeout_s=30.0)
+    with pytest.raises(ValueError, match=r"invalid KL arguments on rank\(s\)") as info:
+        vocab_parallel_kl(
+            s, x["hidden"], weight, vocab_start=start, vocab_size=x["v_real"],
+            loss_mask_T=x["mask_T"], teacher_index_T=x["index_T"], group=groups[4], config=cfg,
+        )  # fmt: skip
+    msg = str(info.value)
+    assert (
+        "vocab_start=25" if bad == "vocab_start" else "teacher_weight[1] has 11 vocab rows"
+    ) in msg
+    assert re.findall(r"rank \d+: ", msg) == [f"rank {bad_rank}: "], msg  # only its entry
+    assert f"rank(s) [{bad_rank}]" in msg
+    if dist.get_rank() % 4 == bad_rank:
+        assert isinstance(info.value.__cause__, ValueError)  # the local error, chained
+    msgs: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, msg)
+    assert msgs == [msg] * dist.get_world_size(), msgs

@@ -3,7 +3,12 @@
 Covers values and gradients for both entry points (logits; fused hidden + weight), all three KL
 kinds and reductions, random shapes, padded vocab, bool and float masks, several teachers of
 different hidden sizes in token or compact layouts, chunk-size invariance, the row-wise torch
-twins, the configuration and the ValueErrors (raised before any collective).
+twins, the configuration and the ValueErrors (raised before any collective). Autograd hygiene:
+the recompute path (``reduction="none"``) raises autograd's version-counter error when an input
+or a teacher tensor is changed in place between forward and backward, and matches the
+precomputed path; the precomputed path keeps neither the student input nor the teacher's hidden
+states alive (weakrefs); a bf16 gradient scaled by an fp32 upstream 1/3 is rounded once (bit
+for bit); ``sum_hidden_grad_over_tp=False`` on the logits path warns once.
 
 Tolerances: the loss keeps its statistics in fp32, so with float64 inputs values and gradients
 match the float64 reference to ~1e-6 relative; we assert rtol=1e-4, atol=1e-5 (scaled by the
@@ -422,3 +427,141 @@ def test_debug_mode_detects_non_finite_inputs() -> None:
         vocab_parallel_kl(s_bad, h, w, vocab_start=0, vocab_size=6, config=cfg)
     # without debug the NaN propagates instead of raising
     assert torch.isnan(vocab_parallel_kl(s_bad, h, w, vocab_start=0, vocab_size=6))
+
+
+# ---- autograd hygiene: saved tensors, what ctx keeps alive, upstream scaling ------------------
+
+
+def _tensors_for(fused: bool, compact: bool) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """fp32 inputs with two teachers; the student input is a non-leaf (as Megatron's logits)."""
+    T, V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, g = _case(
+        61, n_teachers=2, compact=compact, dtype=torch.float32
+    )
+    base = (torch.randn(T, 5, generator=g) if fused else s_TV).requires_grad_(True)
+    w_VH = torch.randn(V_pad, 5, generator=g, requires_grad=True)
+    return dict(
+        base=base, x=base * 1.0, w=w_VH, hidden=hidden, weight=weight, index_T=index_T,
+        mask_T=mask_T, v_real=torch.tensor(V_real),
+    )  # fmt: skip
+
+
+def _loss(t: dict[str, Any], fused: bool, cfg: KLConfig) -> torch.Tensor:
+    kwargs = dict(
+        vocab_start=0, vocab_size=int(t["v_real"]), loss_mask_T=t["mask_T"],
+        teacher_index_T=t["index_T"], config=cfg,
+    )  # fmt: skip
+    if fused:
+        return fused_vocab_parallel_kl(t["x"], t["w"], t["hidden"], t["weight"], **kwargs)
+    return vocab_parallel_kl(t["x"], t["hidden"], t["weight"], **kwargs)
+
+
+_TARGETS = [
+    (fused, target)
+    for fused in (False, True)
+    for target in ("student", "student_weight", "teacher_hidden", "teacher_weight")
+    if fused or target != "student_weight"  # the logits path has no student weight
+]
+
+
+@pytest.mark.parametrize(("fused", "target"), _TARGETS, ids=lambda v: str(v))
+@pytest.mark.parametrize("compact", [False, True], ids=["token_rows", "compact_rows"])
+def test_recompute_path_raises_on_in_place_change(fused: bool, target: str, compact: bool) -> None:
+    """reduction='none' recomputes in backward: an in-place change in between must raise
+    autograd's version-counter error (before the fix: a silently wrong gradient)."""
+    t = _tensors_for(fused, compact)
+    out_T = _loss(t, fused, KLConfig(reduction="none", chunk_tokens=4))
+    victim = {
+        "student": t["x"],
+        "student_weight": t["w"],
+        "teacher_hidden": t["hidden"][1],
+        "teacher_weight": t["weight"][0],
+    }[target]
+    with torch.no_grad():
+        victim.mul_(3.0)  # Megatron's CE scales logits in place; a capture buffer is reused
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out_T.sum().backward()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize("compact", [False, True], ids=["token_rows", "compact_rows"])
+def test_recompute_path_gradient_equals_precomputed(fused: bool, compact: bool) -> None:
+    """Saved tensors rebuilt into the job in backward (teacher slots, compact rows) give the same
+    gradient as the forward-precomputed path: sum(none) vs sum, exact fp32 math, same chunks."""
+    grads = []
+    for reduction in ("none", "sum"):
+        t = _tensors_for(fused, compact)
+        out = _loss(t, fused, KLConfig(reduction=reduction, chunk_tokens=4))
+        (out.sum() if reduction == "none" else out).backward()
+        grads.append((t["base"].grad, t["w"].grad if fused else None))
+    (gx_none, gw_none), (gx_sum, gw_sum) = grads
+    assert gx_none is not None and torch.count_nonzero(gx_none) > 0
+    torch.testing.assert_close(gx_none, gx_sum, rtol=1e-5, atol=1e-6)
+    if fused:
+        torch.testing.assert_close(gw_none, gw_sum, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_precomputed_path_does_not_keep_inputs_alive(fused: bool) -> None:
+    """sum/mean: ctx keeps only the gradients. The caller's logits (or hidden states) and the
+    teacher's hidden states can be freed after forward; backward still gives the right gradient."""
+    import gc
+    import weakref
+
+    t = _tensors_for(fused, compact=False)
+    want = _tensors_for(fused, compact=False)
+    _loss(want, fused, KLConfig(chunk_tokens=4)).backward()
+    loss = _loss(t, fused, KLConfig(chunk_tokens=4))
+    x_ref, h_ref = weakref.ref(t["x"]), weakref.ref(t["hidden"][0])
+    del t["x"], t["hidden"]
+    gc.collect()
+    assert x_ref() is None, "autograd keeps the student input alive after forward"
+    assert h_ref() is None, "autograd keeps the teacher hidden states alive after forward"
+    loss.backward()
+    torch.testing.assert_close(t["base"].grad, want["base"].grad, rtol=0, atol=0)
+    if fused:
+        torch.testing.assert_close(t["w"].grad, want["w"].grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize("budget", [512 * 2**20, 64])
+def test_upstream_scale_rounds_once_in_bf16(fused: bool, budget: int) -> None:
+    """A bf16 gradient times an fp32 upstream 1/3 is round(g * (1/3)): one rounding, no bf16
+    rounding of the scale first (that gave a x1.0018 bias). budget=64 scales row by row."""
+    T, V_pad, V_real, hidden, weight, _, mask_T, s_TV, g = _case(71, n_teachers=1, compact=False)
+    hidden_b = [h.bfloat16() for h in hidden]
+    weight_b = [w.bfloat16() for w in weight]
+    x0 = (torch.randn(T, 6, generator=g) if fused else s_TV).bfloat16()
+    w0 = torch.randn(V_pad, 6, generator=g).bfloat16()
+    cfg = KLConfig(memory_budget_bytes=budget)
+    kwargs = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T, config=cfg)
+
+    def grads(upstream: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        if fused:
+            out = fused_vocab_parallel_kl(x, w, hidden_b, weight_b, **kwargs)
+            return torch.autograd.grad(out, (x, w), upstream)
+        return torch.autograd.grad(vocab_parallel_kl(x, hidden_b, weight_b, **kwargs), x, upstream)
+
+    third = torch.tensor(1.0 / 3.0)
+    for unit, scaled in zip(grads(torch.tensor(1.0)), grads(third), strict=True):
+        assert scaled.dtype == torch.bfloat16 and torch.count_nonzero(unit) > 0
+        want = (unit.float() * third).bfloat16()
+        assert torch.equal(scaled, want), int((scaled != want).sum())
+
+
+def test_logits_path_warns_once_that_sum_hidden_grad_over_tp_is_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kl_mod, "_WARNED", set())
+    t = _tensors_for(False, compact=False)
+    cfg = KLConfig(sum_hidden_grad_over_tp=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _loss(t, False, cfg)
+        _loss(t, False, cfg)
+        _loss(_tensors_for(True, compact=False), True, cfg)  # meaningful there: no warning
+        _loss(t, False, KLConfig())
+    hits = [w for w in caught if "sum_hidden_grad_over_tp=False is ignored" in str(w.message)]
+    assert len(hits) == 1, [str(w.message) for w in caught]
+    assert hits[0].filename == __file__  # points at the caller
