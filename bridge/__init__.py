@@ -8,7 +8,7 @@ benchmark, the demo and the plan inspector.
 
 One step, on every rank of every mesh::
 
-    pool = GroupPool(backend="nccl")                       # once
+    pool = GroupPool(backend="nccl", timeout=timedelta(seconds=300))  # once; NCCL's watchdog
     groups = create_bridge_groups(pool, [teacher], student)  # once, collective, fixed order
     bridge = HiddenStateBridge(teachers=[TeacherSpec(mesh=teacher, hidden_size=H)],
                                student=student, groups=groups)
@@ -16,6 +16,9 @@ One step, on every rank of every mesh::
                              student_layout=my_layout)                 # student last stage
     ...                                                    # student forward overlaps
     h_teacher = handle.wait()[0]                           # [N, H] in the student's row order
+
+Every rank calls ``handle.wait()`` (teacher-only ranks too). On CUDA it makes the current stream
+wait and returns at once; the pool's timeout is then what turns a hung peer into an error.
 """
 
 from __future__ import annotations

@@ -4,13 +4,17 @@ Why this file exists: it ties the pieces together on a running job. Each call
 
 1. builds this rank's local view (layouts, buffer shapes) and catches local errors instead of
    raising them alone (:mod:`mopd.bridge.metadata` carries them);
-2. all-gathers that metadata over the bridge group (timeouts on every collective);
+2. all-gathers that metadata over the bridge's gloo group (host tensors, so the step's GPU work
+   is never synchronised for it; timeouts on every collective);
 3. validates the gathered data on every rank identically (local errors anywhere, ranks that
    disagree on the meshes, missing or extra buffers, hidden size / dtype / device mismatches,
    wrong output shapes, TP replicas with different layouts, tokens held twice or by nobody), so
    every rank raises the same ``ValueError`` before any data moves and none is left waiting;
-4. plans (cached by the gathered layouts' content) and starts the exchange
-   (:class:`mopd.bridge.executor.Executor`), returning a handle to ``.wait()`` on.
+4. plans (cached by the gathered metadata's content: on a hit, steps 3 and the decoding are
+   skipped, since the verdict depends only on that metadata and the bridge's settings) and
+   starts the exchange (:class:`mopd.bridge.executor.Executor`), returning a handle to
+   ``.wait()`` on. Every rank calls ``.wait()`` on every handle (teacher-only ranks too: the
+   staging buffers are released there).
 
 Failures of the run (issue 7) are not ``ValueError``: a rank that never calls, raises or dies
 leaves the others with a :class:`~mopd.bridge.errors.BridgeTimeoutError` (or
@@ -25,7 +29,9 @@ pass ``hidden={teacher_index: buffer}`` and ``layouts={teacher_index: layout}``;
 the last stage pass ``student_layout`` (and optionally ``outputs``, one buffer per teacher);
 other ranks pass nothing. A layout may be given as a zero-argument callable: it is then built
 inside the guarded phase, so an error it raises (e.g. a sequence length not divisible by
-``2 * cp``) reaches every rank as the same ``ValueError``.
+``2 * cp``, or any other exception) reaches every rank as the same ``ValueError``; so does a
+layout that is not a :class:`~mopd.bridge.layout.TokenLayout`, and, on a student rank with
+``tp > 1`` that all-gathers, a missing ``groups.student_tp`` or one over the wrong ranks.
 
 Outputs: one buffer per teacher, the student shard's full ``[N, H_teacher]`` flat rows (or this
 rank's ``[N / tp, H]`` SP slice with ``keep_sp_shard``); a row no teacher ``i`` fills (padding, or
@@ -55,7 +61,7 @@ from mopd.bridge.errors import (
     BridgeTimeoutError,
 )
 from mopd.bridge.executor import DebugHook, ExchangeHandle, Executor, buffers_overlap, comm_failure
-from mopd.bridge.groups import BridgeGroups
+from mopd.bridge.groups import BridgeGroups, group_moves_cuda
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import RankRecord, decode_records, encode_record, gather_record_matrix
@@ -97,8 +103,10 @@ class BridgeConfig:
 
     Attributes:
         timeout_s: seconds each phase may wait on other ranks (the metadata all-gather; a
-            handle's ``wait()``, counted from the call) before raising
-            :class:`~mopd.bridge.errors.BridgeTimeoutError`. Create the groups with a
+            handle's ``wait()``, one deadline counted from the call) before raising
+            :class:`~mopd.bridge.errors.BridgeTimeoutError`. A host-side deadline on gloo; on
+            NCCL ``wait()`` does not block the host (the stream waits), so hangs there are
+            caught by the process groups' own timeout: create the groups with a
             :class:`~mopd.bridge.groups.GroupPool` whose timeout is not longer, so the
             transport also gives up on abandoned operations.
         local_copy: serve a destination from a replica on the same rank by a local copy.
@@ -151,6 +159,46 @@ class PreparedExchange:
     sources: dict[int, torch.Tensor]
     outputs: dict[int, torch.Tensor]
     owner_N: torch.Tensor | None
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _CachedPlan:
+    """A validated plan and what ``prepare`` needs without decoding the records again.
+
+    ``out_specs[o]``: teacher ``o``'s ``(hidden_size, dtype)`` (for allocated outputs).
+    """
+
+    plan: TransferPlan
+    out_specs: tuple[tuple[int, torch.dtype], ...]
+
+
+def _as_dict(arg: Any, what: str) -> dict[Any, Any]:
+    if arg is None:
+        return {}
+    if not isinstance(arg, Mapping):
+        raise ValueError(
+            f"{what} must be a mapping teacher index -> value, got {type(arg).__name__}"
+        )
+    return dict(arg)
+
+
+def _resolve_layout(arg: Any, what: str) -> TokenLayout:
+    """``arg`` as a TokenLayout (calling it when it is a callable); any failure is a ValueError."""
+    if callable(arg) and not isinstance(arg, TokenLayout):
+        try:
+            arg = arg()
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(
+                f"{what}: the layout callable raised {type(exc).__name__}: {exc}"
+            ) from exc
+    if not isinstance(arg, TokenLayout):
+        raise ValueError(
+            f"{what} must be a TokenLayout or a zero-argument callable returning one, "
+            f"got {type(arg).__name__}"
+        )
+    return arg
 
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -213,8 +261,8 @@ class HiddenStateBridge:
             integrity=self.config.integrity,
             debug_hook=debug_hook,
         )
-        backend = dist.get_backend(groups.bridge) if groups.bridge is not None else "gloo"
-        self.device_type = "cuda" if backend == "nccl" else "cpu"
+        moves_cuda = groups.bridge is not None and group_moves_cuda(groups.bridge)
+        self.device_type = "cuda" if moves_cuda else "cpu"
         meshes = [t.mesh for t in self.teachers] + [student]
         if not self.config.local_copy and not meshes_overlap(meshes):
             warnings.warn(
@@ -227,11 +275,12 @@ class HiddenStateBridge:
                 "BridgeConfig(keep_sp_shard=True) has no effect: the student has tp=1",
                 stacklevel=2,
             )
-        if not self.config.local_copy and backend != "nccl" and meshes_overlap(meshes):
+        if not self.config.local_copy and not moves_cuda and meshes_overlap(meshes):
             raise ValueError(
-                f"local_copy=False sends colocated rows to the same rank, which the {backend} "
+                "local_copy=False sends colocated rows to the same rank, which the gloo "
                 "backend cannot do (gloo has no send-to-self); use NCCL or local_copy=True"
             )
+        self._tp_group_error = self._check_student_tp_group()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.device_type == "cuda"
@@ -250,7 +299,41 @@ class HiddenStateBridge:
         self.config_sig = int.from_bytes(
             hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
         )
+        #: digest of the gathered metadata -> its validated plan (LRU, ``max_cached_plans``)
         self._plans: OrderedDict[str, TransferPlan] = OrderedDict()
+        #: same keys: per teacher ``(hidden_size, dtype)``, for outputs allocated on a hit
+        self._out_specs: dict[str, tuple[tuple[int, torch.dtype], ...]] = {}
+        #: how many ``prepare`` calls decoded and validated the gathered metadata (plan misses)
+        self.validations = 0
+
+    def _check_student_tp_group(self) -> str:
+        """Why ``groups.student_tp`` cannot serve this rank's all-gather, or ``""`` (local).
+
+        Only student last-stage ranks that all-gather (``tp > 1`` without ``keep_sp_shard``)
+        need it; the message is raised in the guarded phase so every rank gets it.
+        """
+        s = self.student
+        c = s.coord(self.rank)
+        if s.tp == 1 or self.config.keep_sp_shard or c is None or c.pp_rank != s.pp - 1:
+            return ""
+        want = tuple(s.tp_group_ranks(dp_rank=c.dp_rank, cp_rank=c.cp_rank))
+        tp = self.groups.student_tp
+        if tp is None:
+            return (
+                f"the student has tp={s.tp} and all-gathers after the crossing, but "
+                f"groups.student_tp is None on this rank; pass a process group over global "
+                f"ranks {list(want)} (create_bridge_groups makes it) or keep_sp_shard=True"
+            )
+        try:
+            got = tuple(sorted(dist.get_process_group_ranks(tp)))
+        except Exception as exc:
+            return f"groups.student_tp is not a process group this rank belongs to ({exc})"
+        if got != tuple(sorted(want)):
+            return (
+                f"groups.student_tp spans global ranks {list(got)} but this rank's student TP "
+                f"group (dp={c.dp_rank}, cp={c.cp_rank}) is {list(want)}"
+            )
+        return ""
 
     # --- the call ------------------------------------------------------------------------------
 
@@ -262,7 +345,11 @@ class HiddenStateBridge:
         student_layout: LayoutArg | None = None,
         outputs: Mapping[int, torch.Tensor] | None = None,
     ) -> ExchangeHandle:
-        """Validate, plan and start one exchange (collective over the bridge group)."""
+        """Validate, plan and start one exchange (collective over the bridge group).
+
+        Same arguments as :meth:`prepare`; returns the started handle (call ``.wait()`` on
+        every rank before reading the outputs).
+        """
         return self.start(
             self.prepare(
                 hidden=hidden, layouts=layouts, student_layout=student_layout, outputs=outputs
@@ -282,6 +369,7 @@ class HiddenStateBridge:
             group=self.groups.bridge,
             tp_group=self.groups.student_tp,
             keep_slice=self.config.keep_sp_shard,
+            meta_group=self.groups.meta,
         )
         handle.outputs = dict(prepared.outputs)
         return handle
@@ -294,35 +382,77 @@ class HiddenStateBridge:
         student_layout: LayoutArg | None = None,
         outputs: Mapping[int, torch.Tensor] | None = None,
     ) -> PreparedExchange:
-        """Exchange metadata, validate it identically on every rank, and plan (cached)."""
+        """Exchange metadata, validate it identically on every rank, and plan (cached).
+
+        Collective over the bridge group (every member calls it, each with what it holds).
+
+        Args:
+            hidden: on teacher last-stage ranks, ``teacher index -> `` the captured buffer,
+                contiguous, hidden dim last (``[S, B, H]``, ``[B, S, H]`` or ``[T, H]``; its flat
+                ``[R, H]`` rows are what the layout describes), on the bridge's device (the
+                current CUDA device for NCCL, CPU for gloo); ``None`` elsewhere.
+            layouts: same keys as ``hidden``: a :class:`TokenLayout` of ``R`` rows, or a
+                zero-argument callable building one (inside the guarded phase).
+            student_layout: on student last-stage ranks, this rank's student layout (or a
+                callable), ``N`` rows (identical on the ranks of one student TP group, ``N``
+                divisible by the student's tp); ``None`` elsewhere.
+            outputs: optional, student ranks only: one buffer per teacher, contiguous, ``[N,
+                H_teacher]`` flat (``[N / tp, H_teacher]`` with ``keep_sp_shard``), the
+                teacher's dtype, the bridge's device; must not alias ``hidden``. When omitted
+                they are allocated.
+        Returns:
+            A :class:`PreparedExchange` to :meth:`start`.
+        Raises:
+            ValueError: bad input on any rank (the same text on every rank, before data moves).
+            BridgeTimeoutError, BridgeCommError: the metadata all-gather failed.
+            BridgeStateError: an earlier exchange failed.
+        """
         if self.groups.bridge is None:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
         self.executor.check_usable()
-        hidden, layouts, outputs = dict(hidden or {}), dict(layouts or {}), dict(outputs or {})
         n = len(self.teachers)
-        error = ""
         src_meta: list[tuple[TokenLayout, int, torch.dtype, torch.device] | None] = [None] * n
         out_meta: list[tuple[int, int, torch.dtype, torch.device] | None] = [None] * n
         sources: dict[int, torch.Tensor] = {}
-        stu: TokenLayout | None = None
+        outs: dict[int, torch.Tensor] = {}
         try:
+            hidden_d = _as_dict(hidden, "hidden")
+            layouts_d = _as_dict(layouts, "layouts")
+            outs = _as_dict(outputs, "outputs")
             stu = self._local_checks(
-                hidden, layouts, student_layout, outputs, src_meta, out_meta, sources
+                hidden_d, layouts_d, student_layout, outs, src_meta, out_meta, sources
+            )
+            record = encode_record(
+                config_sig=self.config_sig,
+                error="",
+                sources=src_meta,
+                student=stu,
+                outputs=out_meta,
             )
         except ValueError as exc:
-            error = f"global rank {self.rank}: {exc}"
-        record = encode_record(
-            config_sig=self.config_sig, error=error, sources=src_meta, student=stu, outputs=out_meta
+            sources, outs = {}, {}
+            record = encode_record(
+                config_sig=self.config_sig,
+                error=f"global rank {self.rank}: {exc}",
+                sources=[None] * n,
+                student=None,
+                outputs=[None] * n,
+            )
+        meta_group = self.groups.meta if self.groups.meta is not None else self.groups.bridge
+        meta_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if group_moves_cuda(meta_group)
+            else torch.device("cpu")
         )
         t0 = time.monotonic()
         try:
             matrix, sizes = gather_record_matrix(
                 record,
-                group=self.groups.bridge,
+                group=meta_group,
                 members=self.groups.members,
-                device=self.device,
+                device=meta_device,
                 timeout=self.timeout,
             )
         except Exception as exc:
@@ -334,11 +464,21 @@ class HiddenStateBridge:
                 timeout_s=self.config.timeout_s,
                 elapsed_s=time.monotonic() - t0,
             ) from exc
-        records = decode_records(matrix, sizes, self.groups.members)
-        # The plan cache key: every rank's whole (run-encoded, small) metadata, so a step whose
-        # layouts, dtypes and buffers all repeat reuses its plan without hashing every token.
+        # The plan cache key: every rank's whole (run-encoded, small) metadata, errors included.
+        # A hit means every rank sent exactly what a validated step sent, and the verdict depends
+        # only on that and on this bridge's settings: skip decoding and validation.
         digest = hashlib.blake2b(matrix.numpy().tobytes(), digest_size=16).hexdigest()
-        plan = self._validate_and_plan(records, digest)
+        plan = self._plans.get(digest)
+        if plan is not None:
+            self._plans.move_to_end(digest)
+        else:
+            self.validations += 1
+            cached = self._validate_and_plan(decode_records(matrix, sizes, self.groups.members))
+            if len(self._plans) >= self.config.max_cached_plans:
+                old, _ = self._plans.popitem(last=False)
+                del self._out_specs[old]
+            plan = self._plans[digest] = cached.plan
+            self._out_specs[digest] = cached.out_specs
         owner_N = None
         me = self.student.coord(self.rank)
         if me is not None and me.pp_rank == self.student.pp - 1:
@@ -347,14 +487,11 @@ class HiddenStateBridge:
             if self.config.keep_sp_shard:
                 j = dest.ranks.index(self.rank)
                 owner_N = owner_N[j * dest.slice_rows : (j + 1) * dest.slice_rows]
-            if not outputs:
+            if not outs:
                 rows = owner_N.numel()
-                for o in range(n):
-                    rec = next(r.sources[o] for r in records if r.sources[o] is not None)
-                    outputs[o] = torch.empty(
-                        (rows, rec.hidden), dtype=rec.dtype, device=self.device
-                    )
-        return PreparedExchange(plan=plan, sources=sources, outputs=outputs, owner_N=owner_N)
+                for o, (hidden_size, dtype) in enumerate(self._out_specs[digest]):
+                    outs[o] = torch.empty((rows, hidden_size), dtype=dtype, device=self.device)
+        return PreparedExchange(plan=plan, sources=sources, outputs=outs, owner_N=owner_N)
 
     # --- local phase (errors are gathered, not raised) -----------------------------------------
 
@@ -381,7 +518,7 @@ class HiddenStateBridge:
                 )
             if not holds:
                 continue
-            layout = layouts[o]() if callable(layouts[o]) else layouts[o]
+            layout = _resolve_layout(layouts[o], f"layouts[{o}]")
             flat = _flat(hidden[o], f"teacher {o} hidden buffer")
             if flat.shape[0] != layout.num_rows:
                 raise ValueError(
@@ -399,8 +536,9 @@ class HiddenStateBridge:
             if outputs:
                 raise ValueError("outputs given on a rank without a student shard")
             return None
-        stu = student_layout() if callable(student_layout) else student_layout
-        assert stu is not None
+        stu = _resolve_layout(student_layout, "student_layout")
+        if self._tp_group_error:
+            raise ValueError(self._tp_group_error)
         if outputs and set(outputs) != set(range(n)):
             raise ValueError(
                 f"outputs must have one buffer per teacher {list(range(n))}, got {sorted(outputs)}"
@@ -436,7 +574,7 @@ class HiddenStateBridge:
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
 
-    def _validate_and_plan(self, records: list[RankRecord], cache_key: str) -> TransferPlan:
+    def _validate_and_plan(self, records: list[RankRecord]) -> _CachedPlan:
         by_rank = {r.rank: r for r in records}
         sigs = sorted({r.config_sig for r in records})
         if len(sigs) > 1:
@@ -484,7 +622,7 @@ class HiddenStateBridge:
                     f"teacher {o}: ranks hold different dtypes {sorted(map(str, dtypes))}"
                 )
             dtype = dtypes.pop()
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             teacher_batches.append(
                 (
                     TeacherBatch(
@@ -526,16 +664,11 @@ class HiddenStateBridge:
                             f"expected {dtype} on {dev} (the teacher's dtype)"
                         )
             stu[(d, c)] = first
-        plan = self._plans.get(cache_key)
-        if plan is not None:
-            self._plans.move_to_end(cache_key)
-        else:
-            plan = plan_token_exchange(
-                [tb for tb, _ in teacher_batches],
-                StudentBatch(mesh=s, layouts=stu),
-                local_copy=self.config.local_copy,
-            )
-            if len(self._plans) >= self.config.max_cached_plans:
-                self._plans.popitem(last=False)
-            self._plans[cache_key] = plan
-        return plan
+        plan = plan_token_exchange(
+            [tb for tb, _ in teacher_batches],
+            StudentBatch(mesh=s, layouts=stu),
+            local_copy=self.config.local_copy,
+        )
+        return _CachedPlan(
+            plan=plan, out_specs=tuple((tb.hidden_size, dtype) for tb, dtype in teacher_batches)
+        )

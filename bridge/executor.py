@@ -23,8 +23,13 @@ counts are validated against the layouts before planning. Staging buffers are re
 across calls (a pool per owner and dtype, grown to the largest need, one buffer per exchange in
 flight); schedules are kept for the last ``max_schedules`` plans.
 
-Reliability (issue 7): every wait has a deadline of ``timeout`` from the start of
-:meth:`ExchangeHandle.wait`; a transfer that misses it, or fails because a peer died, raises a
+Reliability (issue 7): one deadline, ``timeout`` from the start of :meth:`ExchangeHandle.wait`,
+covers everything that call waits on (earlier flights, the transfers, the TP all-gathers, the
+integrity verdict); each wait gets the time left. That host-side deadline applies to gloo (CPU
+tensors). CUDA tensors (NCCL) are waited on without a host timeout, so ``wait()`` only makes the
+current stream wait and never blocks the host (:func:`mopd.bridge.groups.wait_work`); hangs are
+then caught by the process groups' own timeout (``GroupPool(timeout=...)``, NCCL's watchdog). A
+transfer that misses its deadline, or fails because a peer died, raises a
 :class:`~mopd.bridge.errors.BridgeTimeoutError` / :class:`~mopd.bridge.errors.BridgeCommError`
 naming this rank, the peers whose messages did not complete, and the timeout. After such a
 failure the executor refuses further exchanges (:class:`~mopd.bridge.errors.BridgeStateError`):
@@ -32,13 +37,19 @@ the process group may still hold pending receives into old buffers, and a late m
 matched to a later exchange. Handles complete in start order (waiting on a later handle completes
 the earlier ones first), so every rank issues the student TP all-gathers in the same order. With
 ``integrity=True`` rows are checked end to end (:mod:`mopd.bridge.integrity`); ``wait()`` is then
-a collective over the bridge group (every rank's verdict is all-gathered, so all raise alike).
+a collective over the bridge group (every rank's verdict is all-gathered, on the gloo metadata
+group when there is one, so all raise alike).
+
+Every rank of the bridge group must call ``wait()`` on every handle, teacher-only ranks too: the
+staging buffers of an exchange return to the pool only there. More than ``max_schedules``
+exchanges in flight on one rank warn once (buffers held by handles nobody waits on).
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +65,7 @@ from mopd.bridge.errors import (
     BridgeStateError,
     BridgeTimeoutError,
 )
-from mopd.bridge.groups import all_gather_flat
+from mopd.bridge.groups import all_gather_flat, group_moves_cuda, wait_work
 from mopd.bridge.integrity import (
     BlockMismatch,
     decode_mismatches,
@@ -381,6 +392,11 @@ def _local(src_NH: torch.Tensor, op: _Local, out_NH: torch.Tensor, dev: _Dev) ->
         raise AssertionError(op.mode)
 
 
+def _left(deadline: float) -> datetime.timedelta:
+    """The time left until ``deadline`` (``time.monotonic`` seconds), at least 1 ms."""
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+
+
 def buffers_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True if the byte ranges of ``a`` and ``b`` (contiguous, same device) intersect.
 
@@ -462,7 +478,8 @@ class _Flight:
 
     works: list[Any]
     descs: list[str]
-    finish: Callable[[], None]
+    finish: Callable[[float], None]  # finish(deadline): unpack, verify, all-gather
+    device: torch.device  # where the transfers' tensors live (CUDA: NCCL, no host wait)
     staged: list[tuple[tuple[Any, ...], torch.Tensor]]
     outputs: list[torch.Tensor]
     done: bool = False
@@ -489,8 +506,13 @@ class ExchangeHandle:
     def wait(self) -> dict[int, torch.Tensor]:
         """Complete the transfer (and the student TP all-gather); idempotent.
 
+        Every rank of the bridge group calls it for every exchange (teacher-only ranks too: the
+        staging buffers are released here). On CUDA it does not block the host: it makes the
+        current stream wait on the transfers; on CPU (gloo) it returns with the rows in place.
+
         Raises:
-            BridgeTimeoutError: a transfer did not complete within the timeout (from this call).
+            BridgeTimeoutError: a transfer did not complete within the timeout, counted once from
+                this call for everything it waits on (gloo; on NCCL the process group's timeout).
             BridgeCommError: the transport failed (a peer died).
             BridgeIntegrityError: integrity mode found corrupted rows (on every rank alike).
             BridgeStateError: an earlier exchange of this executor failed.
@@ -504,8 +526,11 @@ class Executor:
 
     Args:
         rank: this process's global rank.
-        timeout: deadline for each ``wait()`` (sends/receives and the TP all-gather).
-        max_schedules: schedules kept (least recently used dropped first).
+        timeout: deadline for each ``wait()`` (sends/receives, the TP all-gather, the integrity
+            verdict; one deadline per call). Host-side for gloo only; NCCL waits rely on the
+            process group's timeout (see the module doc).
+        max_schedules: schedules kept (least recently used dropped first); also the number of
+            exchanges in flight above which :meth:`start` warns (once).
         integrity: check every delivered row (:mod:`mopd.bridge.integrity`); makes ``wait()``
             a collective over the bridge group.
         debug_hook: see :data:`DebugHook` (tests only).
@@ -534,6 +559,7 @@ class Executor:
         self._flights: list[_Flight] = []
         self.failure: str | None = None
         self.exchanges = 0
+        self._warned_in_flight = False
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -591,19 +617,32 @@ class Executor:
         group: Any | None,
         tp_group: Any | None = None,
         keep_slice: bool = False,
+        meta_group: Any | None = None,
     ) -> ExchangeHandle:
         """Start this rank's share of ``plan``.
 
         Args:
-            sources: ``owner -> [R, H]`` flat source rows this rank holds (as a replica).
+            sources: ``owner -> [R, H]`` flat source rows this rank holds (as a replica),
+                contiguous, on the bridge's device.
             outputs: ``owner -> [N, H]`` the destination group's full flat buffer, or with
-                ``keep_slice`` this rank's ``[N / tp, H]`` slice. Rows are overwritten.
-            group: the bridge process group (point-to-point; the integrity verdict).
+                ``keep_slice`` this rank's ``[N / tp, H]`` slice, contiguous, same device. Rows
+                are overwritten.
+            group: the bridge process group (point-to-point; the integrity verdict when
+                ``meta_group`` is ``None``).
             tp_group: the destination group's all-gather group (ignored with ``keep_slice``).
+            meta_group: a gloo group over the same ranks for the integrity verdict (host-side).
         Returns:
             A handle; call ``.wait()`` before reading ``outputs``.
         """
         self.check_usable()
+        if len(self._flights) >= self.max_schedules and not self._warned_in_flight:
+            self._warned_in_flight = True
+            warnings.warn(
+                f"global rank {self.rank}: {len(self._flights) + 1} bridge exchanges are in flight "
+                f"(more than max_cached_plans={self.max_schedules}): call .wait() on every handle "
+                "on every rank, teacher-only ranks too; staging buffers are released only there",
+                stacklevel=3,
+            )
         for f in self._flights:
             for a in f.outputs:
                 for b in outputs.values():
@@ -713,13 +752,20 @@ class Executor:
                 self._pool.forget(t)
             raise
 
-        def finish() -> None:
+        def finish(deadline: float) -> None:
             if self.debug_hook is not None:
                 self.debug_hook("received", recv_blocks)
             for buf, side, out in pending:
                 _unpack(buf, side, out, dev)
             if self.integrity:
-                self._verify(sched, targets, checks, dev, group)
+                self._verify(
+                    sched,
+                    targets,
+                    checks,
+                    dev,
+                    meta_group if meta_group is not None else group,
+                    deadline,
+                )
             if tp_group is not None and not keep_slice and sched.dest_index >= 0:
                 n_ranks = len(plan.dests[sched.dest_index].ranks)
                 if n_ranks > 1:
@@ -729,7 +775,7 @@ class Executor:
                                 outputs[owner],
                                 targets[owner],
                                 group=tp_group,
-                                timeout=self.timeout,
+                                timeout=_left(deadline),
                             ),
                             "the student TP all-gather after the crossing",
                         )
@@ -738,6 +784,7 @@ class Executor:
             works=list(works),
             descs=descs if len(works) == len(descs) else ["; ".join(descs)] * len(works),
             finish=finish,
+            device=dev.device,
             staged=staged,
             outputs=list(outputs.values()),
         )
@@ -764,15 +811,19 @@ class Executor:
             ) from exc
 
     def _complete_through(self, flight: _Flight) -> None:
-        """Complete every flight started up to and including ``flight``, in start order."""
+        """Complete every flight started up to and including ``flight``, in start order.
+
+        One deadline (``timeout`` from now) covers all of it; each wait gets the time left.
+        """
         if flight.done:
             if flight.error is not None:
                 raise flight.error
             return
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while self._flights:
             f = self._flights[0]
             try:
-                self._complete(f)
+                self._complete(f, deadline)
             except BridgeIntegrityError as exc:
                 # every rank reached the same verdict and no message is pending: the group and
                 # the staging buffers stay usable, the rows of this exchange do not
@@ -796,13 +847,13 @@ class Executor:
             if f is flight:
                 return
 
-    def _complete(self, f: _Flight) -> None:
+    def _complete(self, f: _Flight, deadline: float) -> None:
+        """Wait on ``f``'s transfers (host wait until ``deadline`` on gloo, stream wait on
+        NCCL), then finish it (unpack, verify, TP all-gather) within what is left."""
         t0 = time.monotonic()
-        deadline = t0 + self.timeout.total_seconds()
         for i, w in enumerate(f.works):
-            left = max(deadline - time.monotonic(), 1e-3)
             try:
-                w.wait(datetime.timedelta(seconds=left))
+                wait_work(w, device=f.device, timeout=_left(deadline))
             except Exception as exc:
                 pending = []
                 for w2, d in zip(f.works[i:], f.descs[i:], strict=True):
@@ -819,7 +870,7 @@ class Executor:
                     timeout_s=self.timeout.total_seconds(),
                     elapsed_s=time.monotonic() - t0,
                 ) from exc
-        f.finish()
+        f.finish(deadline)
 
     def _verify(
         self,
@@ -828,8 +879,13 @@ class Executor:
         checks: Sequence[tuple[_Op | _Local, torch.Tensor]],
         dev: _Dev,
         group: Any,
+        deadline: float,
     ) -> None:
-        """Compare delivered rows with the senders' checksums; same verdict on every rank."""
+        """Compare delivered rows with the senders' checksums; same verdict on every rank.
+
+        ``group`` carries the verdict all-gather (the gloo metadata group when there is one:
+        CPU tensors, a host wait until ``deadline``; an NCCL group: CUDA tensors).
+        """
         actual = {o: row_checksum(t) for o, t in targets.items()} if sched.dest_index >= 0 else {}
         bad: list[torch.Tensor] = []
         what: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
@@ -866,13 +922,17 @@ class Executor:
         if group is None:
             reports = [(self.rank, *decode_mismatches(mine))]
         else:
-            device = next(iter(targets.values())).device if targets else torch.device("cpu")
-            if dist.get_backend(group) == "nccl" and device.type != "cuda":
-                device = torch.device("cuda", torch.cuda.current_device())
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if group_moves_cuda(group)
+                else torch.device("cpu")
+            )
             n = dist.get_world_size(group)
             every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
             self._timed(
-                lambda: all_gather_flat(every, mine.to(device), group=group, timeout=self.timeout),
+                lambda: all_gather_flat(
+                    every, mine.to(device), group=group, timeout=_left(deadline)
+                ),
                 "the integrity verdict (all-gather over the bridge group)",
             )
             ranks = dist.get_process_group_ranks(group)

@@ -9,11 +9,21 @@ Creation order of :func:`create_bridge_groups` (every global rank of the default
 with the same meshes, in the same program order as its other ``new_group`` calls):
 
 1. the bridge group: the sorted union of every rank of every teacher mesh and the student mesh
-   (all of them take part in the metadata exchange; ranks that hold nothing move nothing);
+   (all of them take part in the metadata exchange; ranks that hold nothing move nothing), with
+   the pool's backend;
 2. for each student ``(dp_rank, cp_rank)`` shard in :meth:`Mesh.shards` order (dp major), the
-   student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing).
+   student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing);
+3. a gloo group over the same ranks as 1. (the metadata all-gather and the integrity verdict run
+   on the host there, so they never queue behind GPU work nor force a device sync). When the
+   pool's backend is ``"gloo"`` this is group 1. itself and no group is created.
 
 A live Megatron job may pass its own student TP group instead of 2. (``BridgeGroups(student_tp=...)``).
+
+Waiting (:func:`wait_work`): a gloo operation is waited on with a host timeout; an NCCL one (CUDA
+tensors) is waited on *without* one, because ``Work.wait(timeout)`` on NCCL spins the host until
+the operation completes, while ``Work.wait()`` only makes the current CUDA stream wait on it. Hang
+detection for NCCL operations therefore rests on the process group's own timeout: create the pool
+with ``GroupPool(timeout=...)`` (NCCL's watchdog aborts an operation older than that).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mopd.bridge.mesh import Mesh
@@ -32,28 +43,61 @@ __all__ = [
     "GroupPool",
     "all_gather_flat",
     "create_bridge_groups",
+    "group_moves_cuda",
     "lookup_bridge_groups",
+    "wait_work",
 ]
 
 
+def group_moves_cuda(group: Any) -> bool:
+    """True if ``group`` moves CUDA tensors (it has an NCCL backend), False for gloo only.
+
+    Decided from the group's backend *config* (``"cpu:gloo,cuda:nccl"`` for a group made without
+    a backend on a CUDA build), not ``dist.get_backend``, which can say ``"undefined"``.
+    """
+    return "nccl" in str(dist.get_backend_config(group)).lower()
+
+
+def wait_work(work: Any, *, device: torch.device, timeout: datetime.timedelta | None) -> None:
+    """Wait on one ``torch.distributed`` work object that moves tensors on ``device``.
+
+    CUDA tensors (NCCL): ``work.wait()`` without a timeout, which only makes the current stream
+    wait (a timeout would spin the host until completion); hang detection is the process group's
+    own timeout (``GroupPool(timeout=...)``). Other tensors (gloo): ``work.wait(timeout)``, a host
+    wait that raises after ``timeout`` (no timeout when ``None``).
+    """
+    if device.type == "cuda" or timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 def all_gather_flat(output: Any, input_: Any, *, group: Any, timeout: datetime.timedelta) -> None:
-    """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait (timeout).
+    """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
 
     ``all_gather_single`` where torch has it (``all_gather_into_tensor`` is deprecated there),
     else ``all_gather_into_tensor``; in place when ``input_`` is this rank's slice of ``output``.
+    CPU tensors: a host wait of at most ``timeout``; CUDA tensors: a stream wait (see
+    :func:`wait_work`; ``timeout`` is then the process group's).
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(output, input_, group=group, async_op=True)
     if work is not None:
-        work.wait(timeout)
+        wait_work(work, device=output.device, timeout=timeout)
 
 
 class GroupPool:
-    """Process groups keyed by their sorted rank tuple.
+    """Process groups keyed by ``(backend, sorted rank tuple)``.
 
     :meth:`create` is collective over the default group (every rank, same order); creating a
-    rank set twice returns the existing group without a collective, which is deterministic
-    because every rank holds the same creation history. :meth:`get` is local.
+    (backend, rank set) twice returns the existing group without a collective, which is
+    deterministic because every rank holds the same creation history. :meth:`get` is local.
+    ``backend=None`` in :meth:`create` / :meth:`get` means the pool's backend.
+
+    Args:
+        backend: backend of the groups (``None``: the default group's).
+        timeout: the groups' own timeout; for NCCL groups this is the only hang detection of
+            the bridge's waits (see :func:`wait_work`), so keep it <= ``BridgeConfig.timeout_s``.
     """
 
     def __init__(
@@ -61,25 +105,28 @@ class GroupPool:
     ) -> None:
         self.backend = backend
         self.timeout = timeout
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[str | None, tuple[int, ...]], Any] = {}
 
-    def create(self, ranks: Sequence[int]) -> Any | None:
+    def _key(self, ranks: Sequence[int], backend: str | None) -> tuple[str | None, tuple[int, ...]]:
+        return (backend if backend is not None else self.backend, tuple(sorted(set(ranks))))
+
+    def create(self, ranks: Sequence[int], *, backend: str | None = None) -> Any | None:
         """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere."""
-        key = tuple(sorted(set(ranks)))
+        key = self._key(ranks, backend)
         if key not in self._groups:
-            kwargs: dict[str, Any] = {"ranks": list(key)}
-            if self.backend is not None:
-                kwargs["backend"] = self.backend
+            kwargs: dict[str, Any] = {"ranks": list(key[1])}
+            if key[0] is not None:
+                kwargs["backend"] = key[0]
             if self.timeout is not None:
                 kwargs["timeout"] = self.timeout
             self._groups[key] = dist.new_group(**kwargs)
-        return self.get(key)
+        return self.get(key[1], backend=key[0])
 
-    def get(self, ranks: Sequence[int]) -> Any | None:
+    def get(self, ranks: Sequence[int], *, backend: str | None = None) -> Any | None:
         """The group of ``ranks`` (``None`` if this rank is not a member); ``KeyError`` if never created."""
-        key = tuple(sorted(set(ranks)))
+        key = self._key(ranks, backend)
         group = self._groups[key]
-        return None if dist.get_rank() not in key else group
+        return None if dist.get_rank() not in key[1] else group
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -92,11 +139,15 @@ class BridgeGroups:
         student_tp: this rank's student TP group on the last stage (``None`` when ``tp == 1``
             or the rank holds no student shard).
         members: global ranks of the bridge group.
+        meta: a gloo group over ``members`` for the host-side metadata all-gather and the
+            integrity verdict (``None``: use ``bridge``, which then must be gloo or take
+            CUDA tensors).
     """
 
     bridge: Any | None
     student_tp: Any | None
     members: tuple[int, ...]
+    meta: Any | None = None
 
 
 def _bridge_members(teachers: Sequence[Mesh], student: Mesh) -> tuple[int, ...]:
@@ -119,6 +170,7 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
     if student.tp > 1:
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
+    pool.create(members, backend="gloo")  # the pool's bridge group itself when it is gloo
     return lookup_bridge_groups(pool, teachers, student)
 
 
@@ -130,4 +182,9 @@ def lookup_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
     c = student.coord(me)
     if student.tp > 1 and c is not None and c.pp_rank == student.pp - 1:
         tp_group = pool.get(student.tp_group_ranks(dp_rank=c.dp_rank, cp_rank=c.cp_rank))
-    return BridgeGroups(bridge=pool.get(members), student_tp=tp_group, members=members)
+    return BridgeGroups(
+        bridge=pool.get(members),
+        student_tp=tp_group,
+        members=members,
+        meta=pool.get(members, backend="gloo"),
+    )

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.executor import Executor
-from mopd.bridge.groups import BridgeGroups
+from mopd.bridge.groups import BridgeGroups, group_moves_cuda
 from mopd.bridge.layout import vocab_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import encode_record, gather_records
@@ -61,8 +61,12 @@ class LMHeadShard:
     """This student rank's share of a teacher's LM head.
 
     Attributes:
-        weight_VH: ``[Vs / tp_S, H_teacher]`` rows of the student's vocab partition.
-        valid_V: ``[Vs / tp_S]`` bool, False for rows past the real vocabulary (zero rows).
+        weight_VH: ``[Vs / tp_S, H_teacher]`` rows of the student's vocab partition, contiguous,
+            the teacher weight's dtype, on the bridge's device (the current CUDA device for an
+            NCCL bridge group, CPU for gloo).
+        valid_V: ``[Vs / tp_S]`` bool, **on CPU** (built from sizes only, no device work), False
+            for rows past the real vocabulary (zero rows); move it to ``weight_VH.device`` to
+            mask on the GPU.
         num_padding: count of such rows.
         vocab_start: the first vocab row of this partition.
     """
@@ -135,16 +139,33 @@ def reshard_lm_head(
 ) -> LMHeadShard | None:
     """Move the teacher's ``output_layer`` weight rows into the student's vocab partitions.
 
-    Collective over the bridge group: every member calls it. Teacher last-stage ranks pass their
-    ``[Vt / tp_T, H]`` shard, other ranks ``None``. Returns the shard on student last-stage ranks,
-    ``None`` elsewhere. Bad input raises the same ``ValueError`` on every rank.
+    Collective over the bridge group: every member calls it. Bad input raises the same
+    ``ValueError`` on every rank (gathered, before data moves).
+
+    Args:
+        weight_VH: on teacher last-stage ranks, this rank's ``[Vt / tp_T, H]`` shard of the
+            teacher's ``output_layer`` weight (contiguous, on the bridge's device: the current
+            CUDA device for an NCCL bridge group, CPU for gloo); ``None`` on other ranks.
+        teacher, student: the meshes; vocab: the vocabulary sizes; hidden_size: the teacher's H.
+        groups: this rank's bridge groups (the metadata goes over ``groups.meta`` when set).
+        timeout_s: host-side deadline of the metadata all-gather and, on gloo, of the transfer.
+        rank: this process's global rank (default ``dist.get_rank()``).
+        local_copy: serve colocated rows by a local copy.
+    Returns:
+        The :class:`LMHeadShard` on student last-stage ranks, ``None`` elsewhere. On CUDA the
+        rows are ready in stream order (the wait does not block the host).
     """
     rank = dist.get_rank() if rank is None else rank
     timeout = datetime.timedelta(seconds=timeout_s)
-    backend = dist.get_backend(groups.bridge)
     device = (
         torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
+        if group_moves_cuda(groups.bridge)
+        else torch.device("cpu")
+    )
+    meta_group = groups.meta if groups.meta is not None else groups.bridge
+    meta_device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if group_moves_cuda(meta_group)
         else torch.device("cpu")
     )
     error = ""
@@ -157,6 +178,10 @@ def reshard_lm_head(
                 f"this rank {'must' if holds else 'must not'} pass the teacher's weight shard"
             )
         if weight_VH is not None:
+            if not isinstance(weight_VH, torch.Tensor):
+                raise ValueError(
+                    f"the teacher's weight shard must be a torch.Tensor, got {type(weight_VH).__name__}"
+                )
             assert tc is not None
             lay = vocab_layout(vocab.vocab_size, vocab.teacher_padded, teacher.tp, tc.tp_rank)
             if (
@@ -175,9 +200,17 @@ def reshard_lm_head(
         (teacher.as_ints(), student.as_ints(), vocab, hidden_size, local_copy, groups.members)
     )
     sig = int.from_bytes(hashlib.blake2b(sig_text.encode(), digest_size=7).digest(), "little")
-    record = encode_record(config_sig=sig, error=error, sources=src, student=None, outputs=[None])
+    try:
+        record = encode_record(
+            config_sig=sig, error=error, sources=src, student=None, outputs=[None]
+        )
+    except ValueError as exc:
+        error = error or f"global rank {rank}: {exc}"
+        record = encode_record(
+            config_sig=sig, error=error, sources=[None], student=None, outputs=[None]
+        )
     records = gather_records(
-        record, group=groups.bridge, members=groups.members, device=device, timeout=timeout
+        record, group=meta_group, members=groups.members, device=meta_device, timeout=timeout
     )
     if len({r.config_sig for r in records}) > 1:
         raise ValueError(
@@ -209,7 +242,7 @@ def reshard_lm_head(
         )
     dtype = dtypes.pop()
     assert dtype is not None
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     plan = plan_lm_head(
         teacher=teacher,
         student=student,
@@ -228,7 +261,7 @@ def reshard_lm_head(
         outputs[0] = out
     sources = {0: weight_VH} if weight_VH is not None else {}
     Executor(rank=rank, timeout=timeout).start(
-        plan, sources=sources, outputs=outputs, group=groups.bridge
+        plan, sources=sources, outputs=outputs, group=groups.bridge, meta_group=groups.meta
     ).wait()
     if out is None:
         return None

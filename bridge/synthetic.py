@@ -157,7 +157,7 @@ def key_pattern(
     Padding rows get a hash of ``salt`` alone. Compare results bitwise (``.view(int)``): some bit
     patterns are NaN in float dtypes.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     x = layout.sample_id_R * 1_000_003 + layout.position_R * 7919 + salt * 104_729 + 17
     h = torch.arange(hidden, dtype=_I64)
     v = x[:, None] * 6364136223846793005 + h[None, :] * 1442695040888963407

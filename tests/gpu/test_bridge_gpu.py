@@ -10,6 +10,8 @@ two teachers with different hidden sizes feed one student. Plus the LM-head resh
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -120,3 +122,56 @@ def test_lm_head_reshard_on_cuda(nccl_world):
     want[:v] = full[:v]
     assert torch.equal(bits(got.weight_VH), bits(want))
     assert got.num_padding == vs - v
+
+
+def test_wait_does_not_block_the_host_on_nccl(nccl_world):
+    """``wait()`` on NCCL makes the stream wait; it must not spin the host until the rows land.
+
+    A GPU sleep of about a second is queued before the exchange (every row through a NCCL
+    send/recv to self). The host must get back from ``start`` + ``wait`` long before the GPU is
+    done; the rows are then exact after a synchronize (stream order holds them back).
+    """
+    mesh = Mesh()
+    dev = torch.device("cuda", 0)
+    dtype = torch.bfloat16
+    step = synthetic_step(
+        teachers=[mesh],
+        student=mesh,
+        num_samples=16,
+        max_len=200,
+        # [B, S, H] against [S, B, H]: runs of one row, so packing and unpacking are gathers and
+        # scatters (no copy_runs, whose torch twin reads a run total on the host without CuPy)
+        teacher_formats=[SideFormat(kind="bsh", micro_batch=4)],
+        student_format=SideFormat(kind="sbh", micro_batch=4),
+        seed=5,
+    )
+    groups = create_bridge_groups(pool(), [mesh], mesh)
+    bridge = HiddenStateBridge(
+        teachers=[TeacherSpec(mesh=mesh, hidden_size=H[0])],
+        student=mesh,
+        groups=groups,
+        config=BridgeConfig(timeout_s=60, local_copy=False),
+    )
+    lay = step.teacher_layouts[0][(0, 0)]
+    stu = step.student_layouts[(0, 0)]
+    out = torch.empty((stu.num_rows, H[0]), dtype=dtype, device=dev)
+    prepared = bridge.prepare(
+        hidden={0: key_pattern(lay, H[0], dtype).to(dev)},
+        layouts={0: lay},
+        student_layout=stu,
+        outputs={0: out},
+    )
+    bridge.start(prepared).wait()  # warm: index tensors and staging buffers on the device
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about 1 s of GPU clock cycles, queued before the exchange
+    t0 = time.monotonic()
+    got = bridge.start(prepared).wait()
+    host_s = time.monotonic() - t0
+    torch.cuda.synchronize()
+    total_s = time.monotonic() - t0
+    assert total_s > 0.3, f"the GPU sleep did not hold the stream ({total_s:.3f} s)"
+    assert host_s < 0.3 * total_s, f"wait() blocked the host: {host_s:.3f} s of {total_s:.3f} s"
+    want = key_pattern(stu, H[0], dtype)
+    want[stu.sample_id_R < 0] = 0
+    assert torch.equal(bits(got[0].cpu()), bits(want))

@@ -13,6 +13,7 @@ says otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +28,13 @@ from mopd.bridge import (
     HiddenStateBridge,
     Mesh,
     TeacherSpec,
+    VocabSpec,
     create_bridge_groups,
     padded_layout,
+    reshard_lm_head,
 )
+from mopd.bridge import api as api_mod
+from mopd.bridge import executor as executor_mod
 from mopd.bridge.api import BridgeStateError
 from mopd.bridge.synthetic import key_pattern
 
@@ -78,14 +83,17 @@ def kwargs(
     return kw
 
 
-def fails_alike(bridge: HiddenStateBridge, call: Callable[[], Any], match: str) -> str:
-    """``call`` raises the same ``ValueError`` on every rank, fast, with nothing posted."""
+def fails_alike(
+    bridge: HiddenStateBridge, call: Callable[[], Any], match: str, *, exchanges: int = 0
+) -> str:
+    """``call`` raises the same ``ValueError`` on every rank, fast, with nothing posted
+    (the bridge had started ``exchanges`` before)."""
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=match) as info:
         call()
     elapsed = time.monotonic() - t0
     assert elapsed < FAST_S, f"took {elapsed:.1f} s: a rank waited on a peer"
-    assert bridge.executor.exchanges == 0, "data moved before the error"
+    assert bridge.executor.exchanges == exchanges, "data moved before the error"
     msgs: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(msgs, str(info.value))
     assert all(m == msgs[0] for m in msgs), msgs
@@ -292,6 +300,203 @@ def test_starting_one_prepared_exchange_twice_before_waiting():
             b.start(prepared)
     first.wait()
     b.start(prepared).wait()  # after the wait, the same prepared exchange runs again
+
+
+# --- review fixes: student TP group, non-layout inputs, metadata group, plan cache hits ---------
+
+
+def test_student_tp_group_missing_on_one_rank():
+    b = make_bridge()
+    if rank() == 3:
+        b = HiddenStateBridge(
+            teachers=b.teachers,
+            student=b.student,
+            groups=dataclasses.replace(b.groups, student_tp=None),
+            config=b.config,
+        )
+    msg = fails_alike(b, lambda: b.exchange(**kwargs()), "groups.student_tp is None")
+    assert msg.startswith("bridge input rejected on global rank(s) [3]")
+    assert "[2, 3]" in msg
+
+
+def test_student_tp_group_over_the_wrong_ranks():
+    b = make_bridge()
+    if rank() == 2:  # the bridge group (ranks 0-3) passed as the student TP group
+        b = HiddenStateBridge(
+            teachers=b.teachers,
+            student=b.student,
+            groups=dataclasses.replace(b.groups, student_tp=b.groups.bridge),
+            config=b.config,
+        )
+    fails_alike(
+        b,
+        lambda: b.exchange(**kwargs()),
+        r"global rank 2: groups.student_tp spans global ranks \[0, 1, 2, 3\] but this rank's "
+        r"student TP group \(dp=0, cp=0\) is \[2, 3\]",
+    )
+
+
+def test_keep_sp_shard_needs_no_student_tp_group():
+    b = make_bridge(keep_sp_shard=True)
+    b = HiddenStateBridge(
+        teachers=b.teachers,
+        student=b.student,
+        groups=dataclasses.replace(b.groups, student_tp=None),
+        config=b.config,
+    )
+    got = b.exchange(**kwargs(outputs=False)).wait()
+    if STUDENT.is_last_stage(rank()):
+        j = STUDENT.coord(rank()).tp_rank
+        want = key_pattern(padded_layout([0, 1], 4), H, torch.float32)[4 * j : 4 * (j + 1)]
+        assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
+
+
+def test_a_list_where_a_layout_belongs():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["layouts"] = {0: [1, 2]}
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"global rank 0: layouts\[0\] must be a TokenLayout or a zero-argument callable "
+        r"returning one, got list",
+    )
+
+
+def test_a_tensor_as_the_student_layout():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 2:
+        kw["student_layout"] = torch.zeros(3)
+    fails_alike(b, lambda: b.exchange(**kw), "global rank 2: student_layout must be a TokenLayout")
+
+
+def test_a_layout_callable_raising_something_other_than_value_error():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+
+        def broken() -> Any:
+            raise TypeError("unsupported operand")
+
+        kw["layouts"] = {0: broken}
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"global rank 1: layouts\[0\]: the layout callable raised TypeError: unsupported operand",
+    )
+
+
+def test_hidden_that_is_not_a_mapping():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["hidden"] = [kw["hidden"][0]]
+    fails_alike(b, lambda: b.exchange(**kw), "global rank 0: hidden must be a mapping")
+
+
+def test_lm_head_weight_that_is_not_a_tensor():
+    groups = create_bridge_groups(POOL, [TEACHER], STUDENT)
+    weight = None
+    if TEACHER.is_last_stage(rank()):
+        weight = torch.zeros(4, H) if rank() == 0 else torch.zeros(4, H).numpy()
+    t0 = time.monotonic()
+    with pytest.raises(
+        ValueError, match=r"weight shard must be a torch\.Tensor, got ndarray"
+    ) as info:
+        reshard_lm_head(
+            weight,
+            teacher=TEACHER,
+            student=STUDENT,
+            vocab=VocabSpec(vocab_size=8, teacher_padded=8, student_padded=8),
+            hidden_size=H,
+            groups=groups,
+            timeout_s=TIMEOUT_S,
+        )
+    assert time.monotonic() - t0 < FAST_S
+    msgs: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, str(info.value))
+    assert all(m == msgs[0] for m in msgs), msgs
+
+
+def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeypatch):
+    """A pool without a backend gets a separate gloo group for the host-side metadata."""
+    pool = GroupPool()  # the default backend (gloo here; NCCL in a GPU job)
+    groups = create_bridge_groups(pool, [TEACHER], STUDENT)
+    assert groups.meta is not None and groups.meta is not groups.bridge
+    assert dist.get_backend(groups.meta) == "gloo"
+    assert dist.get_process_group_ranks(groups.meta) == [0, 1, 2, 3]
+    # a gloo pool reuses its bridge group: no extra group, no collective
+    gloo = create_bridge_groups(POOL, [TEACHER], STUDENT)
+    assert gloo.meta is gloo.bridge
+    seen: list[tuple[str, Any]] = []
+    real_gather = api_mod.gather_record_matrix
+    real_flat = executor_mod.all_gather_flat
+
+    def gather(record, *, group, device, **kw):
+        seen.append(("metadata", group, device))
+        return real_gather(record, group=group, device=device, **kw)
+
+    def flat(output, input_, *, group, timeout):
+        seen.append(("all-gather", group, output.device))
+        return real_flat(output, input_, group=group, timeout=timeout)
+
+    monkeypatch.setattr(api_mod, "gather_record_matrix", gather)
+    monkeypatch.setattr(executor_mod, "all_gather_flat", flat)
+    b = HiddenStateBridge(
+        teachers=[TeacherSpec(mesh=TEACHER, hidden_size=H)],
+        student=STUDENT,
+        groups=groups,
+        config=BridgeConfig(timeout_s=TIMEOUT_S, integrity=True),
+    )
+    got = b.exchange(**kwargs()).wait()
+    assert seen[0] == ("metadata", groups.meta, torch.device("cpu"))
+    verdicts = [g for kind, g, _ in seen if kind == "all-gather" and g is not groups.student_tp]
+    assert verdicts == [groups.meta]
+    if STUDENT.is_last_stage(rank()):
+        want = key_pattern(padded_layout([0, 1], 4), H, torch.float32)
+        assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
+
+
+def test_a_plan_cache_hit_skips_decoding_and_validation(monkeypatch):
+    decoded: list[int] = []
+    real = api_mod.decode_records
+
+    def decode(matrix, sizes, members):
+        decoded.append(len(members))
+        return real(matrix, sizes, members)
+
+    monkeypatch.setattr(api_mod, "decode_records", decode)
+    b = make_bridge()
+    want = {s: key_pattern(padded_layout(list(s), 4), H, torch.float32) for s in [(0, 1), (1, 0)]}
+
+    def check(got: dict, s_samples) -> None:
+        if STUDENT.is_last_stage(rank()):
+            assert torch.equal(got[0].view(torch.int32), want[s_samples].view(torch.int32))
+
+    for _ in range(3):  # same layouts and buffers: one validation, then hits
+        check(b.exchange(**kwargs()).wait(), (0, 1))
+    assert b.validations == 1 and len(decoded) == 1
+    check(b.exchange(**kwargs(s_samples=(1, 0))).wait(), (1, 0))  # new layouts: a miss
+    assert b.validations == 2
+    for _ in range(2):  # allocated outputs on a hit: the cached hidden size and dtype
+        got = b.exchange(**kwargs(outputs=False)).wait()
+        check(got, (0, 1))
+        if STUDENT.is_last_stage(rank()):
+            assert got[0].dtype == torch.float32 and got[0].shape == (8, H)
+    assert b.validations == 3 and len(decoded) == 3
+    kw = kwargs()  # an error after hits: new metadata, so validated (and rejected) everywhere
+    if rank() == 1:
+        kw["hidden"] = {0: kw["hidden"][0][:, :, : H - 2].contiguous()}
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        "global rank 1: hidden size 6, expected 8",
+        exchanges=b.executor.exchanges,
+    )
+    check(b.exchange(**kwargs()).wait(), (0, 1))  # and the cached plan still serves
+    assert b.validations == 4
 
 
 def test_a_good_exchange_after_every_misuse():
