@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.mesh import Mesh
+from mopd.capture.gather import all_gather_into
 
 __all__ = [
     "BridgeGroups",
@@ -75,13 +76,13 @@ def wait_work(work: Any, *, device: torch.device, timeout: datetime.timedelta | 
 def all_gather_flat(output: Any, input_: Any, *, group: Any, timeout: datetime.timedelta) -> None:
     """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
 
-    ``all_gather_single`` where torch has it (``all_gather_into_tensor`` is deprecated there),
-    else ``all_gather_into_tensor``; in place when ``input_`` is this rank's slice of ``output``.
+    Through :data:`mopd.capture.gather.all_gather_into` (``all_gather_single`` where torch has
+    it, else ``all_gather_into_tensor``); in place when ``input_`` is this rank's slice of
+    ``output``.
     CPU tensors: a host wait of at most ``timeout``; CUDA tensors: a stream wait (see
     :func:`wait_work`; ``timeout`` is then the process group's).
     """
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = fn(output, input_, group=group, async_op=True)
+    work = all_gather_into(output, input_, group=group, async_op=True)
     if work is not None:
         wait_work(work, device=output.device, timeout=timeout)
 
