@@ -349,6 +349,11 @@ class HiddenStateBridge:
 
         Same arguments as :meth:`prepare`; returns the started handle (call ``.wait()`` on
         every rank before reading the outputs).
+
+        Streams (CUDA): packing is queued on the current stream at this call, and ``wait()``
+        makes the then-current stream wait for the transfer without blocking the host. Call
+        ``exchange``, ``wait`` and whatever reads the outputs on one stream (or order the streams
+        yourself): the staging buffers are reused by the next exchange in stream order.
         """
         return self.start(
             self.prepare(
