@@ -169,6 +169,21 @@ MOPD_HD void mopd_index_driver(const char* __restrict__ src, char* __restrict__ 
   }
 }
 
+// The run k with prefix[k] <= t < prefix[k + 1], for 0 <= t < prefix[n_runs] (binary search).
+MOPD_HD i64 mopd_find_run(const i64* __restrict__ prefix, i64 n_runs, i64 t) {
+  i64 lo = 0;
+  i64 hi = n_runs;  // invariant: prefix[lo] <= t < prefix[hi]
+  while (hi - lo > 1) {
+    const i64 mid = (lo + hi) >> 1;
+    if (prefix[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // Runs: for k in [0, n_runs), dst rows dst_start[k] + j <- src rows src_start[k] + j,
 // j in [0, length[k]). prefix holds n_runs + 1 exclusive sums of the lengths (prefix[0] = 0,
 // prefix[n_runs] = total rows), on the device: the host never needs the total. The flat row t
@@ -186,16 +201,7 @@ MOPD_HD void mopd_runs_driver(const char* __restrict__ src, char* __restrict__ d
   for (i64 item = g.id; item < items; item += g.count) {
     const i64 t = item / chunks;
     const i64 c = item - t * chunks;
-    i64 lo = 0;
-    i64 hi = n_runs;  // invariant: prefix[lo] <= t < prefix[hi]
-    while (hi - lo > 1) {
-      const i64 mid = (lo + hi) >> 1;
-      if (prefix[mid] <= t) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
+    const i64 lo = mopd_find_run(prefix, n_runs, t);
     const i64 offset = t - prefix[lo];
     mopd_copy_chunk<V, U, HINT>(src + (src_start[lo] + offset) * src_stride,
                                 dst + (dst_start[lo] + offset) * dst_stride,
@@ -237,21 +243,6 @@ struct MopdRowDiv {
     return n / d;
   }
 };
-
-// The run k with prefix[k] <= t < prefix[k + 1], for 0 <= t < prefix[n_runs] (binary search).
-MOPD_HD i64 mopd_find_run(const i64* __restrict__ prefix, i64 n_runs, i64 t) {
-  i64 lo = 0;
-  i64 hi = n_runs;  // invariant: prefix[lo] <= t < prefix[hi]
-  while (hi - lo > 1) {
-    const i64 mid = (lo + hi) >> 1;
-    if (prefix[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
 
 // OP 0 gather (dst row r <- src row a[r]), 1 scatter (dst row a[r] <- src row r), 2 runs
 // (a = src_start, b = dst_start, prefix as in mopd_runs_driver).
