@@ -4,18 +4,19 @@ Why this file exists: ``mopd demo`` (and the benchmarks) start torchrun themselv
 types one command. On CPU, megatron-core needs patches that live in the repository's test support
 (``tests/support/megatron_cpu.py``), never in the library; a CPU run therefore needs a checkout,
 and this module finds it (the current directory or ``MOPD_CHECKOUT``) and says so clearly when it
-cannot.
+cannot. It also owns :func:`kill_tree`, which the test harness uses for hung launches too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["cpu_support_root", "run_torchrun"]
+__all__ = ["cpu_support_root", "kill_tree", "run_torchrun"]
 
 
 def cpu_support_root() -> Path:
@@ -39,13 +40,34 @@ def cpu_support_root() -> Path:
     )
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant (torchrun's workers included)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(children.get(p, []))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in seen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
 def run_torchrun(
     module: str, args: list[str], *, nproc: int, timeout_s: float, env: dict[str, str] | None = None
 ) -> int:
     """Run ``python -m module args...`` under ``torchrun --standalone --nproc-per-node nproc``.
 
-    The whole job is killed (its process group) after ``timeout_s`` seconds; returns the exit
-    code (124 on timeout).
+    The whole job (torchrun and every worker, see :func:`kill_tree`) is killed after
+    ``timeout_s`` seconds; returns the exit code (124 on timeout).
     """
     cmd = [
         sys.executable,
@@ -65,7 +87,7 @@ def run_torchrun(
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
         print(f"mopd: job timed out after {timeout_s:.0f}s and was killed", file=sys.stderr)
         return 124

@@ -15,15 +15,15 @@ Module-level knobs (read with ``ast``, the module is not imported by the parent)
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from mopd.profiling.launch import kill_tree
 
 __all__ = ["TorchrunFile", "TorchrunItem", "module_knobs", "under_torchrun"]
 
@@ -105,7 +105,7 @@ class TorchrunItem(pytest.Item):
                 proc.wait(timeout=self.timeout)
                 timed_out = False
             except subprocess.TimeoutExpired:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 proc.wait()
                 timed_out = True
             log.seek(0)
@@ -126,27 +126,6 @@ class TorchrunItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, 0, f"torchrun[{self.nproc}] {self.path.name}"
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every descendant (torchrun's workers included)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, seen = [pid], []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo.extend(children.get(p, []))
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    for p in seen:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
 
 
 class TorchrunFailure(Exception):
