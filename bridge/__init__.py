@@ -31,7 +31,7 @@ from mopd.bridge.errors import (
     BridgeStateError,
     BridgeTimeoutError,
 )
-from mopd.bridge.executor import ExchangeHandle, Executor, RankSchedule
+from mopd.bridge.executor import ExchangeHandle, Executor
 from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups, lookup_bridge_groups
 from mopd.bridge.layout import (
     TokenLayout,
@@ -63,6 +63,7 @@ from mopd.bridge.planner import (
     plan_token_exchange,
     plan_transfers,
 )
+from mopd.bridge.schedule import RankSchedule
 
 __all__ = [
     "BridgeCommError",

@@ -1,8 +1,9 @@
 """The executor: runs one rank's share of a :class:`TransferPlan` with one batched send/recv.
 
 Why this file exists: the plan says which rows go where; this file moves them, touching each row
-at most once on each side. Per rank it derives a :class:`RankSchedule` (cached per plan): its
-sends, receives and local copies in the plan's global order, and how each is packed or unpacked:
+at most once on each side. Per rank it derives a :class:`~mopd.bridge.schedule.RankSchedule`
+(cached per plan, with its index tensors put on the device in one asynchronous copy): its sends,
+receives and local copies in the plan's global order, and how each is packed or unpacked:
 
 - a side whose rows form one contiguous run needs no pass: send from / receive into a view;
 - otherwise rows are packed into (unpacked from) a per-peer contiguous view of one staging buffer
@@ -52,7 +53,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,16 +75,15 @@ from mopd.bridge.integrity import (
     row_checksum,
 )
 from mopd.bridge.planner import TransferPlan
+from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side, row_runs
 from mopd.kernels import copy_runs, gather_rows, scatter_rows
 
 __all__ = [
     "DebugHook",
     "ExchangeHandle",
     "Executor",
-    "RankSchedule",
     "buffers_overlap",
     "comm_failure",
-    "row_runs",
 ]
 
 #: ``hook(point, blocks)``: called at ``"packed"`` (send buffers, after packing, before posting),
@@ -92,242 +92,8 @@ __all__ = [
 #: in flight or to fail a rank mid-exchange.
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
 
-_I64 = torch.int64
-#: Average run length from which rows move as block copies (``copy_runs``) rather than per row.
-MIN_AVG_RUN = 16
 
-
-def row_runs(*rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Maximal runs where every given ``[R]`` row array advances by one: ``(start_K, length_K)``.
-
-    ``start_K`` indexes into the arrays (position ``i``), not their values.
-    """
-    n = rows[0].numel()
-    if n == 0:
-        return torch.empty(0, dtype=_I64), torch.empty(0, dtype=_I64)
-    brk = torch.zeros(n - 1, dtype=torch.bool)
-    for r in rows:
-        brk |= r[1:] != r[:-1] + 1
-    start = torch.cat([torch.zeros(1, dtype=_I64), torch.nonzero(brk).reshape(-1) + 1])
-    length = torch.diff(torch.cat([start, torch.tensor([n], dtype=_I64)]))
-    return start, length
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Side:
-    """How one side of a transfer touches its buffer: ``mode`` in ``view``, ``runs``, ``index``."""
-
-    mode: str
-    rows: torch.Tensor  # [R] rows of the buffer
-    first: int  # rows[0] (for ``view``)
-    run_buf_start: torch.Tensor  # [K] buffer rows where runs start
-    run_len: torch.Tensor  # [K]
-    run_pos: torch.Tensor  # [K] positions in the transfer (staging offset) where runs start
-
-
-def _op(
-    owner: int,
-    peer: int,
-    rows: torch.Tensor,
-    peer_rows: torch.Tensor,
-    staged_rows: dict[int, int],
-) -> _Op:
-    """One send (or receive) of ``rows`` of this rank's buffer to (from) ``peer``.
-
-    Rows that are not one contiguous view get the next slot of ``owner``'s staging buffer;
-    ``staged_rows`` counts the rows staged so far per owner (updated in place).
-    """
-    side = _side(rows)
-    off = -1
-    if side.mode != "view":
-        off = staged_rows.get(owner, 0)
-        staged_rows[owner] = off + rows.numel()
-    return _Op(
-        owner=owner, peer=peer, count=rows.numel(), stage_off=off, side=side, peer_rows=peer_rows
-    )
-
-
-def _side(rows: torch.Tensor) -> _Side:
-    start, length = row_runs(rows)
-    if start.numel() <= 1:
-        mode = "view"
-    elif rows.numel() // start.numel() >= MIN_AVG_RUN:
-        mode = "runs"
-    else:
-        mode = "index"
-    return _Side(
-        mode=mode,
-        rows=rows,
-        first=int(rows[0]) if rows.numel() else 0,
-        run_buf_start=rows[start],
-        run_len=length,
-        run_pos=start,
-    )
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Op:
-    owner: int
-    peer: int
-    count: int
-    stage_off: int  # offset in this owner's staging buffer (send or recv), -1 when none
-    side: _Side
-    peer_rows: torch.Tensor  # [R] the other side's rows (for integrity messages)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Local:
-    owner: int
-    mode: str  # "runs", "gather" (dst contiguous), "scatter" (src contiguous)
-    src: _Side
-    dst: _Side
-    joint_src: torch.Tensor
-    joint_dst: torch.Tensor
-    joint_len: torch.Tensor
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class RankSchedule:
-    """One rank's share of a plan, in plan order, with pack/unpack decisions and counts.
-
-    Attributes:
-        rank: the global rank.
-        sends, recvs, locals: the operations (private structure).
-        dest_index: index into ``plan.dests`` of this rank's destination group, or ``-1``.
-        slot: this rank's slice in its destination group.
-        row_offset: first row of this rank's slice in the group's full buffer.
-        fill: ``owner -> [F]`` slice-relative rows that no transfer writes (zero-filled).
-        stats: bytes and passes for printing (see :meth:`counts`).
-    """
-
-    rank: int
-    sends: tuple[_Op, ...]
-    recvs: tuple[_Op, ...]
-    locals: tuple[_Local, ...]
-    dest_index: int
-    slot: int
-    row_offset: int
-    slice_rows: int
-    send_stage_rows: dict[int, int]
-    recv_stage_rows: dict[int, int]
-    fill: dict[int, torch.Tensor]
-    row_bytes: tuple[int, ...]
-    src_span: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-    @staticmethod
-    def build(plan: TransferPlan, rank: int) -> RankSchedule:
-        dest_index, slot = -1, 0
-        for i, d in enumerate(plan.dests):
-            if rank in d.ranks:
-                dest_index, slot = i, d.ranks.index(rank)
-                break
-        slice_rows = plan.dests[dest_index].slice_rows if dest_index >= 0 else 0
-        row_offset = slot * slice_rows
-        sends: list[_Op] = []
-        recvs: list[_Op] = []
-        locals_: list[_Local] = []
-        send_rows: dict[int, int] = {}
-        recv_rows: dict[int, int] = {}
-        written: dict[int, list[torch.Tensor]] = {}
-        for tid in plan.transfer_ids(rank).tolist():
-            owner, src, dst = (int(x) for x in plan.transfers_T5[tid, :3])
-            src_rows, dst_rows = plan.rows_of(tid)
-            if dst == rank:
-                dst_rows = dst_rows - row_offset
-                written.setdefault(owner, []).append(dst_rows)
-            if src == rank and dst == rank and plan.local_copy:
-                s, d = _side(src_rows), _side(dst_rows)
-                js, jl = row_runs(src_rows, dst_rows)
-                # one pass always: block copies over joint runs, or one gather / scatter when
-                # one side is contiguous and the runs are short
-                if js.numel() <= 1 or src_rows.numel() // js.numel() >= MIN_AVG_RUN:
-                    mode = "runs"
-                elif d.mode == "view":
-                    mode = "gather"
-                elif s.mode == "view":
-                    mode = "scatter"
-                else:
-                    mode = "runs"
-                locals_.append(
-                    _Local(
-                        owner=owner,
-                        mode=mode,
-                        src=s,
-                        dst=d,
-                        joint_src=src_rows[js],
-                        joint_dst=dst_rows[js],
-                        joint_len=jl,
-                    )
-                )
-                continue
-            if src == rank:
-                sends.append(_op(owner, dst, src_rows, dst_rows, send_rows))
-            if dst == rank:
-                recvs.append(_op(owner, src, dst_rows, src_rows, recv_rows))
-        span: dict[int, tuple[int, int]] = {}
-        for rows in [(o.owner, o.side.rows) for o in sends] + [
-            (x.owner, x.src.rows) for x in locals_
-        ]:
-            owner, r = rows
-            if r.numel():
-                lo, hi = int(r.min()), int(r.max()) + 1
-                old = span.get(owner, (lo, hi))
-                span[owner] = (min(lo, old[0]), max(hi, old[1]))
-        fill: dict[int, torch.Tensor] = {}
-        if dest_index >= 0:
-            for owner in range(plan.num_owners):
-                mask = torch.ones(slice_rows, dtype=torch.bool)
-                for w in written.get(owner, []):
-                    mask[w] = False
-                fill[owner] = torch.nonzero(mask).reshape(-1)
-        return RankSchedule(
-            rank=rank,
-            sends=tuple(sends),
-            recvs=tuple(recvs),
-            locals=tuple(locals_),
-            dest_index=dest_index,
-            slot=slot,
-            row_offset=row_offset,
-            slice_rows=slice_rows,
-            send_stage_rows=send_rows,
-            recv_stage_rows=recv_rows,
-            fill=fill,
-            row_bytes=plan.row_bytes,
-            src_span=span,
-        )
-
-    def counts(self) -> dict[str, int]:
-        """Bytes and passes: ``send/recv/local_bytes``, ``pack/unpack_bytes``, ``messages``, ``local_passes``."""
-        rb = self.row_bytes
-        local_passes = len(self.locals)
-        return {
-            "messages": len(self.sends) + len(self.recvs),
-            "send_bytes": sum(o.count * rb[o.owner] for o in self.sends),
-            "recv_bytes": sum(o.count * rb[o.owner] for o in self.recvs),
-            "pack_bytes": sum(o.count * rb[o.owner] for o in self.sends if o.side.mode != "view"),
-            "unpack_bytes": sum(o.count * rb[o.owner] for o in self.recvs if o.side.mode != "view"),
-            "local_bytes": sum(int(x.src.rows.numel()) * rb[x.owner] for x in self.locals),
-            "local_passes": local_passes,
-            "fill_rows": sum(int(f.numel()) for f in self.fill.values()),
-        }
-
-
-class _Dev:
-    """A schedule's index tensors moved to one device, once."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cache: dict[int, torch.Tensor] = {}
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        got = self._cache.get(id(t))
-        if got is None:
-            got = t.to(self.device)
-            self._cache[id(t)] = got
-        return got
-
-
-def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: _Dev) -> None:
+def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
     """Rows ``side.rows`` of ``src_NH`` -> contiguous ``stage_RH`` (one pass)."""
     if side.mode == "runs":
         copy_runs(
@@ -336,13 +102,14 @@ def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: _Dev) 
             dev(side.run_pos),
             dev(side.run_len),
             stage_RH,
+            num_rows=stage_RH.shape[0],
             check_bounds=False,
         )
     else:
         gather_rows(src_NH, dev(side.rows), out_RH=stage_RH, check_bounds=False)
 
 
-def _unpack(stage_RH: torch.Tensor, side: _Side, out_NH: torch.Tensor, dev: _Dev) -> None:
+def _unpack(stage_RH: torch.Tensor, side: _Side, out_NH: torch.Tensor, dev: DeviceIndices) -> None:
     """Contiguous ``stage_RH`` -> rows ``side.rows`` of ``out_NH`` (one pass)."""
     if side.mode == "runs":
         copy_runs(
@@ -351,30 +118,24 @@ def _unpack(stage_RH: torch.Tensor, side: _Side, out_NH: torch.Tensor, dev: _Dev
             dev(side.run_buf_start),
             dev(side.run_len),
             out_NH,
+            num_rows=stage_RH.shape[0],
             check_bounds=False,
         )
     else:
         scatter_rows(stage_RH, dev(side.rows), out_NH, check_bounds=False)
 
 
-def _local(src_NH: torch.Tensor, op: _Local, out_NH: torch.Tensor, dev: _Dev) -> None:
+def _local(src_NH: torch.Tensor, op: _Local, out_NH: torch.Tensor, dev: DeviceIndices) -> None:
+    """A local copy (source replica on this rank): rows of ``src_NH`` -> rows of ``out_NH``, one pass."""
     n = op.src.rows.numel()
-    if op.mode == "runs" and src_NH.device.type == "cpu" and n < MIN_AVG_RUN * op.joint_len.numel():
-        # CPU only: the torch twin of copy_runs loops over runs in Python; many short runs are
-        # cheaper as one gather plus one scatter (two passes; CUDA keeps the one-pass kernel)
-        scatter_rows(
-            gather_rows(src_NH, dev(op.src.rows), check_bounds=False),
-            dev(op.dst.rows),
-            out_NH,
-            check_bounds=False,
-        )
-    elif op.mode == "runs":
+    if op.mode == "runs":
         copy_runs(
             src_NH,
             dev(op.joint_src),
             dev(op.joint_dst),
             dev(op.joint_len),
             out_NH,
+            num_rows=n,
             check_bounds=False,
         )
     elif op.mode == "gather":
@@ -553,7 +314,7 @@ class Executor:
         self.integrity = integrity
         self.debug_hook = debug_hook
         self._schedules: OrderedDict[str, RankSchedule] = OrderedDict()
-        self._devs: dict[tuple[str, str], _Dev] = {}
+        self._devs: dict[tuple[str, str], DeviceIndices] = {}
         self._pool = _StagePool()
         self._zeros: dict[tuple[Any, ...], torch.Tensor] = {}
         self._flights: list[_Flight] = []
@@ -655,7 +416,7 @@ class Executor:
         sched = self.schedule(plan)
         dev_key = next(iter(outputs.values()), next(iter(sources.values()), None))
         dev = self._dev(
-            plan.signature, dev_key.device if dev_key is not None else torch.device("cpu")
+            plan.signature, sched, dev_key.device if dev_key is not None else torch.device("cpu")
         )
         off = 0 if keep_slice else sched.row_offset
         targets = {o: t[off : off + sched.slice_rows] for o, t in outputs.items()}
@@ -877,7 +638,7 @@ class Executor:
         sched: RankSchedule,
         targets: Mapping[int, torch.Tensor],
         checks: Sequence[tuple[_Op | _Local, torch.Tensor]],
-        dev: _Dev,
+        dev: DeviceIndices,
         group: Any,
         deadline: float,
     ) -> None:
@@ -943,15 +704,16 @@ class Executor:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _dev(self, signature: str, device: torch.device) -> _Dev:
+    def _dev(self, signature: str, sched: RankSchedule, device: torch.device) -> DeviceIndices:
+        """``sched``'s index tensors on ``device``: one upload per schedule and device."""
         key = (signature, str(device))
         d = self._devs.get(key)
         if d is None:
-            d = _Dev(device)
+            d = DeviceIndices(sched.data_path_indices(), device)
             self._devs[key] = d
         return d
 
-    def _zero_rows(self, out_NH: torch.Tensor, rows: torch.Tensor, dev: _Dev) -> None:
+    def _zero_rows(self, out_NH: torch.Tensor, rows: torch.Tensor, dev: DeviceIndices) -> None:
         start, length = row_runs(rows)
         if start.numel() <= 8:
             for s, n in zip(rows[start].tolist(), length.tolist(), strict=True):

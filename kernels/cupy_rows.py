@@ -390,6 +390,7 @@ def copy_runs_cupy(
     length_K: torch.Tensor,
     out_MH: torch.Tensor,
     *,
+    num_rows: int | None = None,
     variant: str | None = None,
 ) -> torch.Tensor:
     """Block copies on the GPU: ``out_MH[dst_start[k] + j] = src_NH[src_start[k] + j]``.
@@ -401,6 +402,9 @@ def copy_runs_cupy(
         src_NH: ``[N, H]`` CUDA rows.
         src_start_K, dst_start_K, length_K: ``[K]`` int64 on the same device.
         out_MH: ``[M, H]`` destination.
+        num_rows: ``sum(length_K)`` if known: sizes the grid to the work. ``None``: the grid is
+            sized from a bound (``min(K * N, M)`` rows); correct either way (the kernels loop
+            over the device-side total), only the idle blocks differ.
         variant: a kernel variant from :data:`VARIANTS` (default: :data:`DEFAULT_VARIANTS`).
     Returns:
         ``out_MH``, written on torch's current stream.
@@ -417,10 +421,14 @@ def copy_runs_cupy(
     kernel = get_kernel(
         _SOURCE, kernel_name("runs", launched, width), device, defines=_defines(launched)
     )
+    if num_rows is not None:
+        rows_bound = num_rows
+    else:  # destination runs do not overlap, so at most M rows are copied
+        rows_bound = min(n_runs * src_NH.shape[0], out_MH.shape[0])
+    if rows_bound == 0:
+        return out_MH
     prefix_K1 = torch.zeros(n_runs + 1, dtype=torch.int64, device=device)
     torch.cumsum(length_K, 0, out=prefix_K1[1:])
-    # destination runs do not overlap, so at most M rows are copied
-    rows_bound = min(n_runs * src_NH.shape[0], out_MH.shape[0])
     grid = launch_grid(launched, rows_bound, vecs_per_row, sm_count)
     with on_torch_stream(device):
         args = (

@@ -185,6 +185,7 @@ def copy_runs(
     length_K: torch.Tensor,
     out_MH: torch.Tensor,
     *,
+    num_rows: int | None = None,
     backend: Backend = "auto",
     variant: str | None = None,
     check_bounds: bool = True,
@@ -200,10 +201,14 @@ def copy_runs(
             ``>= 0``), on the data's device. Destination runs must not overlap each other, and
             ``out_MH`` must not overlap ``src_NH``.
         out_MH: ``[M, H]`` destination, written in place.
+        num_rows: ``sum(length_K)`` when the caller knows it (a plan does): the CUDA grid is
+            sized to it and the torch twin skips its host read of the total (a device sync on
+            CUDA). Must be exact (checked with ``check_bounds``); ``None``: the kernel reads the
+            total on the device and sizes its grid from a bound.
         backend: ``"auto"``, ``"cupy"`` or ``"torch"``.
         variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the op's default
             (``cupy_rows.DEFAULT_VARIANTS``).
-        check_bounds: check run bounds (one device sync on CUDA).
+        check_bounds: check run bounds and ``num_rows`` (one device sync on CUDA).
     Returns:
         ``out_MH``.
     Raises:
@@ -224,15 +229,30 @@ def copy_runs(
             f"dst_start_K {dst_start_K.shape[0]}, length_K {length_K.shape[0]}"
         )
     _check_variant(variant)
+    if num_rows is not None and (
+        isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0
+    ):
+        raise ValueError(f"num_rows must be a non-negative int or None, got {num_rows!r}")
+    if num_rows and not length_K.numel():
+        raise ValueError(f"num_rows={num_rows} but there are no runs (length_K is empty)")
     if check_bounds and length_K.numel():
         src_end_K = src_start_K + length_K
         dst_end_K = dst_start_K + length_K
         facts = torch.stack(
-            [length_K.min(), src_start_K.min(), dst_start_K.min(), src_end_K.max(), dst_end_K.max()]
+            [
+                length_K.min(),
+                src_start_K.min(),
+                dst_start_K.min(),
+                src_end_K.max(),
+                dst_end_K.max(),
+                length_K.sum(),
+            ]
         ).tolist()  # one host read
-        min_len, min_src, min_dst, max_src_end, max_dst_end = facts
+        min_len, min_src, min_dst, max_src_end, max_dst_end, total = facts
         if min_len < 0:
             raise ValueError(f"length_K has a negative run length ({min_len})")
+        if num_rows is not None and num_rows != total:
+            raise ValueError(f"num_rows={num_rows} but the runs hold {total} rows")
         if min_src < 0 or max_src_end > src_NH.shape[0]:
             raise ValueError(
                 f"source runs out of range: starts >= {min_src}, ends <= {max_src_end}, "
@@ -243,6 +263,7 @@ def copy_runs(
                 f"destination runs out of range: starts >= {min_dst}, ends <= {max_dst_end}, "
                 f"out_MH has {out_MH.shape[0]} rows"
             )
+    args = (src_NH, src_start_K, dst_start_K, length_K, out_MH)
     if _pick(backend, "copy_runs", variant, src_NH, out_MH) == "cupy":
-        return copy_runs_cupy(src_NH, src_start_K, dst_start_K, length_K, out_MH, variant=variant)
-    return copy_runs_torch(src_NH, src_start_K, dst_start_K, length_K, out_MH)
+        return copy_runs_cupy(*args, num_rows=num_rows, variant=variant)
+    return copy_runs_torch(*args, num_rows=num_rows)

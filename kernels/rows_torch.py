@@ -68,14 +68,19 @@ def scatter_rows_torch(
 
 
 def run_rows(
-    src_start_K: torch.Tensor, dst_start_K: torch.Tensor, length_K: torch.Tensor
+    src_start_K: torch.Tensor,
+    dst_start_K: torch.Tensor,
+    length_K: torch.Tensor,
+    total: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expand runs into per-row indices ``(src_rows_T, dst_rows_T)``, ``T = sum(length_K)``.
 
     Row ``t`` of run ``k`` (``0 <= j < length_K[k]``, in run order) maps
-    ``src_start_K[k] + j -> dst_start_K[k] + j``. Vectorized; one host read of ``T``.
+    ``src_start_K[k] + j -> dst_start_K[k] + j``. Vectorized; one host read of ``T`` unless
+    ``total`` gives it (it must be exact).
     """
-    total = int(length_K.sum())
+    if total is None:
+        total = int(length_K.sum())
     run_T = torch.repeat_interleave(
         torch.arange(length_K.shape[0], device=length_K.device), length_K, output_size=total
     )
@@ -91,6 +96,7 @@ def copy_runs_torch(
     length_K: torch.Tensor,
     out_MH: torch.Tensor,
     *,
+    num_rows: int | None = None,
     variant: str | None = None,
 ) -> torch.Tensor:
     """Block copies: ``out_MH[dst_start[k] + j] = src_NH[src_start[k] + j]`` for ``j < length[k]``.
@@ -99,6 +105,7 @@ def copy_runs_torch(
         src_NH: ``[N, H]`` rows.
         src_start_K, dst_start_K, length_K: ``[K]`` int64 run starts and lengths.
         out_MH: ``[M, H]`` destination, written in place.
+        num_rows: ``sum(length_K)`` if known (exact), saving a host read; else ``None``.
         variant: ignored (CuPy only).
     Returns:
         ``out_MH``.
@@ -106,6 +113,6 @@ def copy_runs_torch(
     del variant
     if length_K.shape[0] == 0:
         return out_MH
-    src_rows_T, dst_rows_T = run_rows(src_start_K, dst_start_K, length_K)
+    src_rows_T, dst_rows_T = run_rows(src_start_K, dst_start_K, length_K, num_rows)
     out_MH.detach().index_copy_(0, dst_rows_T, src_NH.detach().index_select(0, src_rows_T))
     return out_MH

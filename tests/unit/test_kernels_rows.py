@@ -116,6 +116,9 @@ def test_copy_runs_matches_loop(dtype: torch.dtype, seed: int) -> None:
     out = copy_runs(src, as_t(s), as_t(d), as_t(ln), poisoned(m, h, dtype))
     ref = naive_runs(src, s, d, ln, poisoned(m, h, dtype))
     assert torch.equal(bits(out), bits(ref))
+    # the caller's total (as the executor passes it) gives the same bytes
+    out = copy_runs(src, as_t(s), as_t(d), as_t(ln), poisoned(m, h, dtype), num_rows=sum(ln))
+    assert torch.equal(bits(out), bits(ref))
 
 
 def test_run_rows_expands_in_order() -> None:
@@ -249,6 +252,13 @@ def test_copy_runs_validation() -> None:
         copy_runs(src, t(0), t(3), t(4), out)
     with pytest.raises(ValueError, match="length_K must be a 1-D int64"):
         copy_runs(src, t(0), t(0), torch.tensor([1], dtype=torch.int32), out)
+    with pytest.raises(ValueError, match=r"num_rows=3 but the runs hold 4 rows"):
+        copy_runs(src, t(0, 3), t(0, 3), t(2, 2), out, num_rows=3)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="num_rows must be a non-negative int"):
+            copy_runs(src, t(0), t(0), t(2), out, num_rows=bad)
+    with pytest.raises(ValueError, match="num_rows=2 but there are no runs"):
+        copy_runs(src, t(), t(), t(), out, num_rows=2)
 
 
 def test_bad_variant_and_backend_raise() -> None:

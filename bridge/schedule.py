@@ -1,0 +1,357 @@
+"""One rank's schedule of a transfer plan, and its index tensors on the device.
+
+Why this file exists: the planner says which rows go where for every rank; the executor needs, for
+its own rank, the sends, receives and local copies in the plan's order and how each touches its
+buffers: no pass for a contiguous view, block copies for long runs, per-row gather/scatter
+otherwise (:class:`RankSchedule`, built once per plan and cached by the executor). The kernels read
+a schedule's row indices on the data's device: :class:`DeviceIndices` puts all of them there with
+one asynchronous host-to-device copy per schedule, so a new plan never stalls the host on one
+synchronous copy per index tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mopd.bridge.planner import TransferPlan
+
+__all__ = [
+    "MIN_AVG_RUN",
+    "DeviceIndices",
+    "RankSchedule",
+    "row_runs",
+]
+
+_I64 = torch.int64
+#: Average run length from which rows move as block copies (``copy_runs``) rather than per row.
+MIN_AVG_RUN = 16
+
+
+def row_runs(*rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maximal runs where every given ``[R]`` row array advances by one: ``(start_K, length_K)``.
+
+    ``start_K`` indexes into the arrays (position ``i``), not their values.
+    """
+    n = rows[0].numel()
+    if n == 0:
+        return torch.empty(0, dtype=_I64), torch.empty(0, dtype=_I64)
+    brk = torch.zeros(n - 1, dtype=torch.bool)
+    for r in rows:
+        brk |= r[1:] != r[:-1] + 1
+    start = torch.cat([torch.zeros(1, dtype=_I64), torch.nonzero(brk).reshape(-1) + 1])
+    length = torch.diff(torch.cat([start, torch.tensor([n], dtype=_I64)]))
+    return start, length
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Side:
+    """How one side of a transfer touches its buffer: ``mode`` in ``view``, ``runs``, ``index``."""
+
+    mode: str
+    rows: torch.Tensor  # [R] rows of the buffer
+    first: int  # rows[0] (for ``view``)
+    run_buf_start: torch.Tensor  # [K] buffer rows where runs start
+    run_len: torch.Tensor  # [K]
+    run_pos: torch.Tensor  # [K] positions in the transfer (staging offset) where runs start
+
+
+def _op(
+    owner: int,
+    peer: int,
+    rows: torch.Tensor,
+    peer_rows: torch.Tensor,
+    staged_rows: dict[int, int],
+) -> _Op:
+    """One send (or receive) of ``rows`` of this rank's buffer to (from) ``peer``.
+
+    Rows that are not one contiguous view get the next slot of ``owner``'s staging buffer;
+    ``staged_rows`` counts the rows staged so far per owner (updated in place).
+    """
+    side = _side(rows)
+    off = -1
+    if side.mode != "view":
+        off = staged_rows.get(owner, 0)
+        staged_rows[owner] = off + rows.numel()
+    return _Op(
+        owner=owner, peer=peer, count=rows.numel(), stage_off=off, side=side, peer_rows=peer_rows
+    )
+
+
+def _side(rows: torch.Tensor) -> _Side:
+    start, length = row_runs(rows)
+    if start.numel() <= 1:
+        mode = "view"
+    elif rows.numel() // start.numel() >= MIN_AVG_RUN:
+        mode = "runs"
+    else:
+        mode = "index"
+    return _Side(
+        mode=mode,
+        rows=rows,
+        first=int(rows[0]) if rows.numel() else 0,
+        run_buf_start=rows[start],
+        run_len=length,
+        run_pos=start,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Op:
+    owner: int
+    peer: int
+    count: int
+    stage_off: int  # offset in this owner's staging buffer (send or recv), -1 when none
+    side: _Side
+    peer_rows: torch.Tensor  # [R] the other side's rows (for integrity messages)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Local:
+    owner: int
+    mode: str  # "runs", "gather" (dst contiguous), "scatter" (src contiguous)
+    src: _Side
+    dst: _Side
+    joint_src: torch.Tensor
+    joint_dst: torch.Tensor
+    joint_len: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RankSchedule:
+    """One rank's share of a plan, in plan order, with pack/unpack decisions and counts.
+
+    Attributes:
+        rank: the global rank.
+        sends, recvs, locals: the operations (private structure).
+        dest_index: index into ``plan.dests`` of this rank's destination group, or ``-1``.
+        slot: this rank's slice in its destination group.
+        row_offset: first row of this rank's slice in the group's full buffer.
+        fill: ``owner -> [F]`` slice-relative rows that no transfer writes (zero-filled).
+        stats: bytes and passes for printing (see :meth:`counts`).
+    """
+
+    rank: int
+    sends: tuple[_Op, ...]
+    recvs: tuple[_Op, ...]
+    locals: tuple[_Local, ...]
+    dest_index: int
+    slot: int
+    row_offset: int
+    slice_rows: int
+    send_stage_rows: dict[int, int]
+    recv_stage_rows: dict[int, int]
+    fill: dict[int, torch.Tensor]
+    row_bytes: tuple[int, ...]
+    src_span: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def build(plan: TransferPlan, rank: int) -> RankSchedule:
+        dest_index, slot = -1, 0
+        for i, d in enumerate(plan.dests):
+            if rank in d.ranks:
+                dest_index, slot = i, d.ranks.index(rank)
+                break
+        slice_rows = plan.dests[dest_index].slice_rows if dest_index >= 0 else 0
+        row_offset = slot * slice_rows
+        sends: list[_Op] = []
+        recvs: list[_Op] = []
+        locals_: list[_Local] = []
+        send_rows: dict[int, int] = {}
+        recv_rows: dict[int, int] = {}
+        written: dict[int, list[torch.Tensor]] = {}
+        for tid in plan.transfer_ids(rank).tolist():
+            owner, src, dst = (int(x) for x in plan.transfers_T5[tid, :3])
+            src_rows, dst_rows = plan.rows_of(tid)
+            if dst == rank:
+                dst_rows = dst_rows - row_offset
+                written.setdefault(owner, []).append(dst_rows)
+            if src == rank and dst == rank and plan.local_copy:
+                s, d = _side(src_rows), _side(dst_rows)
+                js, jl = row_runs(src_rows, dst_rows)
+                # one pass always: block copies over joint runs, or one gather / scatter when
+                # one side is contiguous and the runs are short
+                if js.numel() <= 1 or src_rows.numel() // js.numel() >= MIN_AVG_RUN:
+                    mode = "runs"
+                elif d.mode == "view":
+                    mode = "gather"
+                elif s.mode == "view":
+                    mode = "scatter"
+                else:
+                    mode = "runs"
+                locals_.append(
+                    _Local(
+                        owner=owner,
+                        mode=mode,
+                        src=s,
+                        dst=d,
+                        joint_src=src_rows[js],
+                        joint_dst=dst_rows[js],
+                        joint_len=jl,
+                    )
+                )
+                continue
+            if src == rank:
+                sends.append(_op(owner, dst, src_rows, dst_rows, send_rows))
+            if dst == rank:
+                recvs.append(_op(owner, src, dst_rows, src_rows, recv_rows))
+        span: dict[int, tuple[int, int]] = {}
+        for rows in [(o.owner, o.side.rows) for o in sends] + [
+            (x.owner, x.src.rows) for x in locals_
+        ]:
+            owner, r = rows
+            if r.numel():
+                lo, hi = int(r.min()), int(r.max()) + 1
+                old = span.get(owner, (lo, hi))
+                span[owner] = (min(lo, old[0]), max(hi, old[1]))
+        fill: dict[int, torch.Tensor] = {}
+        if dest_index >= 0:
+            for owner in range(plan.num_owners):
+                mask = torch.ones(slice_rows, dtype=torch.bool)
+                for w in written.get(owner, []):
+                    mask[w] = False
+                fill[owner] = torch.nonzero(mask).reshape(-1)
+        return RankSchedule(
+            rank=rank,
+            sends=tuple(sends),
+            recvs=tuple(recvs),
+            locals=tuple(locals_),
+            dest_index=dest_index,
+            slot=slot,
+            row_offset=row_offset,
+            slice_rows=slice_rows,
+            send_stage_rows=send_rows,
+            recv_stage_rows=recv_rows,
+            fill=fill,
+            row_bytes=plan.row_bytes,
+            src_span=span,
+        )
+
+    def counts(self) -> dict[str, int]:
+        """Bytes and passes: ``send/recv/local_bytes``, ``pack/unpack_bytes``, ``messages``, ``local_passes``."""
+        rb = self.row_bytes
+        local_passes = len(self.locals)
+        return {
+            "messages": len(self.sends) + len(self.recvs),
+            "send_bytes": sum(o.count * rb[o.owner] for o in self.sends),
+            "recv_bytes": sum(o.count * rb[o.owner] for o in self.recvs),
+            "pack_bytes": sum(o.count * rb[o.owner] for o in self.sends if o.side.mode != "view"),
+            "unpack_bytes": sum(o.count * rb[o.owner] for o in self.recvs if o.side.mode != "view"),
+            "local_bytes": sum(int(x.src.rows.numel()) * rb[x.owner] for x in self.locals),
+            "local_passes": local_passes,
+            "fill_rows": sum(int(f.numel()) for f in self.fill.values()),
+        }
+
+    def data_path_indices(self) -> list[torch.Tensor]:
+        """The ``[K]`` / ``[R]`` int64 host tensors the data path reads, each once, in plan order.
+
+        Packing and unpacking (run starts, positions and lengths for ``runs`` sides, rows for
+        ``index`` sides; nothing for views), local copies (joint runs, or the non-contiguous
+        side's rows) and the zero-filled rows. The integrity checks read more (rows of every
+        side); :class:`DeviceIndices` uploads those on first use.
+        """
+        out: list[torch.Tensor] = []
+        for op in (*self.sends, *self.recvs):
+            if op.side.mode == "runs":
+                out += [op.side.run_buf_start, op.side.run_pos, op.side.run_len]
+            elif op.side.mode == "index":
+                out.append(op.side.rows)
+        for lop in self.locals:
+            if lop.mode == "runs":
+                out += [lop.joint_src, lop.joint_dst, lop.joint_len]
+            elif lop.mode == "gather":
+                out.append(lop.src.rows)
+            else:
+                out.append(lop.dst.rows)
+        out += [rows for rows in self.fill.values() if rows.numel()]
+        seen: set[int] = set()
+        return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
+
+
+class DeviceIndices:
+    """A schedule's index tensors on one device, uploaded together: one copy per schedule.
+
+    The host tensors given at construction are concatenated into one int64 buffer (pinned when
+    ``device`` is CUDA) and copied with ``non_blocking=True`` on the current stream: the host does
+    not wait, and the caching host allocator keeps the pinned block until the copy has run.
+    ``indices(t)`` returns ``t``'s device view (same shape). A tensor not given up front (the
+    integrity checks' rows) is uploaded the same way on its first lookup (``late_uploads``).
+
+    Streams: an upload is ordered on the stream current when it was made. A lookup from another
+    stream makes that stream wait for the upload (an event, once per stream) and records the
+    stream on the device buffer, so the caching allocator does not hand the memory out again
+    while that stream may still read it.
+
+    Lookups are by identity (``id(t)``): keep the host tensors alive as long as this object (the
+    executor keeps both with the schedule).
+
+    Args:
+        tensors: ``[*]`` int64 host tensors (e.g. :meth:`RankSchedule.data_path_indices`).
+        device: where the kernels read them.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.device = device
+        #: host-to-device copies made (one per schedule, plus ``late_uploads``).
+        self.uploads = 0
+        #: lookups of tensors that were not given at construction.
+        self.late_uploads = 0
+        self._views: dict[int, torch.Tensor] = {}
+        self._hosts: list[torch.Tensor] = []  # keeps ids unique while cached
+        # per upload: (device buffer, event after the copy, stream handles it is ready on)
+        self._uploads: list[tuple[torch.Tensor, Any, set[int]]] = []
+        self._upload_of: dict[int, int] = {}
+        self._upload(list(tensors))
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on :attr:`device` (a view of an upload), ready on the current stream."""
+        view = self._views.get(id(t))
+        if view is None:
+            self.late_uploads += 1
+            self._upload([t])
+            view = self._views[id(t)]
+        if self.device.type == "cuda":
+            self._ready_on_current_stream(self._upload_of[id(t)])
+        return view
+
+    def _upload(self, tensors: list[torch.Tensor]) -> None:
+        tensors = [t for t in tensors if id(t) not in self._views]
+        if not tensors:
+            return
+        for t in tensors:
+            if t.dtype != torch.int64 or t.device.type != "cpu":
+                raise AssertionError(
+                    f"schedule indices are int64 host tensors, got {t.dtype} on {t.device}"
+                )
+        cuda = self.device.type == "cuda"
+        total = sum(t.numel() for t in tensors)
+        host = torch.empty(total, dtype=torch.int64, pin_memory=cuda)
+        torch.cat([t.reshape(-1) for t in tensors], out=host)
+        flat = host.to(self.device, non_blocking=cuda)
+        event, ready = None, set()
+        if cuda:
+            stream = torch.cuda.current_stream(self.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            ready.add(stream.cuda_stream)
+        self.uploads += 1
+        self._uploads.append((flat, event, ready))
+        off = 0
+        for t in tensors:
+            n = t.numel()
+            self._views[id(t)] = flat[off : off + n].view(t.shape)
+            self._upload_of[id(t)] = len(self._uploads) - 1
+            self._hosts.append(t)
+            off += n
+
+    def _ready_on_current_stream(self, upload: int) -> None:
+        flat, event, ready = self._uploads[upload]
+        stream = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream in ready:
+            return
+        stream.wait_event(event)
+        flat.record_stream(stream)
+        ready.add(stream.cuda_stream)
