@@ -10,6 +10,8 @@ rule for which one runs lives here, once:
 - ``"cupy"``: an explicit request. CPU tensors raise ``ValueError``; a missing CuPy raises
   ``RuntimeError``. An explicit request is never quietly downgraded.
 - ``"torch"``: always the twin.
+
+Fallbacks anywhere in the kernels log through :func:`log_once`: one message per cause per process.
 """
 
 from __future__ import annotations
@@ -20,14 +22,40 @@ from typing import Literal
 
 import torch
 
-__all__ = ["BACKENDS", "Backend", "Resolved", "cupy_available", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Resolved",
+    "cupy_available",
+    "log_once",
+    "reset_log_once",
+    "resolve_backend",
+]
 
 Backend = Literal["auto", "cupy", "torch"]
 Resolved = Literal["cupy", "torch"]
 BACKENDS: tuple[Backend, ...] = ("auto", "cupy", "torch")
 
 _log = logging.getLogger(__name__)
-_fallback_logged: set[str] = set()
+_logged_once: set[tuple[str, str]] = set()
+
+
+def log_once(logger: logging.Logger, key: str, msg: str, *args: object) -> bool:
+    """``logger.warning(msg, *args)`` the first time ``(logger.name, key)`` comes up.
+
+    ``key`` names the cause (an op, a reason), so different fallbacks each log once per process.
+    Returns whether it logged.
+    """
+    if (logger.name, key) in _logged_once:
+        return False
+    _logged_once.add((logger.name, key))
+    logger.warning(msg, *args)
+    return True
+
+
+def reset_log_once() -> None:
+    """Forget what :func:`log_once` has logged (tests)."""
+    _logged_once.clear()
 
 
 @functools.cache
@@ -77,12 +105,12 @@ def resolve_backend(backend: str, op: str, *tensors: torch.Tensor) -> Resolved:
     reason = _cupy_import_error()
     if reason is None:
         return "cupy"
-    if op not in _fallback_logged:
-        _fallback_logged.add(op)
-        _log.warning(
-            "%s: CuPy is unusable (%s); falling back to the torch twin on %s (logged once)",
-            op,
-            reason,
-            devices,
-        )
+    log_once(
+        _log,
+        op,
+        "%s: CuPy is unusable (%s); falling back to the torch twin on %s (logged once)",
+        op,
+        reason,
+        devices,
+    )
     return "torch"

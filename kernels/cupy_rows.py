@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mopd.kernels.backend import log_once
 from mopd.kernels.cupy_loader import get_kernel, on_torch_stream, to_cupy
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
 
 _SOURCE = "rows.cu"
 _log = logging.getLogger(__name__)
-_fallback_logged: set[str] = set()
 
 #: Threads per block of the vector kernels (``MOPD_BLOCK`` in rows.cu, their launch bounds).
 BLOCK = 256
@@ -245,16 +245,16 @@ def _plan(op: str, variant: str | None, width: int, device: torch.device) -> tup
                 f"variant {variant!r} needs an sm_90+ device (bulk copies), "
                 f"{device} is sm_{capability[0]}{capability[1]}"
             )
-        if public_op not in _fallback_logged:
-            _fallback_logged.add(public_op)
-            _log.warning(
-                "%s: default variant %r needs sm_90+, %s is sm_%d%d; using %r (logged once)",
-                public_op,
-                named,
-                device,
-                *capability,
-                spec.fallback,
-            )
+        log_once(
+            _log,
+            public_op,
+            "%s: default variant %r needs sm_90+, %s is sm_%d%d; using %r (logged once)",
+            public_op,
+            named,
+            device,
+            *capability,
+            spec.fallback,
+        )
     launched = resolve_variant(named, width, capability)
     return launched, sm_count, launch_block(launched)
 

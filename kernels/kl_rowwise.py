@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from mopd.kernels.backend import Backend, Resolved
+from mopd.kernels.backend import Backend, Resolved, log_once
 from mopd.kernels.backend import resolve_backend as _resolve_base
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
 
 
 _log = logging.getLogger(__name__)
-_LOGGED: set[str] = set()
 
 #: Row order of the statistics returned by :func:`row_stats`.
 STATS_ROWS = ("max_s", "max_t", "sum_exp_s", "sum_exp_t", "sum_exp_s_diff", "sum_exp_t_diff")
@@ -68,9 +67,7 @@ def resolve_backend(backend: Backend, *tensors: torch.Tensor) -> Resolved:
         f"mopd.kernels.kl: the CuPy kernels cannot take these tensors ({reason}); "
         "using the torch twin (logged once)"
     )
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        _log.warning(msg)
+    log_once(_log, reason, "%s", msg)
     return "torch"
 
 

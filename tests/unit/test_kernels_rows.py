@@ -306,7 +306,7 @@ def test_auto_falls_back_once_when_cupy_missing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(backend_mod, "_cupy_import_error", lambda: "ImportError: no cupy")
-    monkeypatch.setattr(backend_mod, "_fallback_logged", set())
+    backend_mod.reset_log_once()
     with caplog.at_level(logging.WARNING, logger=backend_mod.__name__):
         assert backend_mod.resolve_backend("auto", "op_x", _FakeCuda()) == "torch"
         assert backend_mod.resolve_backend("auto", "op_x", _FakeCuda()) == "torch"
@@ -345,7 +345,7 @@ def test_bulk_variant_needs_sm90_when_named(
 
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(cupy_rows, "_device_facts", lambda index: (108, (8, 0)))
-    monkeypatch.setattr(cupy_rows, "_fallback_logged", set())
+    backend_mod.reset_log_once()
     with pytest.raises(ValueError, match=r"variant 'bulk' needs an sm_90\+ device.*sm_80"):
         cupy_rows._plan("gather", "bulk", 16, cuda0)
     assert cupy_rows._plan("gather", "flat", 16, cuda0) == ("flat", 108, 256)
