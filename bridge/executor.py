@@ -37,7 +37,8 @@ failure the executor refuses further exchanges (:class:`~mopd.bridge.errors.Brid
 the process group may still hold pending receives into old buffers, and a late message could be
 matched to a later exchange. Handles complete in start order (waiting on a later handle completes
 the earlier ones first), so every rank issues the student TP all-gathers in the same order. With
-``integrity=True`` rows are checked end to end (:mod:`mopd.bridge.integrity`); ``wait()`` is then
+``integrity=True`` rows are checked end to end, the student TP all-gather included
+(:mod:`mopd.bridge.integrity`); ``wait()`` is then
 a collective over the bridge group (every rank's verdict is all-gathered, on the gloo metadata
 group when there is one, so all raise alike).
 
@@ -68,6 +69,8 @@ from mopd.bridge.errors import (
 )
 from mopd.bridge.groups import all_gather_flat, group_moves_cuda, wait_work
 from mopd.bridge.integrity import (
+    CROSSING,
+    TP_GATHER,
     BlockMismatch,
     decode_mismatches,
     encode_mismatches,
@@ -87,10 +90,15 @@ __all__ = [
 ]
 
 #: ``hook(point, blocks)``: called at ``"packed"`` (send buffers, after packing, before posting),
-#: ``"posted"`` (after the batch is posted) and ``"received"`` (receive buffers, before
-#: unpacking) with ``(owner, peer_global_rank, rows_RH)`` blocks; tests use it to corrupt bytes
-#: in flight or to fail a rank mid-exchange.
+#: ``"posted"`` (after the batch is posted), ``"received"`` (receive buffers, before
+#: unpacking) and, in integrity mode, ``"gathered"`` (the slices the student TP all-gather
+#: brought from the other TP ranks, before they are checked) with
+#: ``(owner, peer_global_rank, rows_RH)`` blocks; tests use it to corrupt bytes in flight or to
+#: fail a rank mid-exchange.
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
+#: One integrity check: ``[R]`` bool "row differs", and (owner, source global rank, destination
+#: rows relative to this rank's slice, source rows, stage) to report it.
+_Check = tuple[torch.Tensor, tuple[int, int, torch.Tensor, torch.Tensor, int]]
 
 
 def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
@@ -513,33 +521,45 @@ class Executor:
                 self._pool.forget(t)
             raise
 
+        # the student TP ranks that all-gather this rank's slices after the crossing
+        gather_ranks: tuple[int, ...] = ()
+        if tp_group is not None and not keep_slice and sched.dest_index >= 0:
+            gather_ranks = tuple(plan.dests[sched.dest_index].ranks)
+
         def finish(deadline: float) -> None:
             if self.debug_hook is not None:
                 self.debug_hook("received", recv_blocks)
             for buf, side, out in pending:
                 _unpack(buf, side, out, dev)
+            slice_sums: dict[int, torch.Tensor] = {}
+            if self.integrity and sched.dest_index >= 0:  # the slice as the crossing left it
+                slice_sums = {o: row_checksum(t) for o, t in targets.items()}
+            gather_checks: list[_Check] = []
+            if len(gather_ranks) > 1:
+                for owner in sorted(outputs):
+                    self._timed(
+                        lambda owner=owner: all_gather_flat(
+                            outputs[owner],
+                            targets[owner],
+                            group=tp_group,
+                            timeout=_left(deadline),
+                        ),
+                        "the student TP all-gather after the crossing",
+                    )
+                if self.integrity:
+                    gather_checks = self._gather_checks(
+                        sched, outputs, slice_sums, gather_ranks, tp_group, deadline
+                    )
             if self.integrity:
                 self._verify(
                     sched,
-                    targets,
+                    slice_sums,
                     checks,
                     dev,
                     meta_group if meta_group is not None else group,
                     deadline,
+                    extra=gather_checks,
                 )
-            if tp_group is not None and not keep_slice and sched.dest_index >= 0:
-                n_ranks = len(plan.dests[sched.dest_index].ranks)
-                if n_ranks > 1:
-                    for owner in sorted(outputs):
-                        self._timed(
-                            lambda owner=owner: all_gather_flat(
-                                outputs[owner],
-                                targets[owner],
-                                group=tp_group,
-                                timeout=_left(deadline),
-                            ),
-                            "the student TP all-gather after the crossing",
-                        )
 
         flight = _Flight(
             works=list(works),
@@ -633,38 +653,95 @@ class Executor:
                 ) from exc
         f.finish(deadline)
 
+    def _gather_checks(
+        self,
+        sched: RankSchedule,
+        outputs: Mapping[int, torch.Tensor],
+        slice_sums: Mapping[int, torch.Tensor],
+        ranks: tuple[int, ...],
+        tp_group: Any,
+        deadline: float,
+    ) -> list[_Check]:
+        """Checks of the student TP all-gather: each peer's slice against its own checksums.
+
+        Every TP rank all-gathers the ``[slice_rows]`` checksums it took of its slices before
+        the data all-gather (one collective for all owners), then compares them with the rows
+        that arrived. Returns one :data:`_Check` per (owner, peer slice) for :meth:`_verify`.
+        """
+        owners = sorted(outputs)
+        rows = sched.slice_rows
+        mine = torch.cat([slice_sums[o] for o in owners])  # [owners * rows]
+        every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64, device=mine.device)
+        self._timed(
+            lambda: all_gather_flat(every, mine, group=tp_group, timeout=_left(deadline)),
+            "the checksums of the student TP all-gather (integrity)",
+        )
+        expected = every.view(len(ranks), len(owners), rows)
+        peers = [j for j in range(len(ranks)) if j != sched.slot]
+        if self.debug_hook is not None:
+            self.debug_hook(
+                "gathered",
+                [
+                    (o, ranks[j], outputs[o][j * rows : (j + 1) * rows])
+                    for o in owners
+                    for j in peers
+                ],
+            )
+        out: list[_Check] = []
+        for i, o in enumerate(owners):
+            got = row_checksum(outputs[o]).view(len(ranks), rows)
+            for j in peers:
+                # rows relative to this rank's slice, as the crossing checks count them
+                dst_rows = torch.arange(j * rows, (j + 1) * rows) - sched.row_offset
+                out.append(
+                    (
+                        got[j] != expected[j, i],
+                        (o, ranks[j], dst_rows, torch.arange(rows), TP_GATHER),
+                    )
+                )
+        return out
+
     def _verify(
         self,
         sched: RankSchedule,
-        targets: Mapping[int, torch.Tensor],
+        actual: Mapping[int, torch.Tensor],
         checks: Sequence[tuple[_Op | _Local, torch.Tensor]],
         dev: DeviceIndices,
         group: Any,
         deadline: float,
+        extra: Sequence[_Check] = (),
     ) -> None:
         """Compare delivered rows with the senders' checksums; same verdict on every rank.
 
-        ``group`` carries the verdict all-gather (the gloo metadata group when there is one:
-        CPU tensors, a host wait until ``deadline``; an NCCL group: CUDA tensors).
+        Args:
+            actual: ``owner -> [slice_rows]`` checksums of this rank's slices after the crossing.
+            checks: the senders' ``[R]`` checksums of each receive and local copy.
+            extra: more checks (the TP all-gather's, :meth:`_gather_checks`).
+            group: carries the verdict all-gather (the gloo metadata group when there is one:
+                CPU tensors, a host wait until ``deadline``; an NCCL group: CUDA tensors).
         """
-        actual = {o: row_checksum(t) for o, t in targets.items()} if sched.dest_index >= 0 else {}
         bad: list[torch.Tensor] = []
-        what: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        what: list[tuple[int, int, torch.Tensor, torch.Tensor, int]] = []
         for op, expected in checks:
             if isinstance(op, _Op):
                 dst_rows, src_rows, peer = op.side.rows, op.peer_rows, op.peer
             else:
                 dst_rows, src_rows, peer = op.dst.rows, op.src.rows, self.rank
             bad.append(actual[op.owner][dev(dst_rows)] != expected)
-            what.append((op.owner, peer, dst_rows, src_rows))
+            what.append((op.owner, peer, dst_rows, src_rows, CROSSING))
         for owner, rows in sched.fill.items():
             if rows.numel():
                 bad.append(actual[owner][dev(rows)] != 0)
-                what.append((owner, -1, rows, torch.empty(0, dtype=torch.int64)))
+                what.append((owner, -1, rows, torch.empty(0, dtype=torch.int64), CROSSING))
+        for b, w in extra:
+            bad.append(b)
+            what.append(w)
         found: list[BlockMismatch] = []
         if bad:
             counts = torch.stack([b.sum() for b in bad]).tolist()  # the one host sync
-            for b, n, (owner, peer, dst_rows, src_rows) in zip(bad, counts, what, strict=True):
+            for b, n, (owner, peer, dst_rows, src_rows, stage) in zip(
+                bad, counts, what, strict=True
+            ):
                 if not n:
                     continue
                 idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
@@ -677,6 +754,7 @@ class Executor:
                         bad=int(n),
                         dst_rows=tuple((dst_rows[idx] + sched.row_offset).tolist()),
                         src_rows=tuple(src_rows[idx].tolist()) if src_rows.numel() else (),
+                        stage=stage,
                     )
                 )
         mine = encode_mismatches(found)

@@ -15,13 +15,14 @@ checks every delivered row end to end, and this module holds the pieces it uses:
   receiver checksums its *output* rows (after unpacking) and compares, so packing, the transfer,
   the staging buffers and unpacking are all covered, and local copies too. Rows no transfer writes
   must checksum to 0 (zero-filled).
+- With student TP > 1 the crossing fills each TP rank's slice, and the TP all-gather assembles
+  the full buffer: every rank all-gathers its slice's checksums with it and compares them with
+  the gathered rows, so the all-gather is covered too (``stage=TP_GATHER`` blocks).
 - :class:`BlockMismatch` names a failed block (owner, source and destination global rank, rows);
   :func:`encode_mismatches` / :func:`decode_mismatches` pack up to :data:`MAX_REPORTED` of them
   into a fixed-size int64 vector that the executor all-gathers over the bridge group, so every rank
   formats the same list with :func:`format_mismatches` and raises the same
   :class:`~mopd.bridge.errors.BridgeIntegrityError` (none is left waiting in a later collective).
-
-Not covered: the student TP all-gather that follows the crossing (a collective of its own).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "CROSSING",
     "MAX_REPORTED",
+    "TP_GATHER",
     "BlockMismatch",
     "decode_mismatches",
     "encode_mismatches",
@@ -45,7 +48,11 @@ _I64 = torch.int64
 MAX_REPORTED = 4
 #: Rows listed per block.
 _ROWS_LISTED = 4
-_ENTRY = 5 + 2 * _ROWS_LISTED
+_ENTRY = 6 + 2 * _ROWS_LISTED
+#: :attr:`BlockMismatch.stage`: rows delivered by the crossing (sends, receives, local copies).
+CROSSING = 0
+#: :attr:`BlockMismatch.stage`: rows another student TP rank delivered through the TP all-gather.
+TP_GATHER = 1
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
 
 
@@ -80,12 +87,15 @@ class BlockMismatch:
 
     Attributes:
         owner: teacher index.
-        src_rank: sending global rank; ``-1`` for rows no transfer writes (must be zero).
+        src_rank: sending global rank (the TP peer for ``TP_GATHER``); ``-1`` for rows no
+            transfer writes (must be zero).
         dst_rank: receiving global rank.
         rows: rows in the block.
         bad: rows that differ.
         dst_rows: the first differing rows of the destination group's full buffer.
-        src_rows: the matching rows of the source's flat buffer (empty for zero-fill rows).
+        src_rows: the matching rows of the source's flat buffer (the peer's slice for
+            ``TP_GATHER``; empty for zero-fill rows).
+        stage: :data:`CROSSING` or :data:`TP_GATHER`.
     """
 
     owner: int
@@ -95,17 +105,18 @@ class BlockMismatch:
     bad: int
     dst_rows: tuple[int, ...]
     src_rows: tuple[int, ...] = ()
+    stage: int = CROSSING
 
 
 def encode_mismatches(found: Sequence[BlockMismatch]) -> torch.Tensor:
-    """``[1 + MAX_REPORTED * 13]`` int64: the count, then up to :data:`MAX_REPORTED` entries."""
+    """``[1 + MAX_REPORTED * 14]`` int64: the count, then up to :data:`MAX_REPORTED` entries."""
     out = torch.full((1 + MAX_REPORTED * _ENTRY,), -1, dtype=_I64)
     out[0] = len(found)
     for i, m in enumerate(found[:MAX_REPORTED]):
         d = list(m.dst_rows[:_ROWS_LISTED]) + [-1] * (_ROWS_LISTED - len(m.dst_rows[:_ROWS_LISTED]))
         s = list(m.src_rows[:_ROWS_LISTED]) + [-1] * (_ROWS_LISTED - len(m.src_rows[:_ROWS_LISTED]))
         out[1 + i * _ENTRY : 1 + (i + 1) * _ENTRY] = torch.tensor(
-            [m.owner, m.src_rank, m.dst_rank, m.rows, m.bad, *d, *s], dtype=_I64
+            [m.owner, m.src_rank, m.dst_rank, m.rows, m.bad, m.stage, *d, *s], dtype=_I64
         )
     return out
 
@@ -117,8 +128,8 @@ def decode_mismatches(vec: torch.Tensor) -> tuple[int, list[BlockMismatch]]:
     found = []
     for i in range(min(total, MAX_REPORTED)):
         e = v[1 + i * _ENTRY : 1 + (i + 1) * _ENTRY]
-        d = tuple(x for x in e[5 : 5 + _ROWS_LISTED] if x >= 0)
-        s = tuple(x for x in e[5 + _ROWS_LISTED :] if x >= 0)
+        d = tuple(x for x in e[6 : 6 + _ROWS_LISTED] if x >= 0)
+        s = tuple(x for x in e[6 + _ROWS_LISTED :] if x >= 0)
         found.append(
             BlockMismatch(
                 owner=e[0],
@@ -128,6 +139,7 @@ def decode_mismatches(vec: torch.Tensor) -> tuple[int, list[BlockMismatch]]:
                 bad=e[4],
                 dst_rows=d,
                 src_rows=s,
+                stage=e[5],
             )
         )
     return total, found
@@ -149,7 +161,14 @@ def format_mismatches(per_rank: Sequence[tuple[int, int, list[BlockMismatch]]]) 
         total += count
         ranks.append(rank)
         for m in found:
-            if m.src_rank < 0:
+            if m.stage == TP_GATHER:
+                parts.append(
+                    f"teacher {m.owner}: student TP all-gather, global rank {m.src_rank} -> "
+                    f"global rank {m.dst_rank}: {m.bad} of {m.rows} rows differ from the sender's "
+                    f"slice (destination rows {_rows(m.dst_rows, m.bad)}, rows of the sender's "
+                    f"slice {_rows(m.src_rows, m.bad)})"
+                )
+            elif m.src_rank < 0:
                 parts.append(
                     f"teacher {m.owner} on global rank {m.dst_rank}: {m.bad} of {m.rows} rows that "
                     f"no transfer writes are not zero (destination rows {_rows(m.dst_rows, m.bad)})"
@@ -166,6 +185,6 @@ def format_mismatches(per_rank: Sequence[tuple[int, int, list[BlockMismatch]]]) 
         f"bridge integrity check failed: {total} corrupted block(s) received on global rank(s) "
         f"{ranks}: " + "; ".join(parts) + ". The rows' bytes changed between the sender's "
         "checksum of its source rows and the receiver's checksum of its output rows (transport, "
-        "staging buffers or a layout kernel); destination rows count in the student shard's full "
+        "staging buffers, a layout kernel or the student TP all-gather); destination rows count in the student shard's full "
         "buffer, source rows in the teacher's flat buffer."
     )

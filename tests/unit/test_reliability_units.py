@@ -34,7 +34,9 @@ from mopd.bridge.api import (
 )
 from mopd.bridge.executor import Executor, _StagePool, buffers_overlap, comm_failure
 from mopd.bridge.integrity import (
+    CROSSING,
     MAX_REPORTED,
+    TP_GATHER,
     BlockMismatch,
     decode_mismatches,
     encode_mismatches,
@@ -156,9 +158,20 @@ def test_mismatch_report_round_trips_and_formats_identically():
             owner=0, src_rank=1, dst_rank=3, rows=16, bad=2, dst_rows=(5, 9), src_rows=(0, 4)
         ),
         BlockMismatch(owner=1, src_rank=-1, dst_rank=3, rows=9, bad=7, dst_rows=(1, 2, 3, 4)),
+        BlockMismatch(
+            owner=1,
+            src_rank=2,
+            dst_rank=3,
+            rows=8,
+            bad=1,
+            dst_rows=(6,),
+            src_rows=(6,),
+            stage=TP_GATHER,
+        ),
     ]
     total, back = decode_mismatches(encode_mismatches(found))
-    assert total == 2 and back == found
+    assert total == 3 and back == found
+    assert [m.stage for m in back] == [CROSSING, CROSSING, TP_GATHER]
     text = format_mismatches([(2, 0, []), (3, total, back)])
     assert text == format_mismatches(
         [(2, 0, []), (3, *decode_mismatches(encode_mismatches(found)))]
@@ -171,8 +184,12 @@ def test_mismatch_report_round_trips_and_formats_identically():
         "teacher 1 on global rank 3: 7 of 9 rows that no transfer writes are not zero "
         "(destination rows [1, 2, 3, 4, ...])"
     ) in text
+    assert (
+        "teacher 1: student TP all-gather, global rank 2 -> global rank 3: 1 of 8 rows differ "
+        "from the sender's slice (destination rows [6], rows of the sender's slice [6])"
+    ) in text
     assert text.startswith(
-        "bridge integrity check failed: 2 corrupted block(s) received on global rank(s) [3]"
+        "bridge integrity check failed: 3 corrupted block(s) received on global rank(s) [3]"
     )
     many = [
         BlockMismatch(owner=0, src_rank=r, dst_rank=9, rows=1, bad=1, dst_rows=(0,))
