@@ -39,6 +39,7 @@ __all__ = [
     "launch_grid",
     "resolve_variant",
     "scatter_rows_cupy",
+    "set_default_variants",
     "vector_bytes",
 ]
 
@@ -143,6 +144,29 @@ DEFAULT_VARIANTS: dict[str, str] = {
     "scatter": "warp",
     "copy_runs": "warp_cs_flat",
 }
+
+
+def set_default_variants(variants: dict[str, str]) -> dict[str, str]:
+    """Change the variant ops use when none is named, for this process; returns the old ones.
+
+    For a GPU other than the one :data:`DEFAULT_VARIANTS` was tuned on: run
+    ``python -m mopd.profiling.bench_kernels`` there and pass the dict its summary prints.
+
+    Args:
+        variants: ``op -> variant`` for some or all of :data:`OPS`.
+    Raises:
+        ValueError: an unknown op or variant (nothing is changed then).
+    """
+    bad_ops = sorted(set(variants) - set(OPS))
+    bad_variants = sorted(v for v in variants.values() if v not in VARIANT_SPECS)
+    if bad_ops or bad_variants:
+        raise ValueError(
+            f"set_default_variants: unknown op(s) {bad_ops} (ops: {OPS}) or variant(s) "
+            f"{bad_variants} (variants: {VARIANTS})"
+        )
+    old = dict(DEFAULT_VARIANTS)
+    DEFAULT_VARIANTS.update(variants)
+    return old
 
 
 def default_variant(op: str) -> str:

@@ -357,3 +357,23 @@ def test_bulk_variant_needs_sm90_when_named(
     monkeypatch.setattr(cupy_rows, "_device_facts", lambda index: (132, (9, 0)))
     assert cupy_rows._plan("gather", None, 16, cuda0) == ("bulk16", 132, 32)
     assert cupy_rows._plan("runs", "bulk", 8, cuda0) == ("warp", 132, 256)  # misaligned
+
+
+def test_set_default_variants_validates_and_returns_the_old_ones() -> None:
+    from mopd.kernels import cupy_rows, set_default_variants
+
+    before = dict(cupy_rows.DEFAULT_VARIANTS)
+    try:
+        old = set_default_variants({"gather": "flat", "copy_runs": "bulk16"})
+        assert old == before
+        assert cupy_rows.default_variant("gather") == "flat"
+        assert cupy_rows.default_variant("copy_runs") == "bulk16"
+        assert cupy_rows.default_variant("scatter") == before["scatter"]
+        with pytest.raises(
+            ValueError, match=r"unknown op\(s\) \['pack'\].*variant\(s\) \['fast'\]"
+        ):
+            set_default_variants({"pack": "warp", "gather": "fast"})
+        assert cupy_rows.default_variant("gather") == "flat"  # nothing changed
+    finally:
+        set_default_variants(before)
+    assert before == cupy_rows.DEFAULT_VARIANTS
