@@ -231,20 +231,44 @@ class _Job:
         return self.weight_N.shape[0]
 
 
-def _prepare(
-    *,
-    student_TX: torch.Tensor,
-    student_weight_VH: torch.Tensor | None,
-    teacher_hidden: torch.Tensor | Sequence[torch.Tensor],
-    teacher_weight: torch.Tensor | Sequence[torch.Tensor],
-    vocab_start: int,
-    vocab_size: int,
-    loss_mask_T: torch.Tensor | None,
-    teacher_index_T: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-    config: KLConfig,
-) -> _Job:
+@dataclass(frozen=True, kw_only=True)
+class _Args:
+    """One call's arguments as the caller gave them, shared by both entry points.
+
+    Not validated on construction: :func:`_prepare` checks them, locally and before any
+    collective, so that in debug mode a failure can still join the agreement all-reduce
+    (:func:`_call`). Shapes as in :func:`vocab_parallel_kl` / :func:`fused_vocab_parallel_kl`.
+
+    Attributes:
+        student_TX: ``[T, V_local]`` student logits shard, or ``[T, H_s]`` student hidden states
+            when ``student_weight_VH`` is given.
+        student_weight_VH: ``[V_local, H_s]`` student output-weight shard (fused path) or ``None``
+            (logits path).
+        teacher_hidden: one ``[T, H_k]`` or ``[T_k, H_k]`` tensor per teacher.
+        teacher_weight: one ``[V_local, H_k]`` LM-head shard per teacher.
+        vocab_start, vocab_size, loss_mask_T, teacher_index_T, group, config: as the public
+            functions take them (``config`` already defaulted).
+    """
+
+    student_TX: torch.Tensor
+    student_weight_VH: torch.Tensor | None
+    teacher_hidden: torch.Tensor | Sequence[torch.Tensor]
+    teacher_weight: torch.Tensor | Sequence[torch.Tensor]
+    vocab_start: int
+    vocab_size: int
+    loss_mask_T: torch.Tensor | None
+    teacher_index_T: torch.Tensor | None
+    group: dist.ProcessGroup | None
+    config: KLConfig
+
+
+def _prepare(args: _Args) -> _Job:
     """Validate everything (locally, no collective) and build the processing order."""
+    config, group = args.config, args.group
+    student_TX, student_weight_VH = args.student_TX, args.student_weight_VH
+    teacher_hidden, teacher_weight = args.teacher_hidden, args.teacher_weight
+    vocab_start, vocab_size = args.vocab_start, args.vocab_size
+    loss_mask_T, teacher_index_T = args.loss_mask_T, args.teacher_index_T
     if not isinstance(config, KLConfig):
         raise ValueError(f"config must be a KLConfig, got {type(config).__name__}")
     if not isinstance(student_TX, torch.Tensor):
@@ -488,17 +512,19 @@ _SIGNATURE_LEN = 7
 
 
 def _check_agreement(
-    *,
     group: dist.ProcessGroup,
-    tp_size: int,
-    rank_in_group: int,
+    position: tuple[int, int],
     device: torch.device,
     timeout_s: float | None,
-    signature: list[int] | None,
-    nonfinite: tuple[str, ...],
-    failure: ValueError | None,
+    *,
+    signature: list[int] | None = None,
+    nonfinite: tuple[str, ...] = (),
+    failure: ValueError | None = None,
 ) -> None:
     """Debug mode: one MAX all-reduce over the TP group; raises the same ValueError on every rank.
+
+    ``position`` is ``(tp_size, rank_in_group)`` (see :func:`_group_position`); ``device`` is
+    where the vector is reduced (the group's device kind).
 
     The int64 vector reduced is ``[sig (7), -sig (7), non-finite flag, failed flag,
     message bytes (tp_size x _MESSAGE_BYTES)]``: a rank whose validation failed (``failure``,
@@ -506,6 +532,7 @@ def _check_agreement(
     rank learns which ranks failed and why, and raises the same text. Otherwise: a non-finite
     input anywhere, then any disagreement of the signature (max != min), raise.
     """
+    tp_size, rank_in_group = position
     n = _SIGNATURE_LEN
     vec = torch.zeros(2 * n + 2 + tp_size * _MESSAGE_BYTES, dtype=torch.int64)
     if signature is not None:
@@ -831,64 +858,34 @@ def _collective_device(x_TX: object, group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _call(
-    x_TX: torch.Tensor,
-    weight_VH: torch.Tensor | None,
-    teacher_hidden: torch.Tensor | Sequence[torch.Tensor],
-    teacher_weight: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    vocab_start: int,
-    vocab_size: int,
-    loss_mask_T: torch.Tensor | None,
-    teacher_index_T: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-    config: KLConfig,
-) -> torch.Tensor:
+def _call(args: _Args) -> torch.Tensor:
+    """Both entry points: validate, check agreement in debug mode, run the autograd function."""
+    config, group = args.config, args.group
     debug = isinstance(config, KLConfig) and config.debug
     position = _group_position(group) if debug else None
     try:
-        job = _prepare(
-            student_TX=x_TX,
-            student_weight_VH=weight_VH,
-            teacher_hidden=teacher_hidden,
-            teacher_weight=teacher_weight,
-            vocab_start=vocab_start,
-            vocab_size=vocab_size,
-            loss_mask_T=loss_mask_T,
-            teacher_index_T=teacher_index_T,
-            group=group,
-            config=config,
-        )
+        job = _prepare(args)
     except ValueError as exc:
         if position is None or position[0] == 1:
             raise
         # debug: the other ranks are about to enter the agreement all-reduce; join it with the
         # failure so that every rank raises the same error instead of waiting for this one
         assert group is not None
-        _check_agreement(
-            group=group,
-            tp_size=position[0],
-            rank_in_group=position[1],
-            device=_collective_device(x_TX, group),
-            timeout_s=config.collective_timeout_s,
-            signature=None,
-            nonfinite=(),
-            failure=exc,
-        )
+        device = _collective_device(args.student_TX, group)
+        _check_agreement(group, position, device, config.collective_timeout_s, failure=exc)
         raise AssertionError("the agreement check returned after a failure") from exc
     if debug and position is not None and position[0] > 1:
         assert group is not None
         _check_agreement(
-            group=group,
-            tp_size=position[0],
-            rank_in_group=position[1],
-            device=job.weight_N.device,
-            timeout_s=config.collective_timeout_s,
-            signature=_job_signature(job, loss_mask_T, teacher_index_T),
+            group,
+            position,
+            job.weight_N.device,
+            config.collective_timeout_s,
+            signature=_job_signature(job, args.loss_mask_T, args.teacher_index_T),
             nonfinite=job.nonfinite,
-            failure=None,
         )
     # precompute gradients in the forward only when a backward can follow
+    x_TX, weight_VH = args.student_TX, args.student_weight_VH
     want_grad = torch.is_grad_enabled() and (
         x_TX.requires_grad or (weight_VH is not None and weight_VH.requires_grad)
     )
@@ -954,16 +951,18 @@ def vocab_parallel_kl(
             "to fused_vocab_parallel_kl's hidden-state gradient only)"
         )
     return _call(
-        student_logits_TV,
-        None,
-        teacher_hidden,
-        teacher_weight,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        loss_mask_T=loss_mask_T,
-        teacher_index_T=teacher_index_T,
-        group=group,
-        config=config,
+        _Args(
+            student_TX=student_logits_TV,
+            student_weight_VH=None,
+            teacher_hidden=teacher_hidden,
+            teacher_weight=teacher_weight,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            loss_mask_T=loss_mask_T,
+            teacher_index_T=teacher_index_T,
+            group=group,
+            config=config,
+        )
     )
 
 
@@ -999,14 +998,16 @@ def fused_vocab_parallel_kl(
             f"student_weight_VH must be a torch.Tensor, got {type(student_weight_VH).__name__}"
         )
     return _call(
-        student_hidden_TH,
-        student_weight_VH,
-        teacher_hidden,
-        teacher_weight,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        loss_mask_T=loss_mask_T,
-        teacher_index_T=teacher_index_T,
-        group=group,
-        config=config or KLConfig(),
+        _Args(
+            student_TX=student_hidden_TH,
+            student_weight_VH=student_weight_VH,
+            teacher_hidden=teacher_hidden,
+            teacher_weight=teacher_weight,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            loss_mask_T=loss_mask_T,
+            teacher_index_T=teacher_index_T,
+            group=group,
+            config=config or KLConfig(),
+        )
     )

@@ -63,6 +63,21 @@ def _ld(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
+def _matrix(t: torch.Tensor) -> tuple[object, object]:
+    """A ``[C, V]`` tensor as the kernels take it: its CuPy view and its int64 row stride."""
+    import numpy as np
+
+    return _as_cupy(t), np.int64(_ld(t))
+
+
+def _launch(kernel_name: str, s_CV: torch.Tensor, P: int, args: tuple[object, ...]) -> None:
+    """Launch ``kl_<kernel_name>_<dtype>`` on a ``(P, C)`` grid (one block row per token of
+    ``s_CV``'s ``C`` rows, ``P`` column blocks) of ``_THREADS`` threads, on torch's stream."""
+    kernel = get_kernel(_SOURCE, f"kl_{kernel_name}_{_SUFFIX[s_CV.dtype]}", s_CV.device)
+    with on_torch_stream(s_CV.device):
+        kernel((P, s_CV.shape[0]), (_THREADS,), args)
+
+
 def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool) -> torch.Tensor:
     """:func:`mopd.kernels.kl_rowwise.row_stats_torch`'s contract as a CuPy kernel."""
     import numpy as np
@@ -76,25 +91,18 @@ def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool
         part_6CP[:2] = float("-inf")
         part_6CP[2:] = 0.0
         return combine_partials(part_6CP)
-    kernel = get_kernel(_SOURCE, f"kl_row_stats_{_SUFFIX[s_CV.dtype]}", s_CV.device)
-    with on_torch_stream(s_CV.device):
-        kernel(
-            (P, C),
-            (_THREADS,),
-            (
-                _as_cupy(s_CV),
-                np.int64(_ld(s_CV)),
-                _as_cupy(u_CV),
-                np.int64(_ld(u_CV)),
-                np.int32(n),
-                np.int32(span),
-                np.int32(_vec_ok(s_CV, u_CV)),
-                np.int32(1 if need_forward else 0),
-                _as_cupy(part_6CP),
-                np.int32(C),
-                np.int32(P),
-            ),
-        )
+    args = (
+        *_matrix(s_CV),
+        *_matrix(u_CV),
+        np.int32(n),
+        np.int32(span),
+        np.int32(_vec_ok(s_CV, u_CV)),
+        np.int32(1 if need_forward else 0),
+        _as_cupy(part_6CP),
+        np.int32(C),
+        np.int32(P),
+    )
+    _launch("row_stats", s_CV, P, args)
     return combine_partials(part_6CP)
 
 
@@ -114,24 +122,16 @@ def row_grad_cupy(
     if C == 0 or n == 0:
         return out_CV
     coef_5C = coef_5C.to(torch.float32).contiguous()
-    kernel = get_kernel(_SOURCE, f"kl_row_grad_{_SUFFIX[s_CV.dtype]}", s_CV.device)
-    with on_torch_stream(s_CV.device):
-        kernel(
-            (P, C),
-            (_THREADS,),
-            (
-                _as_cupy(s_CV),
-                np.int64(_ld(s_CV)),
-                _as_cupy(u_CV),
-                np.int64(_ld(u_CV)),
-                _as_cupy(out_CV),
-                np.int64(_ld(out_CV)),
-                np.int32(n),
-                np.int32(span),
-                np.int32(_vec_ok(s_CV, u_CV, out_CV)),
-                _as_cupy(coef_5C),
-                np.int32(C),
-                np.int32(1 if teacher_term else 0),
-            ),
-        )
+    args = (
+        *_matrix(s_CV),
+        *_matrix(u_CV),
+        *_matrix(out_CV),
+        np.int32(n),
+        np.int32(span),
+        np.int32(_vec_ok(s_CV, u_CV, out_CV)),
+        _as_cupy(coef_5C),
+        np.int32(C),
+        np.int32(1 if teacher_term else 0),
+    )
+    _launch("row_grad", s_CV, P, args)
     return out_CV

@@ -22,6 +22,7 @@ from mopd.bridge import (
     padded_layout,
 )
 from mopd.bridge.synthetic import key_pattern
+from tests.support import bridges
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 180
@@ -33,13 +34,7 @@ H = 8
 
 
 def make_bridge(hidden_size: int = H, teacher: Mesh = TEACHER, student: Mesh = STUDENT):
-    groups = create_bridge_groups(POOL, [teacher], student)
-    return HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=teacher, hidden_size=hidden_size)],
-        student=student,
-        groups=groups,
-        config=BridgeConfig(timeout_s=30),
-    )
+    return bridges.make_bridge(POOL, [teacher], student, [hidden_size], timeout_s=30)
 
 
 def same_error_everywhere(fn, match: str) -> str:
@@ -87,13 +82,7 @@ def test_missing_token():
 
 def test_token_held_twice():
     teachers = [Mesh(), Mesh(rank_offset=1)]
-    groups = create_bridge_groups(POOL, teachers, STUDENT)
-    b = HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=m, hidden_size=H) for m in teachers],
-        student=STUDENT,
-        groups=groups,
-        config=BridgeConfig(timeout_s=30),
-    )
+    b = bridges.make_bridge(POOL, teachers, STUDENT, [H] * len(teachers), timeout_s=30)
     rank = dist.get_rank()
     lay = padded_layout([0, 1], 4)
     kw = {}
@@ -135,13 +124,7 @@ def test_output_buffer_of_the_wrong_shape():
 
 def test_sequence_length_not_divisible_by_2cp_on_the_student_only():
     student = Mesh(cp=2, rank_offset=2)
-    groups = create_bridge_groups(POOL, [TEACHER], student)
-    b = HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=TEACHER, hidden_size=H)],
-        student=student,
-        groups=groups,
-        config=BridgeConfig(timeout_s=30),
-    )
+    b = make_bridge(student=student)
     rank = dist.get_rank()
     kw = {}
     if TEACHER.is_last_stage(rank):

@@ -28,17 +28,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import (
-    BridgeConfig,
-    GroupPool,
-    HiddenStateBridge,
-    Mesh,
-    TeacherSpec,
-    create_bridge_groups,
-    padded_layout,
-)
+from mopd.bridge import GroupPool, HiddenStateBridge, Mesh, padded_layout
 from mopd.bridge.api import BridgeError, BridgeStateError, BridgeTimeoutError
 from mopd.bridge.synthetic import key_pattern
+from tests.support.bridges import make_bridge
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 240
@@ -56,14 +49,7 @@ class Injected(RuntimeError):
 
 def fresh_bridge(hook=None) -> HiddenStateBridge:
     pool = GroupPool(backend="gloo", timeout=datetime.timedelta(seconds=T_S))
-    groups = create_bridge_groups(pool, [TEACHER], STUDENT)
-    return HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=TEACHER, hidden_size=H)],
-        student=STUDENT,
-        groups=groups,
-        config=BridgeConfig(timeout_s=T_S),
-        debug_hook=hook,
-    )
+    return make_bridge(pool, [TEACHER], STUDENT, [H], debug_hook=hook, timeout_s=T_S)
 
 
 def kwargs() -> dict[str, Any]:

@@ -21,17 +21,14 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge import (
-    BridgeConfig,
     GroupPool,
-    HiddenStateBridge,
     Mesh,
-    TeacherSpec,
     TokenLayout,
-    create_bridge_groups,
     padded_layout,
 )
 from mopd.bridge.api import BridgeIntegrityError
 from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from tests.support.bridges import make_bridge
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 240
@@ -62,14 +59,14 @@ class Case:
         teachers, student = MESHES[name]
         self.teachers, self.student = teachers, student
         self.rank = dist.get_rank()
-        self.bridge = HiddenStateBridge(
-            teachers=[
-                TeacherSpec(mesh=m, hidden_size=hidden_of(o)) for o, m in enumerate(teachers)
-            ],
-            student=student,
-            groups=create_bridge_groups(POOL, teachers, student),
-            config=BridgeConfig(timeout_s=30, integrity=integrity),
+        self.bridge = make_bridge(
+            POOL,
+            teachers,
+            student,
+            [hidden_of(o) for o in range(len(teachers))],
             debug_hook=hook,
+            timeout_s=30,
+            integrity=integrity,
         )
         self.step = synthetic_step(
             teachers=teachers,
@@ -246,12 +243,7 @@ def test_two_bridges_on_one_group_started_before_either_is_waited(integrity):
     student = Mesh(tp=2, rank_offset=2)
     teachers = [Mesh(tp=2), Mesh(dp=2)]  # both on ranks 0-1, different hidden sizes
     bridges = [
-        HiddenStateBridge(
-            teachers=[TeacherSpec(mesh=m, hidden_size=hidden_of(o))],
-            student=student,
-            groups=create_bridge_groups(POOL, [m], student),
-            config=BridgeConfig(timeout_s=30, integrity=integrity),
-        )
+        make_bridge(POOL, [m], student, [hidden_of(o)], timeout_s=30, integrity=integrity)
         for o, m in enumerate(teachers)
     ]
     stu_layouts = [padded_layout([0, 1], 4), padded_layout([1, 0], 4)]

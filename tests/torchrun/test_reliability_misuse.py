@@ -37,6 +37,7 @@ from mopd.bridge import api as api_mod
 from mopd.bridge import executor as executor_mod
 from mopd.bridge.api import BridgeStateError
 from mopd.bridge.synthetic import key_pattern
+from tests.support import bridges
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 240
@@ -50,12 +51,8 @@ FAST_S = 10.0  # every case must fail faster than this (it waits on nobody)
 
 
 def make_bridge(teachers=(TEACHER,), student=STUDENT, **config) -> HiddenStateBridge:
-    groups = create_bridge_groups(POOL, list(teachers), student)
-    return HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=m, hidden_size=H) for m in teachers],
-        student=student,
-        groups=groups,
-        config=BridgeConfig(timeout_s=TIMEOUT_S, **config),
+    return bridges.make_bridge(
+        POOL, teachers, student, [H] * len(teachers), timeout_s=TIMEOUT_S, **config
     )
 
 

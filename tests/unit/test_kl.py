@@ -206,11 +206,11 @@ def test_unmasked_sorted_tokens_take_the_gather_free_path() -> None:
         torch.randn(int((index_T == k).sum()), h.shape[1], dtype=h.dtype)
         for k, h in enumerate(hidden)
     ]
-    job = kl_mod._prepare(
+    job = kl_mod._prepare(kl_mod._Args(
         student_TX=s_TV, student_weight_VH=None, teacher_hidden=hidden, teacher_weight=weight,
         vocab_start=0, vocab_size=V_real, loss_mask_T=None, teacher_index_T=index_T, group=None,
         config=KLConfig(),
-    )  # fmt: skip
+    ))  # fmt: skip
     assert job.order_N is None and all(t.rows_M is None for t in job.teachers)
     s_TV.requires_grad_(True)
     out = vocab_parallel_kl(

@@ -35,34 +35,20 @@ def _worker(scenario: str, out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from mopd.bridge import (
-        BridgeConfig,
-        GroupPool,
-        HiddenStateBridge,
-        Mesh,
-        TeacherSpec,
-        create_bridge_groups,
-        padded_layout,
-    )
+    from mopd.bridge import GroupPool, Mesh, padded_layout
     from mopd.bridge.synthetic import key_pattern
+    from tests.support.bridges import make_bridge
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     teacher, student = Mesh(tp=2), Mesh(rank_offset=2)
     pool = GroupPool(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    groups = create_bridge_groups(pool, [teacher], student)
 
     def hook(point: str, blocks: list) -> None:
         if scenario == "exit-before-send" and point == "packed" and rank == 1:
             os._exit(0)
 
-    bridge = HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=teacher, hidden_size=8)],
-        student=student,
-        groups=groups,
-        config=BridgeConfig(timeout_s=TIMEOUT_S),
-        debug_hook=hook,
-    )
+    bridge = make_bridge(pool, [teacher], student, [8], debug_hook=hook, timeout_s=TIMEOUT_S)
     lay = padded_layout([0, 1], 4)
     kw = (
         {"hidden": {0: key_pattern(lay, 8, torch.float32)}, "layouts": {0: lay}}
