@@ -3,7 +3,8 @@
 Integrity mode (``BridgeConfig(integrity=True)``, issue 7): clean exchanges over disjoint,
 colocated and two-teacher meshes stay bit-exact and raise nothing; a bit flipped in flight (in a
 packed send buffer, in a receive buffer before unpacking, in a source row between the checksum
-and a local copy) or a padding row written behind the bridge's back raises
+and a local copy, in a slice the student TP all-gather brought) or a padding row written behind
+the bridge's back raises
 ``BridgeIntegrityError`` on *every* rank with the same text, naming the teacher, the source and
 destination global ranks and the rows. The same corruption with integrity off goes unnoticed
 (the rows really differ), and the bridge keeps working after a caught corruption.
@@ -160,6 +161,29 @@ def test_bit_flipped_in_a_packed_send_buffer_is_caught_on_every_rank():
         f"differ (destination rows [{dst_row}], source rows [{src_row}])"
     ), msg
     # the group is healthy: the same bridge (hook now idle) delivers exact rows again
+    case.bridge.executor.debug_hook = None
+    assert case.exact(case.bridge.exchange(**case.kwargs()).wait())
+
+
+def test_bit_flipped_in_the_student_tp_all_gather_is_caught():
+    """Rank 3 (student TP rank 1) corrupts a row of rank 2's slice after the TP all-gather."""
+
+    def hook(point: str, blocks: list) -> None:
+        if point == "gathered" and dist.get_rank() == 3:
+            owner, peer, rows = blocks[0]
+            assert (owner, peer) == (0, 2)
+            flip(rows, row=1)
+
+    case = Case("disjoint", hook=hook)
+    with pytest.raises(BridgeIntegrityError) as info:
+        case.bridge.exchange(**case.kwargs()).wait()
+    msg = same_everywhere(str(info.value))
+    n = case.step.student_layouts[(0, 0)].num_rows // 2  # rows per student TP slice
+    assert msg.startswith(
+        "bridge integrity check failed: 1 corrupted block(s) received on global rank(s) [3]: "
+        f"teacher 0: student TP all-gather, global rank 2 -> global rank 3: 1 of {n} rows "
+        "differ from the sender's slice (destination rows [1], rows of the sender's slice [1])"
+    ), msg
     case.bridge.executor.debug_hook = None
     assert case.exact(case.bridge.exchange(**case.kwargs()).wait())
 
