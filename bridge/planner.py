@@ -8,8 +8,9 @@ layout each step, so the cache does not always help). It joins *runs* of keys
 arrays), and keeps the per-token join (one sort of every key of both sides) as the reference
 (``method="tokens"``), which the property tests compare it with, plan for plan. Measured on 1M
 tokens over 256 ranks (``bench_bridge`` prints both; profiling/results/bridge-plan-cpu-*.md), THD
-both sides: 12-18 ms by runs against 150-260 ms per token on 2 / 1 CPU threads; an ``[S, B, H]``
-student (strided runs): ~45 ms against 190-320 ms. Keys that are not run-structured (with
+both sides: 12-20 ms by runs against 150-350 ms per token on 2 / 1 CPU threads; an ``[S, B, H]``
+student (strided runs, found as constant-step chains without a sort): 25-28 ms against
+230-350 ms. Keys that are not run-structured (with
 ``method="auto"``) and bad input (for the exact error message) go through the per-token path.
 Knows nothing about tensors' contents.
 

@@ -7,7 +7,7 @@ rank are a few contiguous position ranges (THD, ``[B, S, H]``, CP chunks), or st
 (``[S, B, H]``). This module finds those runs, joins source runs with destination runs by key
 interval (``O(runs log runs)``), assigns teacher TP replicas per block, and only then expands the
 result into the plan's per-token row arrays with a few linear passes (no sort of the tokens
-unless strided destination runs interleave inside one block; then a merge of sorted runs).
+except where strided destination runs interleave inside one block: a merge of those runs).
 
 It produces exactly what the per-token reference in :mod:`mopd.bridge.planner` produces (same
 arrays, same order); the property tests check that on random meshes and layouts. It knows nothing
@@ -16,8 +16,12 @@ plain arrays, so :mod:`mopd.bridge.planner` stays the one place the model lives.
 
 Key runs: rows ``row + i * step`` hold keys ``key + i`` (``i < length``) of one group's flat
 buffer. A destination run never crosses a slice boundary (the rows of one receiving rank). Runs
-are found in row order (step 1, one linear pass); a group whose runs come out short (``[S, B, H]``)
-is re-cut by sorting its keys. The linear passes over rows use numpy (one thread, far less
+are found in row order (step 1, one linear pass). A group whose keys run a constant step ``d > 1``
+apart (``[S, B, H]``: ``d = B``; a few probe rows guess ``d``) is cut into chains of rows
+``d`` apart by linear passes, and only the chains are sorted by key; the chains are checked to be
+exactly the runs that sorting the group's keys would find (else, and for other short groups, the
+keys are sorted). In the join, only the tokens of blocks whose strided segments interleave are
+re-sorted into destination-row order. The linear passes over rows use numpy (one thread, far less
 per-call overhead than torch on the CPU, and no temporaries where ``out=`` serves).
 """
 
@@ -132,6 +136,107 @@ def _sorted_runs(
     return k[start], row[start], step, length
 
 
+#: Rows searched after a probe row for the row holding the next key (the largest row step the
+#: strided fast path of :func:`extract_runs` can find; wider steps are found by sorting).
+_PROBE_WINDOW = 256
+#: Probe rows per group for :func:`_probe_steps`.
+_PROBES = 4
+
+
+def _probe_steps(key_R: np.ndarray, off_G1: np.ndarray) -> np.ndarray:
+    """``[G]`` the most common row step between a key and the next key in each group, or 0.
+
+    ``key_R``: ``[R]`` all groups' keys, group ``g`` at rows ``off_G1[g] : off_G1[g + 1]``. A few
+    probe rows per group (the first real row after evenly spaced points) look for the row holding
+    their key + 1 within :data:`_PROBE_WINDOW` rows after them (the next row first: the common
+    case, one gather). A hint only: the caller checks whatever it builds on it (a wrong hint costs
+    time, never correctness). Vectorized over ``[G * _PROBES, window]`` blocks, no pass over
+    the rows.
+    """
+    n_groups = off_G1.size - 1
+    last = key_R.size - 1
+    lo_G, hi_G = off_G1[:-1], off_G1[1:]
+    # [G, P] evenly spaced probe points, flattened to [Q]; rows past a group's end count as padding
+    at_Q = (lo_G[:, None] + (hi_G - lo_G)[:, None] * np.arange(_PROBES) // _PROBES).reshape(-1)
+    end_Q = np.repeat(hi_G, _PROBES)
+
+    def window(start_Q: np.ndarray, end_Q: np.ndarray, width: int) -> np.ndarray:
+        """``[Q, width]`` keys of rows ``start .. start + width - 1`` (``-1`` at ``end`` and past)."""
+        rows_QW = start_Q[:, None] + np.arange(width)
+        return np.where(rows_QW < end_Q[:, None], key_R[np.minimum(rows_QW, last)], -1)
+
+    real_QW = window(at_Q, end_Q, _PROBE_WINDOW // 8) >= 0
+    has_Q = real_QW.any(axis=1)
+    probe_Q = at_Q + real_QW.argmax(axis=1)  # the first real row of the probe's window
+    want_Q = key_R[np.minimum(probe_Q, last)] + 1
+    step_Q = np.where(has_Q & (window(probe_Q + 1, end_Q, 1)[:, 0] == want_Q), 1, 0)
+    wide = np.flatnonzero(has_Q & (step_Q == 0))  # no key + 1 on the next row: look further
+    if wide.size:
+        hit_QW = window(probe_Q[wide] + 1, end_Q[wide], _PROBE_WINDOW) == want_Q[wide, None]
+        step_Q[wide] = np.where(hit_QW.any(axis=1), hit_QW.argmax(axis=1) + 1, 0)
+    step_GP = step_Q.reshape(n_groups, _PROBES)
+    out = np.zeros(n_groups, dtype=np.int64)
+    for g in np.flatnonzero(step_GP.max(axis=1, initial=0) > 0).tolist():
+        v = step_GP[g][step_GP[g] > 0]
+        out[g] = int(np.bincount(v).argmax())  # the most common step; ties: the smallest
+    return out
+
+
+def _strided_runs(
+    key_R: np.ndarray, step: int, slice_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`_sorted_runs` of one group, found without sorting the keys when they run ``step`` rows apart.
+
+    Chains of rows ``r, r + step, ...`` holding consecutive keys (inside one slice) are found by
+    a few linear passes; only the chains (``K``, a few per sample) are sorted by first key. The
+    result is exactly :func:`_sorted_runs`' (same runs, same order) when the keys are distinct and
+    no two chains continue each other in key order (``key + length`` of one is the next one's
+    first key in the same slice, with another step); otherwise, or when the group's row-order runs
+    would not be short (see :func:`extract_runs`), returns ``None`` and the caller sorts.
+    Why this is exact: sorted by key, the chains are then the maximal stretches of consecutive
+    keys with one row step, which is how :func:`_sorted_runs` cuts.
+    """
+    n, d = key_R.size, step
+    if not 1 < d < n or (slice_rows > 0 and (n % slice_rows or d > slice_rows)):
+        return None
+    valid = key_R >= 0
+    # cont[r]: row r holds the key after row r - d's (same slice); implies valid[r] (key >= 1)
+    cont = np.zeros(n, dtype=bool)
+    np.equal(key_R[d:], key_R[:-d] + 1, out=cont[d:])
+    cont[d:] &= valid[:-d]
+    if slice_rows > 0:
+        cont.reshape(-1, slice_rows)[:, :d] = False  # rows in a slice's first d start anew
+    # heads: real rows no chain continues; tails: real rows the row d further does not continue.
+    # cont is a subset of valid (and cont[r + d] of valid[r]), so xor is "and not".
+    head = np.flatnonzero(valid ^ cont)
+    tail_mask = valid.copy()
+    tail_mask[:-d] ^= cont[d:]
+    tail = np.flatnonzero(tail_mask)
+    if head.size != tail.size or head.size == 0:
+        return None
+    # within one residue class (row % d) chains are disjoint intervals: the i-th head there
+    # pairs with the i-th tail there; a stable sort by residue keeps row order inside a class
+    head = head[np.argsort(head % d, kind="stable")]
+    tail = tail[np.argsort(tail % d, kind="stable")]
+    length = (tail - head) // d + 1
+    key = key_R[head]
+    o = np.argsort(key, kind="stable")
+    key, row, length = key[o], head[o], length[o]
+    num_tokens = int(length.sum())
+    if (num_tokens - key.size) * MIN_MEAN_RUN <= num_tokens:
+        return None  # maybe not short in row order: the caller decides the usual way
+    end = key + length  # one past the last key
+    if key.size > 1:
+        step_a = np.where(length > 1, d, 1)
+        last_row = row + (length - 1) * step_a
+        touch = key[1:] == end[:-1]  # the next chain starts at this one's key + length
+        if slice_rows > 0:
+            touch &= row[1:] // slice_rows == last_row[:-1] // slice_rows
+        if bool((key[1:] < end[:-1]).any()) or bool(touch.any()):
+            return None  # a key held twice, or chains that sorting would cut differently
+    return key, row, np.where(length > 1, d, 1), length
+
+
 def _as_np(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).contiguous().numpy()
 
@@ -178,8 +283,11 @@ def extract_runs(
             at slice boundaries and carry their global slot ``slot_offsets[g] + row // slice_rows[g]``.
         slot_offsets: per group, the global index of its first slot (with ``slice_rows``).
 
-    Row-order step-1 runs first (linear); a group whose mean run is shorter than
-    :data:`MIN_MEAN_RUN` is re-cut by sorting its keys, which finds strided runs.
+    Row-order step-1 runs (linear); a group whose mean run is shorter than :data:`MIN_MEAN_RUN`
+    is re-cut by key order, which finds strided runs: by :func:`_strided_runs` (linear, no sort
+    of the keys) when its keys run a probed constant step apart, else by sorting its keys. Both
+    give the same runs in the same order (a group :func:`_strided_runs` serves skips the
+    row-order pass: its chains prove that group short).
     """
     n_groups = len(keys)
     sizes = [int(k.numel()) for k in keys]
@@ -196,8 +304,35 @@ def extract_runs(
             if slices[g] > 0:
                 brk.extend(range(off[g] + slices[g], off[g + 1], slices[g]))
     key_all = _concat(keys)
-    start, length = _row_order_runs(key_all, np.asarray(brk, dtype=np.int64))
     off_a = np.asarray(off, dtype=np.int64)
+    brk_a = np.asarray(brk, dtype=np.int64)
+    # strided groups ([S, B, H]) first, without a row-order pass: a probed row step > 1 whose
+    # chains are exactly the key-order runs and prove the group short (see _strided_runs)
+    strided: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    if key_all.size:
+        step_g = _probe_steps(key_all, off_a)
+        for g in np.flatnonzero(step_g > 1).tolist():
+            runs = _strided_runs(key_all[off[g] : off[g + 1]], int(step_g[g]), slices[g])
+            if runs is not None:
+                strided[g] = runs
+    # row-order runs of the other groups: one linear pass over each stretch of them
+    if strided:
+        starts, lengths = [], []
+        g = 0
+        while g < n_groups:
+            h = g
+            while h < n_groups and h not in strided:
+                h += 1
+            if h > g:
+                a, b = off[g], off[h]
+                st, ln = _row_order_runs(key_all[a:b], brk_a[(brk_a >= a) & (brk_a < b)] - a)
+                starts.append(st + a)
+                lengths.append(ln)
+            g = h + 1
+        e = [np.empty(0, dtype=np.int64)]
+        start, length = np.concatenate(starts + e), np.concatenate(lengths + e)
+    else:
+        start, length = _row_order_runs(key_all, brk_a)
     # runs come in row order, so each group's runs are one slice of them
     bounds = np.searchsorted(start, off_a)
     runs_g = np.diff(bounds)
@@ -205,6 +340,7 @@ def extract_runs(
     tok_g = cum[bounds[1:]] - cum[bounds[:-1]]
     # groups with short row-order runs are re-cut by key order (strided runs)
     short_g = runs_g * MIN_MEAN_RUN > tok_g
+    short_g[list(strided)] = True
     if short_g.any():
         keep = np.repeat(~short_g, runs_g)
         start, length = start[keep], length[keep]
@@ -216,7 +352,10 @@ def extract_runs(
     if short_g.any():
         cols: list[list[np.ndarray]] = [[group], [key], [row], [step], [length]]
         for g in np.flatnonzero(short_g).tolist():
-            k, r, st, ln = _sorted_runs(key_all[off[g] : off[g + 1]], slices[g])
+            if g in strided:
+                k, r, st, ln = strided[g]
+            else:
+                k, r, st, ln = _sorted_runs(key_all[off[g] : off[g + 1]], slices[g])
             for c, v in zip(cols, (np.full_like(k, g), k, r, st, ln), strict=True):
                 c.append(v)
         group, key, row, step, length = (np.concatenate(c) for c in cols)
@@ -367,35 +506,65 @@ def plan_from_runs(
     iota = np.arange(m, dtype=np.int64)
     src_rows = _expand(n_(seg_srow), n_(seg_sstep), seg_off, seg_len, iota)
     dst_rows = _expand(n_(seg_drow), n_(seg_dstep), seg_off, seg_len, iota)
-    # within a block the tokens must be in increasing destination-row order; they are unless
-    # strided segments interleave (or a segment runs backwards): then merge the sorted segments
-    seg_last = seg_drow + (length - 1) * seg_dstep
-    ordered = bool((seg_last >= seg_drow).all())
-    if ordered and n_seg > 1:
-        same = ~new_block[1:]
-        ordered = not bool((same & (seg_drow[1:] <= seg_last[:-1])).any())
-    if not ordered:
-        blk = np.repeat(n_(seg_block), seg_len)
-        blk *= n_rows_max
-        blk += dst_rows
-        perm = np.argsort(blk, kind="stable")  # timsort: merges the sorted segments
-        src_rows, dst_rows = src_rows[perm], dst_rows[perm]
 
     # --- owner of every destination row ----------------------------------------------------
     dst_off = torch.tensor([0, *dst_sizes], dtype=_I64).cumsum(0)
     seg_owner = owner_G[seg_grp]
-    g_start = dst_off[seg_dgrp] + seg_drow
     if bool((seg_dstep == 1).all()):  # disjoint row ranges: mark the edges, then a prefix sum
+        g_start = dst_off[seg_dgrp] + seg_drow
         delta = torch.zeros(total_rows + 1, dtype=_I64)
         delta.index_add_(0, g_start, seg_owner + 1)
         delta.index_add_(0, g_start + length, -(seg_owner + 1))
         owner_np = np.cumsum(delta.numpy()[:-1])
         owner_np -= 1
         owner_all = torch.from_numpy(owner_np)
-    else:
+    else:  # strided rows: write each token's owner at its global row (dst_rows: segment order)
         owner_all = torch.full((total_rows,), -1, dtype=_I64)
-        g_rows = _expand(n_(g_start), n_(seg_dstep), seg_off, seg_len, iota)
-        owner_all.numpy()[g_rows] = np.repeat(n_(seg_owner), seg_len)
+        g_rows = np.repeat(n_(dst_off[seg_dgrp]), seg_len)
+        g_rows += dst_rows
+        owners = torch.unique(seg_owner) if n_seg else seg_owner
+        if owners.numel() == 1:  # one teacher: no per-token owner array
+            owner_all.numpy()[g_rows] = int(owners[0])
+        else:
+            owner_all.numpy()[g_rows] = np.repeat(n_(seg_owner), seg_len)
+        del g_rows
+
+    # --- destination-row order inside each block -------------------------------------------
+    # Within a block the tokens must be in increasing destination-row order. Each segment's
+    # are (unless it runs backwards), and segments come sorted by block then first row, but
+    # strided segments ([S, B, H] students: a sample's rows are B apart) can interleave with
+    # the next ones of their block. Only the tokens of such clusters of overlapping segments
+    # are re-sorted, in place: in the benchmark's [S, B, H] case ~20% of the tokens, and the
+    # sort merges their already sorted segments.
+    seg_drow_n, seg_dstep_n, seg_block_n = n_(seg_drow), n_(seg_dstep), n_(seg_block)
+    seg_last = seg_drow_n + (seg_len - 1) * seg_dstep_n  # [S] last destination row
+    forward = bool((seg_last >= seg_drow_n).all())
+    if forward and n_seg > 1:
+        # a segment starts a new cluster when its first row lies past every earlier row of its
+        # block; block * n_rows_max + row orders (block, row) pairs, so one running maximum
+        # over the whole table never reaches back into an earlier block
+        reach = np.maximum.accumulate(seg_block_n * n_rows_max + seg_last)
+        lone = np.ones(n_seg, dtype=bool)
+        lone[1:] = seg_block_n[1:] * n_rows_max + seg_drow_n[1:] > reach[:-1]
+        if not lone.all():
+            cluster = np.cumsum(lone) - 1  # [S] cluster of each segment
+            in_multi = np.bincount(cluster)[cluster] > 1
+            m_len, m_off = seg_len[in_multi], seg_off[in_multi]
+            # pos: [M'] the clustered tokens' places, increasing (clusters are contiguous)
+            pos = np.repeat(m_off - (np.cumsum(m_len) - m_len), m_len)
+            pos += np.arange(pos.size, dtype=np.int64)
+            key = np.repeat(seg_block_n[in_multi], m_len)
+            key *= n_rows_max
+            key += dst_rows[pos]
+            perm = pos[np.argsort(key, kind="stable")]  # timsort: merges sorted segments
+            src_rows[pos] = src_rows[perm]
+            dst_rows[pos] = dst_rows[perm]
+    elif not forward:  # a segment runs backwards: sort every block's tokens
+        blk = np.repeat(seg_block_n, seg_len)
+        blk *= n_rows_max
+        blk += dst_rows
+        perm = np.argsort(blk, kind="stable")
+        src_rows, dst_rows = src_rows[perm], dst_rows[perm]
 
     # --- replicas per block: k near-equal chunks rotated by block, or one local copy --------
     k_b = rep_count[b_grp]

@@ -568,6 +568,121 @@ def test_backward_and_strided_runs_match_the_reference():
         assert ref.summary()["rows_cross"] + ref.summary()["rows_local"] == 2 * want.numel()
 
 
+@st.composite
+def sbh_students(draw):
+    """A step whose student is [S, B, H] with CP zigzag and several micro-batches per shard."""
+    t_cp = draw(st.integers(1, 2))
+    teacher = Mesh(tp=draw(st.integers(1, 2)), cp=t_cp, dp=draw(st.integers(1, 2)))
+    student = Mesh(
+        tp=draw(st.integers(1, 4)),
+        cp=draw(st.integers(2, 3)),
+        dp=draw(st.integers(1, 2)),
+        rank_offset=draw(st.sampled_from([0, teacher.size])),
+    )
+    mb = draw(st.integers(2, 4))
+    step = synthetic_step(
+        teachers=[teacher],
+        student=student,
+        # at least two micro-batches on every student DP rank (the last one may be smaller)
+        num_samples=student.dp * mb * draw(st.integers(2, 3)) + draw(st.integers(0, mb - 1)),
+        max_len=draw(st.integers(8, 96)),
+        teacher_formats=[SideFormat(kind=draw(st.sampled_from(["thd", "sbh"])), micro_batch=3)],
+        student_format=SideFormat(kind="sbh", micro_batch=mb, pad_multiple=student.tp),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return teacher, student, step
+
+
+def _runs_by_sorting_only(keys, **kw):
+    """extract_runs as before the strided fast path: no probed steps, every short group sorted."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(planner_runs, "_probe_steps", lambda key_R, off_G1: np.zeros(off_G1.size - 1))
+        return planner_runs.extract_runs(keys, **kw)
+
+
+def _student_keys(step, student):
+    lays = [step.student_layouts[x] for x in student.shards()]
+    stride = planner_mod.key_stride([*lays, *step.teacher_layouts[0].values()])
+    keys = planner_mod._keys_of(lays, stride)
+    slice_rows = [k.numel() // student.tp for k in keys]
+    return keys, {
+        "slice_rows": slice_rows,
+        "slot_offsets": [student.tp * i for i in range(len(keys))],
+    }
+
+
+@given(sbh_students(), st.booleans())
+@SETTINGS
+def test_sbh_students_with_micro_batches_and_cp_match_the_reference(case, local_copy):
+    teacher, student, step = case
+    ref = _plan([teacher], student, step, local_copy=local_copy, method="tokens")
+    got = _plan([teacher], student, step, local_copy=local_copy, method="runs")
+    assert_same_plan(got, ref)
+    # the strided runs are the ones sorting finds (same table, so the same signature)
+    keys, kw = _student_keys(step, student)
+    fast = planner_runs.extract_runs(keys, **kw)
+    assert torch.equal(fast.table(), _runs_by_sorting_only(keys, **kw).table())
+
+
+def test_sbh_runs_are_found_without_sorting_the_keys(monkeypatch):
+    teacher = Mesh(tp=2, cp=2, dp=2)
+    student = Mesh(tp=2, cp=2, dp=2, rank_offset=8)
+    step = synthetic_step(
+        teachers=[teacher],
+        student=student,
+        num_samples=32,
+        max_len=300,
+        teacher_formats=[SideFormat(kind="thd", micro_batch=4)],
+        student_format=SideFormat(kind="sbh", micro_batch=4, pad_multiple=2),
+        seed=3,
+    )
+    keys, kw = _student_keys(step, student)
+    want = _runs_by_sorting_only(keys, **kw)
+    assert int((want.step_K == 4).sum()) > want.num_runs // 2  # strided runs, B = 4 apart
+
+    def no_sort(*args):
+        raise AssertionError("an [S, B, H] group with one micro-batch size was sorted")
+
+    monkeypatch.setattr(planner_runs, "_sorted_runs", no_sort)
+    assert torch.equal(planner_runs.extract_runs(keys, **kw).table(), want.table())
+    ref = _plan([teacher], student, step, method="tokens")
+    assert_same_plan(_plan([teacher], student, step, method="runs"), ref)
+
+
+@pytest.mark.parametrize(
+    ("rows", "sorts"),
+    [
+        # chains that sorting cuts differently: keys 0..5 at step 4, then 6..8 at step 3 right
+        # after (touching in key order); sorting makes [0..5], [6], [7, 8]
+        ([(0, 0, 4, 6), (6, 30, 3, 3)], True),
+        # a key held twice (two chains overlap in key order)
+        ([(0, 0, 4, 6), (3, 1, 4, 6)], True),
+        # two micro-batch sizes in one buffer: steps 4 and 3
+        ([(0, 0, 4, 8), (100, 1, 4, 8), (200, 40, 3, 5), (300, 41, 3, 5)], True),
+        # chains crossing a slice boundary (slice_rows = 32): cut there, no sort needed
+        ([(0, 2, 4, 12), (50, 3, 4, 12)], False),
+    ],
+)
+def test_strided_fast_path_matches_sorting_on_edge_cases(rows, sorts):
+    # rows: (first key, first row, row step, length) chains written into a padded buffer
+    key_R = torch.full((64,), -1, dtype=torch.int64)
+    for k, r, d, n in rows:
+        key_R[r : r + d * n : d] = torch.arange(k, k + n)
+    kw = {"slice_rows": [32], "slot_offsets": [0]}
+    calls = []
+    with pytest.MonkeyPatch.context() as m:
+        sorted_runs = planner_runs._sorted_runs
+        m.setattr(planner_runs, "_sorted_runs", lambda *a: calls.append(1) or sorted_runs(*a))
+        fast = planner_runs.extract_runs([key_R], **kw)
+    assert bool(calls) == sorts
+    assert torch.equal(fast.table(), _runs_by_sorting_only([key_R], **kw).table())
+    src = [SourceGroup(owner=0, ranks=(0,), key_R=torch.arange(400))]
+    dst = [DestGroup(ranks=(1, 2), key_R=key_R)]
+    assert_same_plan(
+        plan_transfers(src, dst, method="runs"), plan_transfers(src, dst, method="tokens")
+    )
+
+
 def test_adjacent_key_views_are_read_without_a_copy():
     buf = torch.arange(20)
     views = [buf[0:5], buf[5:5], buf[5:12], buf[12:20]]
