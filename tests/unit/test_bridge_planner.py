@@ -30,8 +30,8 @@ from mopd.bridge import (
     vocab_layout,
 )
 from mopd.bridge import planner as planner_mod
-from mopd.bridge.executor import RankSchedule
 from mopd.bridge.lm_head import VocabSpec
+from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.synthetic import SideFormat, synthetic_step
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
