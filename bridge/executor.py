@@ -7,7 +7,8 @@ receives and local copies in the plan's global order, and how each is packed or 
 
 - a side whose rows form one contiguous run needs no pass: send from / receive into a view;
 - otherwise rows are packed into (unpacked from) a per-peer contiguous view of one staging buffer
-  per owner, with :func:`mopd.kernels.copy_runs` when the rows form long runs, else
+  per owner; one kernel launch packs (unpacks) all peers' views of an owner at once:
+  :func:`mopd.kernels.copy_runs` when the rows form long runs, else
   :func:`mopd.kernels.gather_rows` / :func:`mopd.kernels.scatter_rows`;
 - a local copy (source replica on the destination rank) is one pass: ``copy_runs`` over runs that
   are contiguous on both sides, or one gather / scatter when one side is contiguous;
@@ -449,7 +450,6 @@ class Executor:
             descs: list[str] = []
             send_blocks: list[tuple[int, int, torch.Tensor]] = []
             recv_blocks: list[tuple[int, int, torch.Tensor]] = []
-            pending: list[tuple[torch.Tensor, _Side, torch.Tensor]] = []
             checks: list[tuple[_Op | _Local, torch.Tensor]] = []
             send_stage = {
                 o: stage("send", o, n, sources[o]) for o, n in sched.send_stage_rows.items()
@@ -457,13 +457,14 @@ class Executor:
             recv_stage = {
                 o: stage("recv", o, n, targets[o]) for o, n in sched.recv_stage_rows.items()
             }
+            for o, side in sched.pack_sides.items():  # one launch per owner, all peers
+                _pack(sources[o], side, send_stage[o][: sched.send_stage_rows[o]], dev)
             for op in sched.sends:
                 src = sources[op.owner]
                 if op.side.mode == "view":
                     buf = src[op.side.first : op.side.first + op.count]
                 else:
                     buf = send_stage[op.owner][op.stage_off : op.stage_off + op.count]
-                    _pack(src, op.side, buf, dev)
                 send_blocks.append((op.owner, op.peer, buf))
                 ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group))
                 descs.append(f"send to global rank {op.peer} (teacher {op.owner}, {op.count} rows)")
@@ -478,7 +479,6 @@ class Executor:
                     buf = out[op.side.first : op.side.first + op.count]
                 else:
                     buf = recv_stage[op.owner][op.stage_off : op.stage_off + op.count]
-                    pending.append((buf, op.side, out))
                 recv_blocks.append((op.owner, op.peer, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, op.peer, group=group))
                 descs.append(
@@ -529,8 +529,8 @@ class Executor:
         def finish(deadline: float) -> None:
             if self.debug_hook is not None:
                 self.debug_hook("received", recv_blocks)
-            for buf, side, out in pending:
-                _unpack(buf, side, out, dev)
+            for o, side in sched.unpack_sides.items():  # one launch per owner, all peers
+                _unpack(recv_stage[o][: sched.recv_stage_rows[o]], side, targets[o], dev)
             slice_sums: dict[int, torch.Tensor] = {}
             if self.integrity and sched.dest_index >= 0:  # the slice as the crossing left it
                 slice_sums = {o: row_checksum(t) for o, t in targets.items()}

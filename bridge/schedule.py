@@ -12,7 +12,7 @@ synchronous copy per index tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -120,6 +120,24 @@ class _Local:
     joint_len: torch.Tensor
 
 
+def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
+    """``owner -> side`` over the rows of ``ops`` that are staged (not views), in staging order.
+
+    Staging offsets are handed out in op order per owner (:func:`_op`), so the concatenated
+    ``[R]`` rows are the owner's whole staging buffer, row for row. A side that comes out
+    contiguous is still a copy (staging buffer <-> rows): it becomes one run.
+    """
+    rows: dict[int, list[torch.Tensor]] = {}
+    for op in ops:
+        if op.side.mode != "view":
+            rows.setdefault(op.owner, []).append(op.side.rows)
+    out: dict[int, _Side] = {}
+    for owner, parts in rows.items():
+        side = _side(torch.cat(parts))
+        out[owner] = replace(side, mode="runs") if side.mode == "view" else side
+    return out
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class RankSchedule:
     """One rank's share of a plan, in plan order, with pack/unpack decisions and counts.
@@ -131,6 +149,11 @@ class RankSchedule:
         slot: this rank's slice in its destination group.
         row_offset: first row of this rank's slice in the group's full buffer.
         fill: ``owner -> [F]`` slice-relative rows that no transfer writes (zero-filled).
+        send_stage_rows, recv_stage_rows: ``owner -> rows`` of its send / receive staging buffer
+            (the sends / receives that are not views, each at its ``stage_off``).
+        pack_sides, unpack_sides: ``owner -> side`` over all of its staged sends' / receives'
+            rows in staging order: the whole staging buffer of an owner is packed (unpacked) by
+            one kernel launch, not one per peer.
         stats: bytes and passes for printing (see :meth:`counts`).
     """
 
@@ -147,6 +170,8 @@ class RankSchedule:
     fill: dict[int, torch.Tensor]
     row_bytes: tuple[int, ...]
     src_span: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pack_sides: dict[int, _Side] = field(default_factory=dict)
+    unpack_sides: dict[int, _Side] = field(default_factory=dict)
 
     @staticmethod
     def build(plan: TransferPlan, rank: int) -> RankSchedule:
@@ -228,6 +253,8 @@ class RankSchedule:
             fill=fill,
             row_bytes=plan.row_bytes,
             src_span=span,
+            pack_sides=_staged_sides(sends),
+            unpack_sides=_staged_sides(recvs),
         )
 
     def counts(self) -> dict[str, int]:
@@ -242,23 +269,25 @@ class RankSchedule:
             "unpack_bytes": sum(o.count * rb[o.owner] for o in self.recvs if o.side.mode != "view"),
             "local_bytes": sum(int(x.src.rows.numel()) * rb[x.owner] for x in self.locals),
             "local_passes": local_passes,
+            "pack_launches": len(self.pack_sides),
+            "unpack_launches": len(self.unpack_sides),
             "fill_rows": sum(int(f.numel()) for f in self.fill.values()),
         }
 
     def data_path_indices(self) -> list[torch.Tensor]:
         """The ``[K]`` / ``[R]`` int64 host tensors the data path reads, each once, in plan order.
 
-        Packing and unpacking (run starts, positions and lengths for ``runs`` sides, rows for
-        ``index`` sides; nothing for views), local copies (joint runs, or the non-contiguous
+        Packing and unpacking (per owner: run starts, positions and lengths for ``runs`` sides,
+        rows for ``index`` sides), local copies (joint runs, or the non-contiguous
         side's rows) and the zero-filled rows. The integrity checks read more (rows of every
         side); :class:`DeviceIndices` uploads those on first use.
         """
         out: list[torch.Tensor] = []
-        for op in (*self.sends, *self.recvs):
-            if op.side.mode == "runs":
-                out += [op.side.run_buf_start, op.side.run_pos, op.side.run_len]
-            elif op.side.mode == "index":
-                out.append(op.side.rows)
+        for side in (*self.pack_sides.values(), *self.unpack_sides.values()):
+            if side.mode == "runs":
+                out += [side.run_buf_start, side.run_pos, side.run_len]
+            else:
+                out.append(side.rows)
         for lop in self.locals:
             if lop.mode == "runs":
                 out += [lop.joint_src, lop.joint_dst, lop.joint_len]

@@ -10,7 +10,8 @@ side by side in one run:
 2. the exchange on this world (torchrun: ``W`` ranks, teacher on the first half, student on the
    second, plus a colocated run on all ranks; plain ``python``: world size 1, colocated, with
    local copies and with NCCL/gloo send-to-self): time per exchange, bytes moved across ranks,
-   messages, pack/unpack passes, and the same figures for the naive baseline that all-gathers
+   messages, pack/unpack bytes (each staged row once: one pass per side) and kernel launches
+   (one per owner and side on each rank, whatever the number of peers), and the same figures for the naive baseline that all-gathers
    every teacher row to every rank and then gathers its own rows (``vs naive`` = naive time /
    bridge time);
 3. the first case that sends (NCCL send/recv to self at world size 1 on a GPU) again with
@@ -237,7 +238,13 @@ def bench_exchange(
         figures["bridge"], figures["plain"] = statistics.median(on), statistics.median(off)
     sched = bridge.executor.schedule(prepared.plan).counts()
     totals = torch.tensor(
-        [sched["pack_bytes"], sched["unpack_bytes"], sched["local_bytes"]], dtype=torch.int64
+        [
+            sched["pack_bytes"],
+            sched["unpack_bytes"],
+            sched["local_bytes"],
+            sched["pack_launches"] + sched["unpack_launches"],
+        ],
+        dtype=torch.int64,
     )
     if device.type == "cuda":
         totals = totals.to(device)
@@ -268,6 +275,7 @@ def bench_exchange(
         "local copy bytes": int(totals[2]),
         "pack bytes": int(totals[0]),
         "unpack bytes": int(totals[1]),
+        "pack+unpack launches": int(totals[3]),
         "messages": s["messages"],
         "replica imbalance": s["replica_imbalance"],
         **extra,

@@ -69,15 +69,22 @@ def run_data_path(teachers, student, step, *, local_copy=True):
     indices = {r: DeviceIndices(s.data_path_indices(), cpu) for r, s in schedules.items()}
     modes: Counter[str] = Counter()
     mailbox: dict[tuple[int, int], deque] = defaultdict(deque)
-    for r, s in schedules.items():  # every rank packs and posts its sends, in plan order
+
+    def staging(rows: int, hidden: int) -> torch.Tensor:
+        return torch.full((rows, hidden), POISON, dtype=torch.int32).view(DTYPE)
+
+    for r, s in schedules.items():  # every rank packs (one launch per owner), then posts
+        send_stage = {o: staging(n, hidden_of(o)) for o, n in s.send_stage_rows.items()}
+        for o, side in s.pack_sides.items():
+            modes[f"pack:{side.mode}"] += 1
+            _pack(sources[r][o], side, send_stage[o], indices[r])
         for op in s.sends:
             modes[f"send:{op.side.mode}"] += 1
             src = sources[r][op.owner]
             if op.side.mode == "view":
                 buf = src[op.side.first : op.side.first + op.count]
             else:
-                buf = torch.full((op.count, src.shape[1]), POISON, dtype=torch.int32).view(DTYPE)
-                _pack(src, op.side, buf, indices[r])
+                buf = send_stage[op.owner][op.stage_off : op.stage_off + op.count]
             mailbox[(r, op.peer)].append((op.owner, buf.clone()))
     for r, s in schedules.items():  # then every rank receives, unpacks and copies locally
         if s.dest_index < 0:
@@ -92,6 +99,7 @@ def run_data_path(teachers, student, step, *, local_copy=True):
         for owner, rows in s.fill.items():
             if rows.numel():
                 executor._zero_rows(targets[owner], rows, indices[r])
+        recv_stage = {o: staging(n, hidden_of(o)) for o, n in s.recv_stage_rows.items()}
         for op in s.recvs:
             modes[f"recv:{op.side.mode}"] += 1
             owner, got = mailbox[(op.peer, r)].popleft()
@@ -99,7 +107,10 @@ def run_data_path(teachers, student, step, *, local_copy=True):
             if op.side.mode == "view":
                 targets[op.owner][op.side.first : op.side.first + op.count] = got
             else:
-                _unpack(got, op.side, targets[op.owner], indices[r])
+                recv_stage[op.owner][op.stage_off : op.stage_off + op.count] = got
+        for o, side in s.unpack_sides.items():  # after every receive: one launch per owner
+            modes[f"unpack:{side.mode}"] += 1
+            _unpack(recv_stage[o], side, targets[o], indices[r])
         for lop in s.locals:
             modes[f"local:{lop.mode}"] += 1
             _local(sources[r][lop.owner], lop, targets[lop.owner], indices[r])
@@ -196,9 +207,41 @@ def test_fixed_cases_cover_every_pack_unpack_and_local_mode():
             assert all(d.late_uploads == 0 for d in indices.values())
             seen += modes
     wanted = [f"{side}:{m}" for side in ("send", "recv") for m in ("view", "runs", "index")]
+    wanted += [f"{side}:{m}" for side in ("pack", "unpack") for m in ("runs", "index")]
     wanted += ["local:runs", "local:gather", "local:scatter"]
     missing = [m for m in wanted if not seen[m]]
     assert not missing, f"modes never exercised: {missing} (seen {dict(seen)})"
+
+
+def test_one_pack_and_one_unpack_per_owner_cover_its_staging_buffer():
+    """The per-owner sides list the staged ops' rows in staging order, nothing else."""
+    teachers, student = [Mesh(tp=1, dp=2), Mesh(tp=2)], Mesh(tp=2, dp=2, rank_offset=2)
+    step = synthetic_step(
+        teachers=teachers,
+        student=student,
+        num_samples=8,
+        max_len=6,
+        teacher_formats=[SideFormat(kind="sbh", micro_batch=2)] * 2,
+        student_format=SideFormat(kind="bsh", micro_batch=3, pad_multiple=2),
+        seed=3,
+    )
+    _, schedules, _, _ = run_data_path(teachers, student, step)
+    staged_any = False
+    for s in schedules.values():
+        for ops, sides, stage_rows in (
+            (s.sends, s.pack_sides, s.send_stage_rows),
+            (s.recvs, s.unpack_sides, s.recv_stage_rows),
+        ):
+            for owner, side in sides.items():
+                staged = [op for op in ops if op.owner == owner and op.side.mode != "view"]
+                assert [op.stage_off for op in staged] == sorted(op.stage_off for op in staged)
+                want = torch.cat([op.side.rows for op in staged])
+                assert torch.equal(side.rows, want) and want.numel() == stage_rows[owner]
+                staged_any |= len(staged) > 1
+            assert set(sides) == {op.owner for op in ops if op.side.mode != "view"}
+        c = s.counts()
+        assert c["pack_launches"] == len(s.pack_sides) <= len(teachers)
+    assert staged_any, "no owner had two staged peers: the case proves nothing"
 
 
 def test_device_indices_views_and_late_uploads_on_cpu():
