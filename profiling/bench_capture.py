@@ -16,7 +16,7 @@ import argparse
 import datetime
 import os
 import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,34 +24,14 @@ import torch.distributed as dist
 
 from mopd.capture import OutputLayerInputCapture, ReusableBuffer, gather_sequence_parallel
 from mopd.profiling.results import format_table, record
+from mopd.profiling.timing import time_calls
 
 __all__ = ["main"]
 
 
-def _timer(device: torch.device):
-    if device.type == "cuda":
-
-        def run(fn, n: int) -> list[float]:
-            out = []
-            for _ in range(n):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b))
-            return out
-    else:
-
-        def run(fn, n: int) -> list[float]:
-            out = []
-            for _ in range(n):
-                t = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t) * 1e3)
-            return out
-
-    return run
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
+    """``timer(fn, n)``: milliseconds of each of ``n`` calls of ``fn()``, each waited for."""
+    return lambda fn, n: time_calls(lambda i: fn(), device=device, iters=n)
 
 
 def _allocs(device: torch.device) -> int | None:

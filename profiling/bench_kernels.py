@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -38,6 +37,7 @@ from mopd.kernels.backend import cupy_available
 from mopd.kernels.cupy_rows import DEFAULT_VARIANTS, OPS, VARIANTS
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 from mopd.profiling.results import environment, format_table, record
+from mopd.profiling.timing import time_calls
 
 __all__ = ["main", "run_structured_index", "summarize"]
 
@@ -74,33 +74,16 @@ def run_structured_index(
     return index_R, src_start_K, dst_start_K, length_K
 
 
-class Timer:
-    """Median milliseconds of ``fn(i)`` over ``iters`` calls after ``warmup`` calls."""
+def _timer(
+    device: torch.device, *, iters: int, warmup: int
+) -> Callable[[Callable[[int], object]], float]:
+    """Median milliseconds of ``fn(i)``: calls queued back to back, each timed on the device."""
 
-    def __init__(self, *, cuda: bool, iters: int, warmup: int) -> None:
-        self.cuda, self.iters, self.warmup = cuda, iters, warmup
+    def median_ms(fn: Callable[[int], object]) -> float:
+        times = time_calls(fn, device=device, iters=iters, warmup=warmup, back_to_back=True)
+        return statistics.median(times)
 
-    def __call__(self, fn: Callable[[int], object]) -> float:
-        for i in range(self.warmup):
-            fn(i)
-        if not self.cuda:
-            times = []
-            for i in range(self.iters):
-                t0 = time.perf_counter()
-                fn(i)
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times)
-        torch.cuda.synchronize()
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(self.iters)
-        ]
-        for i, (start, end) in enumerate(events):
-            start.record()
-            fn(i)
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in events)
+    return median_ms
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,7 +130,7 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], str]:
     n = max(16, int(args.gib * 2**30) // row_bytes) // 16 * 16  # divisible by B = 16
     payload = n * row_bytes
     gen = torch.Generator().manual_seed(0)
-    timer = Timer(cuda=cuda, iters=args.iters, warmup=args.warmup)
+    timer = _timer(device, iters=args.iters, warmup=args.warmup)
 
     # two buffer sets, used in turn
     gen_dev = torch.Generator(device=device).manual_seed(1)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, choose_chunk_tokens, fused_vocab_parallel_kl
 from mopd.profiling.results import environment, format_table, record
+from mopd.profiling.timing import time_calls
 
 __all__ = ["main"]
 
@@ -112,44 +112,23 @@ def make_inputs(T: int, H: int, V: int, dtype: torch.dtype, device: torch.device
     return h_s, w_s, rnd(T, H), rnd(V, H, scale=3 / H**0.5)
 
 
-def _timer(device: torch.device) -> tuple[Callable[[], Any], Callable[[Any], float]]:
-    if device.type == "cuda":
-
-        def start() -> Any:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-
-        def stop(e0: Any) -> float:
-            e1 = torch.cuda.Event(enable_timing=True)
-            e1.record()
-            e1.synchronize()
-            return e0.elapsed_time(e1)
-
-        return start, stop
-    return time.perf_counter, lambda t0: (time.perf_counter() - t0) * 1e3
-
-
 def measure(
     fn: Callable[[Inputs], torch.Tensor], x: Inputs, *, warmup: int, iters: int
 ) -> tuple[float, float, torch.Tensor]:
     """``(median fwd+bwd ms, peak extra GiB or nan on CPU, loss)`` of ``fn`` on ``x``."""
     device = x[0].device
-    start, stop = _timer(device)
 
     def clear() -> None:
         for t in x[:2]:
             t.grad = None
 
-    for _ in range(warmup):
-        clear()
-        fn(x)
-    times = []
-    for _ in range(iters):
-        clear()
-        t0 = start()
-        loss = fn(x)
-        times.append(stop(t0))
+    last: dict[str, torch.Tensor] = {}
+
+    def call(i: int) -> None:
+        last["loss"] = fn(x)
+
+    times = time_calls(call, device=device, iters=iters, warmup=warmup, before=clear)
+    loss = last["loss"]
     extra = float("nan")
     clear()
     if device.type == "cuda":
@@ -170,14 +149,9 @@ def matmul_tflops(H: int, dtype: torch.dtype, device: torch.device, iters: int) 
     a = torch.randn(M, H, device=device).to(dtype)
     b = torch.randn(H, N, device=device).to(dtype)
     out = torch.empty(M, N, device=device, dtype=dtype)
-    start, stop = _timer(device)
-    for _ in range(3):
-        torch.matmul(a, b, out=out)
-    times = []
-    for _ in range(max(iters, 5)):
-        t0 = start()
-        torch.matmul(a, b, out=out)
-        times.append(stop(t0))
+    times = time_calls(
+        lambda i: torch.matmul(a, b, out=out), device=device, iters=max(iters, 5), warmup=3
+    )
     return 2 * M * N * H / (statistics.median(times) * 1e-3) / 1e12
 
 
