@@ -18,12 +18,21 @@ All sends and receives of all owners go into one ``batch_isend_irecv`` on the br
 rank issues the ops it shares with a peer in the plan's transfer order, so pairs match. The
 returned :class:`ExchangeHandle` completes them on ``.wait()``, unpacks, and (when the student
 has TP > 1 and keeps no SP shard) all-gathers each owner's buffer over the student TP group, in
-place (``all_gather_into_tensor`` with this rank's slice as input). Data never leaves the device
+place (:func:`mopd.bridge.groups.all_gather_flat` with this rank's slice as input). Data never leaves the device
 of its tensors: CUDA tensors go over NCCL, CPU tensors over gloo. Kernels run with
 ``check_bounds=False`` (no host sync): plan rows are in range by construction, and buffer row
 counts are validated against the layouts before planning. Staging buffers are reused
 across calls (a pool per owner and dtype, grown to the largest need, one buffer per exchange in
 flight); schedules are kept for the last ``max_schedules`` plans.
+
+Streams (CUDA): one stream per exchange. ``start`` queues the packing and the sends/receives on
+the current stream, ``wait`` makes the current stream wait for them and queues the unpacking and
+the TP all-gather there; the staging buffers, the zero rows and the checksums are reused on
+the assumption that the next exchange runs on the same stream (or one ordered after it), as the
+outputs must be read on it. Only the schedule's index tensors are safe on any stream
+(:class:`~mopd.bridge.schedule.DeviceIndices`). An exchange started while an earlier one that
+writes into the same outputs is in flight completes the earlier one first, as its ``wait()``
+would (on the ranks that hold such outputs; the others are not affected).
 
 Reliability (issue 7): one deadline, ``timeout`` from the start of :meth:`ExchangeHandle.wait`,
 covers everything that call waits on (earlier flights, the transfers, the TP all-gathers, the
@@ -39,9 +48,9 @@ the process group may still hold pending receives into old buffers, and a late m
 matched to a later exchange. Handles complete in start order (waiting on a later handle completes
 the earlier ones first), so every rank issues the student TP all-gathers in the same order. With
 ``integrity=True`` rows are checked end to end, the student TP all-gather included
-(:mod:`mopd.bridge.integrity`); ``wait()`` is then
-a collective over the bridge group (every rank's verdict is all-gathered, on the gloo metadata
-group when there is one, so all raise alike).
+(:mod:`mopd.bridge.integrity`); ``wait()`` is then a collective over the bridge group (every
+rank's verdict is all-gathered, on the gloo metadata group when there is one, so all raise
+alike) and blocks the host (the mismatch counts are read there).
 
 Every rank of the bridge group must call ``wait()`` on every handle, teacher-only ranks too: the
 staging buffers of an exchange return to the pool only there. More than ``max_schedules``
@@ -278,7 +287,10 @@ class ExchangeHandle:
 
         Every rank of the bridge group calls it for every exchange (teacher-only ranks too: the
         staging buffers are released here). On CUDA it does not block the host: it makes the
-        current stream wait on the transfers; on CPU (gloo) it returns with the rows in place.
+        current stream wait on the transfers, and the unpacking and the TP all-gather are queued
+        on that stream (read the outputs on it, or order your stream after it); with
+        ``integrity=True`` it does block: the verdict needs the mismatch counts on the host. On
+        CPU (gloo) it returns with the rows in place.
 
         Raises:
             BridgeTimeoutError: a transfer did not complete within the timeout, counted once from
@@ -413,15 +425,16 @@ class Executor:
                 "on every rank, teacher-only ranks too; staging buffers are released only there",
                 stacklevel=3,
             )
-        for f in self._flights:
-            for a in f.outputs:
-                for b in outputs.values():
-                    if buffers_overlap(a, b):
-                        raise BridgeStateError(
-                            f"global rank {self.rank}: an exchange writing into the same output "
-                            "buffer is still in flight on this rank: call .wait() on its handle "
-                            "before starting the next one, or pass other output buffers"
-                        )
+        # an exchange still in flight that writes into these outputs completes first (as its
+        # wait() would, with the ones before it): raising here instead would leave this rank's
+        # peers, which have no such outputs, with posted sends nobody receives
+        clash = [
+            f
+            for f in self._flights
+            if any(buffers_overlap(a, b) for a in f.outputs for b in outputs.values())
+        ]
+        if clash:
+            self._complete_through(clash[-1])
         sched = self.schedule(plan)
         dev_key = next(iter(outputs.values()), next(iter(sources.values()), None))
         dev = self._dev(
@@ -459,7 +472,7 @@ class Executor:
             }
             for o, side in sched.pack_sides.items():  # one launch per owner, all peers
                 _pack(sources[o], side, send_stage[o][: sched.send_stage_rows[o]], dev)
-            for op in sched.sends:
+            for i, op in enumerate(sched.sends):
                 src = sources[op.owner]
                 if op.side.mode == "view":
                     buf = src[op.side.first : op.side.first + op.count]
@@ -469,8 +482,7 @@ class Executor:
                 ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group))
                 descs.append(f"send to global rank {op.peer} (teacher {op.owner}, {op.count} rows)")
                 if self.integrity:
-                    lo = sched.src_span[op.owner][0]
-                    sums = src_sums[op.owner][dev(op.side.rows) - lo]
+                    sums = src_sums[op.owner][dev(sched.send_src_rel[i])]
                     ops.append(dist.P2POp(dist.isend, sums, op.peer, group=group))
                     descs.append(f"send to global rank {op.peer} (teacher {op.owner}, checksums)")
             for op in sched.recvs:
@@ -507,10 +519,9 @@ class Executor:
             self.exchanges += 1
             if self.debug_hook is not None:
                 self.debug_hook("posted", [])
-            for lop in sched.locals:
+            for i, lop in enumerate(sched.locals):
                 if self.integrity:
-                    lo = sched.src_span[lop.owner][0]
-                    checks.append((lop, src_sums[lop.owner][dev(lop.src.rows) - lo]))
+                    checks.append((lop, src_sums[lop.owner][dev(sched.local_src_rel[i])]))
                 _local(sources[lop.owner], lop, targets[lop.owner], dev)
 
         except BaseException as exc:
@@ -662,11 +673,13 @@ class Executor:
         tp_group: Any,
         deadline: float,
     ) -> list[_Check]:
-        """Checks of the student TP all-gather: each peer's slice against its own checksums.
+        """Checks of the student TP all-gather: every slice against its sender's checksums.
 
         Every TP rank all-gathers the ``[slice_rows]`` checksums it took of its slices before
-        the data all-gather (one collective for all owners), then compares them with the rows
-        that arrived. Returns one :data:`_Check` per (owner, peer slice) for :meth:`_verify`.
+        the data all-gather (one collective for all owners), then compares them with the full
+        buffer after it: the peers' slices that arrived, and its own (the in-place all-gather
+        must leave it as it was). Returns one :data:`_Check` per (owner, slice) for
+        :meth:`_verify`.
         """
         owners = sorted(outputs)
         rows = sched.slice_rows
@@ -690,7 +703,7 @@ class Executor:
         out: list[_Check] = []
         for i, o in enumerate(owners):
             got = row_checksum(outputs[o]).view(len(ranks), rows)
-            for j in peers:
+            for j in range(len(ranks)):
                 # rows relative to this rank's slice, as the crossing checks count them
                 dst_rows = torch.arange(j * rows, (j + 1) * rows) - sched.row_offset
                 out.append(
@@ -787,7 +800,7 @@ class Executor:
         key = (signature, str(device))
         d = self._devs.get(key)
         if d is None:
-            d = DeviceIndices(sched.data_path_indices(), device)
+            d = DeviceIndices(sched.data_path_indices(integrity=self.integrity), device)
             self._devs[key] = d
         return d
 

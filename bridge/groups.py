@@ -17,6 +17,11 @@ with the same meshes, in the same program order as its other ``new_group`` calls
    on the host there, so they never queue behind GPU work nor force a device sync). When the
    pool's backend is ``"gloo"`` this is group 1. itself and no group is created.
 
+When group 1. moves CUDA tensors (NCCL), its members also pass one barrier on it right after
+creating it: NCCL sets a communicator up in the group's first collective, which needs every
+member, while the bridge's first use of the group is a batched send/receive that ranks with
+nothing to move skip.
+
 A live Megatron job may pass its own student TP group instead of 2. (``BridgeGroups(student_tp=...)``).
 
 Waiting (:func:`wait_work`): a gloo operation is waited on with a host timeout; an NCCL one (CUDA
@@ -167,7 +172,12 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
             f"meshes use global ranks up to {members[-1]} but the world has {world} ranks: "
             + ", ".join(str(m) for m in [*teachers, student])
         )
-    pool.create(members)
+    bridge = pool.create(members)
+    if bridge is not None and group_moves_cuda(bridge) and torch.cuda.is_available():
+        # NCCL builds a group's communicator lazily, in its first collective, and every member
+        # must take part in that one; the bridge's first operation is a batched send/recv that
+        # members without transfers skip. One barrier now builds it on every member.
+        dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
     if student.tp > 1:
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))

@@ -12,7 +12,7 @@ synchronous copy per index tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -124,8 +124,9 @@ def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
     """``owner -> side`` over the rows of ``ops`` that are staged (not views), in staging order.
 
     Staging offsets are handed out in op order per owner (:func:`_op`), so the concatenated
-    ``[R]`` rows are the owner's whole staging buffer, row for row. A side that comes out
-    contiguous is still a copy (staging buffer <-> rows): it becomes one run.
+    ``[R]`` rows are the owner's whole staging buffer, row for row. Every staged op has two
+    runs or more and joining ops can only merge runs at their ends, so the joint side is never
+    one contiguous view.
     """
     rows: dict[int, list[torch.Tensor]] = {}
     for op in ops:
@@ -134,7 +135,8 @@ def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
     out: dict[int, _Side] = {}
     for owner, parts in rows.items():
         side = _side(torch.cat(parts))
-        out[owner] = replace(side, mode="runs") if side.mode == "view" else side
+        assert side.mode != "view", "staged rows joined into one contiguous run"
+        out[owner] = side
     return out
 
 
@@ -148,13 +150,19 @@ class RankSchedule:
         dest_index: index into ``plan.dests`` of this rank's destination group, or ``-1``.
         slot: this rank's slice in its destination group.
         row_offset: first row of this rank's slice in the group's full buffer.
+        slice_rows: rows of that slice (the destination group's rows / its TP size; 0 for a
+            rank that receives nothing).
         fill: ``owner -> [F]`` slice-relative rows that no transfer writes (zero-filled).
         send_stage_rows, recv_stage_rows: ``owner -> rows`` of its send / receive staging buffer
             (the sends / receives that are not views, each at its ``stage_off``).
         pack_sides, unpack_sides: ``owner -> side`` over all of its staged sends' / receives'
             rows in staging order: the whole staging buffer of an owner is packed (unpacked) by
             one kernel launch, not one per peer.
-        stats: bytes and passes for printing (see :meth:`counts`).
+        row_bytes: bytes per row of each owner (teacher).
+        src_span: ``owner -> (lo, hi)`` the source rows this rank reads (sends and local
+            copies); integrity mode checksums that span.
+        send_src_rel, local_src_rel: per send / local copy, its ``[R]`` source rows minus the
+            owner's ``lo`` (indices into the span's checksums).
     """
 
     rank: int
@@ -172,9 +180,18 @@ class RankSchedule:
     src_span: dict[int, tuple[int, int]] = field(default_factory=dict)
     pack_sides: dict[int, _Side] = field(default_factory=dict)
     unpack_sides: dict[int, _Side] = field(default_factory=dict)
+    send_src_rel: tuple[torch.Tensor, ...] = ()
+    local_src_rel: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def build(plan: TransferPlan, rank: int) -> RankSchedule:
+        """Global rank ``rank``'s schedule of ``plan`` (pure, host tensors only).
+
+        Walks the plan's transfers for this rank in plan order: a transfer to itself with
+        ``plan.local_copy`` is a local copy, the others a send and/or a receive; each side is
+        a view, runs or per-row indices (:func:`_side`); destination rows are relative to this
+        rank's slice.
+        """
         dest_index, slot = -1, 0
         for i, d in enumerate(plan.dests):
             if rank in d.ranks:
@@ -255,10 +272,15 @@ class RankSchedule:
             src_span=span,
             pack_sides=_staged_sides(sends),
             unpack_sides=_staged_sides(recvs),
+            send_src_rel=tuple(o.side.rows - span.get(o.owner, (0, 0))[0] for o in sends),
+            local_src_rel=tuple(x.src.rows - span.get(x.owner, (0, 0))[0] for x in locals_),
         )
 
     def counts(self) -> dict[str, int]:
-        """Bytes and passes: ``send/recv/local_bytes``, ``pack/unpack_bytes``, ``messages``, ``local_passes``."""
+        """This rank's figures: ``messages``; ``send/recv/local_bytes``; ``pack/unpack_bytes``
+        (staged rows: each moved once, so pack bytes <= send bytes is one pass); ``local_passes``;
+        ``pack_launches`` / ``unpack_launches`` (kernel launches, one per owner and side);
+        ``fill_rows`` (rows zero-filled)."""
         rb = self.row_bytes
         local_passes = len(self.locals)
         return {
@@ -274,13 +296,13 @@ class RankSchedule:
             "fill_rows": sum(int(f.numel()) for f in self.fill.values()),
         }
 
-    def data_path_indices(self) -> list[torch.Tensor]:
+    def data_path_indices(self, *, integrity: bool = False) -> list[torch.Tensor]:
         """The ``[K]`` / ``[R]`` int64 host tensors the data path reads, each once, in plan order.
 
         Packing and unpacking (per owner: run starts, positions and lengths for ``runs`` sides,
-        rows for ``index`` sides), local copies (joint runs, or the non-contiguous
-        side's rows) and the zero-filled rows. The integrity checks read more (rows of every
-        side); :class:`DeviceIndices` uploads those on first use.
+        rows for ``index`` sides), local copies (joint runs, or the non-contiguous side's rows)
+        and the zero-filled rows; with ``integrity``, also what the checks read (source rows
+        relative to the checksummed span, destination rows of every receive and local copy).
         """
         out: list[torch.Tensor] = []
         for side in (*self.pack_sides.values(), *self.unpack_sides.values()):
@@ -296,6 +318,9 @@ class RankSchedule:
             else:
                 out.append(lop.dst.rows)
         out += [rows for rows in self.fill.values() if rows.numel()]
+        if integrity:
+            out += [*self.send_src_rel, *self.local_src_rel]
+            out += [op.side.rows for op in self.recvs] + [x.dst.rows for x in self.locals]
         seen: set[int] = set()
         return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
 
@@ -347,7 +372,8 @@ class DeviceIndices:
         return view
 
     def _upload(self, tensors: list[torch.Tensor]) -> None:
-        tensors = [t for t in tensors if id(t) not in self._views]
+        seen: set[int] = set(self._views)
+        tensors = [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
         if not tensors:
             return
         for t in tensors:

@@ -69,6 +69,29 @@ def test_other_stream_waits_for_the_upload() -> None:
         pytest.fail("the allocator did not reuse the poisoned block: the test proved nothing")
 
 
+def test_memory_read_on_another_stream_is_not_reused_before_that_read() -> None:
+    """Free the indices while stream B still has to read them: the block must not be handed
+    out again on stream A (``record_stream``) before B's read has run."""
+    n = 1 << 16
+    t = torch.arange(n, dtype=torch.int64)
+    a, b = torch.cuda.Stream(DEVICE), torch.cuda.Stream(DEVICE)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(a):
+        dev = DeviceIndices([t], DEVICE)
+    with torch.cuda.stream(b):
+        idx = dev(t)
+        ptr = idx.data_ptr()
+        torch.cuda._sleep(SLEEP_CYCLES)  # B reads only after this
+        seen = idx * 1
+    del dev, idx
+    with torch.cuda.stream(a):
+        other = torch.full((n,), -7, dtype=torch.int64, device=DEVICE)  # may reuse a block
+    same_block = other.data_ptr() == ptr
+    torch.cuda.synchronize()
+    assert not same_block, "the freed indices were handed out while stream B still read them"
+    assert torch.equal(seen.cpu(), t)
+
+
 def test_copy_runs_with_and_without_the_row_count_agree() -> None:
     """``num_rows`` sizes the grid only: the bytes are the same as without it."""
     gen = torch.Generator().manual_seed(1)

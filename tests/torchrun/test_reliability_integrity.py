@@ -133,6 +133,9 @@ def test_clean_exchanges_pass_the_check_and_are_exact(name):
         case = Case(name, seed=seed)
         got = case.bridge.exchange(**case.kwargs()).wait()
         assert case.exact(got), f"{name} seed {seed}"
+        # the checks read only indices the schedule uploaded up front (one copy per schedule)
+        devs = case.bridge.executor._devs.values()
+        assert all(d.late_uploads == 0 and d.uploads <= 1 for d in devs), name
 
 
 def test_bit_flipped_in_a_packed_send_buffer_is_caught_on_every_rank():
