@@ -11,6 +11,10 @@ rule for which one runs lives here, once:
   ``RuntimeError``. An explicit request is never quietly downgraded.
 - ``"torch"``: always the twin.
 
+A kernel whose source cannot be compiled (:class:`KernelCompileError`, raised before anything
+is launched) is one more fallback: :func:`run_cupy_or_twin` runs the twin instead under ``"auto"``
+and raises under ``"cupy"``.
+
 Fallbacks anywhere in the kernels log through :func:`log_once`: one message per cause per process.
 """
 
@@ -18,23 +22,27 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import torch
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "KernelCompileError",
     "Resolved",
     "cupy_available",
     "log_once",
     "reset_log_once",
     "resolve_backend",
+    "run_cupy_or_twin",
 ]
 
 Backend = Literal["auto", "cupy", "torch"]
 Resolved = Literal["cupy", "torch"]
 BACKENDS: tuple[Backend, ...] = ("auto", "cupy", "torch")
+T = TypeVar("T")
 
 _log = logging.getLogger(__name__)
 _logged_once: set[tuple[str, str]] = set()
@@ -56,6 +64,32 @@ def log_once(logger: logging.Logger, key: str, msg: str, *args: object) -> bool:
 def reset_log_once() -> None:
     """Forget what :func:`log_once` has logged (tests)."""
     _logged_once.clear()
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel source could not be built (NVRTC, then nvcc); remembered, never retried.
+
+    Raised by :func:`mopd.kernels.cupy_loader.get_kernel` before anything is launched, so the
+    caller can still run the torch twin instead (:func:`run_cupy_or_twin`).
+    """
+
+
+def run_cupy_or_twin(
+    backend: str, op: str, cupy_call: Callable[[], T], twin_call: Callable[[], T]
+) -> T:
+    """``cupy_call()``; under ``backend="auto"`` a :class:`KernelCompileError` runs ``twin_call()``.
+
+    For a call :func:`resolve_backend` already sent to CuPy. The fallback logs once per op;
+    an explicit ``backend="cupy"`` re-raises. Both calls must take the same inputs and write
+    the same outputs (a kernel and its twin).
+    """
+    try:
+        return cupy_call()
+    except KernelCompileError as exc:
+        if backend == "cupy":
+            raise
+        log_once(_log, f"compile:{op}", "%s: %s; using the torch twin (logged once)", op, exc)
+        return twin_call()
 
 
 @functools.cache

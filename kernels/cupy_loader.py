@@ -21,10 +21,16 @@ from typing import Any
 
 import torch
 
+from mopd.kernels.backend import KernelCompileError, log_once
+
 __all__ = ["get_kernel", "kernel_source", "on_torch_stream", "to_cupy"]
 
 _lock = threading.Lock()
 _log = logging.getLogger(__name__)
+
+#: (file, device, compiler, defines) -> the error its build raised: CuPy does not remember a
+#: failed compile, and every kernel name of the module would otherwise compile it again.
+_failures: dict[tuple[str, int, str, tuple[str, ...]], KernelCompileError] = {}
 
 
 def kernel_source(filename: str) -> str:
@@ -41,21 +47,40 @@ def _module(filename: str, device_index: int, compiler: str, defines: tuple[str,
         return cupy.RawModule(code=kernel_source(filename), backend=compiler, options=options)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
+def _function(
+    filename: str, name: str, device_index: int, compiler: str, defines: tuple[str, ...]
+) -> Any:
+    """``name`` from the module built by ``compiler``; a failed build is remembered and re-raised."""
+    key = (filename, device_index, compiler, defines)
+    failed = _failures.get(key)
+    if failed is not None:
+        raise failed
+    try:
+        return _module(filename, device_index, compiler, defines).get_function(name)
+    except Exception as exc:  # CompileException, a missing compiler (OSError), a driver error
+        err = KernelCompileError(
+            f"{compiler} could not build {filename} {list(defines)} for {name}: {_first_line(exc)}"
+        )
+        _failures[key] = err
+        raise err from exc
+
+
 @functools.cache
 def _kernel(filename: str, name: str, device_index: int, defines: tuple[str, ...] = ()) -> Any:
     import cupy
 
-    compile_error = getattr(getattr(cupy.cuda, "compiler", None), "CompileException", Exception)
     with cupy.cuda.Device(device_index):
         try:
-            return _module(filename, device_index, "nvrtc", defines).get_function(name)
-        except compile_error as exc:
+            return _function(filename, name, device_index, "nvrtc", defines)
+        except KernelCompileError as exc:
             # The sources are checked with nvcc (tier 1); should NVRTC disagree, use nvcc.
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            _log.warning(
-                "NVRTC failed on %s %s (%s); compiling with nvcc", filename, defines, first_line
-            )
-            return _module(filename, device_index, "nvcc", defines).get_function(name)
+            log_once(_log, f"{filename} {defines} {device_index}", "%s; compiling with nvcc", exc)
+            return _function(filename, name, device_index, "nvcc", defines)
 
 
 def get_kernel(
@@ -67,6 +92,10 @@ def get_kernel(
     warning), then kept for the process. ``defines`` (``"NAME=VALUE"`` or ``"NAME"``) are
     passed as ``-D`` options: each distinct tuple is its own module, so a source can be built
     in parts that fail to compile independently.
+
+    Raises:
+        KernelCompileError: neither compiler could build the module (or ``name`` is not in
+            it); the failure is remembered for the process.
     """
     index = torch.cuda.current_device() if device.index is None else device.index
     with _lock:

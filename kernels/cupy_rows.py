@@ -427,8 +427,9 @@ def copy_runs_cupy(
         src_start_K, dst_start_K, length_K: ``[K]`` int64 on the same device.
         out_MH: ``[M, H]`` destination.
         num_rows: ``sum(length_K)`` if known: sizes the grid to the work. ``None``: the grid is
-            sized from a bound (``min(K * N, M)`` rows); correct either way (the kernels loop
-            over the device-side total), only the idle blocks differ.
+            sized from a bound (``min(K * N, M)`` rows). Here only a grid hint (the kernels
+            loop over the device-side total); the public :func:`mopd.kernels.copy_runs`
+            requires it exact.
         variant: a kernel variant from :data:`VARIANTS` (default: :data:`DEFAULT_VARIANTS`).
     Returns:
         ``out_MH``, written on torch's current stream.
@@ -449,8 +450,6 @@ def copy_runs_cupy(
         rows_bound = num_rows
     else:  # destination runs do not overlap, so at most M rows are copied
         rows_bound = min(n_runs * src_NH.shape[0], out_MH.shape[0])
-    if rows_bound == 0:
-        return out_MH
     prefix_K1 = torch.zeros(n_runs + 1, dtype=torch.int64, device=device)
     torch.cumsum(length_K, 0, out=prefix_K1[1:])
     grid = launch_grid(launched, rows_bound, vecs_per_row, sm_count)

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from mopd.kernels.backend import Backend, Resolved, log_once
+from mopd.kernels.backend import Backend, Resolved, log_once, run_cupy_or_twin
 from mopd.kernels.backend import resolve_backend as _resolve_base
 
 __all__ = [
@@ -178,11 +178,17 @@ def row_stats(
 ) -> torch.Tensor:
     """:func:`row_stats_torch`'s contract, on the backend :func:`resolve_backend` picks."""
     _check_pair(s_CV, u_CV)
+    twin = lambda: row_stats_torch(s_CV, u_CV, need_forward=need_forward)  # noqa: E731
     if resolve_backend(backend, s_CV, u_CV) == "cupy":
         from mopd.kernels import kl_cupy
 
-        return kl_cupy.row_stats_cupy(s_CV, u_CV, need_forward=need_forward)
-    return row_stats_torch(s_CV, u_CV, need_forward=need_forward)
+        return run_cupy_or_twin(
+            backend,
+            "mopd.kernels.kl row_stats",
+            lambda: kl_cupy.row_stats_cupy(s_CV, u_CV, need_forward=need_forward),
+            twin,
+        )
+    return twin()
 
 
 def row_grad(
@@ -196,8 +202,15 @@ def row_grad(
 ) -> torch.Tensor:
     """:func:`row_grad_torch`'s contract, on the backend :func:`resolve_backend` picks."""
     _check_pair(s_CV, u_CV)
+    args = (s_CV, u_CV, coef_5C, out_CV)
+    twin = lambda: row_grad_torch(*args, teacher_term=teacher_term)  # noqa: E731
     if resolve_backend(backend, s_CV, u_CV, out_CV) == "cupy":
         from mopd.kernels import kl_cupy
 
-        return kl_cupy.row_grad_cupy(s_CV, u_CV, coef_5C, out_CV, teacher_term=teacher_term)
-    return row_grad_torch(s_CV, u_CV, coef_5C, out_CV, teacher_term=teacher_term)
+        return run_cupy_or_twin(
+            backend,
+            "mopd.kernels.kl row_grad",
+            lambda: kl_cupy.row_grad_cupy(*args, teacher_term=teacher_term),
+            twin,
+        )
+    return twin()

@@ -12,7 +12,9 @@ All tensors are 2-D row views ``[rows, H]``: a ``[S, B, H]`` buffer is passed as
 contiguous in memory (``stride(1) == 1``); the row stride is free, so a column slice or a
 view starting mid-buffer is fine. A ``[S, B, H] -> [B, S, H]`` transpose, CP zigzag or THD
 packing is one gather or scatter with the right index: the receiver writes straight into its
-final layout in one pass. Any dtype works (rows are moved as bytes).
+final layout in one pass. Any dtype works (rows are moved as bytes). Source and destination
+must not share memory (``ValueError``; :func:`rows_overlap`): the kernels read and write in
+parallel. Should CuPy fail to compile a kernel, ``backend="auto"`` runs the twin (logged once).
 
 Bounds: ``check_bounds=True`` (the default) checks index values, which on CUDA costs one device
 sync; a caller whose indices come from a validated, cached plan (the bridge) passes ``False``.
@@ -24,11 +26,11 @@ import warnings
 
 import torch
 
-from mopd.kernels.backend import Backend, resolve_backend
+from mopd.kernels.backend import Backend, resolve_backend, run_cupy_or_twin
 from mopd.kernels.cupy_rows import VARIANTS, copy_runs_cupy, gather_rows_cupy, scatter_rows_cupy
 from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, scatter_rows_torch
 
-__all__ = ["VARIANTS", "copy_runs", "gather_rows", "scatter_rows"]
+__all__ = ["VARIANTS", "copy_runs", "gather_rows", "rows_overlap", "scatter_rows"]
 
 
 def _check_rows(name: str, t: torch.Tensor, *, written: bool = False) -> None:
@@ -86,6 +88,48 @@ def _check_variant(variant: str | None) -> None:
         raise ValueError(f"variant must be None or one of {VARIANTS}, got {variant!r}")
 
 
+def rows_overlap(a_NH: torch.Tensor, b_MH: torch.Tensor) -> bool:
+    """Whether two row views (``[N, H]`` / ``[M, H']``, ``stride(1) == 1``) share a byte.
+
+    Besides the byte spans, views whose rows repeat with one period (one row stride, or a
+    single row against many) and whose column ranges are disjoint (e.g. two halves of the same
+    rows) do not overlap. Different devices or an empty view: no overlap.
+    """
+    if a_NH.device != b_MH.device or a_NH.numel() == 0 or b_MH.numel() == 0:
+        return False
+    if a_NH.device.type not in ("cpu", "cuda"):
+        return False
+    size = a_NH.element_size()
+    a0, b0 = a_NH.data_ptr(), b_MH.data_ptr()
+    a_w, b_w = a_NH.shape[1] * size, b_MH.shape[1] * b_MH.element_size()
+    a_s, b_s = a_NH.stride(0) * size, b_MH.stride(0) * b_MH.element_size()
+    a1 = a0 + (a_NH.shape[0] - 1) * a_s + a_w
+    b1 = b0 + (b_MH.shape[0] - 1) * b_s + b_w
+    if a1 <= b0 or b1 <= a0:
+        return False
+    # rows repeat with one period (a one-row view takes the other's): compare column ranges
+    a_rows, b_rows = a_NH.shape[0], b_MH.shape[0]
+    if a_rows > 1 and b_rows > 1:
+        period = a_s if a_s == b_s else 0
+    else:
+        period = b_s if b_rows > 1 else (a_s if a_rows > 1 else 0)
+    if period and a_w <= period and b_w <= period:
+        d = (b0 - a0) % period  # b's columns start d bytes into a's row period
+        return not (a_w <= d and d + b_w <= period)
+    return True
+
+
+def _check_disjoint(src_name: str, src: torch.Tensor, out_name: str, out: torch.Tensor) -> None:
+    if rows_overlap(src, out):
+        raise ValueError(
+            f"{out_name} overlaps {src_name} in memory ({out_name} at {out.data_ptr():#x}, "
+            f"shape {tuple(out.shape)}, strides {out.stride()}; {src_name} at "
+            f"{src.data_ptr():#x}, shape {tuple(src.shape)}, strides {src.stride()}): the "
+            "kernels read and write in parallel, so the result would depend on timing; "
+            "copy through a separate buffer"
+        )
+
+
 def _pick(backend: Backend, op: str, variant: str | None, *tensors: torch.Tensor) -> str:
     resolved = resolve_backend(backend, op, *tensors)
     if resolved == "torch" and variant is not None:
@@ -134,9 +178,16 @@ def gather_rows(
         raise ValueError(
             f"out_RH has {out_RH.shape[0]} rows but index_R has {index_R.shape[0]} entries"
         )
+    _check_disjoint("src_NH", src_NH, "out_RH", out_RH)
+    twin = lambda: gather_rows_torch(src_NH, index_R, out_RH=out_RH)  # noqa: E731
     if _pick(backend, "gather_rows", variant, src_NH, out_RH) == "cupy":
-        return gather_rows_cupy(src_NH, index_R, out_RH=out_RH, variant=variant)
-    return gather_rows_torch(src_NH, index_R, out_RH=out_RH)
+        return run_cupy_or_twin(
+            backend,
+            "gather_rows",
+            lambda: gather_rows_cupy(src_NH, index_R, out_RH=out_RH, variant=variant),
+            twin,
+        )
+    return twin()
 
 
 def scatter_rows(
@@ -152,8 +203,8 @@ def scatter_rows(
 
     Args:
         src_RH: ``[R, H]`` rows (e.g. a received staging buffer).
-        index_R: ``[R]`` int64 destination rows, distinct (with repeats, which one lands is
-            unspecified), on the data's device.
+        index_R: ``[R]`` int64 destination rows, distinct (with repeats a row's contents are
+            unspecified, possibly a mix of the competing rows), on the data's device.
         out_NH: ``[N, H]`` destination in its final layout, written in place.
         backend: ``"auto"``, ``"cupy"`` or ``"torch"``.
         variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the op's default
@@ -173,9 +224,16 @@ def scatter_rows(
         raise ValueError(
             f"src_RH has {src_RH.shape[0]} rows but index_R has {index_R.shape[0]} entries"
         )
+    _check_disjoint("src_RH", src_RH, "out_NH", out_NH)
+    twin = lambda: scatter_rows_torch(src_RH, index_R, out_NH)  # noqa: E731
     if _pick(backend, "scatter_rows", variant, src_RH, out_NH) == "cupy":
-        return scatter_rows_cupy(src_RH, index_R, out_NH, variant=variant)
-    return scatter_rows_torch(src_RH, index_R, out_NH)
+        return run_cupy_or_twin(
+            backend,
+            "scatter_rows",
+            lambda: scatter_rows_cupy(src_RH, index_R, out_NH, variant=variant),
+            twin,
+        )
+    return twin()
 
 
 def copy_runs(
@@ -203,8 +261,9 @@ def copy_runs(
         out_MH: ``[M, H]`` destination, written in place.
         num_rows: ``sum(length_K)`` when the caller knows it (a plan does): the CUDA grid is
             sized to it and the torch twin skips its host read of the total (a device sync on
-            CUDA). Must be exact (checked with ``check_bounds``); ``None``: the kernel reads the
-            total on the device and sizes its grid from a bound.
+            CUDA). Must be exact: checked with ``check_bounds``, otherwise a wrong value is
+            undefined behaviour (the twin may raise). ``None``: the kernel reads the total on
+            the device and sizes its grid from a bound.
         backend: ``"auto"``, ``"cupy"`` or ``"torch"``.
         variant: CuPy kernel variant (:data:`VARIANTS`); ``None`` for the op's default
             (``cupy_rows.DEFAULT_VARIANTS``).
@@ -263,7 +322,14 @@ def copy_runs(
                 f"destination runs out of range: starts >= {min_dst}, ends <= {max_dst_end}, "
                 f"out_MH has {out_MH.shape[0]} rows"
             )
+    _check_disjoint("src_NH", src_NH, "out_MH", out_MH)
     args = (src_NH, src_start_K, dst_start_K, length_K, out_MH)
+    twin = lambda: copy_runs_torch(*args, num_rows=num_rows)  # noqa: E731
     if _pick(backend, "copy_runs", variant, src_NH, out_MH) == "cupy":
-        return copy_runs_cupy(*args, num_rows=num_rows, variant=variant)
-    return copy_runs_torch(*args, num_rows=num_rows)
+        return run_cupy_or_twin(
+            backend,
+            "copy_runs",
+            lambda: copy_runs_cupy(*args, num_rows=num_rows, variant=variant),
+            twin,
+        )
+    return twin()

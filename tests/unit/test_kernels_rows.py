@@ -377,3 +377,75 @@ def test_set_default_variants_validates_and_returns_the_old_ones() -> None:
     finally:
         set_default_variants(before)
     assert before == cupy_rows.DEFAULT_VARIANTS
+
+
+def test_overlapping_source_and_destination_raise() -> None:
+    buf = torch.arange(40.0).view(10, 4)
+    idx = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="out_RH overlaps src_NH in memory"):
+        gather_rows(buf, idx, out_RH=buf[5:8])
+    with pytest.raises(ValueError, match="out_NH overlaps src_RH in memory"):
+        scatter_rows(buf[:3], torch.tensor([4, 5, 6]), buf)
+    run = torch.tensor([0])
+    with pytest.raises(ValueError, match="out_MH overlaps src_NH in memory"):
+        copy_runs(buf[:4], run, run, torch.tensor([2]), buf[2:6])
+    # disjoint views of one buffer are fine: other rows, or other columns of the same rows
+    gather_rows(buf[:5], idx, out_RH=buf[5:8])
+    left, right = buf[:, :2], buf[:, 2:]
+    scatter_rows(left[:3], torch.tensor([7, 8, 9]), right)
+    assert torch.equal(buf[7:10, 2:], buf[:3, :2])
+
+
+def test_rows_overlap_rule() -> None:
+    from mopd.kernels.rows import rows_overlap
+
+    x = torch.zeros(8, 6)
+    assert rows_overlap(x[:4], x[3:])
+    assert not rows_overlap(x[:4], x[4:])
+    assert not rows_overlap(x[:, :3], x[:, 3:])  # interleaved column halves
+    assert rows_overlap(x[:, :4], x[:, 3:])  # one shared column
+    assert not rows_overlap(x[:, 4:], x[1:, :4])  # the period wraps: still disjoint
+    assert not rows_overlap(x[:0], x)  # empty
+    assert not rows_overlap(x, torch.zeros(8, 6))  # other storage
+    one = x[2:3, 1:2]
+    assert rows_overlap(one, x[:, 1:2]) and not rows_overlap(one, x[:, 2:])
+
+
+def test_compile_failure_falls_back_to_the_twin_under_auto_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from mopd.kernels import rows as rows_mod
+    from mopd.kernels.backend import KernelCompileError
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KernelCompileError("nvcc could not build rows.cu: no compiler")
+
+    monkeypatch.setattr(rows_mod, "_pick", lambda backend, op, variant, *ts: "cupy")
+    monkeypatch.setattr(rows_mod, "gather_rows_cupy", broken)
+    backend_mod.reset_log_once()
+    src, idx = torch.arange(12.0).view(6, 2), torch.tensor([5, 0])
+    with caplog.at_level(logging.WARNING, logger=backend_mod.__name__):
+        for _ in range(2):
+            assert torch.equal(gather_rows(src, idx), src[idx])
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "gather_rows: nvcc could not build rows.cu" in msgs[0], msgs
+    with pytest.raises(KernelCompileError, match="no compiler"):
+        gather_rows(src, idx, backend="cupy")
+
+
+def test_a_failed_build_is_remembered_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mopd.kernels import cupy_loader
+    from mopd.kernels.backend import KernelCompileError
+
+    builds: list[tuple] = []
+
+    def module(*key: object) -> None:
+        builds.append(key)
+        raise OSError("nvcc: not found")
+
+    monkeypatch.setattr(cupy_loader, "_module", module)
+    monkeypatch.setattr(cupy_loader, "_failures", {})
+    for name in ("k1", "k2", "k1"):
+        with pytest.raises(KernelCompileError, match=r"nvcc could not build rows\.cu.*not found"):
+            cupy_loader._function("rows.cu", name, 0, "nvcc", ("X=1",))
+    assert builds == [("rows.cu", 0, "nvcc", ("X=1",))]
