@@ -508,3 +508,27 @@ def test_a_good_exchange_after_every_misuse():
     if STUDENT.is_last_stage(rank()):
         want = key_pattern(padded_layout([1, 0], 4), H, torch.float32)
         assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
+
+
+def test_nccl_bridge_groups_are_set_up_at_creation(monkeypatch):
+    """An NCCL bridge group: every member, and only members, pass one barrier on it at creation
+    (NCCL builds a communicator in a group's first collective, which needs every member; the
+    first use of the group is a batched send/recv that ranks without transfers skip)."""
+    from mopd.bridge import groups as groups_mod
+
+    calls: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(groups_mod, "group_moves_cuda", lambda group: True)
+    monkeypatch.setattr(groups_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(groups_mod.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        groups_mod.dist,
+        "barrier",
+        lambda group=None, device_ids=None: calls.append((group, device_ids)),
+    )
+    teacher, student = Mesh(), Mesh(tp=2, rank_offset=1)  # global ranks 0-2; rank 3 outside
+    groups = create_bridge_groups(GroupPool(backend="gloo"), [teacher], student)
+    monkeypatch.undo()
+    if rank() == 3:
+        assert calls == [] and groups.bridge is None
+    else:
+        assert calls == [(groups.bridge, [0])]
