@@ -90,6 +90,7 @@ from mopd.bridge.integrity import (
 from mopd.bridge.planner import TransferPlan
 from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side, row_runs
 from mopd.kernels import copy_runs, gather_rows, scatter_rows
+from mopd.kernels.rows import rows_overlap
 
 __all__ = [
     "DebugHook",
@@ -179,15 +180,10 @@ def _left(deadline: float) -> datetime.timedelta:
 def buffers_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True if the byte ranges of ``a`` and ``b`` (contiguous, same device) intersect.
 
-    Tensors without storage (``meta``) or on different devices never overlap.
+    Each tensor is one row of its bytes for :func:`mopd.kernels.rows.rows_overlap`; tensors
+    without storage (``meta``) or on different devices never overlap.
     """
-    if a.device != b.device or a.device.type not in ("cpu", "cuda"):
-        return False
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1
+    return rows_overlap(a.view(1, -1), b.view(1, -1))
 
 
 def comm_failure(

@@ -297,7 +297,7 @@ class RankSchedule:
         }
 
     def data_path_indices(self, *, integrity: bool = False) -> list[torch.Tensor]:
-        """The ``[K]`` / ``[R]`` int64 host tensors the data path reads, each once, in plan order.
+        """The ``[K]`` / ``[R]`` int64 host tensors the data path reads, in plan order.
 
         Packing and unpacking (per owner: run starts, positions and lengths for ``runs`` sides,
         rows for ``index`` sides), local copies (joint runs, or the non-contiguous side's rows)
@@ -321,8 +321,7 @@ class RankSchedule:
         if integrity:
             out += [*self.send_src_rel, *self.local_src_rel]
             out += [op.side.rows for op in self.recvs] + [x.dst.rows for x in self.locals]
-        seen: set[int] = set()
-        return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
+        return out  # a tensor may appear twice: DeviceIndices uploads it once
 
 
 class DeviceIndices:
@@ -331,8 +330,9 @@ class DeviceIndices:
     The host tensors given at construction are concatenated into one int64 buffer (pinned when
     ``device`` is CUDA) and copied with ``non_blocking=True`` on the current stream: the host does
     not wait, and the caching host allocator keeps the pinned block until the copy has run.
-    ``indices(t)`` returns ``t``'s device view (same shape). A tensor not given up front (the
-    integrity checks' rows) is uploaded the same way on its first lookup (``late_uploads``).
+    Calling it, ``dev(t)``, returns ``t``'s device view (same shape); a tensor given twice is
+    uploaded once. A tensor not given up front is uploaded the same way on its first lookup
+    (``late_uploads``).
 
     Streams: an upload is ordered on the stream current when it was made. A lookup from another
     stream makes that stream wait for the upload (an event, once per stream) and records the
@@ -353,22 +353,23 @@ class DeviceIndices:
         self.uploads = 0
         #: lookups of tensors that were not given at construction.
         self.late_uploads = 0
-        self._views: dict[int, torch.Tensor] = {}
+        # id(host tensor) -> (its device view, index of the upload holding it)
+        self._views: dict[int, tuple[torch.Tensor, int]] = {}
         self._hosts: list[torch.Tensor] = []  # keeps ids unique while cached
         # per upload: (device buffer, event after the copy, stream handles it is ready on)
         self._uploads: list[tuple[torch.Tensor, Any, set[int]]] = []
-        self._upload_of: dict[int, int] = {}
         self._upload(list(tensors))
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on :attr:`device` (a view of an upload), ready on the current stream."""
-        view = self._views.get(id(t))
-        if view is None:
+        got = self._views.get(id(t))
+        if got is None:
             self.late_uploads += 1
             self._upload([t])
-            view = self._views[id(t)]
+            got = self._views[id(t)]
+        view, upload = got
         if self.device.type == "cuda":
-            self._ready_on_current_stream(self._upload_of[id(t)])
+            self._ready_on_current_stream(upload)
         return view
 
     def _upload(self, tensors: list[torch.Tensor]) -> None:
@@ -397,8 +398,7 @@ class DeviceIndices:
         off = 0
         for t in tensors:
             n = t.numel()
-            self._views[id(t)] = flat[off : off + n].view(t.shape)
-            self._upload_of[id(t)] = len(self._uploads) - 1
+            self._views[id(t)] = (flat[off : off + n].view(t.shape), len(self._uploads) - 1)
             self._hosts.append(t)
             off += n
 
