@@ -23,6 +23,7 @@ sync; a caller whose indices come from a validated, cached plan (the bridge) pas
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -119,6 +120,24 @@ def rows_overlap(a_NH: torch.Tensor, b_MH: torch.Tensor) -> bool:
     return True
 
 
+def _dispatch(
+    backend: Backend,
+    op: str,
+    variant: str | None,
+    pair: tuple[str, torch.Tensor, str, torch.Tensor],
+    cupy_call: Callable[[], torch.Tensor],
+    twin_call: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """The last steps of every entry point: source and destination (``pair``: names and
+    tensors) must not overlap, then the CuPy kernel or its twin runs (:func:`_pick`,
+    :func:`~mopd.kernels.backend.run_cupy_or_twin`)."""
+    src_name, src, out_name, out = pair
+    _check_disjoint(src_name, src, out_name, out)
+    if _pick(backend, op, variant, src, out) == "cupy":
+        return run_cupy_or_twin(backend, op, cupy_call, twin_call)
+    return twin_call()
+
+
 def _check_disjoint(src_name: str, src: torch.Tensor, out_name: str, out: torch.Tensor) -> None:
     if rows_overlap(src, out):
         raise ValueError(
@@ -136,7 +155,7 @@ def _pick(backend: Backend, op: str, variant: str | None, *tensors: torch.Tensor
         warnings.warn(
             f"{op}: variant={variant!r} is ignored, the torch twin runs (backend={backend!r}, "
             f"device {tensors[0].device})",
-            stacklevel=3,
+            stacklevel=4,  # the caller of the public function (via _dispatch)
         )
     return resolved
 
@@ -178,16 +197,14 @@ def gather_rows(
         raise ValueError(
             f"out_RH has {out_RH.shape[0]} rows but index_R has {index_R.shape[0]} entries"
         )
-    _check_disjoint("src_NH", src_NH, "out_RH", out_RH)
-    twin = lambda: gather_rows_torch(src_NH, index_R, out_RH=out_RH)  # noqa: E731
-    if _pick(backend, "gather_rows", variant, src_NH, out_RH) == "cupy":
-        return run_cupy_or_twin(
-            backend,
-            "gather_rows",
-            lambda: gather_rows_cupy(src_NH, index_R, out_RH=out_RH, variant=variant),
-            twin,
-        )
-    return twin()
+    return _dispatch(
+        backend,
+        "gather_rows",
+        variant,
+        ("src_NH", src_NH, "out_RH", out_RH),
+        lambda: gather_rows_cupy(src_NH, index_R, out_RH=out_RH, variant=variant),
+        lambda: gather_rows_torch(src_NH, index_R, out_RH=out_RH),
+    )
 
 
 def scatter_rows(
@@ -224,16 +241,14 @@ def scatter_rows(
         raise ValueError(
             f"src_RH has {src_RH.shape[0]} rows but index_R has {index_R.shape[0]} entries"
         )
-    _check_disjoint("src_RH", src_RH, "out_NH", out_NH)
-    twin = lambda: scatter_rows_torch(src_RH, index_R, out_NH)  # noqa: E731
-    if _pick(backend, "scatter_rows", variant, src_RH, out_NH) == "cupy":
-        return run_cupy_or_twin(
-            backend,
-            "scatter_rows",
-            lambda: scatter_rows_cupy(src_RH, index_R, out_NH, variant=variant),
-            twin,
-        )
-    return twin()
+    return _dispatch(
+        backend,
+        "scatter_rows",
+        variant,
+        ("src_RH", src_RH, "out_NH", out_NH),
+        lambda: scatter_rows_cupy(src_RH, index_R, out_NH, variant=variant),
+        lambda: scatter_rows_torch(src_RH, index_R, out_NH),
+    )
 
 
 def copy_runs(
@@ -322,14 +337,12 @@ def copy_runs(
                 f"destination runs out of range: starts >= {min_dst}, ends <= {max_dst_end}, "
                 f"out_MH has {out_MH.shape[0]} rows"
             )
-    _check_disjoint("src_NH", src_NH, "out_MH", out_MH)
     args = (src_NH, src_start_K, dst_start_K, length_K, out_MH)
-    twin = lambda: copy_runs_torch(*args, num_rows=num_rows)  # noqa: E731
-    if _pick(backend, "copy_runs", variant, src_NH, out_MH) == "cupy":
-        return run_cupy_or_twin(
-            backend,
-            "copy_runs",
-            lambda: copy_runs_cupy(*args, num_rows=num_rows, variant=variant),
-            twin,
-        )
-    return twin()
+    return _dispatch(
+        backend,
+        "copy_runs",
+        variant,
+        ("src_NH", src_NH, "out_MH", out_MH),
+        lambda: copy_runs_cupy(*args, num_rows=num_rows, variant=variant),
+        lambda: copy_runs_torch(*args, num_rows=num_rows),
+    )
