@@ -1,48 +1,65 @@
-"""Layout metadata: what each rank holds and wants, encoded as small int64 vectors and all-gathered.
+"""Step metadata: what each rank holds and wants for a whole step, as one int64 record, all-gathered.
 
-Why this file exists: the plan must be identical on every rank and bad input must fail on every
-rank the same way. Each rank therefore encodes its own view (the layouts of its buffers as runs,
-their shapes, dtypes, devices, and any local error it hit while building them) into one int64
-vector; :func:`gather_records` all-gathers those vectors over the bridge group (two collectives,
-sizes then padded payloads, both with timeouts) and every rank decodes the same list.
+Why this file exists: every rank must plan its own transfers and reach the same verdict on bad
+input, from one small collective per step (outside the training schedule). Each rank therefore
+encodes its view of the step (per micro-batch the runs of its buffers' layouts, dtypes, hidden
+sizes, devices, and any local error) into one record; :func:`gather_step_matrix` all-gathers the
+records over the bridge's metadata group, and :class:`StepMatrix` reads the result *lazily*: a
+rank looks up only the records of its peers, at fixed offsets, so decoding costs follow its own
+work, not the job's. Only the first rank of each group of replicas (a TP group) sends its runs;
+the others send a digest that must match the leader's.
 
-Record layout (one int64 vector)::
+Record (one int64 vector; ``n_sections = n_owners + 1``, the last one the student's)::
 
-    [config_sig, n_owners,
-     err_len, err_chars...,
-     per owner:  present, hidden, dtype_code, device_code, n_rows, n_runs, runs (5 * n_runs)...,
-     student:    present, n_rows, n_runs, runs...,
-     per owner:  out_present, out_rows, out_hidden, out_dtype_code, out_device_code]
+    [MAGIC, config_sig, n_slots, err_bytes, err_offset, section_offset x n_sections,
+     sections..., error text (UTF-8, 8 bytes per int64)]
+
+    section at its offset: [dtype_code, hidden, device_code, n_slots,
+                            per slot: n_rows, n_runs, runs_offset, sample_min, sample_max, digest,
+                            runs of the slots that carry them (5 int64 each)]
+
+``n_slots == -1``: the rank holds nothing (it takes the others' count). ``section_offset == 0``:
+the rank has no such section. ``n_runs == -1``: a replica that sends only its digest.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mopd.bridge.groups import all_gather_flat
-from mopd.bridge.layout import TokenLayout, layout_from_runs, layout_to_runs
+from mopd.bridge.layout import TokenLayout, layout_to_runs
 
 __all__ = [
     "DTYPES",
-    "BufferRecord",
-    "RankRecord",
+    "HEADER",
+    "SLOT_FIELDS",
+    "Section",
+    "StepMatrix",
     "code_device",
     "code_dtype",
-    "decode_record",
-    "decode_records",
     "device_code",
     "dtype_code",
-    "encode_record",
-    "gather_record_matrix",
-    "gather_records",
+    "encode_step_record",
+    "gather_step_matrix",
+    "layout_digest",
 ]
 
-_I64 = torch.int64
+_I64 = np.int64
+#: Identifies the record format (a rank running another version of the library fails loudly).
+MAGIC = 0x6D6F_7064_0002
+#: Fixed header words before the section offsets.
+HEADER = 5
+#: Words per slot in a section's slot table.
+SLOT_FIELDS = 6
+_SECTION_HEAD = 4
+_N_ROWS, _N_RUNS, _RUNS_OFF, _SMIN, _SMAX, _DIGEST = range(SLOT_FIELDS)
 
 #: dtype <-> code table (index = code).
 DTYPES: tuple[torch.dtype, ...] = (
@@ -61,12 +78,13 @@ DTYPES: tuple[torch.dtype, ...] = (
 _DEVICES = ("cpu", "cuda")
 
 
-def dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype | None) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else -1
 
 
-def device_code(device: torch.device) -> int:
-    return _DEVICES.index(device.type) if device.type in _DEVICES else len(_DEVICES)
+def device_code(device: torch.device | str) -> int:
+    kind = device.type if isinstance(device, torch.device) else str(device)
+    return _DEVICES.index(kind) if kind in _DEVICES else len(_DEVICES)
 
 
 def code_dtype(code: int) -> torch.dtype | None:
@@ -77,179 +95,175 @@ def code_device(code: int) -> str:
     return _DEVICES[code] if 0 <= code < len(_DEVICES) else "other"
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class BufferRecord:
-    """One buffer a rank holds or wants: its rows, hidden size, dtype and device type."""
-
-    rows: int
-    hidden: int
-    dtype: torch.dtype | None
-    device: str
-    layout: TokenLayout | None = None
+def layout_digest(num_rows: int, runs_K5: np.ndarray) -> int:
+    """A 62-bit content hash of a layout's rows and runs (equal layouts, equal digests)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.asarray([num_rows], dtype=_I64).tobytes())
+    h.update(np.ascontiguousarray(runs_K5, dtype=_I64).tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class RankRecord:
-    """A rank's decoded metadata.
+class Section:
+    """One buffer role of a rank for the step: a teacher's capture, or the student's rows.
 
     Attributes:
-        rank: global rank.
-        config_sig: hash of the meshes and settings the rank was built with.
-        error: the local error message, or ``""``.
-        sources: per owner, the captured buffer this rank holds (``None`` if none).
-        student: the student layout this rank wants (``None`` if none).
-        outputs: per owner, the output buffer this rank passed (``None`` if none).
+        layouts: per micro-batch, the buffer's layout.
+        send_runs: True for the first rank of a group of replicas (it sends the runs), False for
+            the others (they send digests).
+        dtype, hidden: the rows' dtype and width (``None`` / 0 for the student's section).
+        device: where the rows live.
     """
 
-    rank: int
-    config_sig: int
-    error: str
-    sources: tuple[BufferRecord | None, ...]
-    student: TokenLayout | None
-    outputs: tuple[BufferRecord | None, ...]
+    layouts: Sequence[TokenLayout]
+    send_runs: bool
+    dtype: torch.dtype | None = None
+    hidden: int = 0
+    device: torch.device | str = "cpu"
 
 
-def encode_record(
+def _layout_runs(layout: TokenLayout) -> np.ndarray:
+    return layout_to_runs(layout).numpy()
+
+
+def encode_step_record(
     *,
     config_sig: int,
+    n_slots: int,
     error: str,
-    sources: Sequence[tuple[TokenLayout, int, torch.dtype, torch.device] | None],
-    student: TokenLayout | None,
-    outputs: Sequence[tuple[int, int, torch.dtype, torch.device] | None],
+    sections: Sequence[Section | None],
 ) -> torch.Tensor:
-    """Encode one rank's view (see the module doc). ``outputs`` entries are ``(rows, hidden, dtype, device)``."""
-    out: list[torch.Tensor] = [torch.tensor([config_sig, len(sources)], dtype=_I64)]
-    err = error.encode()[:4000]
-    out.append(torch.tensor([len(err), *err], dtype=_I64))
-    for s in sources:
-        if s is None:
-            out.append(torch.zeros(6, dtype=_I64))
-            continue
-        layout, hidden, dtype, device = s
-        runs = layout_to_runs(layout)
-        out.append(
-            torch.tensor(
-                [1, hidden, dtype_code(dtype), device_code(device), layout.num_rows, runs.shape[0]],
-                dtype=_I64,
-            )
-        )
-        out.append(runs.reshape(-1))
-    if student is None:
-        out.append(torch.zeros(3, dtype=_I64))
-    else:
-        runs = layout_to_runs(student)
-        out.append(torch.tensor([1, student.num_rows, runs.shape[0]], dtype=_I64))
-        out.append(runs.reshape(-1))
-    for o in outputs:
-        if o is None:
-            out.append(torch.zeros(5, dtype=_I64))
-        else:
-            rows, hidden, dtype, device = o
-            out.append(
-                torch.tensor([1, rows, hidden, dtype_code(dtype), device_code(device)], dtype=_I64)
-            )
-    return torch.cat(out)
+    """This rank's record (see the module doc): ``[L]`` int64 CPU tensor.
 
-
-def decode_record(rank: int, vec: torch.Tensor) -> RankRecord:
-    """Invert :func:`encode_record`."""
-    v = vec.tolist()
-    i = 0
-
-    def take(n: int) -> list[int]:
-        nonlocal i
-        got = v[i : i + n]
-        i += n
-        return got
-
-    sig, n_owners = take(2)
-    (n_err,) = take(1)
-    error = bytes(take(n_err)).decode(errors="replace")
-    sources: list[BufferRecord | None] = []
-    for _ in range(n_owners):
-        present, hidden, dt, dv, rows, n_runs = take(6)
-        if not present:
-            sources.append(None)
-            continue
-        runs = vec[i : i + 5 * n_runs].reshape(-1, 5)
-        i += 5 * n_runs
-        sources.append(
-            BufferRecord(
-                rows=rows,
-                hidden=hidden,
-                dtype=code_dtype(dt),
-                device=code_device(dv),
-                layout=layout_from_runs(runs, rows),
-            )
-        )
-    present, rows, n_runs = take(3)
-    student = None
-    if present:
-        runs = vec[i : i + 5 * n_runs].reshape(-1, 5)
-        i += 5 * n_runs
-        student = layout_from_runs(runs, rows)
-    outputs: list[BufferRecord | None] = []
-    for _ in range(n_owners):
-        present, rows, hidden, dt, dv = take(5)
-        outputs.append(
-            BufferRecord(rows=rows, hidden=hidden, dtype=code_dtype(dt), device=code_device(dv))
-            if present
-            else None
-        )
-    return RankRecord(
-        rank=rank,
-        config_sig=sig,
-        error=error,
-        sources=tuple(sources),
-        student=student,
-        outputs=tuple(outputs),
-    )
-
-
-def gather_record_matrix(
-    record: torch.Tensor,
-    *,
-    group: Any,
-    members: Sequence[int],
-    device: torch.device,
-    timeout: datetime.timedelta,
-) -> tuple[torch.Tensor, list[int]]:
-    """All-gather every member's encoded record over ``group``: ``([n, width] int64 CPU, sizes)``.
-
-    Row ``j`` holds member ``j``'s record in its first ``sizes[j]`` entries (zero-padded after);
-    the result is identical on every rank. ``members`` are the group's global ranks in group-rank
-    order (sorted). Tensors travel on ``device`` (CUDA for NCCL groups, CPU for gloo).
+    ``sections``: one per owner (teacher) and, last, the student's; ``None`` where the rank has
+    no such role. ``error``: the local error text (sections are then usually all ``None``).
     """
-    n = len(members)
-    size = torch.tensor([record.numel()], dtype=_I64, device=device)
-    sizes = torch.empty(n, dtype=_I64, device=device)
-    all_gather_flat(sizes, size, group=group, timeout=timeout)
-    sizes_l = sizes.cpu().tolist()
-    width = max(sizes_l)
-    padded = torch.zeros(width, dtype=_I64, device=device)
-    padded[: record.numel()] = record.to(device)
-    everything = torch.empty(n * width, dtype=_I64, device=device)
-    all_gather_flat(everything, padded, group=group, timeout=timeout)
-    return everything.cpu().view(n, width), sizes_l
+    n_sec = len(sections)
+    head = np.zeros(HEADER + n_sec, dtype=_I64)
+    head[0], head[1], head[2] = MAGIC, config_sig, n_slots
+    parts: list[np.ndarray] = [head]
+    at = head.size
+    for s, sec in enumerate(sections):
+        if sec is None:
+            continue
+        table = np.zeros(_SECTION_HEAD + SLOT_FIELDS * len(sec.layouts), dtype=_I64)
+        table[:_SECTION_HEAD] = (
+            dtype_code(sec.dtype),
+            sec.hidden,
+            device_code(sec.device),
+            len(sec.layouts),
+        )
+        head[HEADER + s] = at
+        parts.append(table)
+        runs_at = at + table.size
+        slots = table[_SECTION_HEAD:].reshape(-1, SLOT_FIELDS)
+        for i, layout in enumerate(sec.layouts):
+            runs = _layout_runs(layout)
+            slots[i, _N_ROWS] = layout.num_rows
+            slots[i, _DIGEST] = layout_digest(layout.num_rows, runs)
+            if runs.shape[0]:
+                slots[i, _SMIN], slots[i, _SMAX] = runs[:, 0].min(), runs[:, 0].max()
+            else:
+                slots[i, _SMIN], slots[i, _SMAX] = 1, 0
+            if sec.send_runs:
+                slots[i, _N_RUNS], slots[i, _RUNS_OFF] = runs.shape[0], runs_at
+                parts.append(runs.reshape(-1))
+                runs_at += runs.size
+            else:
+                slots[i, _N_RUNS] = -1
+        at = runs_at
+    text = error.encode()[:4000]
+    if text:
+        head[3], head[4] = len(text), at
+        pad = -len(text) % 8
+        parts.append(np.frombuffer(text + b"\0" * pad, dtype="<i8").astype(_I64))
+    return torch.from_numpy(np.concatenate(parts))
 
 
-def decode_records(
-    matrix: torch.Tensor, sizes: Sequence[int], members: Sequence[int]
-) -> list[RankRecord]:
-    """Decode :func:`gather_record_matrix`'s output into one :class:`RankRecord` per member."""
-    return [decode_record(members[j], matrix[j, : sizes[j]]) for j in range(len(members))]
-
-
-def gather_records(
+def gather_step_matrix(
     record: torch.Tensor,
     *,
     group: Any,
-    members: Sequence[int],
+    n_members: int,
     device: torch.device,
     timeout: datetime.timedelta,
-) -> list[RankRecord]:
-    """All-gather every member's encoded record over ``group`` and decode them (same list everywhere)."""
-    matrix, sizes = gather_record_matrix(
-        record, group=group, members=members, device=device, timeout=timeout
-    )
-    return decode_records(matrix, sizes, members)
+) -> tuple[np.ndarray, np.ndarray]:
+    """All-gather every member's record: ``([n, width] int64, sizes [n])``, the same everywhere.
+
+    Row ``j`` is member ``j``'s record (members in group-rank order, zero-padded to the widest).
+    Two all-gathers: the sizes, then the padded records. Tensors travel on ``device`` (CPU for a
+    gloo group).
+    """
+    size = torch.tensor([record.numel()], dtype=torch.int64, device=device)
+    sizes = torch.empty(n_members, dtype=torch.int64, device=device)
+    all_gather_flat(sizes, size, group=group, timeout=timeout)
+    sizes_n = sizes.cpu().numpy()
+    width = int(sizes_n.max())
+    padded = torch.zeros(width, dtype=torch.int64, device=device)
+    padded[: record.numel()] = record.to(device)
+    every = torch.empty(n_members * width, dtype=torch.int64, device=device)
+    all_gather_flat(every, padded, group=group, timeout=timeout)
+    return every.cpu().numpy().reshape(n_members, width), sizes_n
+
+
+class StepMatrix:
+    """Lazy reader of a gathered step matrix (``[n_members, width]`` int64).
+
+    Methods take member indices (positions in the bridge group, not global ranks) and section
+    indices (``0 .. n_owners - 1`` teachers, ``n_owners`` the student). Nothing is decoded up
+    front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
+    """
+
+    def __init__(self, matrix: np.ndarray, sizes: np.ndarray, n_sections: int) -> None:
+        self.matrix = matrix
+        self.sizes = sizes
+        self.n_sections = n_sections
+
+    @property
+    def n_members(self) -> int:
+        return int(self.matrix.shape[0])
+
+    def magic_N(self) -> np.ndarray:
+        return self.matrix[:, 0]
+
+    def config_sig_N(self) -> np.ndarray:
+        return self.matrix[:, 1]
+
+    def n_slots_N(self) -> np.ndarray:
+        return self.matrix[:, 2]
+
+    def error_bytes_N(self) -> np.ndarray:
+        return self.matrix[:, 3]
+
+    def error(self, j: int) -> str:
+        """Member ``j``'s local error text (``""``: none)."""
+        n, at = int(self.matrix[j, 3]), int(self.matrix[j, 4])
+        if n <= 0:
+            return ""
+        words = self.matrix[j, at : at + (n + 7) // 8].astype("<i8")
+        return words.tobytes()[:n].decode(errors="replace")
+
+    def section_offset_N(self, section: int) -> np.ndarray:
+        """``[n]`` offset of ``section`` in each record (0: absent)."""
+        return self.matrix[:, HEADER + section]
+
+    def section_head(self, j: int, section: int) -> tuple[int, int, int, int]:
+        """``(dtype_code, hidden, device_code, n_slots)`` of member ``j``'s section."""
+        at = int(self.matrix[j, HEADER + section])
+        return tuple(int(x) for x in self.matrix[j, at : at + _SECTION_HEAD])  # type: ignore[return-value]
+
+    def slot_fields(self, members: np.ndarray, section: int, slot: int) -> np.ndarray:
+        """``[len(members), 6]`` slot-table rows ``(n_rows, n_runs, runs_offset, sample_min,
+        sample_max, digest)`` of ``section`` / ``slot`` in each given member's record (the
+        members must hold the section)."""
+        at = self.matrix[members, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
+        cols = at[:, None] + np.arange(SLOT_FIELDS)
+        return self.matrix[members[:, None], cols]
+
+    def runs(self, j: int, section: int, slot: int) -> np.ndarray:
+        """``[K, 5]`` runs member ``j`` sent for ``section`` / ``slot`` (a view, no copy)."""
+        f = self.slot_fields(np.asarray([j]), section, slot)[0]
+        n, at = int(f[_N_RUNS]), int(f[_RUNS_OFF])
+        if n < 0:
+            raise AssertionError(f"member {j} sent no runs for section {section} slot {slot}")
+        return self.matrix[j, at : at + 5 * n].reshape(n, 5)

@@ -1,0 +1,124 @@
+"""The groups a bridge's meshes form, and the planner's view of one gathered micro-batch.
+
+Why this file exists: the meshes fix, once, which ranks replicate which buffer (a teacher's
+last-stage TP group per ``(dp, cp)`` shard) and which ranks share one crossing (the student's
+last-stage TP group per shard, or each rank alone when it keeps its SP slice). Every rank derives
+the same :class:`Topology` from the meshes alone; per micro-batch, :meth:`Topology.catalog` turns
+the gathered step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
+decoding more than the groups the caller asks about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mopd.bridge.mesh import Mesh
+from mopd.bridge.metadata import StepMatrix
+from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup
+
+__all__ = ["Topology"]
+
+_I64 = np.int64
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Topology:
+    """Source and destination groups of a bridge, with the member index of each group's leader.
+
+    Attributes:
+        members: the bridge group's global ranks, sorted (member index = position).
+        sources: per teacher and ``(dp, cp)`` shard (teacher major, :meth:`Mesh.shards` order),
+            the last-stage TP group; ``num_rows`` is 0 here (it varies per micro-batch).
+        source_section: ``[G]`` the section (teacher index) of each source group.
+        source_leader: ``[G]`` member index of each source group's first rank.
+        dests: per student shard the last-stage TP group, or with ``per_rank_dests`` each
+            last-stage student rank alone.
+        dest_leader: ``[D]`` member index of each destination group's first rank.
+        student_section: the section index of the student (``len(teachers)``).
+    """
+
+    members: tuple[int, ...]
+    sources: tuple[SourceGroup, ...]
+    source_section: np.ndarray
+    source_leader: np.ndarray
+    dests: tuple[DestGroup, ...]
+    dest_leader: np.ndarray
+    student_section: int
+
+    @staticmethod
+    def build(
+        teachers: Sequence[Mesh], student: Mesh, *, per_rank_dests: bool = False
+    ) -> Topology:
+        """The groups of ``teachers`` and ``student`` (pure, the same on every rank)."""
+        ranks: set[int] = set(student.ranks)
+        for t in teachers:
+            ranks |= set(t.ranks)
+        members = tuple(sorted(ranks))
+        index = {r: i for i, r in enumerate(members)}
+        sources, section, leader = [], [], []
+        for o, mesh in enumerate(teachers):
+            for d, c in mesh.shards():
+                group = mesh.tp_group_ranks(dp_rank=d, cp_rank=c)
+                sources.append(
+                    SourceGroup(
+                        owner=o, ranks=group, num_rows=0, label=f"teacher {o} (dp={d}, cp={c})"
+                    )
+                )
+                section.append(o)
+                leader.append(index[group[0]])
+        dests, dest_leader = [], []
+        for d, c in student.shards():
+            group = student.tp_group_ranks(dp_rank=d, cp_rank=c)
+            if per_rank_dests:
+                for t, r in enumerate(group):
+                    dests.append(
+                        DestGroup(
+                            ranks=(r,), num_rows=0, label=f"student (dp={d}, cp={c}, tp={t})"
+                        )
+                    )
+                    dest_leader.append(index[r])
+            else:
+                dests.append(DestGroup(ranks=group, num_rows=0, label=f"student (dp={d}, cp={c})"))
+                dest_leader.append(index[group[0]])
+        return Topology(
+            members=members,
+            sources=tuple(sources),
+            source_section=np.asarray(section, dtype=_I64),
+            source_leader=np.asarray(leader, dtype=_I64),
+            dests=tuple(dests),
+            dest_leader=np.asarray(dest_leader, dtype=_I64),
+            student_section=len(teachers),
+        )
+
+    def catalog(self, matrix: StepMatrix, slot: int) -> RunCatalog:
+        """The planner's view of micro-batch ``slot`` of a gathered, validated step.
+
+        Reads the leaders' slot tables (one vectorized read per teacher and one for the
+        student) for rows and sample ranges; a group's runs are read when the planner asks.
+        """
+        src_fields = np.zeros((len(self.sources), 6), dtype=_I64)
+        for o in np.unique(self.source_section).tolist():
+            sel = np.flatnonzero(self.source_section == o)
+            src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot)
+        dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot)
+        sources = tuple(
+            SourceGroup(owner=s.owner, ranks=s.ranks, num_rows=int(n), label=s.label)
+            for s, n in zip(self.sources, src_fields[:, 0].tolist(), strict=True)
+        )
+        dests = tuple(
+            DestGroup(ranks=d.ranks, num_rows=int(n), label=d.label)
+            for d, n in zip(self.dests, dst_fields[:, 0].tolist(), strict=True)
+        )
+        leaders_s, sections_s, leaders_d = self.source_leader, self.source_section, self.dest_leader
+        student = self.student_section
+        return RunCatalog(
+            sources=sources,
+            dests=dests,
+            source_runs=lambda g: matrix.runs(int(leaders_s[g]), int(sections_s[g]), slot),
+            dest_runs=lambda d: matrix.runs(int(leaders_d[d]), student, slot),
+            source_range_G2=np.ascontiguousarray(src_fields[:, 3:5]),
+            dest_range_D2=np.ascontiguousarray(dst_fields[:, 3:5]),
+        )

@@ -1,0 +1,123 @@
+"""Pure simulation of a bridge step without process groups: records, matrix, every rank's plan.
+
+Why this file exists: the planner's property tests and the planning benchmark need every rank's
+metadata record and the gathered matrix of a step, built exactly as the live bridge builds them,
+but in one process. :func:`simulate` encodes each rank's record (:mod:`mopd.bridge.metadata`),
+stacks them as the all-gather would, and :func:`deliver` moves key-pattern rows through every
+rank's :class:`~mopd.bridge.plan.RankPlan` (a mailbox instead of a transport), so a test can
+compare each destination row with the row its key names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mopd.bridge.layout import TokenLayout
+from mopd.bridge.mesh import Mesh
+from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
+from mopd.bridge.plan import RankPlan, RunCatalog, plan_rank
+from mopd.bridge.topology import Topology
+
+__all__ = ["SimStep", "deliver", "expand_segments", "simulate"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SimStep:
+    """A simulated one-micro-batch step: the topology, the matrix and the planner's catalog."""
+
+    topology: Topology
+    matrix: StepMatrix
+    catalog: RunCatalog
+
+
+def simulate(
+    teachers: Sequence[Mesh],
+    student: Mesh,
+    teacher_layouts: Sequence[Mapping[tuple[int, int], TokenLayout]],
+    student_layouts: Mapping[tuple[int, int], TokenLayout],
+    *,
+    per_rank_dests: bool = False,
+    student_rank_layouts: Mapping[int, TokenLayout] | None = None,
+) -> SimStep:
+    """Every rank's record for one micro-batch, gathered; ``student_rank_layouts`` (global rank ->
+    layout) replaces the shard layouts when each student rank is its own destination."""
+    topo = Topology.build(teachers, student, per_rank_dests=per_rank_dests)
+    records = []
+    for r in topo.members:
+        sections: list[Section | None] = []
+        for o, mesh in enumerate(teachers):
+            c = mesh.coord(r)
+            if c is None or c.pp_rank != mesh.pp - 1:
+                sections.append(None)
+                continue
+            lay = teacher_layouts[o][(c.dp_rank, c.cp_rank)]
+            sections.append(
+                Section(layouts=[lay], send_runs=c.tp_rank == 0, dtype=torch.bfloat16, hidden=8)
+            )
+        c = student.coord(r)
+        if c is None or c.pp_rank != student.pp - 1:
+            sections.append(None)
+        elif per_rank_dests:
+            lay = (student_rank_layouts or {})[r]
+            sections.append(Section(layouts=[lay], send_runs=True))
+        else:
+            lay = student_layouts[(c.dp_rank, c.cp_rank)]
+            sections.append(Section(layouts=[lay], send_runs=c.tp_rank == 0))
+        records.append(encode_step_record(config_sig=1, n_slots=1, error="", sections=sections))
+    width = max(int(x.numel()) for x in records)
+    matrix = np.zeros((len(records), width), dtype=np.int64)
+    for j, x in enumerate(records):
+        matrix[j, : x.numel()] = x.numpy()
+    sizes = np.asarray([x.numel() for x in records], dtype=np.int64)
+    m = StepMatrix(matrix, sizes, n_sections=len(teachers) + 1)
+    return SimStep(topology=topo, matrix=m, catalog=topo.catalog(m, 0))
+
+
+def expand_segments(segments_S5: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(src_rows, dst_rows)`` of every token of a segment table, in order."""
+    length = segments_S5[:, 4]
+    seg = np.repeat(np.arange(segments_S5.shape[0]), length)
+    i = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    src = segments_S5[seg, 0] + i * segments_S5[seg, 1]
+    dst = segments_S5[seg, 2] + i * segments_S5[seg, 3]
+    return src, dst
+
+
+def deliver(
+    plans: Mapping[int, RankPlan],
+    sources: Mapping[tuple[int, int], np.ndarray],
+) -> dict[int, dict[int, np.ndarray]]:
+    """Run every rank's plan with a mailbox: ``rank -> owner -> [slice_rows] int64 values``.
+
+    ``sources[(rank, owner)]`` is the ``[R]`` int64 value of each row of that rank's buffer of
+    that owner (e.g. the row's key). Every send must meet the receive of the same
+    ``(owner, src, dst)`` with the same rows; rows no transfer writes stay ``-2``.
+    """
+    box: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for r, plan in plans.items():
+        for t in plan.sends:
+            src, dst = expand_segments(t.segments_S5)
+            key = (t.owner, r, t.dst_rank)
+            assert key not in box, f"two sends for {key}"
+            box[key] = (sources[(r, t.owner)][src], dst)
+    out: dict[int, dict[int, np.ndarray]] = {}
+    for r, plan in plans.items():
+        if plan.dest is None:
+            continue
+        owners = {o for (_, o) in sources}
+        bufs = {o: np.full(plan.dest.slice_rows, -2, dtype=np.int64) for o in owners}
+        for t in plan.recvs:
+            values, dst_sent = box.pop((t.owner, t.src_rank, r))
+            _, dst = expand_segments(t.segments_S5)
+            assert np.array_equal(dst, dst_sent), f"rows of {(t.owner, t.src_rank, r)} disagree"
+            bufs[t.owner][dst] = values
+        for t in plan.locals:
+            src, dst = expand_segments(t.segments_S5)
+            bufs[t.owner][dst] = sources[(r, t.owner)][src]
+        out[r] = bufs
+    assert not box, f"sends nobody receives: {sorted(box)}"
+    return out
