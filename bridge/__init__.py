@@ -1,8 +1,66 @@
-"""mopd.bridge (being rebuilt around per-micro-batch slots)."""
+"""mopd.bridge: move captured teacher hidden states into every student rank's own layout.
+
+Once, on every rank (group creation is collective, in a fixed order)::
+
+    pool = GroupPool(backend="nccl", timeout_s=300)
+    groups = create_bridge_groups(pool, [teacher], student)
+    bridge = HiddenStateBridge(teachers=[TeacherSpec(mesh=teacher, hidden_size=H,
+                                                     dtype=torch.bfloat16)],
+                               student=student, groups=groups)
+
+Per step: :meth:`HiddenStateBridge.plan_step` outside the training schedule (one metadata
+collective for all micro-batches), then per micro-batch ``step.send(i, {0: h_SBH})`` on teacher
+ranks and ``step.receive(i)[0]`` on student ranks (point to point, safe inside Megatron's
+``forward_step_func`` / ``loss_func``), and ``step.finish()`` after the schedule on every rank.
+:meth:`HiddenStateBridge.exchange` does one micro-batch in one call.
+
+Internals live in their modules (:mod:`.plan`, :mod:`.metadata`, :mod:`.topology`,
+:mod:`.schedule`, :mod:`.executor`, :mod:`.integrity`).
+"""
 
 from __future__ import annotations
 
+from mopd.bridge.api import BridgeConfig, BridgeStep, ExchangeHandle, HiddenStateBridge, TeacherSpec
+from mopd.bridge.errors import (
+    BridgeCommError,
+    BridgeError,
+    BridgeIntegrityError,
+    BridgeStateError,
+    BridgeTimeoutError,
+)
+from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
-from mopd.bridge.mesh import Mesh, MeshCoord
+from mopd.bridge.megatron_groups import megatron_process_groups
+from mopd.bridge.mesh import (
+    Mesh,
+    MeshCoord,
+    mesh_from_groups,
+    mesh_from_parallel_state,
+    mesh_from_pg_collection,
+)
 
-__all__ = ["Mesh", "MeshCoord", "TokenLayout", "concat_layouts", "packed_layout", "padded_layout"]
+__all__ = [
+    "BridgeCommError",
+    "BridgeConfig",
+    "BridgeError",
+    "BridgeGroups",
+    "BridgeIntegrityError",
+    "BridgeStateError",
+    "BridgeStep",
+    "BridgeTimeoutError",
+    "ExchangeHandle",
+    "GroupPool",
+    "HiddenStateBridge",
+    "Mesh",
+    "MeshCoord",
+    "TeacherSpec",
+    "TokenLayout",
+    "concat_layouts",
+    "create_bridge_groups",
+    "megatron_process_groups",
+    "mesh_from_groups",
+    "mesh_from_parallel_state",
+    "mesh_from_pg_collection",
+    "packed_layout",
+    "padded_layout",
+]

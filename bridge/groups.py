@@ -2,33 +2,32 @@
 
 Why this file exists: ``torch.distributed.new_group`` is collective over the whole default group
 and must be called by every rank in the same order, while the bridge runs on a subset of ranks
-many times. Creation (collective, once) and lookup (local, every call) are therefore separate.
-Nothing here is a module global: the caller owns the :class:`GroupPool` and passes groups in.
+many times. Creation (collective, once) and lookup (local) are therefore separate. Nothing here is
+a module global: the caller owns the :class:`GroupPool` and passes groups in.
 
 Creation order of :func:`create_bridge_groups` (every global rank of the default group calls it,
 with the same meshes, in the same program order as its other ``new_group`` calls):
 
 1. the bridge group: the sorted union of every rank of every teacher mesh and the student mesh
-   (all of them take part in the metadata exchange; ranks that hold nothing move nothing), with
-   the pool's backend;
+   (the point-to-point transfers), with the pool's backend;
 2. for each student ``(dp_rank, cp_rank)`` shard in :meth:`Mesh.shards` order (dp major), the
-   student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing);
-3. a gloo group over the same ranks as 1. (the metadata all-gather and the integrity verdict run
-   on the host there, so they never queue behind GPU work nor force a device sync). When the
-   pool's backend is ``"gloo"`` this is group 1. itself and no group is created.
+   student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing).
+   The pool creates a rank set once: when the student model's own groups came from the same pool
+   (:func:`mopd.bridge.megatron_groups.megatron_process_groups`), this *is* Megatron's TP group;
+3. a gloo group over the same ranks as 1. (the step metadata and verdicts run on the host there,
+   so they never queue behind GPU work nor force a device sync). When the pool's backend is
+   ``"gloo"`` this is group 1. itself.
 
 When group 1. moves CUDA tensors (NCCL), its members also pass one barrier on it right after
 creating it: NCCL sets a communicator up in the group's first collective, which needs every
 member, while the bridge's first use of the group is a batched send/receive that ranks with
 nothing to move skip.
 
-A live Megatron job may pass its own student TP group instead of 2. (``BridgeGroups(student_tp=...)``).
-
-Waiting (:func:`wait_work`): a gloo operation is waited on with a host timeout; an NCCL one (CUDA
-tensors) is waited on *without* one, because ``Work.wait(timeout)`` on NCCL spins the host until
-the operation completes, while ``Work.wait()`` only makes the current CUDA stream wait on it. Hang
-detection for NCCL operations therefore rests on the process group's own timeout: create the pool
-with ``GroupPool(timeout=...)`` (NCCL's watchdog aborts an operation older than that).
+Waiting: a gloo operation is waited on with a host timeout; an NCCL one (CUDA tensors) without
+one, because ``Work.wait(timeout)`` on NCCL spins the host until the operation completes, while
+``Work.wait()`` only makes the current CUDA stream wait on it (:func:`mopd.common.dist.wait`).
+Hang detection for NCCL operations therefore rests on the process group's own timeout: create the
+pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation older than that).
 """
 
 from __future__ import annotations
@@ -43,53 +42,23 @@ import torch.distributed as dist
 
 from mopd.bridge.mesh import Mesh
 from mopd.capture.gather import all_gather_into
+from mopd.common import dist as cdist
 
-__all__ = [
-    "BridgeGroups",
-    "GroupPool",
-    "all_gather_flat",
-    "create_bridge_groups",
-    "group_moves_cuda",
-    "lookup_bridge_groups",
-    "wait_work",
-]
+__all__ = ["BridgeGroups", "GroupPool", "all_gather_flat", "create_bridge_groups"]
 
 
-def group_moves_cuda(group: Any) -> bool:
-    """True if ``group`` moves CUDA tensors (it has an NCCL backend), False for gloo only.
-
-    Decided from the group's backend *config* (``"cpu:gloo,cuda:nccl"`` for a group made without
-    a backend on a CUDA build), not ``dist.get_backend``, which can say ``"undefined"``.
-    """
-    return "nccl" in str(dist.get_backend_config(group)).lower()
-
-
-def wait_work(work: Any, *, device: torch.device, timeout: datetime.timedelta | None) -> None:
-    """Wait on one ``torch.distributed`` work object that moves tensors on ``device``.
-
-    CUDA tensors (NCCL): ``work.wait()`` without a timeout, which only makes the current stream
-    wait (a timeout would spin the host until completion); hang detection is the process group's
-    own timeout (``GroupPool(timeout=...)``). Other tensors (gloo): ``work.wait(timeout)``, a host
-    wait that raises after ``timeout`` (no timeout when ``None``).
-    """
-    if device.type == "cuda" or timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
-
-
-def all_gather_flat(output: Any, input_: Any, *, group: Any, timeout: datetime.timedelta) -> None:
+def all_gather_flat(
+    output: Any, input_: Any, *, group: Any, timeout: datetime.timedelta | None
+) -> None:
     """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
 
-    Through :data:`mopd.capture.gather.all_gather_into` (``all_gather_single`` where torch has
-    it, else ``all_gather_into_tensor``); in place when ``input_`` is this rank's slice of
-    ``output``.
-    CPU tensors: a host wait of at most ``timeout``; CUDA tensors: a stream wait (see
-    :func:`wait_work`; ``timeout`` is then the process group's).
+    Through :data:`mopd.capture.gather.all_gather_into` (in place when ``input_`` is this rank's
+    slice of ``output``). CPU tensors: a host wait of at most ``timeout``; CUDA tensors: a stream
+    wait (:func:`mopd.common.dist.wait`).
     """
     work = all_gather_into(output, input_, group=group, async_op=True)
-    if work is not None:
-        wait_work(work, device=output.device, timeout=timeout)
+    timeout_s = None if timeout is None else timeout.total_seconds()
+    cdist.wait(work, device=output.device, timeout_s=timeout_s)
 
 
 class GroupPool:
@@ -102,15 +71,17 @@ class GroupPool:
 
     Args:
         backend: backend of the groups (``None``: the default group's).
-        timeout: the groups' own timeout; for NCCL groups this is the only hang detection of
-            the bridge's waits (see :func:`wait_work`), so keep it <= ``BridgeConfig.timeout_s``.
+        timeout_s: the groups' own timeout in seconds; for NCCL groups this is the only hang
+            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``.
     """
 
-    def __init__(
-        self, *, backend: str | None = None, timeout: datetime.timedelta | None = None
-    ) -> None:
+    def __init__(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
+        if timeout_s is not None and not (
+            isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.backend = backend
-        self.timeout = timeout
+        self.timeout_s = timeout_s
         self._groups: dict[tuple[str | None, tuple[int, ...]], Any] = {}
 
     def _key(self, ranks: Sequence[int], backend: str | None) -> tuple[str | None, tuple[int, ...]]:
@@ -123,8 +94,8 @@ class GroupPool:
             kwargs: dict[str, Any] = {"ranks": list(key[1])}
             if key[0] is not None:
                 kwargs["backend"] = key[0]
-            if self.timeout is not None:
-                kwargs["timeout"] = self.timeout
+            if self.timeout_s is not None:
+                kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
             self._groups[key] = dist.new_group(**kwargs)
         return self.get(key[1], backend=key[0])
 
@@ -140,14 +111,13 @@ class BridgeGroups:
     """This rank's groups for one bridge.
 
     Attributes:
-        bridge: the group over every rank of every mesh (metadata exchange, the point-to-point
-            batch); ``None`` on ranks outside all meshes.
+        bridge: the group over every rank of every mesh (the point-to-point transfers);
+            ``None`` on ranks outside all meshes.
         student_tp: this rank's student TP group on the last stage (``None`` when ``tp == 1``
-            or the rank holds no student shard).
-        members: global ranks of the bridge group.
-        meta: a gloo group over ``members`` for the host-side metadata all-gather and the
-            integrity verdict (``None``: use ``bridge``, which then must be gloo or take
-            CUDA tensors).
+            or the rank holds no student shard); a Megatron job may pass its model's own.
+        members: global ranks of the bridge group, sorted.
+        meta: a gloo group over ``members`` for the host-side step metadata and verdicts
+            (``None``: use ``bridge``).
     """
 
     bridge: Any | None
@@ -164,7 +134,8 @@ def _bridge_members(teachers: Sequence[Mesh], student: Mesh) -> tuple[int, ...]:
 
 
 def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mesh) -> BridgeGroups:
-    """Create the bridge's groups (collective over the default group, order in the module doc)."""
+    """Create the bridge's groups (collective over the default group, order in the module doc)
+    and return this rank's."""
     members = _bridge_members(teachers, student)
     world = dist.get_world_size()
     if members[-1] >= world:
@@ -173,7 +144,7 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
             + ", ".join(str(m) for m in [*teachers, student])
         )
     bridge = pool.create(members)
-    if bridge is not None and group_moves_cuda(bridge) and torch.cuda.is_available():
+    if bridge is not None and cdist.moves_cuda(bridge) and torch.cuda.is_available():
         # NCCL builds a group's communicator lazily, in its first collective, and every member
         # must take part in that one; the bridge's first operation is a batched send/recv that
         # members without transfers skip. One barrier now builds it on every member.
@@ -182,12 +153,6 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
     pool.create(members, backend="gloo")  # the pool's bridge group itself when it is gloo
-    return lookup_bridge_groups(pool, teachers, student)
-
-
-def lookup_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mesh) -> BridgeGroups:
-    """This rank's groups, from a pool where :func:`create_bridge_groups` already ran (local)."""
-    members = _bridge_members(teachers, student)
     me = dist.get_rank()
     tp_group = None
     c = student.coord(me)

@@ -1,118 +1,132 @@
-"""One rank's schedule of a transfer plan, and its index tensors on the device.
+"""One rank's schedule of one micro-batch, and its index tensors on the device.
 
-Why this file exists: the planner says which rows go where for every rank; the executor needs, for
-its own rank, the sends, receives and local copies in the plan's order and how each touches its
-buffers: no pass for a contiguous view, block copies for long runs, per-row gather/scatter
-otherwise (:class:`RankSchedule`, built once per plan and cached by the executor). The kernels read
-a schedule's row indices on the data's device: :class:`DeviceIndices` puts all of them there with
-one asynchronous host-to-device copy per schedule, so a new plan never stalls the host on one
-synchronous copy per index tensor.
+Why this file exists: the planner says, in run form, which rows this rank sends, receives and
+copies locally (:class:`~mopd.bridge.plan.RankPlan`); the executor needs to know how each of
+those touches its buffers: no pass for one contiguous view, block copies (``copy_runs``) for long
+runs, per-row gather/scatter otherwise (:class:`RankSchedule`, built once per plan content and
+cached). The runs of a plan feed ``copy_runs`` as they are; only sides that move row by row are
+expanded into row indices. :class:`DeviceIndices` puts every index tensor a schedule's kernels
+read on the data's device with one asynchronous host-to-device copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from mopd.bridge.planner import TransferPlan
+from mopd.bridge.plan import DestSlot, RankPlan, Transfer
 
-__all__ = [
-    "MIN_AVG_RUN",
-    "DeviceIndices",
-    "RankSchedule",
-    "row_runs",
-]
+__all__ = ["MIN_AVG_RUN", "DeviceIndices", "RankSchedule", "plan_digest"]
 
 _I64 = torch.int64
 #: Average run length from which rows move as block copies (``copy_runs``) rather than per row.
 MIN_AVG_RUN = 16
 
 
-def row_runs(*rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Maximal runs where every given ``[R]`` row array advances by one: ``(start_K, length_K)``.
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
-    ``start_K`` indexes into the arrays (position ``i``), not their values.
+
+def _merge_runs(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndarray:
+    """``[K, 3]`` maximal contiguous runs ``(row, position, length)`` of one side's segments.
+
+    ``position`` is where the run starts in the transfer's token order. Only for sides whose
+    segments all advance by one row (``step == 1``; length-1 segments count as such).
     """
-    n = rows[0].numel()
-    if n == 0:
-        return torch.empty(0, dtype=_I64), torch.empty(0, dtype=_I64)
-    brk = torch.zeros(n - 1, dtype=torch.bool)
-    for r in rows:
-        brk |= r[1:] != r[:-1] + 1
-    start = torch.cat([torch.zeros(1, dtype=_I64), torch.nonzero(brk).reshape(-1) + 1])
-    length = torch.diff(torch.cat([start, torch.tensor([n], dtype=_I64)]))
-    return start, length
+    pos = np.cumsum(len_S) - len_S
+    joins = np.zeros(row_S.size, dtype=bool)
+    if row_S.size > 1:
+        joins[1:] = row_S[1:] == row_S[:-1] + len_S[:-1]
+    start = np.flatnonzero(~joins)
+    length = np.add.reduceat(len_S, start) if start.size else len_S[:0]
+    return np.stack([row_S[start], pos[start], length], axis=1) if start.size else np.empty(
+        (0, 3), dtype=np.int64
+    )
+
+
+def _expand(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndarray:
+    """``[M]`` rows of every token of one side's segments, in order."""
+    m = int(len_S.sum())
+    seg = np.repeat(np.arange(row_S.size), len_S)
+    i = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(len_S) - len_S, len_S)
+    return row_S[seg] + i * step_S[seg]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Side:
-    """How one side of a transfer touches its buffer: ``mode`` in ``view``, ``runs``, ``index``."""
+    """How one side of a transfer touches its buffer.
+
+    ``mode``: ``"view"`` (rows ``first .. first + count``), ``"runs"`` (``copy_runs`` over
+    ``run_row`` / ``run_pos`` / ``run_len``) or ``"index"`` (per-row ``rows``).
+    """
 
     mode: str
-    rows: torch.Tensor  # [R] rows of the buffer
-    first: int  # rows[0] (for ``view``)
-    run_buf_start: torch.Tensor  # [K] buffer rows where runs start
-    run_len: torch.Tensor  # [K]
+    count: int
+    first: int
+    run_row: torch.Tensor  # [K] buffer rows where runs start
     run_pos: torch.Tensor  # [K] positions in the transfer (staging offset) where runs start
+    run_len: torch.Tensor  # [K]
+    _row_S: np.ndarray
+    _step_S: np.ndarray
+    _len_S: np.ndarray
 
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """``[count]`` int64 buffer row of every token (expanded on first use)."""
+        return _t(_expand(self._row_S, self._step_S, self._len_S))
 
-def _op(
-    owner: int,
-    peer: int,
-    rows: torch.Tensor,
-    peer_rows: torch.Tensor,
-    staged_rows: dict[int, int],
-) -> _Op:
-    """One send (or receive) of ``rows`` of this rank's buffer to (from) ``peer``.
-
-    Rows that are not one contiguous view get the next slot of ``owner``'s staging buffer;
-    ``staged_rows`` counts the rows staged so far per owner (updated in place).
-    """
-    side = _side(rows)
-    off = -1
-    if side.mode != "view":
-        off = staged_rows.get(owner, 0)
-        staged_rows[owner] = off + rows.numel()
-    return _Op(
-        owner=owner, peer=peer, count=rows.numel(), stage_off=off, side=side, peer_rows=peer_rows
-    )
-
-
-def _side(rows: torch.Tensor) -> _Side:
-    start, length = row_runs(rows)
-    if start.numel() <= 1:
-        mode = "view"
-    elif rows.numel() // start.numel() >= MIN_AVG_RUN:
-        mode = "runs"
-    else:
-        mode = "index"
-    return _Side(
-        mode=mode,
-        rows=rows,
-        first=int(rows[0]) if rows.numel() else 0,
-        run_buf_start=rows[start],
-        run_len=length,
-        run_pos=start,
-    )
+    @staticmethod
+    def of(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> _Side:
+        count = int(len_S.sum())
+        unit = bool(((step_S == 1) | (len_S == 1)).all())
+        runs = _merge_runs(row_S, step_S, len_S) if unit else None
+        if runs is not None and runs.shape[0] <= 1:
+            mode = "view"
+        elif runs is not None and count >= MIN_AVG_RUN * runs.shape[0]:
+            mode = "runs"
+        else:
+            mode = "index"
+        if runs is None:
+            runs = np.empty((0, 3), dtype=np.int64)
+        return _Side(
+            mode=mode,
+            count=count,
+            first=int(row_S[0]) if row_S.size else 0,
+            run_row=_t(runs[:, 0]),
+            run_pos=_t(runs[:, 1]),
+            run_len=_t(runs[:, 2]),
+            _row_S=row_S,
+            _step_S=step_S,
+            _len_S=len_S,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Op:
+    """One send or receive: this rank's side of it, its peer and its staging offset."""
+
     owner: int
     peer: int
     count: int
-    stage_off: int  # offset in this owner's staging buffer (send or recv), -1 when none
+    stage_off: int  # offset in this owner's staging buffer (send or recv), -1 for a view
     side: _Side
-    peer_rows: torch.Tensor  # [R] the other side's rows (for integrity messages)
+    peer_side: _Side  # the other end's rows (integrity messages)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Local:
+    """A local copy: ``mode`` ``"runs"`` (joint runs), ``"gather"`` (destination contiguous) or
+    ``"scatter"`` (source contiguous)."""
+
     owner: int
-    mode: str  # "runs", "gather" (dst contiguous), "scatter" (src contiguous)
+    mode: str
     src: _Side
     dst: _Side
     joint_src: torch.Tensor
@@ -120,194 +134,205 @@ class _Local:
     joint_len: torch.Tensor
 
 
-def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
-    """``owner -> side`` over the rows of ``ops`` that are staged (not views), in staging order.
+def _sides(t: Transfer) -> tuple[_Side, _Side]:
+    s = t.segments_S5
+    return _Side.of(s[:, 0], s[:, 1], s[:, 4]), _Side.of(s[:, 2], s[:, 3], s[:, 4])
 
-    Staging offsets are handed out in op order per owner (:func:`_op`), so the concatenated
-    ``[R]`` rows are the owner's whole staging buffer, row for row. Every staged op has two
-    runs or more and joining ops can only merge runs at their ends, so the joint side is never
-    one contiguous view.
-    """
-    rows: dict[int, list[torch.Tensor]] = {}
+
+def _local(t: Transfer) -> _Local:
+    src, dst = _sides(t)
+    s = t.segments_S5
+    unit = bool((((s[:, 1] == 1) & (s[:, 3] == 1)) | (s[:, 4] == 1)).all())
+    if unit and (s.shape[0] <= 1 or src.count >= MIN_AVG_RUN * s.shape[0]):
+        mode, js, jd, jl = "runs", s[:, 0], s[:, 2], s[:, 4]
+    elif dst.mode == "view":
+        mode, js, jd, jl = "gather", s[:0, 0], s[:0, 2], s[:0, 4]
+    elif src.mode == "view":
+        mode, js, jd, jl = "scatter", s[:0, 0], s[:0, 2], s[:0, 4]
+    else:  # both sides scattered: one block copy per token
+        src_rows, dst_rows = src.rows.numpy(), dst.rows.numpy()
+        mode, js, jd, jl = "runs", src_rows, dst_rows, np.ones_like(src_rows)
+    return _Local(
+        owner=t.owner,
+        mode=mode,
+        src=src,
+        dst=dst,
+        joint_src=_t(js),
+        joint_dst=_t(jd),
+        joint_len=_t(jl),
+    )
+
+
+def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
+    """``owner -> side`` over the staged (non-view) ops' rows, in staging order: one kernel
+    launch packs (unpacks) an owner's whole staging buffer."""
+    parts: dict[int, list[_Side]] = {}
     for op in ops:
         if op.side.mode != "view":
-            rows.setdefault(op.owner, []).append(op.side.rows)
+            parts.setdefault(op.owner, []).append(op.side)
     out: dict[int, _Side] = {}
-    for owner, parts in rows.items():
-        side = _side(torch.cat(parts))
-        assert side.mode != "view", "staged rows joined into one contiguous run"
+    for owner, sides in parts.items():
+        row = np.concatenate([s._row_S for s in sides])
+        step = np.concatenate([s._step_S for s in sides])
+        length = np.concatenate([s._len_S for s in sides])
+        side = _Side.of(row, step, length)
+        if side.mode == "view":  # staged ops joined into one contiguous run: still a copy
+            side = dataclasses.replace(side, mode="runs")
         out[owner] = side
     return out
 
 
+def plan_digest(plan: RankPlan) -> str:
+    """A content hash of a rank's plan (peers, owners and segments): schedules cache on it."""
+    h = hashlib.blake2b(digest_size=16)
+    d = plan.dest
+    h.update(repr((plan.rank, None if d is None else tuple(d.__dict__.values()))).encode())
+    for kind, ts in (("s", plan.sends), ("r", plan.recvs), ("l", plan.locals)):
+        for t in ts:
+            h.update(f"{kind}{t.owner},{t.src_rank},{t.dst_rank}|".encode())
+            h.update(np.ascontiguousarray(t.segments_S5, dtype=np.int64).tobytes())
+    if plan.owner_N is not None:
+        h.update(np.ascontiguousarray(plan.owner_N, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class RankSchedule:
-    """One rank's share of a plan, in plan order, with pack/unpack decisions and counts.
+    """One rank's share of one micro-batch's plan, with pack/unpack decisions and counts.
 
     Attributes:
         rank: the global rank.
-        sends, recvs, locals: the operations (private structure).
-        dest_index: index into ``plan.dests`` of this rank's destination group, or ``-1``.
-        slot: this rank's slice in its destination group.
-        row_offset: first row of this rank's slice in the group's full buffer.
-        slice_rows: rows of that slice (the destination group's rows / its TP size; 0 for a
-            rank that receives nothing).
-        fill: ``owner -> [F]`` slice-relative rows that no transfer writes (zero-filled).
-        send_stage_rows, recv_stage_rows: ``owner -> rows`` of its send / receive staging buffer
-            (the sends / receives that are not views, each at its ``stage_off``).
+        digest: :func:`plan_digest` of the plan it was built from.
+        sends, recvs, locals: the operations, in plan order.
+        dest: this rank's slice, or ``None``.
+        owner_N: ``[N]`` int64 owner of each row of the destination group's buffer (``-1``:
+            none), or ``None``.
+        fill: ``owner -> [F]`` slice-relative rows no transfer of that owner writes (zeroed),
+            the padding rows of a buffer sized for an all-gather of equal slices included.
+        slice_rows: rows of this rank's slice in the output buffer (equal for every rank of
+            the destination group, so the TP all-gather moves equal slices).
+        send_stage_rows, recv_stage_rows: ``owner -> rows`` of its send / receive staging buffer.
         pack_sides, unpack_sides: ``owner -> side`` over all of its staged sends' / receives'
-            rows in staging order: the whole staging buffer of an owner is packed (unpacked) by
-            one kernel launch, not one per peer.
-        row_bytes: bytes per row of each owner (teacher).
-        src_span: ``owner -> (lo, hi)`` the source rows this rank reads (sends and local
-            copies); integrity mode checksums that span.
+            rows, in staging order (one launch per owner and direction).
+        src_span: ``owner -> (lo, hi)`` source rows this rank reads (integrity checksums them).
         send_src_rel, local_src_rel: per send / local copy, its ``[R]`` source rows minus the
-            owner's ``lo`` (indices into the span's checksums).
+            owner's ``lo``.
     """
 
     rank: int
+    digest: str
     sends: tuple[_Op, ...]
     recvs: tuple[_Op, ...]
     locals: tuple[_Local, ...]
-    dest_index: int
-    slot: int
-    row_offset: int
+    dest: DestSlot | None
+    owner_N: torch.Tensor | None
+    fill: dict[int, torch.Tensor]
     slice_rows: int
     send_stage_rows: dict[int, int]
     recv_stage_rows: dict[int, int]
-    fill: dict[int, torch.Tensor]
+    pack_sides: dict[int, _Side]
+    unpack_sides: dict[int, _Side]
+    src_span: dict[int, tuple[int, int]]
     row_bytes: tuple[int, ...]
-    src_span: dict[int, tuple[int, int]] = field(default_factory=dict)
-    pack_sides: dict[int, _Side] = field(default_factory=dict)
-    unpack_sides: dict[int, _Side] = field(default_factory=dict)
-    send_src_rel: tuple[torch.Tensor, ...] = ()
-    local_src_rel: tuple[torch.Tensor, ...] = ()
+
+    @functools.cached_property
+    def send_src_rel(self) -> tuple[torch.Tensor, ...]:
+        return tuple(o.side.rows - self.src_span[o.owner][0] for o in self.sends)
+
+    @functools.cached_property
+    def local_src_rel(self) -> tuple[torch.Tensor, ...]:
+        return tuple(x.src.rows - self.src_span[x.owner][0] for x in self.locals)
 
     @staticmethod
-    def build(plan: TransferPlan, rank: int) -> RankSchedule:
-        """Global rank ``rank``'s schedule of ``plan`` (pure, host tensors only).
+    def build(
+        plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]
+    ) -> RankSchedule:
+        """The schedule of ``plan`` (pure, host tensors only).
 
-        Walks the plan's transfers for this rank in plan order: a transfer to itself with
-        ``plan.local_copy`` is a local copy, the others a send and/or a receive; each side is
-        a view, runs or per-row indices (:func:`_side`); destination rows are relative to this
-        rank's slice.
+        ``slice_rows``: rows of this rank's slice in the output buffer (the destination group's
+        equal slice, :attr:`~mopd.bridge.plan.DestGroup.slice_rows`; 0 without a destination).
         """
-        dest_index, slot = -1, 0
-        for i, d in enumerate(plan.dests):
-            if rank in d.ranks:
-                dest_index, slot = i, d.ranks.index(rank)
-                break
-        slice_rows = plan.dests[dest_index].slice_rows if dest_index >= 0 else 0
-        row_offset = slot * slice_rows
-        sends: list[_Op] = []
-        recvs: list[_Op] = []
-        locals_: list[_Local] = []
         send_rows: dict[int, int] = {}
         recv_rows: dict[int, int] = {}
-        written: dict[int, list[torch.Tensor]] = {}
-        for tid in plan.transfer_ids(rank).tolist():
-            owner, src, dst = (int(x) for x in plan.transfers_T5[tid, :3])
-            src_rows, dst_rows = plan.rows_of(tid)
-            if dst == rank:
-                dst_rows = dst_rows - row_offset
-                written.setdefault(owner, []).append(dst_rows)
-            if src == rank and dst == rank and plan.local_copy:
-                s, d = _side(src_rows), _side(dst_rows)
-                js, jl = row_runs(src_rows, dst_rows)
-                # one pass always: block copies over joint runs, or one gather / scatter when
-                # one side is contiguous and the runs are short
-                if js.numel() <= 1 or src_rows.numel() // js.numel() >= MIN_AVG_RUN:
-                    mode = "runs"
-                elif d.mode == "view":
-                    mode = "gather"
-                elif s.mode == "view":
-                    mode = "scatter"
-                else:
-                    mode = "runs"
-                locals_.append(
-                    _Local(
-                        owner=owner,
-                        mode=mode,
-                        src=s,
-                        dst=d,
-                        joint_src=src_rows[js],
-                        joint_dst=dst_rows[js],
-                        joint_len=jl,
-                    )
-                )
-                continue
-            if src == rank:
-                sends.append(_op(owner, dst, src_rows, dst_rows, send_rows))
-            if dst == rank:
-                recvs.append(_op(owner, src, dst_rows, src_rows, recv_rows))
+
+        def op(t: Transfer, *, sending: bool, counter: dict[int, int]) -> _Op:
+            src, dst = _sides(t)
+            mine, peer_side = (src, dst) if sending else (dst, src)
+            off = -1
+            if mine.mode != "view":
+                off = counter.get(t.owner, 0)
+                counter[t.owner] = off + mine.count
+            return _Op(
+                owner=t.owner,
+                peer=t.dst_rank if sending else t.src_rank,
+                count=mine.count,
+                stage_off=off,
+                side=mine,
+                peer_side=peer_side,
+            )
+
+        sends = tuple(op(t, sending=True, counter=send_rows) for t in plan.sends)
+        recvs = tuple(op(t, sending=False, counter=recv_rows) for t in plan.recvs)
+        locals_ = tuple(_local(t) for t in plan.locals)
         span: dict[int, tuple[int, int]] = {}
-        for rows in [(o.owner, o.side.rows) for o in sends] + [
-            (x.owner, x.src.rows) for x in locals_
-        ]:
-            owner, r = rows
-            if r.numel():
-                lo, hi = int(r.min()), int(r.max()) + 1
+        for owner, side in [(o.owner, o.side) for o in sends] + [(x.owner, x.src) for x in locals_]:
+            if side.count:
+                lo = int((side._row_S + np.minimum(side._step_S, 0) * (side._len_S - 1)).min())
+                hi = int((side._row_S + np.maximum(side._step_S, 0) * (side._len_S - 1)).max()) + 1
                 old = span.get(owner, (lo, hi))
                 span[owner] = (min(lo, old[0]), max(hi, old[1]))
         fill: dict[int, torch.Tensor] = {}
-        if dest_index >= 0:
-            for owner in range(plan.num_owners):
-                mask = torch.ones(slice_rows, dtype=torch.bool)
-                for w in written.get(owner, []):
-                    mask[w] = False
-                fill[owner] = torch.nonzero(mask).reshape(-1)
+        owner_N = None
+        if plan.dest is not None:
+            d = plan.dest
+            assert plan.owner_N is not None
+            owner_N = _t(plan.owner_N)
+            mine = np.full(slice_rows, -1, dtype=np.int64)
+            mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
+            for owner in range(num_owners):
+                fill[owner] = _t(np.flatnonzero(mine != owner))
         return RankSchedule(
-            rank=rank,
-            sends=tuple(sends),
-            recvs=tuple(recvs),
-            locals=tuple(locals_),
-            dest_index=dest_index,
-            slot=slot,
-            row_offset=row_offset,
+            rank=plan.rank,
+            digest=plan_digest(plan),
+            sends=sends,
+            recvs=recvs,
+            locals=locals_,
+            dest=plan.dest,
+            owner_N=owner_N,
+            fill=fill,
             slice_rows=slice_rows,
             send_stage_rows=send_rows,
             recv_stage_rows=recv_rows,
-            fill=fill,
-            row_bytes=plan.row_bytes,
-            src_span=span,
             pack_sides=_staged_sides(sends),
             unpack_sides=_staged_sides(recvs),
-            send_src_rel=tuple(o.side.rows - span.get(o.owner, (0, 0))[0] for o in sends),
-            local_src_rel=tuple(x.src.rows - span.get(x.owner, (0, 0))[0] for x in locals_),
+            src_span=span,
+            row_bytes=tuple(row_bytes),
         )
 
     def counts(self) -> dict[str, int]:
         """This rank's figures: ``messages``; ``send/recv/local_bytes``; ``pack/unpack_bytes``
-        (staged rows: each moved once, so pack bytes <= send bytes is one pass); ``local_passes``;
-        ``pack_launches`` / ``unpack_launches`` (kernel launches, one per owner and side);
-        ``fill_rows`` (rows zero-filled)."""
+        (staged rows, each moved once); ``local_passes``; ``pack_launches`` /
+        ``unpack_launches``; ``fill_rows``."""
         rb = self.row_bytes
-        local_passes = len(self.locals)
         return {
             "messages": len(self.sends) + len(self.recvs),
             "send_bytes": sum(o.count * rb[o.owner] for o in self.sends),
             "recv_bytes": sum(o.count * rb[o.owner] for o in self.recvs),
             "pack_bytes": sum(o.count * rb[o.owner] for o in self.sends if o.side.mode != "view"),
             "unpack_bytes": sum(o.count * rb[o.owner] for o in self.recvs if o.side.mode != "view"),
-            "local_bytes": sum(int(x.src.rows.numel()) * rb[x.owner] for x in self.locals),
-            "local_passes": local_passes,
+            "local_bytes": sum(x.src.count * rb[x.owner] for x in self.locals),
+            "local_passes": len(self.locals),
             "pack_launches": len(self.pack_sides),
             "unpack_launches": len(self.unpack_sides),
             "fill_rows": sum(int(f.numel()) for f in self.fill.values()),
         }
 
     def data_path_indices(self, *, integrity: bool = False) -> list[torch.Tensor]:
-        """The ``[K]`` / ``[R]`` int64 host tensors the data path reads, in plan order.
-
-        Packing and unpacking (per owner: run starts, positions and lengths for ``runs`` sides,
-        rows for ``index`` sides), local copies (joint runs, or the non-contiguous side's rows)
-        and the zero-filled rows; with ``integrity``, also what the checks read (source rows
-        relative to the checksummed span, destination rows of every receive and local copy).
-        """
+        """The int64 host tensors the data path reads (uploaded together by :class:`DeviceIndices`)."""
         out: list[torch.Tensor] = []
         for side in (*self.pack_sides.values(), *self.unpack_sides.values()):
             if side.mode == "runs":
-                out += [side.run_buf_start, side.run_pos, side.run_len]
+                out += [side.run_row, side.run_pos, side.run_len]
             else:
                 out.append(side.rows)
         for lop in self.locals:
@@ -321,7 +346,7 @@ class RankSchedule:
         if integrity:
             out += [*self.send_src_rel, *self.local_src_rel]
             out += [op.side.rows for op in self.recvs] + [x.dst.rows for x in self.locals]
-        return out  # a tensor may appear twice: DeviceIndices uploads it once
+        return out
 
 
 class DeviceIndices:
@@ -341,22 +366,14 @@ class DeviceIndices:
 
     Lookups are by identity (``id(t)``): keep the host tensors alive as long as this object (the
     executor keeps both with the schedule).
-
-    Args:
-        tensors: ``[*]`` int64 host tensors (e.g. :meth:`RankSchedule.data_path_indices`).
-        device: where the kernels read them.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
         self.device = device
-        #: host-to-device copies made (one per schedule, plus ``late_uploads``).
         self.uploads = 0
-        #: lookups of tensors that were not given at construction.
         self.late_uploads = 0
-        # id(host tensor) -> (its device view, index of the upload holding it)
         self._views: dict[int, tuple[torch.Tensor, int]] = {}
-        self._hosts: list[torch.Tensor] = []  # keeps ids unique while cached
-        # per upload: (device buffer, event after the copy, stream handles it is ready on)
+        self._hosts: list[torch.Tensor] = []
         self._uploads: list[tuple[torch.Tensor, Any, set[int]]] = []
         self._upload(list(tensors))
 

@@ -56,17 +56,26 @@ PREFIX: Final = "mopd/"
 
 #: The pipeline phases a range may name. ``register_phase`` adds more (e.g. for a new stage).
 PHASES: set[str] = {
-    "capture",  # teacher output_layer pre-hook: copy of [S_local, B, H] into the capture buffer
-    "gather",  # SP undo / student-TP all-gather of received rows
-    "plan",  # layout metadata exchange + transfer plan (cached)
+    "capture",  # teacher output_layer pre-hook: the captured [S_local, B, H] hidden states
+    "gather",  # the capture's SP all-gather into its buffer
+    "metadata",  # the bridge's per-step metadata all-gather
+    "plan",  # this rank's local transfer plan (and its checks) for one micro-batch
+    "verdict",  # the bridge's one-collective agreement on bad input
+    "issue",  # one micro-batch's rows taken and its sends / receives posted
     "pack",  # rows -> per-peer contiguous staging buffers
-    "send_recv",  # the batched NCCL / gloo point-to-point exchange
-    "wait",  # waiting on the async exchange handle
+    "send_recv",  # posting the batched NCCL / gloo point-to-point exchange
     "local_copy",  # rows whose source and destination are the same rank
+    "recv_wait",  # waiting for a micro-batch's receives
     "unpack",  # staging buffers -> the student's layout
+    "tp_all_gather",  # the student TP all-gather of the received slices
+    "send_wait",  # waiting for a micro-batch's sends (staging released)
+    "integrity",  # integrity mode's verdict
+    "wait",  # waiting on an exchange handle
     "reshard",  # teacher LM-head rows -> the student's vocab partition
     "projection",  # h_teacher @ W_teacher_shard^T
     "loss_chunk",  # one token chunk of the vocab-parallel full-vocab KL
+    "loss",  # a loss function call (e.g. the Megatron loss adapter)
+    "teacher",  # the teacher's forward-only pass over a step's micro-batches
     "step",  # one whole training / demo step
     "forward",  # a model forward (teacher or student; detail says which)
     "backward",  # a backward pass
