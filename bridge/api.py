@@ -629,6 +629,7 @@ class BridgeStep:
             assert dtype is not None
             self._specs[o] = (spec.hidden_size, dtype)
         self._slots: list[Slot] = []
+        self._given: list[set[int]] = [set() for _ in range(n_slots)]
         ex = bridge.executor
         with ranges.span("plan"):
             for i in range(n_slots):
@@ -687,29 +688,29 @@ class BridgeStep:
         if self.finished:
             raise BridgeStateError("this step is finished; plan the next one with plan_step")
 
-    def _sources_needed(self, i: int) -> bool:
+    def _owners_needed(self, i: int) -> set[int]:
+        """Owners whose rows this rank must give for micro-batch ``i`` (sends, local copies)."""
         sched = self._slots[i].schedule
-        return sched is not None and bool(sched.sends or sched.locals)
+        if sched is None:
+            return set()
+        return {op.owner for op in sched.sends} | {x.owner for x in sched.locals}
+
+    def _sources_needed(self, i: int) -> bool:
+        return bool(self._owners_needed(i))
 
     def _issue_through(self, i: int, *, why: str) -> None:
-        """Issue every micro-batch up to ``i`` in order (their sends must have been given)."""
-        ex = self._bridge.executor
+        """Post every micro-batch up to ``i`` in order (their rows must have been given)."""
+        b = self._bridge
         while self._cursor <= i:
             slot = self._slots[self._cursor]
-            if self._sources_needed(slot.index) and not slot.sources:
+            missing = self._owners_needed(slot.index) - self._given[slot.index]
+            if missing:
                 raise BridgeStateError(
-                    f"global rank {self._bridge.rank}: {why} needs micro-batch {slot.index} "
-                    f"issued first, and this rank holds teacher rows for it: call "
+                    f"global rank {b.rank}: {why} needs micro-batch {slot.index} posted first, "
+                    f"and this rank holds rows of teacher(s) {sorted(missing)} for it: call "
                     f"send({slot.index}, ...) before (micro-batches go in order)"
                 )
-            ex.issue(
-                slot,
-                sources=slot.sources,
-                output_specs=self._specs,
-                device=self._bridge.device,
-                group=self._bridge.groups.bridge,
-            )
-            slot.sources = {}
+            b.executor.post(slot, output_specs=self._specs, device=b.device, group=b.groups.bridge)
             self._cursor += 1
 
     def send(self, micro_batch: int, hidden: Mapping[int, torch.Tensor]) -> None:
@@ -718,7 +719,9 @@ class BridgeStep:
         On a teacher's last-stage ranks: ``hidden`` maps teacher index -> the captured buffer
         described by this rank's layout for that micro-batch (contiguous, hidden dim last, the
         declared dtype, on the bridge's device). The buffer may be overwritten as soon as this
-        returns. Call it in micro-batch order. On other ranks there is nothing to send.
+        returns. A rank holding several teachers may give them in one call or one per call.
+        Call it in micro-batch order; the micro-batch is posted once all its teachers are given.
+        On ranks that hold no teacher rows there is nothing to send.
 
         Raises:
             ValueError: a buffer that does not match this rank's plan (on this rank only: the
@@ -728,41 +731,43 @@ class BridgeStep:
         b = self._bridge
         b.executor.check_usable()
         if not isinstance(hidden, Mapping):
-            raise ValueError(f"hidden must be a mapping teacher index -> tensor, got {type(hidden).__name__}")
+            raise ValueError(
+                f"hidden must be a mapping teacher index -> tensor, got {type(hidden).__name__}"
+            )
+        extra = [o for o in hidden if not (isinstance(o, int) and 0 <= o < len(b.teachers))]
+        if extra:
+            raise ValueError(f"teacher indices {extra} outside [0, {len(b.teachers)})")
         flat: dict[int, torch.Tensor] = {}
-        for o, sec in enumerate(self._sections[: len(b.teachers)]):
+        for o, t in hidden.items():
+            sec = self._sections[o]
             if sec is None:
-                if o in hidden:
-                    raise ValueError(f"this rank holds no rows of teacher {o} (not its last stage)")
-                continue
-            if o not in hidden:
-                raise ValueError(f"teacher {o}: this rank must pass hidden[{o}]")
-            t = _flat(hidden[o], f"teacher {o} hidden buffer")
+                raise ValueError(f"this rank holds no rows of teacher {o} (not its last stage)")
+            if o in self._given[micro_batch]:
+                raise BridgeStateError(f"teacher {o}'s rows of micro-batch {micro_batch} were already sent")
+            f = _flat(t, f"teacher {o} hidden buffer")
             lay = sec.layouts[micro_batch]
-            h, dtype = self._specs[o]
-            if t.shape[0] != lay.num_rows or t.shape[1] != h:
+            h = self._specs[o][0]
+            if f.shape[0] != lay.num_rows or f.shape[1] != h:
                 raise ValueError(
-                    f"teacher {o} micro-batch {micro_batch}: buffer of {tuple(hidden[o].shape)} "
-                    f"has {t.shape[0]} rows of {t.shape[1]}, the plan wants {lay.num_rows} rows "
-                    f"of {h}"
+                    f"teacher {o} micro-batch {micro_batch}: buffer of {tuple(t.shape)} has "
+                    f"{f.shape[0]} rows of {f.shape[1]}, the plan wants {lay.num_rows} rows of {h}"
                 )
-            if t.dtype != sec.dtype or t.device != b.device:
+            if f.dtype != sec.dtype or f.device != b.device:
                 raise ValueError(
-                    f"teacher {o} micro-batch {micro_batch}: buffer is {t.dtype} on {t.device}, "
+                    f"teacher {o} micro-batch {micro_batch}: buffer is {f.dtype} on {f.device}, "
                     f"the plan wants {sec.dtype} on {b.device}"
                 )
-            flat[o] = t
-        extra = set(hidden) - set(range(len(b.teachers)))
-        if extra:
-            raise ValueError(f"teacher indices {sorted(extra)} outside [0, {len(b.teachers)})")
+            flat[o] = f
+        need = self._owners_needed(micro_batch)
+        if micro_batch < self._cursor and need & set(flat):
+            raise BridgeStateError(f"micro-batch {micro_batch} was already posted")
         slot = self._slots[micro_batch]
-        if micro_batch < self._cursor:
-            if self._sources_needed(micro_batch):
-                raise BridgeStateError(f"micro-batch {micro_batch} was already sent")
-            return  # nothing of this rank's goes out in that micro-batch
-        if self._sources_needed(micro_batch):
-            slot.sources = flat
-        self._issue_through(micro_batch, why=f"send({micro_batch})")
+        take = {o: f for o, f in flat.items() if o in need}
+        if take:
+            b.executor.take(slot, take, output_specs=self._specs, device=b.device)
+        self._given[micro_batch] |= set(flat)
+        if not need - self._given[micro_batch] and micro_batch >= self._cursor:
+            self._issue_through(micro_batch, why=f"send({micro_batch})")
         self._release_done()
 
     def receive(self, micro_batch: int) -> dict[int, torch.Tensor]:

@@ -207,14 +207,12 @@ class Slot:
         index: the micro-batch.
         schedule: this rank's schedule (``None``: nothing to do on this rank).
         outputs: ``owner -> [padded_rows, H]`` output buffers (destination ranks, from issue).
-        sources: ``owner -> [R, H]`` the teacher rows bound at issue (read only there).
-        issued, received, released: progress.
+        issued, received, released: progress (posted, receives completed, sends completed).
     """
 
     index: int
     schedule: RankSchedule | None
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    sources: dict[int, torch.Tensor] = field(default_factory=dict)
     issued: bool = False
     received: bool = False
     released: bool = False
@@ -226,6 +224,9 @@ class Slot:
     recv_stage: dict[int, torch.Tensor] = field(default_factory=dict)
     recv_blocks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     checks: list[tuple[_Op | _Local, torch.Tensor]] = field(default_factory=list)
+    taken: set[int] = field(default_factory=set)
+    send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    send_sums: dict[int, torch.Tensor] = field(default_factory=dict)
     findings: list[_Check] = field(default_factory=list)
     device: torch.device = torch.device("cpu")
     dev: DeviceIndices | None = None
@@ -321,24 +322,44 @@ class Executor:
 
     # --- issue ---------------------------------------------------------------------------------
 
-    def issue(
+    def take(
         self,
         slot: Slot,
-        *,
         sources: Mapping[int, torch.Tensor],
+        *,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
-        group: Any,
     ) -> None:
-        """Take ``slot``'s rows and post its transfers (see the module doc).
+        """Take the rows of ``sources`` (some or all owners) for ``slot`` now.
+
+        Packs their sends into staging (a contiguous block is copied too), checksums them in
+        integrity mode, and runs their local copies; afterwards the caller may overwrite the
+        buffers. :meth:`post` sends once every owner the slot reads has been taken.
 
         Args:
             sources: ``owner -> [R, H]`` flat rows this rank holds as a replica (contiguous).
-            output_specs: ``owner -> (hidden, dtype)`` of every owner's output buffer
-                (destination ranks allocate ``[padded_rows, hidden]`` ones here).
+            output_specs: ``owner -> (hidden, dtype)`` of every owner's output buffer.
             device: the bridge's device.
-            group: the bridge process group (point to point).
         """
+        self.check_usable()
+        sched = slot.schedule
+        slot.device = device
+        if sched is None:
+            return
+        try:
+            with ranges.span("issue", slot.index):
+                self._outputs(slot, sched, output_specs, device)
+                dev = slot.dev
+                assert dev is not None
+                for owner, src in sources.items():
+                    self._take_owner(slot, sched, dev, owner, src)
+        except BaseException as exc:
+            self._fail_slot(slot, exc)
+            raise
+
+    def post(self, slot: Slot, *, output_specs: Mapping[int, tuple[int, torch.dtype]],
+             device: torch.device, group: Any) -> None:
+        """Post ``slot``'s sends (rows taken by :meth:`take`) and receives in one batch."""
         self.check_usable()
         sched = slot.schedule
         slot.issued = True
@@ -346,69 +367,108 @@ class Executor:
         if sched is None:
             return
         self.slots_issued += 1
-        dev = slot.dev = self._dev(sched, device)
-        slot.sources = dict(sources)
         try:
             with ranges.span("issue", slot.index):
-                self._issue(slot, sched, dev, sources, output_specs, device, group)
+                self._outputs(slot, sched, output_specs, device)
+                self._post(slot, sched, output_specs, device, group)
         except BaseException as exc:
-            # peers' messages may still arrive for this rank and its posted receives may still
-            # land in the staging buffers: neither is reused
-            self.mark_failed(exc)
-            for _key, t in slot.staged:
-                self._pool.forget(t)
-            slot.staged.clear()
+            self._fail_slot(slot, exc)
             raise
 
-    def _issue(
+    def _fail_slot(self, slot: Slot, exc: BaseException) -> None:
+        # peers' messages may still arrive for this rank and its posted receives may still land
+        # in the staging buffers: neither is reused
+        self.mark_failed(exc)
+        for _key, t in slot.staged:
+            self._pool.forget(t)
+        slot.staged.clear()
+
+    def _stage(self, slot: Slot, kind: str, owner: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+        key = (kind, owner, like.dtype, like.device, like.shape[1])
+        t = self._pool.acquire(key, rows, like)
+        slot.staged.append((key, t))
+        return t
+
+    def _targets(self, slot: Slot, sched: RankSchedule) -> dict[int, torch.Tensor]:
+        """``owner -> `` this rank's slice of each output buffer."""
+        assert sched.dest is not None
+        off = sched.slice_rows * sched.dest.slot
+        return {o: t[off : off + sched.slice_rows] for o, t in slot.outputs.items()}
+
+    def _outputs(
         self,
         slot: Slot,
         sched: RankSchedule,
-        dev: DeviceIndices,
-        sources: Mapping[int, torch.Tensor],
+        output_specs: Mapping[int, tuple[int, torch.dtype]],
+        device: torch.device,
+    ) -> None:
+        """Allocate the slot's output buffers and zero the rows nothing writes (once)."""
+        if slot.dev is None:
+            slot.dev = self._dev(sched, device)
+        if sched.dest is None or slot.outputs:
+            return
+        for owner, (hidden, dtype) in output_specs.items():
+            slot.outputs[owner] = torch.empty(
+                (sched.dest.padded_rows, hidden), dtype=dtype, device=device
+            )
+        targets = self._targets(slot, sched)
+        for owner, fill in sched.fill.items():
+            if fill.numel():
+                self._zero_rows(targets[owner], fill, slot.dev)
+
+    def _take_owner(
+        self, slot: Slot, sched: RankSchedule, dev: DeviceIndices, owner: int, src: torch.Tensor
+    ) -> None:
+        if owner in slot.taken:
+            raise AssertionError(f"owner {owner} of micro-batch {slot.index} taken twice")
+        slot.taken.add(owner)
+        sums = None
+        if self.integrity and owner in sched.src_span:  # checksums of the source rows
+            lo, hi = sched.src_span[owner]
+            sums = row_checksum(src[lo:hi])
+        n = sched.send_stage_rows.get(owner, 0)
+        if n:
+            with ranges.span("pack"):
+                stage = self._stage(slot, "send", owner, n, src)
+                _pack(src, sched.pack_sides[owner], stage[:n], dev)
+        for i, op in enumerate(sched.sends):
+            if op.owner != owner:
+                continue
+            if op.side.mode == "view":
+                # a contiguous block is copied too: the caller may reuse its buffer at once
+                buf = self._stage(slot, "send1", owner, op.count, src)[: op.count]
+                buf.copy_(src[op.side.first : op.side.first + op.count])
+            else:
+                buf = stage[op.stage_off : op.stage_off + op.count]
+            slot.send_bufs[i] = buf
+            if sums is not None:
+                slot.send_sums[i] = sums[dev(sched.send_src_rel[i])]
+        if sched.dest is not None:
+            targets = self._targets(slot, sched)
+            with ranges.span("local_copy"):
+                for i, lop in enumerate(sched.locals):
+                    if lop.owner != owner:
+                        continue
+                    if sums is not None:
+                        slot.checks.append((lop, sums[dev(sched.local_src_rel[i])]))
+                    _local(src, lop, targets[owner], dev)
+
+    def _post(
+        self,
+        slot: Slot,
+        sched: RankSchedule,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
         group: Any,
     ) -> None:
-        def stage(kind: str, owner: int, rows: int, like: torch.Tensor) -> torch.Tensor:
-            key = (kind, owner, like.dtype, like.device, like.shape[1])
-            t = self._pool.acquire(key, rows, like)
-            slot.staged.append((key, t))
-            return t
-
-        targets: dict[int, torch.Tensor] = {}
-        if sched.dest is not None:
-            rows = sched.slice_rows * (sched.dest.padded_rows // max(1, sched.slice_rows))
-            for owner, (hidden, dtype) in output_specs.items():
-                slot.outputs[owner] = torch.empty((rows, hidden), dtype=dtype, device=device)
-            off = sched.slice_rows * sched.dest.slot
-            targets = {o: t[off : off + sched.slice_rows] for o, t in slot.outputs.items()}
-            for owner, fill in sched.fill.items():
-                if fill.numel():
-                    self._zero_rows(targets[owner], fill, dev)
-        src_sums: dict[int, torch.Tensor] = {}
-        if self.integrity:  # checksums of the source rows, before packing
-            for owner, (lo, hi) in sched.src_span.items():
-                src_sums[owner] = row_checksum(sources[owner][lo:hi])
-        send_stage = {o: stage("send", o, n, sources[o]) for o, n in sched.send_stage_rows.items()}
-        like = {o: torch.empty((0, h), dtype=d, device=device) for o, (h, d) in output_specs.items()}
-        slot.recv_stage = {
-            o: stage("recv", o, n, like[o]) for o, n in sched.recv_stage_rows.items()
-        }
-        with ranges.span("pack"):
-            for o, side in sched.pack_sides.items():  # one launch per owner, all peers
-                _pack(sources[o], side, send_stage[o][: sched.send_stage_rows[o]], dev)
+        missing = sorted({op.owner for op in sched.sends} - slot.taken)
+        if missing:
+            raise AssertionError(f"micro-batch {slot.index}: rows of owners {missing} not taken")
         ops: list[dist.P2POp] = []
         kinds: list[bool] = []  # True: a receive
         send_blocks: list[tuple[int, int, torch.Tensor]] = []
         for i, op in enumerate(sched.sends):
-            if op.side.mode == "view":
-                # rows are taken now: a contiguous block is copied, not sent from the caller's
-                # buffer, so the caller may overwrite it as soon as this call returns
-                buf = stage("send1", op.owner, op.count, sources[op.owner])[: op.count]
-                buf.copy_(sources[op.owner][op.side.first : op.side.first + op.count])
-            else:
-                buf = send_stage[op.owner][op.stage_off : op.stage_off + op.count]
+            buf = slot.send_bufs[i]
             send_blocks.append((op.owner, op.peer, buf))
             ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group))
             kinds.append(False)
@@ -417,14 +477,17 @@ class Executor:
                 f"{op.count} rows)"
             )
             if self.integrity:
-                sums = src_sums[op.owner][dev(sched.send_src_rel[i])]
-                ops.append(dist.P2POp(dist.isend, sums, op.peer, group=group))
+                ops.append(dist.P2POp(dist.isend, slot.send_sums[i], op.peer, group=group))
                 kinds.append(False)
                 slot.send_descs.append(f"send to global rank {op.peer} (checksums)")
+        targets = self._targets(slot, sched) if sched.dest is not None else {}
+        like = {o: torch.empty((0, h), dtype=d, device=device) for o, (h, d) in output_specs.items()}
+        slot.recv_stage = {
+            o: self._stage(slot, "recv", o, n, like[o]) for o, n in sched.recv_stage_rows.items()
+        }
         for op in sched.recvs:
-            out = targets[op.owner]
             if op.side.mode == "view":
-                buf = out[op.side.first : op.side.first + op.count]
+                buf = targets[op.owner][op.side.first : op.side.first + op.count]
             else:
                 buf = slot.recv_stage[op.owner][op.stage_off : op.stage_off + op.count]
             slot.recv_blocks.append((op.owner, op.peer, buf))
@@ -460,13 +523,10 @@ class Executor:
             slot.send_works = list(works)
             slot.recv_works = list(works)
             slot.send_descs = slot.recv_descs = ["; ".join(slot.send_descs + slot.recv_descs)]
+        slot.send_bufs.clear()
+        slot.send_sums.clear()
         if self.debug_hook is not None:
             self.debug_hook("posted", [])
-        with ranges.span("local_copy"):
-            for i, lop in enumerate(sched.locals):
-                if self.integrity:
-                    slot.checks.append((lop, src_sums[lop.owner][dev(sched.local_src_rel[i])]))
-                _local(sources[lop.owner], lop, targets[lop.owner], dev)
 
     # --- complete ------------------------------------------------------------------------------
 
@@ -524,8 +584,7 @@ class Executor:
             self._wait_all(slot.recv_works, slot.recv_descs, slot.device, deadline)
         if self.debug_hook is not None:
             self.debug_hook("received", slot.recv_blocks)
-        off = sched.slice_rows * sched.dest.slot
-        targets = {o: t[off : off + sched.slice_rows] for o, t in slot.outputs.items()}
+        targets = self._targets(slot, sched)
         with ranges.span("unpack", slot.index):
             for o, side in sched.unpack_sides.items():  # one launch per owner, all peers
                 _unpack(slot.recv_stage[o][: sched.recv_stage_rows[o]], side, targets[o], dev)
@@ -567,7 +626,6 @@ class Executor:
             if key[0] != "recv":
                 self._pool.release(key, t)
         slot.staged = [(k, t) for k, t in slot.staged if k[0] == "recv"]
-        slot.sources = {}
 
     def sends_done(self, slot: Slot) -> bool:
         """True once every send of ``slot`` has completed (a poll, no wait)."""

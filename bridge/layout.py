@@ -40,6 +40,7 @@ import torch
 
 __all__ = [
     "TokenLayout",
+    "megatron_padded_length",
     "concat_layouts",
     "cp_positions",
     "encode_keys",
@@ -108,6 +109,13 @@ def encode_keys(sample_id_R: torch.Tensor, position_R: torch.Tensor, stride: int
     return torch.where(
         sample_id_R >= 0, sample_id_R * stride + position_R, torch.full_like(sample_id_R, -1)
     )
+
+
+def megatron_padded_length(length: int, *, cp_size: int = 1, sp_size: int = 1) -> int:
+    """Megatron's padded length of a packed (THD) sequence: a multiple of ``2 * cp`` under
+    context parallelism, times ``sp`` (the TP size when sequence parallelism is on)."""
+    mult = (2 * cp_size if cp_size > 1 else 1) * sp_size
+    return -(-int(length) // mult) * mult
 
 
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -218,8 +226,10 @@ def packed_layout(
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
     if cu_seqlens_padded is None:
-        mult = 2 * cp_size * sp_size if cp_size > 1 else sp_size
-        pad_N = (len_N + mult - 1) // mult * mult
+        pad_N = torch.tensor(
+            [megatron_padded_length(n, cp_size=cp_size, sp_size=sp_size) for n in len_N.tolist()],
+            dtype=_I64,
+        )
     else:
         cu = torch.as_tensor(cu_seqlens_padded, dtype=_I64).reshape(-1)
         if cu.numel() != len_N.numel() + 1 or int(cu[0]) != 0:

@@ -3,48 +3,59 @@
 Why this file exists: the student rebuilds teacher logits as ``h_teacher @ W_teacher_shard^T``
 vocab-parallel over *its own* TP group, so each student TP rank needs the rows of the teacher's
 ``output_layer`` weight for its vocab partition. Teacher and student split (and pad) the
-vocabulary differently. This is the token planner again, keyed by vocab row:
+vocabulary differently. This is the token planner again, keyed by vocab row
+(``sample 0, position = vocab row``):
 
 - source groups: for each teacher TP rank ``t``, the replicas holding vocab shard ``t`` (every
-  ``(dp, cp)`` rank of the teacher's last stage at ``tp_rank == t``); rows
-  ``[t * Vt / tp_T, (t + 1) * Vt / tp_T)`` of the teacher's padded vocabulary ``Vt``; rows
-  at or past the real vocabulary are padding;
-- destination groups: every student last-stage rank on its own (no all-gather: each needs a
-  different vocab shard, ``[s * Vs / tp_S, (s + 1) * Vs / tp_S)`` of the student's padded ``Vs``);
+  ``(dp, cp)`` rank of the teacher's last stage at ``tp_rank == t``), rows
+  ``[t * Vt / tp_T, (t + 1) * Vt / tp_T)`` of the teacher's padded vocabulary; rows at or past
+  the real vocabulary are padding;
+- destination groups: every student last-stage rank on its own (each needs a different shard);
 - rows past the real vocabulary come out zero; :attr:`LMHeadShard.valid_V` masks them.
 
-The reshard runs once per teacher (the teacher is frozen), through the same executor.
+Every rank knows every group from the sizes alone, so the only collectives are one small
+all-gather of what each rank holds (sizes, dtype, its local problems) and, when something is
+wrong, :func:`mopd.common.dist.same_verdict`. :func:`lm_head_from_models` reads the weight shard,
+the real vocabulary and both padded sizes off the Megatron models themselves.
 """
 
 from __future__ import annotations
 
-import datetime
-import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.executor import Executor
-from mopd.bridge.groups import BridgeGroups, group_moves_cuda
-from mopd.bridge.layout import vocab_layout
+from mopd.bridge.executor import Executor, Slot
+from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import encode_record, gather_records
-from mopd.bridge.planner import DestGroup, SourceGroup, TransferPlan, plan_transfers
+from mopd.bridge.metadata import code_dtype, dtype_code
+from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup, plan_rank
+from mopd.capture.unwrap import find_output_layer, unwrap_model
+from mopd.common import dist as cdist
+from mopd.profiling import ranges
 
-__all__ = ["LMHeadShard", "VocabSpec", "plan_lm_head", "reshard_lm_head"]
+__all__ = ["LMHeadShard", "VocabSpec", "lm_head_catalog", "lm_head_from_models", "reshard_lm_head"]
+
+_I64 = np.int64
 
 
 @dataclass(frozen=True, kw_only=True)
 class VocabSpec:
-    """Vocabulary sizes: the real one and each side's padded (divisible) one."""
+    """Vocabulary sizes: the real one and each side's padded (TP-divisible) one."""
 
     vocab_size: int
     teacher_padded: int
     student_padded: int
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "teacher_padded", "student_padded"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"VocabSpec.{name} must be an int, got {v!r}")
         if (
             self.vocab_size < 1
             or self.teacher_padded < self.vocab_size
@@ -58,70 +69,80 @@ class VocabSpec:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LMHeadShard:
-    """This student rank's share of a teacher's LM head.
+    """This student rank's share of a teacher's LM head (pass it to the loss as the teacher weight).
 
     Attributes:
         weight_VH: ``[Vs / tp_S, H_teacher]`` rows of the student's vocab partition, contiguous,
-            the teacher weight's dtype, on the bridge's device (the current CUDA device for an
-            NCCL bridge group, CPU for gloo).
-        valid_V: ``[Vs / tp_S]`` bool, **on CPU** (built from sizes only, no device work), False
-            for rows past the real vocabulary (zero rows); move it to ``weight_VH.device`` to
-            mask on the GPU.
+            the teacher weight's dtype, on the bridge's device.
+        valid_V: ``[Vs / tp_S]`` bool on CPU, False for rows past the real vocabulary (zero rows).
         num_padding: count of such rows.
         vocab_start: the first vocab row of this partition.
+        vocab_size: the real vocabulary.
     """
 
     weight_VH: torch.Tensor
     valid_V: torch.Tensor
     num_padding: int
     vocab_start: int
+    vocab_size: int
 
 
-def plan_lm_head(
-    *,
-    teacher: Mesh,
-    student: Mesh,
-    vocab: VocabSpec,
-    hidden_size: int,
-    itemsize: int = 2,
-    local_copy: bool = True,
-) -> TransferPlan:
-    """Plan the reshard (pure: meshes and sizes only)."""
+def _vocab_runs(vocab_size: int, padded: int, tp: int, tp_rank: int) -> np.ndarray:
+    """``[0 or 1, 5]`` run of the real vocab rows of shard ``tp_rank`` (sample 0)."""
+    per = padded // tp
+    lo = tp_rank * per
+    n = max(0, min(per, vocab_size - lo))
+    if n == 0:
+        return np.empty((0, 5), dtype=_I64)
+    return np.asarray([[0, lo, 0, 1, n]], dtype=_I64)
+
+
+def lm_head_catalog(*, teacher: Mesh, student: Mesh, vocab: VocabSpec) -> RunCatalog:
+    """The reshard's groups and runs (pure: meshes and sizes only)."""
     if vocab.teacher_padded % teacher.tp or vocab.student_padded % student.tp:
         raise ValueError(
-            f"padded vocab sizes must divide the TP sizes: teacher {vocab.teacher_padded} / tp {teacher.tp}, "
-            f"student {vocab.student_padded} / tp {student.tp}"
+            f"padded vocab sizes must divide the TP sizes: teacher {vocab.teacher_padded} / tp "
+            f"{teacher.tp}, student {vocab.student_padded} / tp {student.tp}"
         )
     last = teacher.pp - 1
-    sources = []
+    sources, src_runs = [], []
     for t in range(teacher.tp):
-        lay = vocab_layout(vocab.vocab_size, vocab.teacher_padded, teacher.tp, t)
         ranks = tuple(
             teacher.global_rank(tp_rank=t, cp_rank=c, dp_rank=d, pp_rank=last)
             for d, c in teacher.shards()
         )
         sources.append(
             SourceGroup(
-                owner=0, ranks=ranks, key_R=lay.position_R, label=f"teacher vocab shard {t}"
+                owner=0,
+                ranks=ranks,
+                num_rows=vocab.teacher_padded // teacher.tp,
+                label=f"teacher vocab shard {t}",
             )
         )
-    dests = []
+        src_runs.append(_vocab_runs(vocab.vocab_size, vocab.teacher_padded, teacher.tp, t))
+    dests, dst_runs = [], []
     for r in student.last_stage_ranks():
         c = student.coord(r)
         assert c is not None
-        lay = vocab_layout(vocab.vocab_size, vocab.student_padded, student.tp, c.tp_rank)
         dests.append(
             DestGroup(
-                ranks=(r,), key_R=lay.position_R, label=f"student rank {r} vocab shard {c.tp_rank}"
+                ranks=(r,),
+                num_rows=vocab.student_padded // student.tp,
+                label=f"student rank {r} vocab shard {c.tp_rank}",
             )
         )
-    return plan_transfers(
-        sources,
-        dests,
-        num_owners=1,
-        row_bytes=[hidden_size * itemsize],
-        local_copy=local_copy,
-        describe_key=lambda k: f"vocab row {k}",
+        dst_runs.append(_vocab_runs(vocab.vocab_size, vocab.student_padded, student.tp, c.tp_rank))
+
+    def ranges_of(runs: list[np.ndarray]) -> np.ndarray:
+        return np.asarray([[0, 0] if r.shape[0] else [1, 0] for r in runs], dtype=_I64)
+
+    return RunCatalog(
+        sources=tuple(sources),
+        dests=tuple(dests),
+        source_runs=lambda g: src_runs[g],
+        dest_runs=lambda d: dst_runs[d],
+        source_range_G2=ranges_of(src_runs),
+        dest_range_D2=ranges_of(dst_runs),
     )
 
 
@@ -134,141 +155,184 @@ def reshard_lm_head(
     hidden_size: int,
     groups: BridgeGroups,
     timeout_s: float = 300.0,
-    rank: int | None = None,
     local_copy: bool = True,
 ) -> LMHeadShard | None:
     """Move the teacher's ``output_layer`` weight rows into the student's vocab partitions.
 
-    Collective over the bridge group: every member calls it. Bad input raises the same
-    ``ValueError`` on every rank (gathered, before data moves).
+    Collective over the bridge group: every member calls it (run it once: the teacher is frozen).
+    Bad input raises the same ``ValueError`` on every rank, before data moves.
 
     Args:
         weight_VH: on teacher last-stage ranks, this rank's ``[Vt / tp_T, H]`` shard of the
-            teacher's ``output_layer`` weight (contiguous, on the bridge's device: the current
-            CUDA device for an NCCL bridge group, CPU for gloo); ``None`` on other ranks.
+            teacher's ``output_layer`` weight (contiguous, on the bridge's device); ``None`` on
+            other ranks.
         teacher, student: the meshes; vocab: the vocabulary sizes; hidden_size: the teacher's H.
-        groups: this rank's bridge groups (the metadata goes over ``groups.meta`` when set).
-        timeout_s: host-side deadline of the metadata all-gather and, on gloo, of the transfer.
-        rank: this process's global rank (default ``dist.get_rank()``).
+        groups: this rank's bridge groups.
+        timeout_s: deadline of each wait on other ranks.
         local_copy: serve colocated rows by a local copy.
     Returns:
-        The :class:`LMHeadShard` on student last-stage ranks, ``None`` elsewhere. On CUDA the
-        rows are ready in stream order (the wait does not block the host).
+        The :class:`LMHeadShard` on student last-stage ranks, ``None`` elsewhere.
     """
-    rank = dist.get_rank() if rank is None else rank
-    timeout = datetime.timedelta(seconds=timeout_s)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if group_moves_cuda(groups.bridge)
-        else torch.device("cpu")
-    )
-    meta_group = groups.meta if groups.meta is not None else groups.bridge
-    meta_device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if group_moves_cuda(meta_group)
-        else torch.device("cpu")
-    )
-    error = ""
-    src: list[Any] = [None]
-    tc = teacher.coord(rank)
+    rank = dist.get_rank()
+    device = cdist.group_device(groups.bridge)
+    meta = groups.meta if groups.meta is not None else groups.bridge
+    problems: list[str] = []
     holds = teacher.is_last_stage(rank)
+    tc = teacher.coord(rank)
+    code = -1
     try:
-        if holds != (weight_VH is not None):
-            raise ValueError(
-                f"this rank {'must' if holds else 'must not'} pass the teacher's weight shard"
-            )
-        if weight_VH is not None:
-            if not isinstance(weight_VH, torch.Tensor):
-                raise ValueError(
-                    f"the teacher's weight shard must be a torch.Tensor, got {type(weight_VH).__name__}"
-                )
-            assert tc is not None
-            lay = vocab_layout(vocab.vocab_size, vocab.teacher_padded, teacher.tp, tc.tp_rank)
-            if (
-                weight_VH.dim() != 2
-                or weight_VH.shape[0] != lay.num_rows
-                or not weight_VH.is_contiguous()
-            ):
-                raise ValueError(
-                    f"teacher weight shard has shape {tuple(weight_VH.shape)}, expected a contiguous "
-                    f"[{lay.num_rows}, H] ({vocab.teacher_padded} padded rows / tp {teacher.tp})"
-                )
-            src[0] = (lay, weight_VH.shape[1], weight_VH.dtype, weight_VH.device)
+        catalog = lm_head_catalog(teacher=teacher, student=student, vocab=vocab)
     except ValueError as exc:
-        error = f"global rank {rank}: {exc}"
-    sig_text = repr(
-        (teacher.as_ints(), student.as_ints(), vocab, hidden_size, local_copy, groups.members)
-    )
-    sig = int.from_bytes(hashlib.blake2b(sig_text.encode(), digest_size=7).digest(), "little")
-    try:
-        record = encode_record(
-            config_sig=sig, error=error, sources=src, student=None, outputs=[None]
+        catalog = None
+        problems.append(str(exc))
+    if holds != (weight_VH is not None):
+        problems.append(
+            f"global rank {rank} {'must' if holds else 'must not'} pass the teacher's weight shard"
         )
-    except ValueError as exc:
-        error = error or f"global rank {rank}: {exc}"
-        record = encode_record(
-            config_sig=sig, error=error, sources=[None], student=None, outputs=[None]
-        )
-    records = gather_records(
-        record, group=meta_group, members=groups.members, device=meta_device, timeout=timeout
-    )
-    if len({r.config_sig for r in records}) > 1:
-        raise ValueError(
-            "ranks called reshard_lm_head with different meshes, vocab sizes or hidden sizes"
-        )
-    bad = [r for r in records if r.error]
-    if bad:
-        raise ValueError(
-            f"LM-head reshard rejected on global rank(s) {[r.rank for r in bad]}: "
-            + "; ".join(r.error for r in bad)
-        )
-    dtypes = set()
-    for r in records:
-        s = r.sources[0]
-        if s is None:
-            continue
-        if s.hidden != hidden_size:
-            raise ValueError(
-                f"teacher weight on global rank {r.rank} has hidden size {s.hidden}, expected {hidden_size}"
+    elif weight_VH is not None:
+        assert tc is not None
+        rows = vocab.teacher_padded // teacher.tp
+        if not isinstance(weight_VH, torch.Tensor):
+            problems.append(f"the teacher's weight shard is a {type(weight_VH).__name__}")
+        elif (
+            weight_VH.dim() != 2
+            or tuple(weight_VH.shape) != (rows, hidden_size)
+            or not weight_VH.is_contiguous()
+        ):
+            problems.append(
+                f"global rank {rank}: teacher weight shard has shape {tuple(weight_VH.shape)}, "
+                f"expected a contiguous [{rows}, {hidden_size}] ({vocab.teacher_padded} padded "
+                f"rows / tp {teacher.tp})"
             )
-        if s.device != device.type:
-            raise ValueError(
-                f"teacher weight on global rank {r.rank} is on {s.device}, the bridge group moves {device.type}"
+        elif weight_VH.device != device:
+            problems.append(
+                f"global rank {rank}: teacher weight shard is on {weight_VH.device}, the bridge "
+                f"moves tensors on {device}"
             )
-        dtypes.add(s.dtype)
-    if len(dtypes) != 1 or None in dtypes:
-        raise ValueError(
-            f"teacher weight shards have dtypes {sorted(map(str, dtypes))}; need one supported dtype"
+        else:
+            code = dtype_code(weight_VH.dtype)
+            if code < 0:
+                problems.append(f"global rank {rank}: unsupported dtype {weight_VH.dtype}")
+    # what everyone needs to know: the weight's dtype (students allocate with it)
+    codes = torch.full((len(groups.members),), -1, dtype=torch.int64)
+    mine = torch.tensor([code], dtype=torch.int64)
+    cdist.wait(
+        dist.all_gather_into_tensor(codes, mine, group=meta, async_op=True),
+        device=torch.device("cpu"),
+        timeout_s=timeout_s,
+    )
+    held = sorted({int(c) for c in codes.tolist() if c >= 0})
+    if len(held) > 1 and code >= 0 and code != held[0]:
+        problems.append(
+            f"global rank {rank}: teacher weight dtype {code_dtype(code)} differs from "
+            f"{code_dtype(held[0])} on another teacher rank"
         )
-    dtype = dtypes.pop()
+    cdist.same_verdict(problems, group=meta, timeout_s=timeout_s, what="LM-head reshard")
+    assert catalog is not None
+    if not held:
+        raise ValueError("LM-head reshard rejected: no rank passed a teacher weight shard")
+    dtype = code_dtype(held[0])
     assert dtype is not None
-    itemsize = dtype.itemsize
-    plan = plan_lm_head(
+    with ranges.span("reshard"):
+        plan = plan_rank(catalog, rank, local_copy=local_copy)
+        ex = Executor(rank=rank, timeout_s=timeout_s)
+        sched = None
+        if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
+            nominal = catalog.dests[plan.dest.group].slice_rows if plan.dest is not None else 0
+            sched = ex.schedule(
+                plan,
+                slice_rows=nominal,
+                num_owners=1,
+                row_bytes=[hidden_size * dtype.itemsize],
+            )
+        slot = Slot(index=0, schedule=sched)
+        sources = {0: weight_VH} if weight_VH is not None else {}
+        deadline = time.monotonic() + timeout_s
+        specs = {0: (hidden_size, dtype)}
+        need = bool(sched is not None and (sched.sends or sched.locals))
+        if need:
+            ex.take(slot, sources, output_specs=specs, device=device)
+        ex.post(slot, output_specs=specs, device=device, group=groups.bridge)
+        ex.complete(slot, tp_group=None, deadline=deadline)
+        ex.release(slot, deadline=deadline)
+    if plan.dest is None:
+        return None
+    sc = student.coord(rank)
+    assert sc is not None
+    out = slot.outputs[0][: plan.dest.num_rows]
+    start = sc.tp_rank * out.shape[0]
+    valid = torch.arange(start, start + out.shape[0]) < vocab.vocab_size
+    return LMHeadShard(
+        weight_VH=out,
+        valid_V=valid,
+        num_padding=int((~valid).sum()),
+        vocab_start=start,
+        vocab_size=vocab.vocab_size,
+    )
+
+
+def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
+    """``(output weight shard, real vocab size)`` of a (wrapped) GPTModel on its last stage."""
+    layer = find_output_layer(model)
+    if layer is None:
+        return None
+    weight = getattr(layer, "weight", None)
+    inner = unwrap_model(model[-1] if isinstance(model, list | tuple) else model)
+    if weight is None:  # tied embeddings: the last stage's copy of the word embeddings
+        weight = inner.shared_embedding_or_output_weight()
+    vocab = getattr(inner, "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError(f"{type(inner).__name__} has no int vocab_size attribute")
+    return weight.detach(), vocab
+
+
+def lm_head_from_models(
+    teacher_model: Any | None,
+    student_model: Any | None,
+    *,
+    teacher: Mesh,
+    student: Mesh,
+    groups: BridgeGroups,
+    timeout_s: float = 300.0,
+    local_copy: bool = True,
+) -> LMHeadShard | None:
+    """:func:`reshard_lm_head` with every size read off the Megatron models.
+
+    Collective over the bridge group. Each rank passes the teacher / student model it holds
+    (``None`` where it holds none; either may be wrapped, or a list of virtual-pipeline chunks):
+    the teacher's last stage contributes its ``output_layer`` weight shard, its ``vocab_size``
+    and padded vocabulary (shard rows x tp); the student's last stage its padded vocabulary. The
+    sizes are agreed over the group (one small all-reduce).
+    """
+    rank = dist.get_rank()
+    meta = groups.meta if groups.meta is not None else groups.bridge
+    t_head = _head_of(teacher_model) if teacher_model is not None and teacher.is_last_stage(rank) else None
+    s_head = _head_of(student_model) if student_model is not None and student.is_last_stage(rank) else None
+    known = torch.full((4,), -1, dtype=torch.int64)  # vocab, teacher padded, student padded, H
+    if t_head is not None:
+        known[0], known[1], known[3] = t_head[1], t_head[0].shape[0] * teacher.tp, t_head[0].shape[1]
+    if s_head is not None:
+        known[2] = s_head[0].shape[0] * student.tp
+        known[0] = max(int(known[0]), s_head[1])
+    cdist.wait(
+        dist.all_reduce(known, op=dist.ReduceOp.MAX, group=meta, async_op=True),
+        device=torch.device("cpu"),
+        timeout_s=timeout_s,
+    )
+    vocab_size, t_padded, s_padded, hidden = (int(x) for x in known.tolist())
+    if min(vocab_size, t_padded, s_padded, hidden) < 1:
+        raise ValueError(
+            "lm_head_from_models: no rank passed the teacher's last stage and the student's last "
+            "stage models (vocab sizes unknown)"
+        )
+    weight = t_head[0].contiguous() if t_head is not None else None
+    return reshard_lm_head(
+        weight,
         teacher=teacher,
         student=student,
-        vocab=vocab,
-        hidden_size=hidden_size,
-        itemsize=itemsize,
+        vocab=VocabSpec(vocab_size=vocab_size, teacher_padded=t_padded, student_padded=s_padded),
+        hidden_size=hidden,
+        groups=groups,
+        timeout_s=timeout_s,
         local_copy=local_copy,
-    )
-    out = None
-    outputs: dict[int, torch.Tensor] = {}
-    sc = student.coord(rank)
-    if student.is_last_stage(rank):
-        assert sc is not None
-        rows = vocab.student_padded // student.tp
-        out = torch.empty((rows, hidden_size), dtype=dtype, device=device)
-        outputs[0] = out
-    sources = {0: weight_VH} if weight_VH is not None else {}
-    Executor(rank=rank, timeout=timeout).start(
-        plan, sources=sources, outputs=outputs, group=groups.bridge, meta_group=groups.meta
-    ).wait()
-    if out is None:
-        return None
-    assert sc is not None
-    rows = out.shape[0]
-    start = sc.tp_rank * rows
-    valid = torch.arange(start, start + rows) < vocab.vocab_size
-    return LMHeadShard(
-        weight_VH=out, valid_V=valid, num_padding=int((~valid).sum()), vocab_start=start
     )

@@ -266,12 +266,14 @@ def _join_dest(catalog: RunCatalog, d: int, only: Sequence[int] | None = None) -
         s_g, p_g, r_g = _expand_runs(catalog.source_runs(g))
         inside = p_g < stride
         s_g, p_g, r_g = s_g[inside], p_g[inside], r_g[inside]
+        if s_g.size == 0:
+            continue
         key_g = s_g * stride + p_g
         o = np.argsort(key_g, kind="stable")
         key_g, r_g = key_g[o], r_g[o]
         key_d = s_d * stride + p_d
         at = np.searchsorted(key_g, key_d).clip(max=max(key_g.size - 1, 0))
-        hit = (key_g.size > 0) & (key_g[at] == key_d) & (group < 0)
+        hit = (key_g[at] == key_d) & (group < 0)
         group[hit] = g
         src_row[hit] = r_g[at[hit]]
     return _Join(row_M=r_d, group_M=group, src_row_M=src_row)

@@ -1,24 +1,18 @@
-"""CPU-only patches and builders that let real megatron-core GPTModels run under gloo.
+"""Test builders for real megatron-core GPTModels on CPU ranks (gloo).
 
-Why this file exists: megatron-core assumes CUDA (buffers on ``torch.cuda.current_device()``,
-the RNG tracker on the CUDA generator, SP only with fused norms). Tier-2 tests run real
-GPTModels on CPU ranks, so the test harness applies the patches below once per process
-(``tests/torchrun/conftest.py``). The library never imports this module.
-
-What is patched (see ../shared/notes/megatron-on-cpu.md for why each is needed):
-- ``torch.cuda.current_device`` returns ``"cpu"`` (megatron allocates with it);
-- the "CUDA" RNG state used by megatron's tracker is the CPU default generator;
-- ``WrappedTorchNorm`` is built with sequence parallelism off and its parameters tagged
-  ``sequence_parallel`` (torch's LayerNorm asserts when SP is on; the math is per token);
-- ``get_pos_emb_on_this_cp_rank`` without pinned memory, the default causal mask on CPU.
+Why this file exists: tier-2 tests build many small GPTModels and compare sharded results with
+full (TP=1) ones. The CPU patches megatron needs ship with the package (:mod:`mopd.mcore.cpu`,
+applied by the harness and by :func:`build_gpt`); this module adds only what tests need on top:
+tiny configs, model builders, and gathering / loading full parameter states.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
+
+from mopd.mcore.cpu import apply
 
 __all__ = [
     "apply",
@@ -30,74 +24,6 @@ __all__ = [
     "load_full_state",
     "tiny_config",
 ]
-
-_APPLIED = False
-
-
-def apply() -> None:
-    """Apply the CPU patches (idempotent)."""
-    global _APPLIED
-    if _APPLIED:
-        return
-    import megatron.core.tensor_parallel.random as mrandom
-    from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.transformer import torch_norm
-
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-        torch.set_rng_state(state)
-
-    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
-    torch.cuda.random.get_rng_state = get_rng_state  # type: ignore[assignment]
-
-    def manual_seed(seed: int) -> None:
-        torch.default_generator.manual_seed(int(seed))
-
-    torch.cuda.manual_seed = manual_seed  # type: ignore[assignment]
-    torch.cuda.manual_seed_all = manual_seed  # type: ignore[assignment]
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.get_rng_state()
-    )
-    mrandom._set_cuda_rng_state = set_rng_state
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def norm_new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        sp = config.sequence_parallel
-        cfg = dataclasses.replace(config, sequence_parallel=False) if sp else config
-        norm = original_new(cls, cfg, hidden_size, eps, **kwargs)
-        if sp:
-            for p in norm.parameters():
-                p.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign]
-
-    def pos_emb_on_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
-        cp_size, cp_rank = cp_group.size(), cp_group.rank()
-        idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
-        pos_emb = pos_emb.view(
-            *pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :]
-        )
-        pos_emb = pos_emb.index_select(seq_dim, idx)
-        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
-
-    rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_cp_rank
-
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer import utils as tutils
-
-    def causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
-
-    tutils.get_default_causal_mask = causal_mask
-    fused_softmax.get_default_causal_mask = causal_mask
-    _APPLIED = True
-
 
 def init_parallel(
     *, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
@@ -165,7 +91,7 @@ def build_gpt(
 ):
     """A megatron-core GPTModel with the local (non-TE) layer spec.
 
-    ``layer_spec`` replaces the local spec (e.g. ``tests.support.cpu_attention.cpu_gpt_layer_spec()``
+    ``layer_spec`` replaces the local spec (e.g. ``mopd.mcore.cpu.cpu_gpt_layer_spec()``
     for CP / THD packing); ``pg_collection`` (a megatron ``ProcessGroupCollection``) builds the
     model on explicit process groups instead of megatron's global ``parallel_state`` ones.
     """

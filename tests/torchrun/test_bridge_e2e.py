@@ -41,7 +41,7 @@ from mopd.bridge import (
 from mopd.capture import OutputLayerInputCapture
 from mopd.profiling.megatron_groups import model_process_groups
 from tests.support import megatron_cpu as mc
-from tests.support.cpu_attention import cpu_gpt_layer_spec, packed_rows, zigzag_positions
+from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from tests.support.dist import COLLECTIVE_TIMEOUT
 
 TORCHRUN_NPROC = 4

@@ -1,32 +1,35 @@
-"""A stand-in core attention for megatron-core on CPU: context parallelism (zigzag) and THD packing.
+"""Running megatron-core on CPU ranks (gloo): the patches it needs and a stand-in attention.
 
-Why this file exists: megatron-core's local ``DotProductAttention`` supports neither context
-parallelism nor packed (THD) sequences; those need Transformer Engine, which does not run on CPU.
-The CPU demo and tier-2 tests need a student with CP and packing, so this module provides a plain
-torch core attention with megatron's ``core_attention`` signature, and a GPT layer spec that uses it.
+Why this file exists: megatron-core assumes CUDA (buffers on ``torch.cuda.current_device()``,
+the RNG tracker on the CUDA generator, ``torch.cuda.synchronize`` in its pipeline schedule, SP only
+with fused norms) and its local attention supports neither context parallelism nor packed (THD)
+sequences. The demo and the multi-process tests run real GPTModels on CPU ranks, so everything
+that makes that possible lives here, in one module: :func:`apply` (idempotent, process-wide
+patches) and :func:`cpu_gpt_layer_spec` (megatron's local layer spec with :class:`CPUCoreAttention`).
+The data path (capture, bridge, kernels) never imports it; it is for CPU runs only.
 
-What it computes (causal self-attention only, no dropout, no bias):
+What :func:`apply` patches:
+- ``torch.cuda.current_device`` returns ``"cpu"`` (megatron allocates with it);
+- the "CUDA" RNG state of megatron's tracker is the CPU default generator;
+- ``WrappedTorchNorm`` is built with sequence parallelism off and its parameters tagged
+  ``sequence_parallel`` (torch's LayerNorm asserts when SP is on; the math is per token);
+- ``get_pos_emb_on_this_cp_rank`` without pinned memory, the default causal mask on CPU;
+- the pipeline schedules: ``torch.cuda.synchronize`` is a no-op and the schedules' token
+  counters (``torch.zeros(..., device="cuda")``) live on the CPU.
 
-- under CP (``pg_collection.cp`` of size ``cp > 1``), K and V are all-gathered over the CP group
-  with autograd (backward: all-reduce of the gradient, each rank keeps its slice), so gradients
-  flow back to the CP rank that produced them;
-- each local query row attends to the keys at global positions ``<=`` its own, in the same
-  sequence. Positions follow megatron's load balancing: a sequence of (padded) length ``P`` is
-  cut into ``2 * cp`` chunks and CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``;
-- THD packing (``packed_seq_params.qkv_format == "thd"``): ``cu_seqlens_q_padded`` (global,
-  pre-CP offsets) gives the sequences; the mask is block-diagonal by sequence, and each sequence
-  is cut into zigzag chunks on its own; padding rows are ordinary rows of their sequence (they
-  come after its real tokens, so no real token sees them);
-- ``[S, B]`` padded batches: the whole ``S`` (``S_local * cp``) is cut in zigzag chunks.
-
-Positions are not applied here: use learned absolute position embeddings and pass the global
-``position_ids`` of the local rows (this avoids RoPE's CP code).
-The library never imports this module (only the demo does, from the checkout).
+:class:`CPUCoreAttention` (causal self-attention only, no dropout, no bias): under CP
+(``pg_collection.cp`` of size ``cp > 1``) K and V are all-gathered over the CP group with
+autograd; each local query attends to keys at global positions ``<=`` its own in the same
+sequence, positions following megatron's load balancing (2 * cp chunks, CP rank ``r`` holds
+chunks ``r`` and ``2 cp - 1 - r``); THD packing (``packed_seq_params.qkv_format == "thd"``) takes
+the sequences from ``cu_seqlens_q_padded`` (global, pre-CP offsets). Positions are not applied
+here: use learned absolute position embeddings with the global ``position_ids`` of local rows.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -35,10 +38,101 @@ import torch.distributed as dist
 
 __all__ = [
     "CPUCoreAttention",
+    "apply",
     "cpu_gpt_layer_spec",
     "packed_rows",
     "zigzag_positions",
 ]
+
+_APPLIED = False
+
+
+def apply() -> None:
+    """Apply the CPU patches (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import torch_norm
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(state)
+
+    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = get_rng_state  # type: ignore[assignment]
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    torch.cuda.manual_seed = manual_seed  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = manual_seed  # type: ignore[assignment]
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = set_rng_state
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        sp = config.sequence_parallel
+        cfg = dataclasses.replace(config, sequence_parallel=False) if sp else config
+        norm = original_new(cls, cfg, hidden_size, eps, **kwargs)
+        if sp:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign]
+
+    def pos_emb_on_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1])
+        pos_emb = pos_emb.view(
+            *pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :]
+        )
+        pos_emb = pos_emb.index_select(seq_dim, idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+    rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_cp_rank
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    tutils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+    _patch_schedules()
+    _APPLIED = True
+
+
+class _CpuTorch:
+    """``torch`` for megatron's schedule module, with its CUDA-only token counters on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _patch_schedules() -> None:
+    """megatron's pipeline schedules on CPU: no device syncs, token counters on the CPU."""
+    from megatron.core.pipeline_parallel import schedules
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    schedules.torch = _CpuTorch()  # type: ignore[attr-defined]
+
 
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:

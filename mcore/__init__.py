@@ -1,0 +1,35 @@
+"""mopd.mcore: MOPD inside megatron-core's own training loop.
+
+:class:`Distiller` (set-up, once) and :meth:`Distiller.step` (per step, around
+``get_forward_backward_func()``), micro-batches described by :class:`MicroBatch` with their
+layouts read off megatron's objects (:func:`micro_batch_layout`), the teachers' forward-only
+pass (:func:`run_teacher`) and the loss in the shape megatron's schedule expects
+(:func:`kl_loss_func`). :mod:`mopd.mcore.cpu` makes megatron-core run on CPU ranks (gloo) for the
+demo and the tests; it is not imported here.
+"""
+
+from __future__ import annotations
+
+from mopd.mcore.batch import (
+    MicroBatch,
+    micro_batch_layout,
+    packed_micro_batch,
+    padded_micro_batch,
+    split_samples,
+)
+from mopd.mcore.distill import DistillationStep, Distiller, MeshModel
+from mopd.mcore.loss import kl_loss_func
+from mopd.mcore.teacher import run_teacher
+
+__all__ = [
+    "DistillationStep",
+    "Distiller",
+    "MeshModel",
+    "MicroBatch",
+    "kl_loss_func",
+    "micro_batch_layout",
+    "packed_micro_batch",
+    "padded_micro_batch",
+    "run_teacher",
+    "split_samples",
+]

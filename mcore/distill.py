@@ -1,0 +1,347 @@
+"""MOPD inside megatron's own training loop: the set-up once, and a step around the schedule.
+
+Why this file exists: a Megatron user runs ``get_forward_backward_func()`` with their own
+``forward_step_func``; MOPD has to fit into that without glue. :class:`Distiller` is built once
+(collectively): the bridge's groups (reusing the student model's TP group), the bridge, and each
+teacher's LM head resharded into the student's vocab partition, all read off the models and
+their process groups. Each step, :meth:`Distiller.step` (collectively, outside the schedule)
+plans the bridge for all micro-batches of both sides and runs the teachers' forward-only pass,
+sending each micro-batch's hidden states as it is captured; inside the schedule the student's
+``loss_func`` receives its micro-batch's rows point to point and returns what the schedule
+expects (:mod:`mopd.mcore.loss`). Leaving the step finishes the bridge's transfers::
+
+    distiller = Distiller(teachers=[MeshModel(model=t, mesh=tm, pg_collection=tpg)],
+                          student=MeshModel(model=s, mesh=sm, pg_collection=spg), pool=pool)
+    with distiller.step(student=student_mbs, teachers=[teacher_mbs]) as step:
+        forward_backward(forward_step_func=step.forward_step, data_iterator=step.data_iterator(),
+                         model=[s], num_microbatches=step.num_micro_batches,
+                         seq_length=S, micro_batch_size=B)
+    kl = step.mean_loss()   # the step's mean KL per token (student last stage), else None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
+from mopd.bridge.groups import GroupPool, create_bridge_groups
+from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
+from mopd.bridge.mesh import Mesh
+from mopd.common import dist as cdist
+from mopd.kernels.kl import KLConfig
+from mopd.mcore.batch import MicroBatch, micro_batch_layout
+from mopd.mcore.loss import kl_loss_func
+from mopd.mcore.teacher import Forward, default_forward, run_teacher
+
+__all__ = ["DistillationStep", "Distiller", "MeshModel"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MeshModel:
+    """A model on its own mesh, as this rank holds it.
+
+    Attributes:
+        mesh: the model's mesh (the same on every rank).
+        model: the (wrapped) megatron model, or its list of virtual-pipeline chunks; ``None`` on
+            ranks outside the mesh.
+        pg_collection: its megatron ``ProcessGroupCollection``
+            (:func:`mopd.bridge.megatron_groups.megatron_process_groups`); ``None`` outside.
+        forward: ``forward(model, micro_batch) -> output`` (default: a GPTModel call with the
+            micro-batch's tokens, positions, mask and packed-sequence parameters).
+    """
+
+    mesh: Mesh
+    model: Any | None = None
+    pg_collection: Any | None = None
+    forward: Forward | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise ValueError(f"MeshModel.mesh must be a Mesh, got {type(self.mesh).__name__}")
+        if (self.model is None) != (self.pg_collection is None):
+            raise ValueError("MeshModel: give both model and pg_collection, or neither")
+
+    def holds(self, rank: int) -> bool:
+        return self.mesh.coord(rank) is not None
+
+    def last_stage(self, rank: int) -> bool:
+        return self.mesh.is_last_stage(rank)
+
+
+def _config(model: Any) -> Any:
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0] if isinstance(model, list | tuple) else model)
+
+
+def _hidden_dtype(config: Any) -> torch.dtype:
+    """The dtype of a model's pre-LM-head hidden states (what the capture sends)."""
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return config.params_dtype
+
+
+class Distiller:
+    """MOPD set-up for one student and its teachers (collective over the default group, once).
+
+    Every global rank of the job calls it, with the same meshes, after the models exist.
+
+    Args:
+        teachers: one :class:`MeshModel` per teacher (frozen; ``eval()`` is not enforced).
+        student: the student's :class:`MeshModel`.
+        pool: the :class:`~mopd.bridge.groups.GroupPool` the models' groups came from (the
+            bridge then reuses the student's TP groups).
+        bridge_config: the bridge's settings (``timeout_s`` also bounds the set-up).
+        kl_config: the loss's settings (``reduction`` must stay ``"sum"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        teachers: Sequence[MeshModel],
+        student: MeshModel,
+        pool: GroupPool,
+        bridge_config: BridgeConfig | None = None,
+        kl_config: KLConfig | None = None,
+    ) -> None:
+        if not teachers:
+            raise ValueError("Distiller needs at least one teacher")
+        self.teachers = tuple(teachers)
+        self.student = student
+        self.rank = dist.get_rank()
+        self.bridge_config = bridge_config or BridgeConfig()
+        self.kl_config = kl_config or KLConfig(reduction="sum")
+        meshes = [t.mesh for t in self.teachers]
+        groups = create_bridge_groups(pool, meshes, student.mesh)
+        spg = student.pg_collection
+        if spg is not None and student.last_stage(self.rank) and student.mesh.tp > 1:
+            groups = dataclasses.replace(groups, student_tp=spg.tp)
+        self.groups = groups
+        # every rank needs each teacher's hidden size; the teacher ranks know it
+        hidden = torch.zeros(len(self.teachers), dtype=torch.int64)
+        for o, t in enumerate(self.teachers):
+            if t.model is not None:
+                hidden[o] = int(_config(t.model).hidden_size)
+        meta = groups.meta if groups.meta is not None else groups.bridge
+        cdist.wait(
+            dist.all_reduce(hidden, op=dist.ReduceOp.MAX, group=meta, async_op=True),
+            device=torch.device("cpu"),
+            timeout_s=self.bridge_config.timeout_s,
+        )
+        specs = []
+        for o, t in enumerate(self.teachers):
+            dtype = _hidden_dtype(_config(t.model)) if t.model is not None else None
+            specs.append(TeacherSpec(mesh=t.mesh, hidden_size=int(hidden[o]), dtype=dtype))
+        self.bridge = HiddenStateBridge(
+            teachers=specs, student=student.mesh, groups=groups, config=self.bridge_config
+        )
+        self.lm_heads: list[LMHeadShard | None] = [
+            lm_head_from_models(
+                t.model,
+                student.model,
+                teacher=t.mesh,
+                student=student.mesh,
+                groups=groups,
+                timeout_s=self.bridge_config.timeout_s,
+                local_copy=self.bridge_config.local_copy,
+            )
+            for t in self.teachers
+        ]
+        self.per_token = (
+            bool(getattr(_config(student.model), "calculate_per_token_loss", False))
+            if student.model is not None
+            else False
+        )
+
+    def step(
+        self,
+        *,
+        student: Sequence[MicroBatch] | None,
+        teachers: Sequence[Sequence[MicroBatch] | None],
+    ) -> DistillationStep:
+        """Plan one step and run the teachers' forward-only pass (collective, outside the schedule).
+
+        Args:
+            student: on student ranks, this rank's micro-batches in schedule order (the same
+                count on every student rank); ``None`` elsewhere.
+            teachers: per teacher, on its ranks, its micro-batches: teacher micro-batch ``i``
+                (over all teacher shards) holds the samples of student micro-batch ``i``;
+                ``None`` where the rank is outside that teacher's mesh.
+        """
+        if len(teachers) != len(self.teachers):
+            raise ValueError(f"{len(teachers)} teacher micro-batch lists for {len(self.teachers)} teachers")
+        rank = self.rank
+        s = self.student
+        teacher_layouts = {}
+        for o, (t, mbs) in enumerate(zip(self.teachers, teachers, strict=True)):
+            if t.last_stage(rank):
+                teacher_layouts[o] = _layouts(mbs, t.pg_collection, rows="hidden", what=f"teacher {o}")
+        student_layouts = None
+        keep = self.bridge_config.keep_sp_shard
+        if s.last_stage(rank):
+            coord = s.mesh.coord(rank)
+            assert coord is not None
+            student_layouts = _layouts(
+                student,
+                s.pg_collection,
+                rows="hidden" if keep else "logits",
+                what="student",
+                sp=(s.mesh.tp, coord.tp_rank) if keep else (1, 0),
+            )
+        bstep = self.bridge.plan_step(
+            teacher_layouts=teacher_layouts or None, student_layouts=student_layouts
+        )
+        step = DistillationStep(self, bstep, student)
+        held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
+        for k, o in enumerate(held):
+            t, mbs = self.teachers[o], teachers[o]
+            if mbs is None:
+                raise ValueError(f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches")
+            last = k == len(held) - 1
+            run_teacher(
+                t.model,
+                mbs,
+                pg_collection=t.pg_collection,
+                on_hidden=step._teacher_rows(o, clone=not last and len(held) > 1),
+                forward=t.forward,
+            )
+        step._flush_teacher_rows()
+        return step
+
+
+def _layouts(
+    mbs: Sequence[MicroBatch] | None,
+    pg: Any,
+    *,
+    rows: str,
+    what: str,
+    sp: tuple[int, int] = (1, 0),
+) -> Callable[[], list[Any]]:
+    """The layouts of a rank's micro-batches, built inside the bridge's guarded phase."""
+
+    def build() -> list[Any]:
+        if not mbs:
+            raise ValueError(f"{what}: this rank must pass its micro-batches")
+        return [
+            micro_batch_layout(mb, rows=rows, pg_collection=pg, sp_size=sp[0], sp_rank=sp[1])  # type: ignore[arg-type]
+            for mb in mbs
+        ]
+
+    return build
+
+
+class DistillationStep:
+    """One MOPD step on this rank (:meth:`Distiller.step`); a context manager that finishes it."""
+
+    def __init__(
+        self, distiller: Distiller, bridge_step: BridgeStep, student: Sequence[MicroBatch] | None
+    ) -> None:
+        self.distiller = distiller
+        self.bridge_step = bridge_step
+        self.micro_batches = list(student) if student is not None else []
+        self.num_micro_batches = bridge_step.num_micro_batches
+        self._loss_calls = 0
+        self._logged: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, dict[int, torch.Tensor]] = {}
+        s = distiller.student
+        dp = s.mesh.dp
+        tokens = bridge_step.global_tokens()
+        self.default_scale = self.num_micro_batches * dp / max(tokens, 1)
+        self.global_tokens = tokens
+
+    # --- teacher rows ---------------------------------------------------------------------------
+
+    def _teacher_rows(self, owner: int, *, clone: bool) -> Callable[[int, torch.Tensor], None]:
+        """The teacher pass's callback: send now, or hold a copy until the rank's last teacher."""
+
+        def on_hidden(i: int, hidden: torch.Tensor) -> None:
+            rows = self._pending.setdefault(i, {})
+            rows[owner] = hidden.clone() if clone else hidden
+            if not clone:
+                self.bridge_step.send(i, self._pending.pop(i))
+
+        return on_hidden
+
+    def _flush_teacher_rows(self) -> None:
+        for i in sorted(self._pending):
+            self.bridge_step.send(i, self._pending.pop(i))
+
+    # --- inside the schedule --------------------------------------------------------------------
+
+    def loss_func(self, micro_batch: int | None = None) -> Callable[[torch.Tensor], tuple[Any, ...]]:
+        """The ``loss_func`` for a student micro-batch (default: the next one, in schedule order:
+        megatron calls the last stage's loss functions in micro-batch order)."""
+        d = self.distiller
+        s = d.student
+
+        def resolve(output: torch.Tensor, non_loss_data: bool = False) -> tuple[Any, ...]:
+            i = self._loss_calls if micro_batch is None else micro_batch
+            self._loss_calls += 1
+            heads = [h for h in d.lm_heads]
+            if any(h is None for h in heads):
+                raise ValueError("loss_func called on a rank off the student's last stage")
+            fn = kl_loss_func(
+                self.bridge_step,
+                i,
+                lm_heads=heads,  # type: ignore[arg-type]
+                tp_group=s.pg_collection.tp if s.mesh.tp > 1 else None,
+                per_token=d.per_token,
+                default_scale=self.default_scale,
+                config=d.kl_config,
+                record=self._logged.__setitem__,
+            )
+            return fn(output)
+
+        return resolve
+
+    def data_iterator(self) -> Iterator[MicroBatch]:
+        """This rank's student micro-batches, in order (megatron's ``data_iterator``)."""
+        return iter(self.micro_batches)
+
+    def forward_step(self, data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Any, Any]:
+        """A ready ``forward_step_func``: the student's forward on the next micro-batch and the
+        MOPD ``loss_func``."""
+        mb = next(data_iterator)
+        forward = self.distiller.student.forward or default_forward
+        return forward(model, mb), self.loss_func()
+
+    # --- after the schedule ---------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Complete the bridge's transfers (every rank; :meth:`BridgeStep.finish`)."""
+        self.bridge_step.finish()
+
+    def mean_loss(self) -> float | None:
+        """The step's mean KL per real token over the whole student: one all-reduce over the
+        student's DP x CP group on its last stage (call it there after the schedule); ``None``
+        on other ranks."""
+        s = self.distiller.student
+        if not s.last_stage(self.distiller.rank):
+            return None
+        group = s.pg_collection.dp_cp
+        device = cdist.group_device(group)
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        for v in self._logged.values():
+            total += v.to(device)
+        if group is not None and group.size() > 1:
+            cdist.wait(
+                dist.all_reduce(total, group=group, async_op=True),
+                device=device,
+                timeout_s=self.distiller.bridge_config.timeout_s,
+            )
+        return float(total[0] / total[1].clamp(min=1))
+
+    def __enter__(self) -> DistillationStep:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.finish()

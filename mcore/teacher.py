@@ -1,0 +1,163 @@
+"""The teacher's forward-only pass over a step's micro-batches, any pipeline depth.
+
+Why this file exists: the frozen teacher runs before the student's schedule (its own pipeline
+cannot nest inside the student's ``forward_step``), through megatron's own forward-only schedule
+so that a teacher with PP > 1 works as it does in training. Each micro-batch's pre-LM-head hidden
+states are captured on the last stage (:mod:`mopd.capture`) and handed to a callback right away
+(the bridge's :meth:`~mopd.bridge.api.BridgeStep.send`, which takes the rows at the call, so the
+capture may reuse its buffer for the next micro-batch). The teacher's own full-vocabulary logits
+are not needed: by default its ``output_layer`` is skipped during the pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from mopd.capture import OutputLayerInputCapture
+from mopd.capture.unwrap import find_output_layer
+from mopd.mcore.batch import MicroBatch
+from mopd.profiling import ranges
+
+__all__ = ["default_forward", "pipeline_shape", "run_teacher"]
+
+#: ``forward(model, micro_batch) -> output`` (megatron's output tensor of the stage).
+Forward = Callable[[Any, MicroBatch], torch.Tensor]
+
+
+def default_forward(model: Any, mb: MicroBatch) -> torch.Tensor:
+    """``model(tokens, position_ids, attention_mask, packed_seq_params=...)``: a GPTModel call."""
+    return model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+
+
+@contextlib.contextmanager
+def _skip_output_layer(model: Any) -> Iterator[None]:
+    """Make the model's ``output_layer`` return an empty ``[..., 0]`` output (its pre-hooks, the
+    capture's among them, still run): the teacher's logits are never computed."""
+    layer = find_output_layer(model)
+    if layer is None:
+        yield
+        return
+
+    def empty(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden.new_empty((*hidden.shape[:-1], 0)), None
+
+    layer.forward = empty  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def pipeline_shape(mb: MicroBatch, *, cp_size: int) -> tuple[int, int]:
+    """``(seq_length, micro_batch_size)`` as megatron's schedules want them for ``mb``: the
+    global (pre-CP, pre-SP) sequence length, and the batch columns (1 for THD)."""
+    if mb.packed_seq_params is not None:
+        cu = mb.packed_seq_params.cu_seqlens_q_padded
+        cu = mb.packed_seq_params.cu_seqlens_q if cu is None else cu
+        return int(cu[-1]), 1
+    if mb.seq_len is not None:
+        cols = int(mb.tokens.shape[0]) if mb.tokens is not None else len(mb.sample_ids)
+        return int(mb.seq_len), cols
+    assert mb.tokens is not None
+    return int(mb.tokens.shape[1]) * cp_size, int(mb.tokens.shape[0])
+
+
+def _config(model: Any) -> Any:
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model[0] if isinstance(model, list | tuple) else model)
+
+
+def run_teacher(
+    model: Any,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    pg_collection: Any,
+    on_hidden: Callable[[int, torch.Tensor], None],
+    forward: Forward | None = None,
+    skip_lm_head: bool = True,
+) -> None:
+    """Run the teacher over ``micro_batches`` with megatron's forward-only schedule.
+
+    Collective over the teacher's model-parallel groups (every rank of the teacher mesh calls
+    it, with its own micro-batches, the same count on every rank). On the last stage,
+    ``on_hidden(i, hidden)`` receives micro-batch ``i``'s captured ``[S_local, B, H]`` (padded)
+    or ``[T_local, 1, H]`` (THD) hidden states, SP undone, contiguous, valid until the next
+    micro-batch.
+
+    Args:
+        model: the (wrapped) teacher model, or its list of virtual-pipeline chunks.
+        pg_collection: the teacher's megatron ``ProcessGroupCollection``.
+        forward: ``forward(model, micro_batch)`` (default: :func:`default_forward`).
+        skip_lm_head: skip the teacher's ``output_layer`` (its logits are not used).
+    Raises:
+        ValueError: micro-batches of different shapes without ``config.variable_seq_lengths``
+            (megatron's pipeline then needs it to exchange activation shapes).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    if not micro_batches:
+        return
+    forward = forward or default_forward
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    config = _config(model)
+    pp = pg_collection.pp.size()
+    shapes = {tuple(mb.tokens.shape) for mb in micro_batches if mb.tokens is not None}
+    if pp > 1 and len(shapes) > 1 and not getattr(config, "variable_seq_lengths", False):
+        raise ValueError(
+            f"teacher micro-batches have different shapes {sorted(shapes)} but the teacher's "
+            "TransformerConfig has variable_seq_lengths=False: set it to True for a pipelined "
+            "teacher with packed or variable-length micro-batches"
+        )
+    capture = OutputLayerInputCapture(chunks if len(chunks) > 1 else chunks[0])
+    state = {"next": 0}
+
+    def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: Any) -> Any:
+        mb = next(data_iterator)
+        ctx = capture.capture_context() if capture.is_available else contextlib.nullcontext()
+        with ctx, ranges.span("forward", "teacher"):
+            out = forward(model_chunk, mb)
+
+        def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
+            i = state["next"]
+            state["next"] += 1
+            hidden = capture.get_hidden_states()
+            if hidden is not None:
+                with ranges.span("capture", i):
+                    on_hidden(i, hidden.contiguous())
+            return torch.zeros((), device=output.device), {}
+
+        return out, loss_func
+
+    seq, batch = pipeline_shape(micro_batches[0], cp_size=pg_collection.cp.size())
+    fb = get_forward_backward_func(pp_size=pp, vp_size=None if len(chunks) == 1 else len(chunks))
+    kwargs: dict[str, Any] = {"pg_collection": pg_collection}
+    if pp > 1:
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=config)
+    skip = (
+        contextlib.ExitStack()
+        if not skip_lm_head
+        else _skip_output_layer(chunks if len(chunks) > 1 else chunks[0])
+    )
+    with ranges.span("teacher"), torch.no_grad(), skip:
+        fb(
+            forward_step_func=forward_step,
+            data_iterator=(
+                iter(micro_batches) if len(chunks) == 1 else [iter(micro_batches) for _ in chunks]
+            ),
+            model=chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=True,
+            **kwargs,
+        )
+    if capture.is_available and state["next"] != len(micro_batches):
+        raise AssertionError(
+            f"the teacher's last stage saw {state['next']} of {len(micro_batches)} micro-batches"
+        )
