@@ -521,3 +521,26 @@ def test_topology_catalog_builds_groups_on_access_with_the_micro_batch_rows() ->
     with pytest.raises(IndexError):
         cat.dests[len(cat.dests)]
     assert cat.slot_offsets().tolist() == [0, 2, 4]
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+
+def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from mopd.profiling import bench_plan, cli
+
+    assert "plan" in cli.BENCHMARKS
+    argv = ["--ranks", "16", "32", "--tokens-per-rank", "64", "--max-len", "40", "--repeats", "2"]
+    assert bench_plan.main([*argv, "--global-max-ranks", "0", "--json", "--no-record"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["ranks"] for r in rows] == [16, 32]
+    for r in rows:
+        assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
+        assert r["global_plan_ms"] is None and r["plan_ms"] > 0 and r["peak_mib"] > 0
+        assert r["tokens"] >= 64 * r["ranks"]
+    # the previous global planner runs in a child process beside it
+    assert bench_plan.main([*argv[3:], "--ranks", "16", "--json", "--no-record"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["global_plan_ms"] > 0
