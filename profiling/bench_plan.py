@@ -53,7 +53,7 @@ import torch
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
-from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
 from mopd.bridge.topology import Topology
 from mopd.profiling.results import environment, format_table, record
 
@@ -212,6 +212,34 @@ def _plan_one(step: Step, rank: int) -> tuple[Any, list[str]]:
     return plan_rank(catalog, rank), check_rank(catalog, rank)
 
 
+def _groups_read(step: Step, rank: int) -> int:
+    """How many groups' runs ``rank`` reads to plan and check (not timed)."""
+    m = StepMatrix(step.matrix_NW, step.sizes_N, n_sections=2)
+    cat = step.topology.catalog(m, 0)
+    read: set[tuple[str, int]] = set()
+
+    def source_runs(g: int) -> np.ndarray:
+        read.add(("s", g))
+        return cat.source_runs(g)
+
+    def dest_runs(d: int) -> np.ndarray:
+        read.add(("d", d))
+        return cat.dest_runs(d)
+
+    counting = RunCatalog(
+        sources=cat.sources,
+        dests=cat.dests,
+        source_runs=source_runs,
+        dest_runs=dest_runs,
+        source_range_G2=cat.source_range_G2,
+        dest_range_D2=cat.dest_range_D2,
+        group_index=cat.group_index,
+    )
+    plan_rank(counting, rank)
+    check_rank(counting, rank)
+    return len(read)
+
+
 def representative_ranks(ranks: int) -> list[int]:
     """Rank 0 (teacher and student group leader: checks both), one in the middle (no leader),
     and the last teacher leader (a student leader too)."""
@@ -220,8 +248,8 @@ def representative_ranks(ranks: int) -> list[int]:
 
 def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, float]:
     """``plan_ms`` (slowest median), ``plan_ms_min`` (fastest median), ``plan_alloc_mib``
-    (largest tracemalloc peak) over ``ranks``."""
-    medians, peaks = [], []
+    (largest tracemalloc peak) and ``groups_read`` (most groups read) over ``ranks``."""
+    medians, peaks, reads = [], [], []
     for r in ranks:
         plan, verdicts = _plan_one(step, r)  # warm-up
         if verdicts or not (plan.sends or plan.recvs or plan.locals):
@@ -237,7 +265,9 @@ def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, f
         _plan_one(step, r)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
+        reads.append(_groups_read(step, r))
     return {
+        "groups_read": max(reads),
         "plan_ms": 1e3 * max(medians),
         "plan_ms_min": 1e3 * min(medians),
         "plan_alloc_mib": max(peaks) / 2**20,
@@ -369,6 +399,8 @@ def _row(step: Step, local: dict[str, float], glob: dict[str, Any], rss_mib: flo
         "global_plan_ms": None
         if glob["global_plan_ms"] is None
         else round(glob["global_plan_ms"], 2),
+        "groups_read": int(local["groups_read"]),
+        "groups": len(step.topology.sources) + len(step.topology.dests),
         "metadata_bytes_per_rank": round(model.bytes_per_rank, 1),
         "metadata_padded_bytes_per_rank": model.padded_bytes_per_rank,
         "allgather_bytes": model.gathered_bytes,
@@ -438,9 +470,9 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace) -> str:
         "(rank r is both), THD both sides padded to 2 cp tp per sequence, DP ranks holding "
         "contiguous sample ids (teacher: equal sample counts; student: equal tokens).",
         f"`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one rank, "
-        f"median of {args.repeats}, the slowest of ranks {representative_ranks(16)} (scaled to "
-        "each size: rank 0, one in the middle, the last teacher leader); `plan_ms_min` the "
-        "fastest. `global_plan_ms`: the previous global planner (plan_token_exchange, run "
+        f"median of {args.repeats}, the slowest of three ranks (rank 0, one in the middle, the "
+        "last teacher leader); `plan_ms_min` the fastest. `groups_read`: the most groups (of `groups`) whose runs one of them reads. "
+        "`global_plan_ms`: the previous global planner (plan_token_exchange, run "
         f"join), median of {args.global_repeats}, in a child process; empty where skipped "
         f"(beyond {args.global_max_ranks} ranks, or past its time limit).",
         "`peak_mib` = `matrix_mib` (the gathered metadata every rank holds) + `plan_alloc_mib` "
