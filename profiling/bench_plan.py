@@ -420,7 +420,7 @@ def _row(step: Step, local: dict[str, float], glob: dict[str, Any], rss_mib: flo
     }
 
 
-def _plot(rows: Sequence[dict], png: Path) -> None:
+def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -450,10 +450,10 @@ def _plot(rows: Sequence[dict], png: Path) -> None:
     bx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="MiB", title="memory")
     for x in (ax, bx):
         x.grid(alpha=0.3, which="both")
-        x.legend(fontsize=7)
+        x.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle(
-        "Planning one step, ~4,096 tokens per rank (teacher tp8 cp2, student tp4 cp4, THD); "
-        "one CPU thread",
+        f"Planning one step, ~{tokens_per_rank:,} tokens per rank (teacher tp8 cp2, student tp4 "
+        "cp4, colocated, THD); one CPU thread",
         fontsize=9,
     )
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -498,13 +498,21 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace) -> str:
             f"At 4,096 ranks: {mid['plan_ms']:.2f} ms and {mid['peak_mib']:.1f} MiB "
             f"({'meets' if ok else 'misses'} the <= 20 ms, <= 200 MiB target)."
         )
+    ratios = [
+        f"{r['ranks']:,} ranks: {2e3 * (r['ranks'] - 1) * ALPHA_S:.3g} ms latency against "
+        f"{1e3 * (r['ranks'] - 1) * r['metadata_padded_bytes_per_rank'] / BETA_BPS:.2g} ms "
+        "bandwidth"
+        for r in rows
+    ]
     lines.append(
-        "Where the all-gather must become hierarchical: its bytes are small (a record is a few "
-        "KiB), so a flat ring is latency-bound at every size here: 2 (n-1) alpha is 5 ms at 256 "
-        "ranks, 20 ms at 1,024 and 330 ms at 16,384, 10-100x its bandwidth term. From about "
-        "1,024 ranks (where it passes 10 ms a step) it should go through node leaders (or a "
-        "log-depth all-gather), and past 4,096 the gathered matrix (every rank holds n padded "
-        "records) argues for gathering only the slot tables and fetching peers' runs."
+        "Where the all-gather must become hierarchical: a record is a few KiB, so the flat ring "
+        f"is latency-bound at every size ({'; '.join(ratios)}). It passes 10 ms a step at about "
+        f"{int(1 + 1e-2 / (2 * ALPHA_S)):,} ranks: from 1,024 ranks on it should go through node "
+        "leaders (the 2-level column: n / 8 ring steps) or a log-depth all-gather "
+        "(2 log2(n) steps, which leaves the bandwidth term: a few ms at 16,384). Past 4,096 "
+        "ranks the gathered matrix itself (every rank holds n padded records, `matrix_mib`) is "
+        "the largest memory cost of planning: gather only the slot tables (sample ranges, "
+        "rows) from everyone and the runs from the peers they name."
     )
     return "\n\n".join(lines)
 
@@ -563,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plan-scale", rows, out_dir=args.results_dir, notes=notes, env=env
         )
         png = csv_path.with_name(csv_path.stem + "-vs-ranks.png")
-        _plot(rows, png)
+        _plot(rows, png, args.tokens_per_rank)
         print(f"recorded {csv_path}, {md_path} and {png}", file=sys.stderr)
     return 0
 

@@ -208,7 +208,7 @@ def oracle_verdicts(catalog: RunCatalog) -> dict[int, list[str]]:
     k_src, k_dst = keys[: len(src)], keys[len(src) :]
     out: dict[int, list[str]] = {}
 
-    def name(t: Tokens, key: np.ndarray, i: int) -> str:
+    def name(t: Tokens, i: int) -> str:
         return f"(sample_id={int(t.sample_M[i])}, position={int(t.position_M[i])})"
 
     for g, s in enumerate(sources):
@@ -221,7 +221,7 @@ def oracle_verdicts(catalog: RunCatalog) -> dict[int, list[str]]:
             at = np.flatnonzero(key == k)
             rows = np.sort(tok.row_M[at])
             msg = (
-                f"token {name(tok, key, int(at[0]))} is held twice by {s.label or g} "
+                f"token {name(tok, int(at[0]))} is held twice by {s.label or g} "
                 f"(ranks {list(s.ranks)}, rows {int(rows[0])} and {int(rows[1])}); "
                 f"{int((cnt > 1).sum())} keys are held more than once there"
             )
@@ -235,7 +235,7 @@ def oracle_verdicts(catalog: RunCatalog) -> dict[int, list[str]]:
                 row_h = int(src[h].row_M[k_src[h] == k].min())
                 other = sources[h]
                 msg = (
-                    f"token {name(tok, key, i_g)} is held twice: by "
+                    f"token {name(tok, i_g)} is held twice: by "
                     f"{_where(other.label or str(h), other.ranks, row_h)} and by "
                     f"{_where(s.label or str(g), s.ranks, int(tok.row_M[i_g]))}; "
                     f"{both.size} keys are held by both"
@@ -249,7 +249,7 @@ def oracle_verdicts(catalog: RunCatalog) -> dict[int, list[str]]:
         if missing.any():
             i = int(np.flatnonzero(missing)[np.argmin(tok.row_M[missing])])
             msg = (
-                f"token {name(tok, key, i)} is needed by "
+                f"token {name(tok, i)} is needed by "
                 f"{_where(x.label or str(d), x.ranks, int(tok.row_M[i]))} but no teacher holds "
                 f"it; {int(missing.sum())} needed tokens are missing in all"
             )
