@@ -145,11 +145,13 @@ class Topology:
         student) for rows and sample ranges; a group (with its ``num_rows``) is built when the
         planner looks at it, and its runs are read when the planner asks.
         """
-        src_fields = np.zeros((len(self.sources), 6), dtype=_I64)
+        # (n_rows, sample_min, sample_max) of every group: the only columns read for all groups
+        cols = (0, 3, 4)
+        src_fields = np.zeros((len(self.sources), 3), dtype=_I64)
         for o in np.unique(self.source_section).tolist():
             sel = np.flatnonzero(self.source_section == o)
-            src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot)
-        dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot)
+            src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot, cols)
+        dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot, cols)
         sources = _Groups(self.sources, src_fields[:, 0].copy())
         dests = _Groups(self.dests, dst_fields[:, 0].copy())
         leaders_s, sections_s, leaders_d = self.source_leader, self.source_section, self.dest_leader
@@ -159,7 +161,7 @@ class Topology:
             dests=dests,
             source_runs=lambda g: matrix.runs(int(leaders_s[g]), int(sections_s[g]), slot),
             dest_runs=lambda d: matrix.runs(int(leaders_d[d]), student, slot),
-            source_range_G2=np.ascontiguousarray(src_fields[:, 3:5]),
-            dest_range_D2=np.ascontiguousarray(dst_fields[:, 3:5]),
+            source_range_G2=np.ascontiguousarray(src_fields[:, 1:3]),
+            dest_range_D2=np.ascontiguousarray(dst_fields[:, 1:3]),
             group_index=self.index,
         )
