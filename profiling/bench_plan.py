@@ -460,11 +460,12 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
     fig.savefig(png, dpi=110)
 
 
-def _notes(rows: Sequence[dict], args: argparse.Namespace) -> str:
+def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
     by = {r["ranks"]: r for r in rows}
     lines = [
-        f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; other jobs may "
-        f"run): absolute times are noisy. Per rank count: one simulated step, "
+        f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; load average "
+        f"{load[0]:.1f} at the start and {load[1]:.1f} at the end of the run): absolute times "
+        "are noisy, the shape against ranks is the figure. Per rank count: one simulated step, "
         f"{args.tokens_per_rank} real tokens per rank on average, lengths uniform in "
         f"[1, {args.max_len}], teacher tp8 cp2 and student tp4 cp4 colocated on the same ranks "
         "(rank r is both), THD both sides padded to 2 cp tp per sequence, DP ranks holding "
@@ -524,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
-    parser.add_argument("--global-max-ranks", type=int, default=4096, help="0: never")
+    parser.add_argument("--global-max-ranks", type=int, default=16384, help="0: never")
     parser.add_argument("--global-repeats", type=int, default=3)
     parser.add_argument("--global-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank count")
@@ -539,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     torch.set_num_threads(1)
+    load0 = os.getloadavg()[0]
     rows = []
     for n in args.ranks:
         step = build_step(
@@ -566,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(rows))
     if not args.no_record:
         env = environment()
-        notes = _notes(rows, args)
+        notes = _notes(rows, args, (load0, os.getloadavg()[0]))
         csv_path, md_path = record(
             "plan-scale", rows, out_dir=args.results_dir, notes=notes, env=env
         )
