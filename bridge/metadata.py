@@ -252,13 +252,23 @@ class StepMatrix:
         at = int(self.matrix[j, HEADER + section])
         return tuple(int(x) for x in self.matrix[j, at : at + _SECTION_HEAD])  # type: ignore[return-value]
 
-    def slot_fields(self, members: np.ndarray, section: int, slot: int) -> np.ndarray:
-        """``[len(members), 6]`` slot-table rows ``(n_rows, n_runs, runs_offset, sample_min,
-        sample_max, digest)`` of ``section`` / ``slot`` in each given member's record (the
-        members must hold the section)."""
-        at = self.matrix[members, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
-        cols = at[:, None] + np.arange(SLOT_FIELDS)
-        return self.matrix[members[:, None], cols]
+    def slot_fields(
+        self,
+        members: np.ndarray,
+        section: int,
+        slot: int,
+        fields: Sequence[int] = tuple(range(SLOT_FIELDS)),
+    ) -> np.ndarray:
+        """``[len(members), len(fields)]`` slot-table rows ``(n_rows, n_runs, runs_offset,
+        sample_min, sample_max, digest)`` of ``section`` / ``slot`` in each given member's
+        record (the members must hold the section); ``fields``: which of those columns."""
+        m = self.matrix
+        at = m[members, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
+        cols = np.asarray(fields, dtype=_I64)
+        if not m.flags.c_contiguous:
+            return m[members[:, None], at[:, None] + cols]
+        # one gather from the flat matrix: a third of a 2-D fancy index over scattered rows
+        return m.reshape(-1)[(members * m.shape[1] + at)[:, None] + cols]
 
     def runs(self, j: int, section: int, slot: int) -> np.ndarray:
         """``[K, 5]`` runs member ``j`` sent for ``section`` / ``slot`` (a view, no copy)."""

@@ -27,12 +27,31 @@ Model (all tokens are keys ``(sample_id, position)``; rows are rows of a flat ``
 A rank's share of that, :class:`RankPlan`, is in *run form*: every transfer is a table of
 segments ``(src_row, src_step, dst_row, dst_step, length)``, in destination-row order, that both
 ends derive the same way. Destination rows are relative to the receiving rank's slice.
+
+How a rank plans (never a token at a time, never a group it has no business with):
+
+- peers come from the ``[G, 2]`` / ``[D, 2]`` sample ranges (one vectorized comparison): a
+  receiving rank reads its destination group's runs and those of the source groups whose range
+  meets it; a sending rank reads its source group's runs and those of the destination groups
+  whose range meets it;
+- the join is by key interval: source runs sorted by first key (they are disjoint), each
+  destination run finds the source runs it overlaps with two binary searches, and every overlap
+  becomes a *piece* (a segment of rows ``src_row + i * src_step -> dst_row + i * dst_step``);
+- pieces are cut where a slice ends and where a chunk ends (integer arithmetic on the piece),
+  sorted by destination row inside their block, and consecutive pieces that continue each other
+  are merged. Only pieces whose destination rows interleave (a strided ``[S, B, H]``
+  destination) are expanded into tokens, and only inside the slot that needs them;
+- verdicts (:func:`check_rank`) are interval arithmetic on the same runs: overlaps of a group's
+  sorted runs (held twice inside the group), overlaps with earlier groups whose range meets it
+  (held twice across groups), gaps between a destination run and the union of the sources
+  (needed but held by nobody).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +60,7 @@ __all__ = [
     "SEGMENT_COLUMNS",
     "DestGroup",
     "DestSlot",
+    "GroupIndex",
     "RankPlan",
     "RunCatalog",
     "SourceGroup",
@@ -57,6 +77,7 @@ RUN_COLUMNS = ("sample", "position", "row", "step", "length")
 SEGMENT_COLUMNS = ("src_row", "src_step", "dst_row", "dst_step", "length")
 
 _I64 = np.int64
+_EMPTY = np.empty(0, dtype=_I64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,28 +123,95 @@ class DestGroup:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
+class GroupIndex:
+    """The groups' ranks as flat arrays, and the lookups a rank starts from.
+
+    Depends on the groups' ranks only (not on rows or runs), so a :class:`~mopd.bridge.topology.
+    Topology` builds it once and every micro-batch's catalog shares it.
+
+    Attributes:
+        owner_G: ``[G]`` owner of each source group.
+        rep_off_G1: ``[G + 1]`` offsets of each source group's replicas in ``rep_rank_X``.
+        rep_rank_X: replica ranks of all source groups, concatenated.
+        slot_off_D1: ``[D + 1]`` offsets of each destination group's slots (global slot index).
+        slot_rank_S: ``[S]`` receiving rank of each global slot.
+        source_groups: ``rank ->`` the source groups it is a replica of, ascending.
+        dest_groups: ``rank ->`` the destination groups it is a slot of, ascending (it receives
+            into the first one).
+    """
+
+    owner_G: np.ndarray
+    rep_off_G1: np.ndarray
+    rep_rank_X: np.ndarray
+    slot_off_D1: np.ndarray
+    slot_rank_S: np.ndarray
+    source_groups: Mapping[int, tuple[int, ...]]
+    dest_groups: Mapping[int, tuple[int, ...]]
+
+    @staticmethod
+    def build(sources: Sequence[SourceGroup], dests: Sequence[DestGroup]) -> GroupIndex:
+        """The index of ``sources`` and ``dests`` (``O(ranks)``, once per topology)."""
+        reps = [s.ranks for s in sources]
+        slots = [d.ranks for d in dests]
+        by_rank: dict[int, list[int]] = {}
+        for g, ranks in enumerate(reps):
+            for r in dict.fromkeys(ranks):
+                by_rank.setdefault(r, []).append(g)
+        by_slot: dict[int, list[int]] = {}
+        for d, ranks in enumerate(slots):
+            for r in dict.fromkeys(ranks):
+                by_slot.setdefault(r, []).append(d)
+        return GroupIndex(
+            owner_G=np.asarray([s.owner for s in sources], dtype=_I64),
+            rep_off_G1=np.cumsum([0] + [len(r) for r in reps], dtype=_I64),
+            rep_rank_X=np.asarray([r for ranks in reps for r in ranks], dtype=_I64),
+            slot_off_D1=np.cumsum([0] + [len(r) for r in slots], dtype=_I64),
+            slot_rank_S=np.asarray([r for ranks in slots for r in ranks], dtype=_I64),
+            source_groups={r: tuple(gs) for r, gs in by_rank.items()},
+            dest_groups={r: tuple(ds) for r, ds in by_slot.items()},
+        )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class RunCatalog:
     """What every rank contributed for one exchange, looked up lazily.
 
     Attributes:
-        sources, dests: every group of the exchange, in plan order (the same on every rank).
+        sources, dests: every group of the exchange, in plan order (the same on every rank);
+            any sequence (a :class:`~mopd.bridge.topology.Topology` hands lazy ones that build
+            a group only when it is looked at).
         source_runs: ``g -> [K, 5]`` int64 runs of source group ``g`` (:data:`RUN_COLUMNS`).
         dest_runs: ``d -> [K, 5]`` int64 runs of destination group ``d``.
         source_range_G2, dest_range_D2: ``[G, 2]`` / ``[D, 2]`` int64 smallest and largest
             sample id of each group's runs (``(1, 0)`` for a group without tokens): where a
             group's tokens can be found without decoding its runs.
+        group_index: the groups' :class:`GroupIndex`, when the caller has it (else built from
+            ``sources`` and ``dests`` on first use, ``O(groups)``).
+
+    The planner reads each group's runs at most once per catalog (kept in a private memo).
     """
 
-    sources: tuple[SourceGroup, ...]
-    dests: tuple[DestGroup, ...]
+    sources: Sequence[SourceGroup]
+    dests: Sequence[DestGroup]
     source_runs: Callable[[int], np.ndarray]
     dest_runs: Callable[[int], np.ndarray]
     source_range_G2: np.ndarray
     dest_range_D2: np.ndarray
+    group_index: GroupIndex | None = None
+    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def index(self) -> GroupIndex:
+        """:attr:`group_index`, or the one built from the groups (once)."""
+        if self.group_index is not None:
+            return self.group_index
+        ix = self._memo.get("index")
+        if ix is None:
+            ix = self._memo["index"] = GroupIndex.build(self.sources, self.dests)
+        return ix
 
     def slot_offsets(self) -> np.ndarray:
         """``[D + 1]`` int64: destination group ``d``'s slots are ``offsets[d] .. offsets[d + 1]``."""
-        return np.concatenate([[0], np.cumsum([len(d.ranks) for d in self.dests])]).astype(_I64)
+        return self.index().slot_off_D1.copy()
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -193,118 +281,427 @@ class RankPlan:
     owner_N: np.ndarray | None
 
 
-# --- keys ------------------------------------------------------------------------------------
+# --- runs and keys ---------------------------------------------------------------------------
 
 
-def _expand_runs(runs_K5: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(sample_M, position_M, row_M)`` of every token of ``runs_K5``, run by run."""
-    length = runs_K5[:, 4]
-    m = int(length.sum())
-    run = np.repeat(np.arange(runs_K5.shape[0], dtype=_I64), length)
-    i = np.arange(m, dtype=_I64) - np.repeat(np.cumsum(length) - length, length)
-    return runs_K5[run, 0], runs_K5[run, 1] + i, runs_K5[run, 2] + i * runs_K5[run, 3]
+def _runs(catalog: RunCatalog, side: str, i: int) -> np.ndarray:
+    """Group ``i``'s ``[K, 5]`` runs (``side`` ``"s"`` or ``"d"``), read once per catalog.
+
+    A copy with empty runs dropped and the step of runs of length 1 set to 1.
+    """
+    key = (side, i)
+    got = catalog._memo.get(key)
+    if got is None:
+        raw = catalog.source_runs(i) if side == "s" else catalog.dest_runs(i)
+        got = np.array(raw, dtype=_I64).reshape(-1, 5)
+        if got.shape[0]:
+            got = got[got[:, 4] > 0]
+            got[got[:, 4] == 1, 3] = 1
+        catalog._memo[key] = got
+    return got
+
+
+def _tagged(catalog: RunCatalog, side: str, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of several groups, concatenated: ``([K, 5] runs, [K] group of each run)``."""
+    tables = [_runs(catalog, side, int(g)) for g in groups.tolist()]
+    if not tables:
+        return np.empty((0, 5), dtype=_I64), _EMPTY
+    tag = np.repeat(groups.astype(_I64), [t.shape[0] for t in tables])
+    return np.concatenate(tables), tag
 
 
 def _overlapping(range_X2: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Indices of groups whose sample range meets ``[lo, hi]``."""
-    return np.flatnonzero((range_X2[:, 0] <= hi) & (range_X2[:, 1] >= lo))
+    """Indices of the groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+    if lo > hi:
+        return _EMPTY
+    a, b = range_X2[:, 0], range_X2[:, 1]
+    return np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
 
 
-def _segments(src_M: np.ndarray, dst_M: np.ndarray) -> np.ndarray:
-    """``[S, 5]`` segments of token rows ``src_M -> dst_M`` (both ``[M]``, in order).
+def _key_space(*tables: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(samples, stride)``: key ``index(sample) * stride + position`` orders the tokens of
+    ``tables`` by ``(sample, position)`` (dense sample indices: no overflow for sparse ids)."""
+    live = [t for t in tables if t.shape[0]]
+    if not live:
+        return _EMPTY, 1
+    u = np.unique(np.concatenate([t[:, 0] for t in live]))
+    stride = int(max(int((t[:, 1] + t[:, 4]).max()) for t in live)) + 1
+    if u.size * stride >= 2**62:
+        raise ValueError(f"{u.size} samples with positions up to {stride} overflow int64 keys")
+    return u, stride
 
-    Greedy, left to right: a segment extends while both rows advance by the segment's steps.
+
+def _keys(runs_K5: np.ndarray, u: np.ndarray, stride: int) -> np.ndarray:
+    """``[K]`` first key of each run (see :func:`_key_space`)."""
+    return np.searchsorted(u, runs_K5[:, 0]) * stride + runs_K5[:, 1]
+
+
+def _overlaps(
+    start_A: np.ndarray, end_A: np.ndarray, start_B: np.ndarray, end_B: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs ``(b, a)`` of intervals ``[start, end)`` that overlap: ``A`` sorted and disjoint
+    (``start_A`` and ``end_A`` increasing), ``B`` any; by ``b``, then ``a`` increasing."""
+    lo = np.searchsorted(end_A, start_B, side="right")
+    hi = np.searchsorted(start_A, end_B, side="left")
+    n = np.maximum(hi - lo, 0)
+    total = int(n.sum())
+    b = np.repeat(np.arange(start_B.size, dtype=_I64), n)
+    a = lo[b] + np.arange(total, dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
+    return b, a
+
+
+def _ceil_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return -(-a // b)
+
+
+# --- pieces ----------------------------------------------------------------------------------
+
+
+_PIECE_FIELDS = ("grp", "dst", "slot", "src_row", "src_step", "dst_row", "dst_step", "length")
+
+
+@dataclass(kw_only=True, eq=False)
+class _Pieces:
+    """Segments of one join, one per array element (``P`` pieces).
+
+    ``grp``: source group; ``dst``: destination group; ``slot``: global slot (after
+    :func:`_cut_slices`); then the segment columns. ``dst_step >= 1`` throughout.
+    """
+
+    grp: np.ndarray
+    dst: np.ndarray
+    slot: np.ndarray
+    src_row: np.ndarray
+    src_step: np.ndarray
+    dst_row: np.ndarray
+    dst_step: np.ndarray
+    length: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.length.size)
+
+    def take(self, idx: np.ndarray) -> _Pieces:
+        return _Pieces(
+            grp=self.grp[idx],
+            dst=self.dst[idx],
+            slot=self.slot[idx],
+            src_row=self.src_row[idx],
+            src_step=self.src_step[idx],
+            dst_row=self.dst_row[idx],
+            dst_step=self.dst_step[idx],
+            length=self.length[idx],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[_Pieces]) -> _Pieces:
+        return _Pieces(
+            **{name: np.concatenate([getattr(p, name) for p in parts]) for name in _PIECE_FIELDS}
+        )
+
+    def segments_S5(self) -> np.ndarray:
+        return np.stack([self.src_row, self.src_step, self.dst_row, self.dst_step, self.length], 1)
+
+
+def _join(
+    src_K5: np.ndarray, src_grp_K: np.ndarray, dst_K5: np.ndarray, dst_id_K: np.ndarray
+) -> _Pieces:
+    """Every overlap of a source run with a destination run, as a piece.
+
+    Source runs must be disjoint in key (input :func:`check_rank` passes); destination runs may
+    be anything. Pieces come with ``dst_step >= 1`` (a run whose rows go backwards is flipped)
+    and steps of 1 where they hold one token; ``slot`` is not set yet (``-1``).
+    """
+    if not src_K5.shape[0] or not dst_K5.shape[0]:
+        e = _EMPTY
+        return _Pieces(grp=e, dst=e, slot=e, src_row=e, src_step=e, dst_row=e, dst_step=e, length=e)
+    u, stride = _key_space(src_K5, dst_K5)
+    ks = _keys(src_K5, u, stride)
+    o = np.argsort(ks, kind="stable")
+    src_K5, src_grp_K, ks = src_K5[o], src_grp_K[o], ks[o]
+    ke = ks + src_K5[:, 4]
+    kd = _keys(dst_K5, u, stride)
+    b, a = _overlaps(ks, ke, kd, kd + dst_K5[:, 4])
+    first = np.maximum(kd[b], ks[a])
+    length = np.minimum(kd[b] + dst_K5[b, 4], ke[a]) - first
+    src_step, dst_step = src_K5[a, 3], dst_K5[b, 3]
+    src_row = src_K5[a, 2] + (first - ks[a]) * src_step
+    dst_row = dst_K5[b, 2] + (first - kd[b]) * dst_step
+    back = dst_step < 0
+    if back.any():  # rows going backwards: the same tokens, last one first
+        tail = length[back] - 1
+        src_row[back] += tail * src_step[back]
+        dst_row[back] += tail * dst_step[back]
+        src_step[back] *= -1
+        dst_step[back] *= -1
+    one = length == 1
+    src_step[one] = 1
+    dst_step[one] = 1
+    return _Pieces(
+        grp=src_grp_K[a],
+        dst=dst_id_K[b],
+        slot=np.full(b.size, -1, dtype=_I64),
+        src_row=src_row,
+        src_step=src_step,
+        dst_row=dst_row,
+        dst_step=dst_step,
+        length=length,
+    )
+
+
+def _cut_slices(p: _Pieces, slice_rows_P: np.ndarray, slot0_P: np.ndarray) -> _Pieces:
+    """Pieces cut where their destination group's slices end; ``slot`` set (global slot)."""
+    n = np.maximum(slice_rows_P, 1)
+    q0 = p.dst_row // n
+    q1 = (p.dst_row + (p.length - 1) * p.dst_step) // n
+    m = q1 - q0 + 1
+    if p.size == 0 or bool((m == 1).all()):
+        p.slot = slot0_P + q0
+        return p
+    i = np.repeat(np.arange(p.size, dtype=_I64), m)
+    q = q0[i] + np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(m) - m, m)
+    r0, st, ni = p.dst_row[i], p.dst_step[i], n[i]
+    lo = np.maximum(_ceil_div(q * ni - r0, st), 0)
+    hi = np.minimum(_ceil_div((q + 1) * ni - r0, st), p.length[i])
+    keep = hi > lo
+    i, q, lo, hi = i[keep], q[keep], lo[keep], hi[keep]
+    out = p.take(i)
+    out.src_row = out.src_row + lo * out.src_step
+    out.dst_row = out.dst_row + lo * out.dst_step
+    out.length = hi - lo
+    out.slot = slot0_P[i] + q
+    one = out.length == 1
+    out.src_step[one] = 1
+    out.dst_step[one] = 1
+    return out
+
+
+def _sort_blocks(p: _Pieces) -> tuple[_Pieces, np.ndarray, np.ndarray]:
+    """Pieces sorted by block ``(grp, slot)``, then destination row: ``(pieces, block_P,
+    starts_B)`` with ``block_P`` the dense block index of each piece."""
+    o = np.lexsort((p.dst_row, p.slot, p.grp))
+    p = p.take(o)
+    new = np.ones(p.size, dtype=bool)
+    new[1:] = (p.grp[1:] != p.grp[:-1]) | (p.slot[1:] != p.slot[:-1])
+    return p, np.cumsum(new) - 1, np.flatnonzero(new)
+
+
+def _token_segments(src_M: np.ndarray, dst_M: np.ndarray, brk_M: np.ndarray) -> np.ndarray:
+    """Segments of token pairs in order: ``[S]`` index of each segment's first token.
+
+    A token starts a segment where ``brk_M`` says so; otherwise it continues the previous one
+    when the previous token was made to start one by ``brk_M``, or when its step (from the
+    previous token) equals the previous token's step. Every segment has one step; vectorized,
+    so a little less greedy than it could be.
     """
     m = src_M.size
-    if m == 0:
-        return np.empty((0, 5), dtype=_I64)
-    out = []
-    i = 0
-    while i < m:
-        j = i + 1
-        if j < m:
-            ds, dd = src_M[j] - src_M[i], dst_M[j] - dst_M[i]
-            while j < m and src_M[j] - src_M[j - 1] == ds and dst_M[j] - dst_M[j - 1] == dd:
-                j += 1
-        else:
-            ds = dd = 1
-        n = j - i
-        out.append((src_M[i], ds if n > 1 else 1, dst_M[i], dd if n > 1 else 1, n))
-        i = j
-    return np.asarray(out, dtype=_I64).reshape(-1, 5)
+    cont = np.zeros(m, dtype=bool)
+    if m > 1:
+        ds, dd = np.diff(src_M), np.diff(dst_M)
+        same = np.zeros(m - 1, dtype=bool)
+        same[1:] = (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
+        cont[1:] = ~brk_M[1:] & (brk_M[:-1] | same)
+    return np.flatnonzero(~cont)
+
+
+def _untangle(
+    p: _Pieces, block_P: np.ndarray, starts_B: np.ndarray
+) -> tuple[_Pieces, np.ndarray, np.ndarray]:
+    """Pieces whose destination rows interleave inside a block (strided destinations) replaced
+    by segments of their tokens in destination-row order; the rest untouched. Takes and returns
+    :func:`_sort_blocks`' triple."""
+    last = p.dst_row + (p.length - 1) * p.dst_step
+    big = int(last.max()) + 1
+    reach = np.maximum.accumulate(block_P * big + last)
+    lone = np.ones(p.size, dtype=bool)
+    lone[1:] = block_P[1:] * big + p.dst_row[1:] > reach[:-1]
+    if lone.all():
+        return p, block_P, starts_B
+    cluster = np.cumsum(lone) - 1
+    multi = np.bincount(cluster)[cluster] > 1
+    q = p.take(multi)
+    qc = cluster[multi]
+    length = q.length
+    i = np.repeat(np.arange(q.size, dtype=_I64), length)
+    t = np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(length) - length, length)
+    src_M, dst_M = q.src_row[i] + t * q.src_step[i], q.dst_row[i] + t * q.dst_step[i]
+    o = np.lexsort((dst_M, qc[i]))
+    i, src_M, dst_M = i[o], src_M[o], dst_M[o]
+    brk = np.ones(i.size, dtype=bool)
+    brk[1:] = qc[i[1:]] != qc[i[:-1]]
+    head = _token_segments(src_M, dst_M, brk)
+    n_seg = np.diff(head, append=i.size)
+    nxt = np.minimum(head + 1, i.size - 1)
+    multi_tok = n_seg > 1
+    new = q.take(i[head])
+    new.src_row, new.dst_row, new.length = src_M[head], dst_M[head], n_seg
+    new.src_step = np.where(multi_tok, src_M[nxt] - src_M[head], 1)
+    new.dst_step = np.where(multi_tok, dst_M[nxt] - dst_M[head], 1)
+    return _sort_blocks(_Pieces.concat([p.take(~multi), new]))
+
+
+def _member(rank_B: np.ndarray, grp_B: np.ndarray, ix: GroupIndex) -> np.ndarray:
+    """``[B]`` whether ``rank_B[b]`` is a replica of source group ``grp_B[b]``."""
+    lo, hi = ix.rep_off_G1[grp_B], ix.rep_off_G1[grp_B + 1]
+    out = np.zeros(grp_B.size, dtype=bool)
+    for r in range(int((hi - lo).max(initial=0))):
+        has = lo + r < hi
+        out |= has & (ix.rep_rank_X[np.where(has, lo + r, 0)] == rank_B)
+    return out
+
+
+def _merge(p: _Pieces, tid_P: np.ndarray) -> tuple[_Pieces, np.ndarray]:
+    """Consecutive pieces of one transfer that continue each other (same steps), merged."""
+    if p.size < 2:
+        return p, tid_P
+    cont = np.zeros(p.size, dtype=bool)
+    cont[1:] = (
+        (tid_P[1:] == tid_P[:-1])
+        & (p.src_step[1:] == p.src_step[:-1])
+        & (p.dst_step[1:] == p.dst_step[:-1])
+        & (p.src_row[1:] == p.src_row[:-1] + p.length[:-1] * p.src_step[:-1])
+        & (p.dst_row[1:] == p.dst_row[:-1] + p.length[:-1] * p.dst_step[:-1])
+    )
+    if not cont.any():
+        return p, tid_P
+    head = np.flatnonzero(~cont)
+    out = p.take(head)
+    out.length = np.add.reduceat(p.length, head)
+    return out, tid_P[head]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class _Join:
-    """A destination group's rows joined with the sources that hold them (token order = row order).
+class _Chunked:
+    """One transfer per row of the ``[T]`` arrays, segments of transfer ``t`` at
+    ``segments_S5[off_T1[t] : off_T1[t + 1]]``."""
 
-    ``row_M``: destination rows with a key; ``group_M``: source group holding it (-1: none);
-    ``src_row_M``: its row there.
+    grp_T: np.ndarray
+    slot_T: np.ndarray
+    src_rank_T: np.ndarray
+    local_T: np.ndarray
+    off_T1: np.ndarray
+    segments_S5: np.ndarray
+
+
+def _chunk(
+    p: _Pieces, ix: GroupIndex, *, local_copy: bool, send_rank: int | None = None
+) -> _Chunked:
+    """Blocks of the pieces cut into replica chunks (or kept whole as local copies).
+
+    ``send_rank``: keep only what that rank sends (no local blocks, only its chunks).
+    Destination rows stay as they are (the caller makes them slice-relative first).
     """
+    if not p.size:
+        e = _EMPTY
+        return _Chunked(
+            grp_T=e,
+            slot_T=e,
+            src_rank_T=e,
+            local_T=e.astype(bool),
+            off_T1=np.zeros(1, _I64),
+            segments_S5=np.empty((0, 5), dtype=_I64),
+        )
+    p, block, starts = _sort_blocks(p)
+    if bool((p.dst_step > 1).any()):
+        p, block, starts = _untangle(p, block, starts)
+    blk_g, blk_slot = p.grp[starts], p.slot[starts]
+    blk_rank = ix.slot_rank_S[blk_slot]
+    blk_k = ix.rep_off_G1[blk_g + 1] - ix.rep_off_G1[blk_g]
+    blk_local = _member(blk_rank, blk_g, ix) if local_copy else np.zeros(starts.size, bool)
+    cum = np.cumsum(p.length) - p.length
+    off = cum - cum[starts][block]
+    n = np.add.reduceat(p.length, starts)[block]
+    k = np.where(blk_local, 1, blk_k)[block]
+    c0 = off * k // n
+    c1 = (off + p.length - 1) * k // n
+    m = c1 - c0 + 1
+    if bool((m > 1).any()):
+        i = np.repeat(np.arange(p.size, dtype=_I64), m)
+        c = c0[i] + np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(m) - m, m)
+        ki, ni, oi = k[i], n[i], off[i]
+        lo = np.maximum(_ceil_div(c * ni, ki), oi) - oi
+        hi = np.minimum(_ceil_div((c + 1) * ni, ki), oi + p.length[i]) - oi
+        keep = hi > lo
+        i, c, lo, hi = i[keep], c[keep], lo[keep], hi[keep]
+        q = p.take(i)
+        q.src_row = q.src_row + lo * q.src_step
+        q.dst_row = q.dst_row + lo * q.dst_step
+        q.length = hi - lo
+        one = q.length == 1
+        q.src_step[one] = 1
+        q.dst_step[one] = 1
+        p, block = q, block[i]
+    else:
+        c = c0
+    g, s, kb = p.grp, p.slot, blk_k[block]
+    local = blk_local[block]
+    rep = ix.rep_rank_X[ix.rep_off_G1[g] + (c + g + s) % kb]
+    src_rank = np.where(local, blk_rank[block], rep)
+    if send_rank is not None:
+        keep = ~local & (src_rank == send_rank)
+        p, block, c, src_rank, local = (
+            p.take(keep),
+            block[keep],
+            c[keep],
+            src_rank[keep],
+            local[keep],
+        )
+    tid = np.ones(p.size, dtype=bool)
+    tid[1:] = (block[1:] != block[:-1]) | (c[1:] != c[:-1])
+    tid = np.cumsum(tid) - 1
+    firsts = np.flatnonzero(np.diff(tid, prepend=-1))
+    grp_T, slot_T = p.grp[firsts], p.slot[firsts]
+    src_T, local_T = src_rank[firsts], local[firsts]
+    p, tid = _merge(p, tid)
+    off_T1 = np.searchsorted(tid, np.arange(firsts.size + 1, dtype=_I64))
+    return _Chunked(
+        grp_T=grp_T,
+        slot_T=slot_T,
+        src_rank_T=src_T,
+        local_T=local_T,
+        off_T1=off_T1,
+        segments_S5=p.segments_S5(),
+    )
 
-    row_M: np.ndarray
-    group_M: np.ndarray
-    src_row_M: np.ndarray
+
+def _fill_owners(owner_N: np.ndarray, p: _Pieces, owner_G: np.ndarray) -> None:
+    """``owner_N[row] = owner`` for every destination row of the pieces."""
+    if not p.size:
+        return
+    own = owner_G[p.grp]
+    if bool((p.dst_step == 1).all()):  # row intervals: mark the edges, then a prefix sum
+        n = owner_N.size
+        edge = np.zeros(n + 1, dtype=_I64)
+        np.add.at(edge, p.dst_row, own + 1)
+        np.add.at(edge, p.dst_row + p.length, -(own + 1))
+        owner_N[:] = np.cumsum(edge[:n]) - 1
+        return
+    i = np.repeat(np.arange(p.size, dtype=_I64), p.length)
+    t = np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(p.length) - p.length, p.length)
+    owner_N[p.dst_row[i] + t * p.dst_step[i]] = own[i]
 
 
-def _join_dest(catalog: RunCatalog, d: int, only: Sequence[int] | None = None) -> _Join:
-    """Join destination group ``d``'s tokens with the source groups that may hold them.
-
-    ``only``: restrict to these source groups (a sender joins with its own group only).
-    """
-    s_d, p_d, r_d = _expand_runs(catalog.dest_runs(d))
-    order = np.argsort(r_d, kind="stable")
-    s_d, p_d, r_d = s_d[order], p_d[order], r_d[order]
-    group = np.full(r_d.size, -1, dtype=_I64)
-    src_row = np.full(r_d.size, -1, dtype=_I64)
-    if r_d.size == 0:
-        return _Join(row_M=r_d, group_M=group, src_row_M=src_row)
-    lo, hi = int(s_d.min()), int(s_d.max())
-    cands = _overlapping(catalog.source_range_G2, lo, hi) if only is None else np.asarray(only)
-    stride = int(p_d.max()) + 1
-    for g in cands.tolist():
-        s_g, p_g, r_g = _expand_runs(catalog.source_runs(g))
-        inside = p_g < stride
-        s_g, p_g, r_g = s_g[inside], p_g[inside], r_g[inside]
-        if s_g.size == 0:
-            continue
-        key_g = s_g * stride + p_g
-        o = np.argsort(key_g, kind="stable")
-        key_g, r_g = key_g[o], r_g[o]
-        key_d = s_d * stride + p_d
-        at = np.searchsorted(key_g, key_d).clip(max=max(key_g.size - 1, 0))
-        hit = (key_g[at] == key_d) & (group < 0)
-        group[hit] = g
-        src_row[hit] = r_g[at[hit]]
-    return _Join(row_M=r_d, group_M=group, src_row_M=src_row)
+# --- the plan --------------------------------------------------------------------------------
 
 
-def _blocks(
-    catalog: RunCatalog, d: int, join: _Join, j: int, *, local_copy: bool
-) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-    """Transfers into slot ``j`` of destination ``d``: ``(g, src_rank, src_rows, dst_rows)``.
-
-    ``dst_rows`` relative to the slice, per block chunk, in destination-row order; a local copy
-    has ``src_rank`` equal to the slot's rank.
-    """
-    dest = catalog.dests[d]
-    start, stop = dest.slice_bounds(j)
-    slot_rank = dest.ranks[j]
-    slot = int(catalog.slot_offsets()[d]) + j
-    inside = (join.row_M >= start) & (join.row_M < stop) & (join.group_M >= 0)
+def _transfers(
+    ch: _Chunked, owner_G: np.ndarray, slot_rank_S: np.ndarray | None, rank: int
+) -> list[tuple[bool, Transfer]]:
+    """``(local, transfer)`` of every chunk: received by ``rank`` (``slot_rank_S is None``), or
+    sent by it to ``slot_rank_S[slot]``."""
     out = []
-    for g in np.unique(join.group_M[inside]).tolist():
-        sel = inside & (join.group_M == g)
-        dst_rows, src_rows = join.row_M[sel] - start, join.src_row_M[sel]
-        ranks = catalog.sources[g].ranks
-        if local_copy and slot_rank in ranks:
-            out.append((g, slot_rank, src_rows, dst_rows))
-            continue
-        k, n = len(ranks), dst_rows.size
-        for c in range(k):
-            a, b = -(-c * n // k), -(-(c + 1) * n // k)
-            if b > a:
-                out.append((g, ranks[(c + g + slot) % k], src_rows[a:b], dst_rows[a:b]))
+    owner = owner_G[ch.grp_T].tolist()
+    dst = [rank] * len(owner) if slot_rank_S is None else slot_rank_S[ch.slot_T].tolist()
+    src = ch.src_rank_T.tolist() if slot_rank_S is None else [rank] * len(owner)
+    local, off = ch.local_T.tolist(), ch.off_T1.tolist()
+    for t in range(len(owner)):
+        tr = Transfer(
+            owner=owner[t],
+            src_rank=src[t],
+            dst_rank=dst[t],
+            segments_S5=ch.segments_S5[off[t] : off[t + 1]],
+        )
+        out.append((bool(local[t]), tr))
     return out
 
 
@@ -312,16 +709,20 @@ def plan_rank(catalog: RunCatalog, rank: int, *, local_copy: bool = True) -> Ran
     """Global rank ``rank``'s sends, receives and local copies (pure, deterministic).
 
     Assumes input that :func:`check_rank` passes on every rank (each needed token held once).
+    Reads the runs of the rank's own groups and of the groups whose sample range meets theirs.
     """
+    ix = catalog.index()
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     locals_: list[Transfer] = []
     dest: DestSlot | None = None
     owner_N: np.ndarray | None = None
-    for d, group in enumerate(catalog.dests):
-        if rank not in group.ranks:
-            continue
+    mine = ix.dest_groups.get(rank)
+    if mine:
+        d = mine[0]
+        group = catalog.dests[d]
         j = group.ranks.index(rank)
+        s = int(ix.slot_off_D1[d]) + j
         start, stop = group.slice_bounds(j)
         dest = DestSlot(
             group=d,
@@ -331,41 +732,37 @@ def plan_rank(catalog: RunCatalog, rank: int, *, local_copy: bool = True) -> Ran
             num_rows=group.num_rows,
             padded_rows=group.slice_rows * len(group.ranks),
         )
-        join = _join_dest(catalog, d)
         owner_N = np.full(group.num_rows, -1, dtype=_I64)
-        owners = np.asarray([s.owner for s in catalog.sources], dtype=_I64)
-        held = join.group_M >= 0
-        owner_N[join.row_M[held]] = owners[join.group_M[held]]
-        for g, src_rank, src_rows, dst_rows in _blocks(catalog, d, join, j, local_copy=local_copy):
-            t = Transfer(
-                owner=catalog.sources[g].owner,
-                src_rank=src_rank,
-                dst_rank=rank,
-                segments_S5=_segments(src_rows, dst_rows),
-            )
-            (locals_ if src_rank == rank and local_copy else recvs).append(t)
-        break
-    for g, source in enumerate(catalog.sources):
-        if rank not in source.ranks:
-            continue
+        lo, hi = (int(x) for x in catalog.dest_range_D2[d])
+        cands = _overlapping(catalog.source_range_G2, lo, hi)
+        if cands.size:
+            src, src_grp = _tagged(catalog, "s", cands)
+            dst = _runs(catalog, "d", d)
+            p = _join(src, src_grp, dst, np.full(dst.shape[0], d, dtype=_I64))
+            _fill_owners(owner_N, p, ix.owner_G)
+            n = group.slice_rows
+            p = _cut_slices(p, np.full(p.size, n, dtype=_I64), np.full(p.size, s - j, dtype=_I64))
+            p = p.take(p.slot == s)
+            p.dst_row = p.dst_row - start
+            ch = _chunk(p, ix, local_copy=local_copy)
+            for local, t in _transfers(ch, ix.owner_G, None, rank):
+                (locals_ if local else recvs).append(t)
+    for g in ix.source_groups.get(rank, ()):
         lo, hi = (int(x) for x in catalog.source_range_G2[g])
-        for d in _overlapping(catalog.dest_range_D2, lo, hi).tolist():
-            join = _join_dest(catalog, d, only=[g])
-            for j, slot_rank in enumerate(catalog.dests[d].ranks):
-                if slot_rank == rank and local_copy and rank in source.ranks:
-                    continue  # served by the receiving side's local copy
-                for _, src_rank, src_rows, dst_rows in _blocks(
-                    catalog, d, join, j, local_copy=local_copy
-                ):
-                    if src_rank == rank:
-                        sends.append(
-                            Transfer(
-                                owner=source.owner,
-                                src_rank=rank,
-                                dst_rank=slot_rank,
-                                segments_S5=_segments(src_rows, dst_rows),
-                            )
-                        )
+        ds = _overlapping(catalog.dest_range_D2, lo, hi)
+        if not ds.size:
+            continue
+        src = _runs(catalog, "s", g)
+        dst, dst_id = _tagged(catalog, "d", ds)
+        p = _join(src, np.full(src.shape[0], g, dtype=_I64), dst, dst_id)
+        if not p.size:
+            continue
+        n_X = np.asarray([catalog.dests[d].slice_rows for d in ds.tolist()], dtype=_I64)
+        p = _cut_slices(p, n_X[np.searchsorted(ds, p.dst)], ix.slot_off_D1[p.dst])
+        # destination rows relative to the receiving slice
+        p.dst_row = p.dst_row - (p.slot - ix.slot_off_D1[p.dst]) * n_X[np.searchsorted(ds, p.dst)]
+        ch = _chunk(p, ix, local_copy=local_copy, send_rank=rank)
+        sends.extend(t for _, t in _transfers(ch, ix.owner_G, ix.slot_rank_S, rank))
     sends.sort(key=lambda t: (t.owner, t.dst_rank))
     recvs.sort(key=lambda t: (t.owner, t.src_rank))
     locals_.sort(key=lambda t: t.owner)
@@ -379,58 +776,157 @@ def plan_rank(catalog: RunCatalog, rank: int, *, local_copy: bool = True) -> Ran
     )
 
 
+# --- verdicts --------------------------------------------------------------------------------
+
+
+def _where(label: str, ranks: tuple[int, ...], row: int) -> str:
+    return f"{label} (ranks {list(ranks)}, row {row})"
+
+
+def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals ``[start, end)`` as sorted, disjoint intervals."""
+    o = np.argsort(start, kind="stable")
+    start, end = start[o], end[o]
+    reach = np.maximum.accumulate(end)
+    head = np.ones(start.size, dtype=bool)
+    head[1:] = start[1:] > reach[:-1]
+    at = np.flatnonzero(head)
+    return start[at], np.maximum.reduceat(end, at) if at.size else _EMPTY
+
+
+def _depth2(start: np.ndarray, end: np.ndarray) -> int:
+    """How many keys at least two of the intervals ``[start, end)`` cover."""
+    pos = np.concatenate([start, end])
+    delta = np.concatenate([np.ones(start.size, _I64), -np.ones(end.size, _I64)])
+    o = np.lexsort((delta, pos))  # at one key, ends before starts
+    pos, depth = pos[o], np.cumsum(delta[o])
+    return int((np.diff(pos) * (depth[:-1] >= 2)).sum())
+
+
+def _rows_at(runs_K5: np.ndarray, key_K: np.ndarray, k: int) -> np.ndarray:
+    """Rows holding key ``k`` in runs with first keys ``key_K``, ascending."""
+    cover = (key_K <= k) & (k < key_K + runs_K5[:, 4])
+    return np.sort(runs_K5[cover, 2] + (k - key_K[cover]) * runs_K5[cover, 3])
+
+
+def _check_source(catalog: RunCatalog, g: int) -> str | None:
+    """Source group ``g``'s verdict: a key it holds twice, or that an earlier group holds."""
+    source = catalog.sources[g]
+    runs = _runs(catalog, "s", g)
+    if not runs.shape[0]:
+        return None
+    lo, hi = (int(x) for x in catalog.source_range_G2[g])
+    cands = _overlapping(catalog.source_range_G2, lo, hi)
+    cands = cands[cands < g]
+    other, other_grp = _tagged(catalog, "s", cands)
+    u, stride = _key_space(runs, other)
+    ks = _keys(runs, u, stride)
+    o = np.argsort(ks, kind="stable")
+    runs, ks = runs[o], ks[o]
+    ke = ks + runs[:, 4]
+    if ks.size > 1:
+        dup = ks[1:] < np.maximum.accumulate(ke)[:-1]
+        if dup.any():
+            k = int(ks[1:][dup].min())
+            rows = _rows_at(runs, ks, k)
+            return (
+                f"token (sample_id={int(u[k // stride])}, position={k % stride}) is held twice "
+                f"by {source.label or g} (ranks {list(source.ranks)}, rows {int(rows[0])} and "
+                f"{int(rows[1])}); {_depth2(ks, ke)} keys are held more than once there"
+            )
+    if not other.shape[0]:
+        return None
+    kd = _keys(other, u, stride)
+    kde = kd + other[:, 4]
+    b, a = _overlaps(ks, ke, kd, kde)
+    if not b.size:
+        return None
+    h_P = other_grp[b]
+    h = int(h_P.min())
+    sel = h_P == h
+    first = np.maximum(kd[b[sel]], ks[a[sel]])
+    end = np.minimum(kde[b[sel]], ke[a[sel]])
+    k = int(first.min())
+    us, ue = _union(first, end)
+    mine = other_grp == h
+    row_h = int(_rows_at(other[mine], kd[mine], k)[0])
+    row_g = int(_rows_at(runs, ks, k)[0])
+    held = catalog.sources[h]
+    return (
+        f"token (sample_id={int(u[k // stride])}, position={k % stride}) is held twice: by "
+        f"{_where(held.label or str(h), held.ranks, row_h)} and by "
+        f"{_where(source.label or str(g), source.ranks, row_g)}; "
+        f"{int((ue - us).sum())} keys are held by both"
+    )
+
+
+def _check_dest(catalog: RunCatalog, d: int) -> str | None:
+    """Destination group ``d``'s verdict: a token it needs that no source holds."""
+    group = catalog.dests[d]
+    dst = _runs(catalog, "d", d)
+    if not dst.shape[0]:
+        return None
+    lo, hi = (int(x) for x in catalog.dest_range_D2[d])
+    src, _ = _tagged(catalog, "s", _overlapping(catalog.source_range_G2, lo, hi))
+    u, stride = _key_space(src, dst)
+    kd = _keys(dst, u, stride)
+    kde = kd + dst[:, 4]
+    if src.shape[0]:
+        ks = _keys(src, u, stride)
+        ms, me = _union(ks, ks + src[:, 4])
+        b, a = _overlaps(ms, me, kd, kde)
+        first, end = np.maximum(kd[b], ms[a]), np.minimum(kde[b], me[a])
+    else:
+        b = first = end = _EMPTY
+    missing = int(dst[:, 4].sum() - (end - first).sum())
+    if missing == 0:
+        return None
+    # gaps of each destination run: before each piece, and after its last one
+    new = np.ones(b.size, dtype=bool)
+    new[1:] = b[1:] != b[:-1]
+    prev = np.where(new, kd[b], np.concatenate([[0], end[:-1]]))
+    last_end = kd.copy()  # where each run's last piece ends (its start: no piece)
+    last = np.flatnonzero(np.diff(b, append=-1) != 0)
+    last_end[b[last]] = end[last]
+    gap_run = np.concatenate([b, np.arange(kd.size, dtype=_I64)])
+    gap_lo = np.concatenate([prev, last_end])
+    gap_hi = np.concatenate([first, kde])
+    real = gap_hi > gap_lo
+    gap_run, gap_lo, gap_hi = gap_run[real], gap_lo[real], gap_hi[real]
+    row0, step = dst[gap_run, 2], dst[gap_run, 3]
+    row_lo = row0 + (gap_lo - kd[gap_run]) * step
+    row_hi = row0 + (gap_hi - 1 - kd[gap_run]) * step
+    at = np.where(row_lo <= row_hi, gap_lo, gap_hi - 1)
+    row = np.minimum(row_lo, row_hi)
+    i = int(np.argmin(row))
+    run = int(gap_run[i])
+    position = int(dst[run, 1] + at[i] - kd[run])
+    return (
+        f"token (sample_id={int(dst[run, 0])}, position={position}) is needed by "
+        f"{_where(group.label or str(d), group.ranks, int(row[i]))} but no teacher holds it; "
+        f"{missing} needed tokens are missing in all"
+    )
+
+
 def check_rank(catalog: RunCatalog, rank: int) -> list[str]:
     """The verdicts ``rank`` is responsible for (``[]``: none found).
 
     Each source group is checked by its first rank (a token it holds twice, or that a source
     group before it also holds); each destination group by its first rank (a token it needs that
-    no source holds). Together the ranks check every group once.
+    no source holds). Together the ranks check every group once. Messages name the token
+    ``(sample_id, position)``, the groups with their ranks and rows, and how many tokens are
+    affected; they depend on the catalog only, not on the rank that finds them.
     """
+    ix = catalog.index()
     found: list[str] = []
-    for g, source in enumerate(catalog.sources):
-        if source.ranks[0] != rank:
-            continue
-        s_g, p_g, _ = _expand_runs(catalog.source_runs(g))
-        if s_g.size == 0:
-            continue
-        stride = int(p_g.max()) + 1
-        key = np.sort(s_g * stride + p_g)
-        dup = np.flatnonzero(key[1:] == key[:-1])
-        if dup.size:
-            k = int(key[dup[0]])
-            found.append(
-                f"token (sample_id={k // stride}, position={k % stride}) is held twice by "
-                f"{source.label or g} (ranks {list(source.ranks)})"
-            )
-            continue
-        lo, hi = int(s_g.min()), int(s_g.max())
-        for h in _overlapping(catalog.source_range_G2, lo, hi).tolist():
-            if h >= g:
-                break
-            s_h, p_h, _ = _expand_runs(catalog.source_runs(h))
-            inside = p_h < stride
-            both = np.intersect1d(key, s_h[inside] * stride + p_h[inside])
-            if both.size:
-                k, other = int(both[0]), catalog.sources[h]
-                found.append(
-                    f"token (sample_id={k // stride}, position={k % stride}) is held twice: "
-                    f"by {other.label or h} (ranks {list(other.ranks)}) and by "
-                    f"{source.label or g} (ranks {list(source.ranks)}); {both.size} duplicated "
-                    "keys in all"
-                )
-                break
-    for d, group in enumerate(catalog.dests):
-        if group.ranks[0] != rank:
-            continue
-        join = _join_dest(catalog, d)
-        missing = np.flatnonzero(join.group_M < 0)
-        if missing.size:
-            s_d, p_d, r_d = _expand_runs(catalog.dest_runs(d))
-            order = np.argsort(r_d, kind="stable")
-            i = order[missing[0]]
-            found.append(
-                f"token (sample_id={int(s_d[i])}, position={int(p_d[i])}) is needed by "
-                f"{group.label or d} (ranks {list(group.ranks)}, row {int(r_d[i])}) but no "
-                f"teacher holds it; {missing.size} needed tokens are missing in all"
-            )
+    for g in ix.source_groups.get(rank, ()):
+        if catalog.sources[g].ranks[0] == rank:
+            msg = _check_source(catalog, g)
+            if msg is not None:
+                found.append(msg)
+    for d in ix.dest_groups.get(rank, ()):
+        if catalog.dests[d].ranks[0] == rank:
+            msg = _check_dest(catalog, d)
+            if msg is not None:
+                found.append(msg)
     return found

@@ -6,22 +6,63 @@ last-stage TP group per shard, or each rank alone when it keeps its SP slice). E
 the same :class:`Topology` from the meshes alone; per micro-batch, :meth:`Topology.catalog` turns
 the gathered step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
 decoding more than the groups the caller asks about.
+
+What is per rank and what is per job: the groups and their :class:`~mopd.bridge.plan.GroupIndex`
+(``O(ranks)``) are built once per topology; a catalog costs one vectorized read of the leaders'
+slot tables, and its groups are built one by one when the planner looks at them, so a rank of a
+large job pays for its peers, not for every group.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Generic, TypeVar, overload
 
 import numpy as np
 
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import StepMatrix
-from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup
+from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, SourceGroup
 
 __all__ = ["Topology"]
 
 _I64 = np.int64
+_G = TypeVar("_G", SourceGroup, DestGroup)
+
+
+class _Groups(Sequence[_G], Generic[_G]):
+    """One micro-batch's groups, each built on first access: the topology's group with the
+    micro-batch's ``num_rows``."""
+
+    def __init__(self, groups: Sequence[_G], rows_X: np.ndarray) -> None:
+        self._groups = groups
+        self._rows = rows_X
+        self._built: dict[int, _G] = {}
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @overload
+    def __getitem__(self, i: int) -> _G: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[_G, ...]: ...
+    def __getitem__(self, i: int | slice) -> _G | tuple[_G, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        j = operator.index(i)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"group {i} of {len(self)}")
+        got = self._built.get(j)
+        if got is None:
+            got = dataclasses.replace(self._groups[j], num_rows=int(self._rows[j]))
+            self._built[j] = got
+        return got
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -38,6 +79,9 @@ class Topology:
             last-stage student rank alone.
         dest_leader: ``[D]`` member index of each destination group's first rank.
         student_section: the section index of the student (``len(teachers)``).
+
+    :attr:`index` (the groups' :class:`~mopd.bridge.plan.GroupIndex`) is built on first use and
+    shared by every catalog of the topology.
     """
 
     members: tuple[int, ...]
@@ -49,9 +93,7 @@ class Topology:
     student_section: int
 
     @staticmethod
-    def build(
-        teachers: Sequence[Mesh], student: Mesh, *, per_rank_dests: bool = False
-    ) -> Topology:
+    def build(teachers: Sequence[Mesh], student: Mesh, *, per_rank_dests: bool = False) -> Topology:
         """The groups of ``teachers`` and ``student`` (pure, the same on every rank)."""
         ranks: set[int] = set(student.ranks)
         for t in teachers:
@@ -75,9 +117,7 @@ class Topology:
             if per_rank_dests:
                 for t, r in enumerate(group):
                     dests.append(
-                        DestGroup(
-                            ranks=(r,), num_rows=0, label=f"student (dp={d}, cp={c}, tp={t})"
-                        )
+                        DestGroup(ranks=(r,), num_rows=0, label=f"student (dp={d}, cp={c}, tp={t})")
                     )
                     dest_leader.append(index[r])
             else:
@@ -93,25 +133,27 @@ class Topology:
             student_section=len(teachers),
         )
 
+    @cached_property
+    def index(self) -> GroupIndex:
+        """The groups' ranks as arrays and per-rank lookups (built once, ``O(ranks)``)."""
+        return GroupIndex.build(self.sources, self.dests)
+
     def catalog(self, matrix: StepMatrix, slot: int) -> RunCatalog:
         """The planner's view of micro-batch ``slot`` of a gathered, validated step.
 
         Reads the leaders' slot tables (one vectorized read per teacher and one for the
-        student) for rows and sample ranges; a group's runs are read when the planner asks.
+        student) for rows and sample ranges; a group (with its ``num_rows``) is built when the
+        planner looks at it, and its runs are read when the planner asks.
         """
-        src_fields = np.zeros((len(self.sources), 6), dtype=_I64)
+        # (n_rows, sample_min, sample_max) of every group: the only columns read for all groups
+        cols = (0, 3, 4)
+        src_fields = np.zeros((len(self.sources), 3), dtype=_I64)
         for o in np.unique(self.source_section).tolist():
             sel = np.flatnonzero(self.source_section == o)
-            src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot)
-        dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot)
-        sources = tuple(
-            SourceGroup(owner=s.owner, ranks=s.ranks, num_rows=int(n), label=s.label)
-            for s, n in zip(self.sources, src_fields[:, 0].tolist(), strict=True)
-        )
-        dests = tuple(
-            DestGroup(ranks=d.ranks, num_rows=int(n), label=d.label)
-            for d, n in zip(self.dests, dst_fields[:, 0].tolist(), strict=True)
-        )
+            src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot, cols)
+        dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot, cols)
+        sources = _Groups(self.sources, src_fields[:, 0].copy())
+        dests = _Groups(self.dests, dst_fields[:, 0].copy())
         leaders_s, sections_s, leaders_d = self.source_leader, self.source_section, self.dest_leader
         student = self.student_section
         return RunCatalog(
@@ -119,6 +161,7 @@ class Topology:
             dests=dests,
             source_runs=lambda g: matrix.runs(int(leaders_s[g]), int(sections_s[g]), slot),
             dest_runs=lambda d: matrix.runs(int(leaders_d[d]), student, slot),
-            source_range_G2=np.ascontiguousarray(src_fields[:, 3:5]),
-            dest_range_D2=np.ascontiguousarray(dst_fields[:, 3:5]),
+            source_range_G2=np.ascontiguousarray(src_fields[:, 1:3]),
+            dest_range_D2=np.ascontiguousarray(dst_fields[:, 1:3]),
+            group_index=self.index,
         )

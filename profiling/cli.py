@@ -28,7 +28,7 @@ from pathlib import Path
 __all__ = ["BENCHMARKS", "bench_module", "build_parser", "main"]
 
 #: ``mopd bench NAME`` -> module ``mopd.profiling.bench_NAME``.
-BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges")
+BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges", "plan")
 
 _ENTRY_POINTS: dict[str, str] = {
     "demo": "mopd.profiling.demo",

@@ -5,7 +5,9 @@ metadata record and the gathered matrix of a step, built exactly as the live bri
 but in one process. :func:`simulate` encodes each rank's record (:mod:`mopd.bridge.metadata`),
 stacks them as the all-gather would, and :func:`deliver` moves key-pattern rows through every
 rank's :class:`~mopd.bridge.plan.RankPlan` (a mailbox instead of a transport), so a test can
-compare each destination row with the row its key names.
+compare each destination row with the row its key names (:func:`key_sources`,
+:func:`expected_slice`). :func:`contiguous_step` builds steps whose DP ranks hold contiguous
+ranges of sample ids, as real jobs do, so that the sample ranges single out a group's peers.
 """
 
 from __future__ import annotations
@@ -16,13 +18,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mopd.bridge.layout import TokenLayout
+from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
-from mopd.bridge.plan import RankPlan, RunCatalog, plan_rank
+from mopd.bridge.plan import RankPlan, RunCatalog
 from mopd.bridge.topology import Topology
 
-__all__ = ["SimStep", "deliver", "expand_segments", "simulate"]
+__all__ = [
+    "SimStep",
+    "contiguous_step",
+    "deliver",
+    "expand_segments",
+    "expected_slice",
+    "key_sources",
+    "keys_of",
+    "simulate",
+]
+
+#: ``key = sample_id * KEY_STRIDE + position`` in :func:`keys_of` (positions stay below it).
+KEY_STRIDE = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -121,3 +135,97 @@ def deliver(
         out[r] = bufs
     assert not box, f"sends nobody receives: {sorted(box)}"
     return out
+
+
+def keys_of(layout: TokenLayout) -> np.ndarray:
+    """``[R]`` int64 key of each row (``sample_id * KEY_STRIDE + position``; ``-1`` padding)."""
+    sample, position = layout.sample_id_R.numpy(), layout.position_R.numpy()
+    return np.where(sample >= 0, sample * KEY_STRIDE + position, -1)
+
+
+def key_sources(
+    teachers: Sequence[Mesh],
+    teacher_layouts: Sequence[Mapping[tuple[int, int], TokenLayout]],
+    members: Sequence[int],
+) -> dict[tuple[int, int], np.ndarray]:
+    """:func:`deliver`'s ``sources``: every rank's rows of every owner hold their keys (an empty
+    buffer where the rank holds nothing of that owner)."""
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for o, mesh in enumerate(teachers):
+        for r in members:
+            c = mesh.coord(r)
+            if c is None or c.pp_rank != mesh.pp - 1:
+                out[(r, o)] = np.zeros(0, dtype=np.int64)
+            else:
+                out[(r, o)] = keys_of(teacher_layouts[o][(c.dp_rank, c.cp_rank)])
+    return out
+
+
+def expected_slice(plan: RankPlan, dest_layout: TokenLayout, owner: int) -> np.ndarray:
+    """What :func:`deliver` must leave in ``owner``'s slice of ``plan``'s rank: the key of every
+    row that owner fills (``plan.owner_N``), ``-2`` (untouched) elsewhere."""
+    assert plan.dest is not None and plan.owner_N is not None
+    a = plan.dest.row_offset
+    b = a + plan.dest.slice_rows
+    return np.where(plan.owner_N[a:b] == owner, keys_of(dest_layout)[a:b], -2)
+
+
+def _contiguous_parts(ids: np.ndarray, n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``ids`` cut into ``n`` contiguous parts at random places (some may be empty)."""
+    cuts = np.sort(rng.integers(0, ids.size + 1, size=n - 1))
+    return np.split(ids, cuts)
+
+
+def _side(
+    mesh: Mesh,
+    parts: Sequence[np.ndarray],
+    lengths: Mapping[int, int],
+    kind: str,
+    pad_multiple: int,
+) -> dict[tuple[int, int], TokenLayout]:
+    mult = (2 * mesh.cp if mesh.cp > 1 else 1) * pad_multiple
+    out: dict[tuple[int, int], TokenLayout] = {}
+    for d in range(mesh.dp):
+        ids = parts[d].tolist()
+        lens = [lengths[i] for i in ids]
+        for c in range(mesh.cp):
+            if not ids:
+                out[(d, c)] = concat_layouts([])
+            elif kind == "thd":
+                padded = [-(-n // mult) * mult for n in lens]
+                cu = np.concatenate([[0], np.cumsum(padded)]).tolist()
+                out[(d, c)] = packed_layout(
+                    ids, lens, cu_seqlens_padded=cu, cp_size=mesh.cp, cp_rank=c
+                )
+            else:
+                seq = -(-max(lens) // mult) * mult
+                out[(d, c)] = padded_layout(
+                    ids, seq, order=kind, lengths=lens, cp_size=mesh.cp, cp_rank=c
+                )
+    return out
+
+
+def contiguous_step(
+    teachers: Sequence[Mesh],
+    student: Mesh,
+    *,
+    num_samples: int,
+    max_len: int,
+    kinds: Sequence[str],
+    seed: int,
+) -> tuple[list[dict[tuple[int, int], TokenLayout]], dict[tuple[int, int], TokenLayout]]:
+    """``(teacher_layouts, student_layouts)`` of a step whose DP ranks (on both sides) hold
+    contiguous ranges of sample ids, cut independently per side; samples are routed to teachers
+    in contiguous runs. ``kinds``: one per teacher, then the student's (sbh, bsh, thd); one
+    micro-batch per shard."""
+    rng = np.random.default_rng(seed)
+    ids = np.arange(num_samples, dtype=np.int64) * 2 + 1  # sparse ids
+    lens = rng.integers(1, max_len + 1, size=num_samples)
+    lengths = dict(zip(ids.tolist(), lens.tolist(), strict=True))
+    route = np.sort(rng.integers(0, len(teachers), size=num_samples))
+    t_out = []
+    for o, mesh in enumerate(teachers):
+        parts = _contiguous_parts(ids[route == o], mesh.dp, rng)
+        t_out.append(_side(mesh, parts, lengths, kinds[o], 1))
+    parts = _contiguous_parts(ids, student.dp, rng)
+    return t_out, _side(student, parts, lengths, kinds[-1], student.tp)
