@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
-from mopd.kernels.kl_reference import reference_kl
 from mopd.kernels.kl_rowwise import resolve_backend, row_grad, row_stats
+from tests.support.kl_reference import reference_kl
 
 pytestmark = [
     pytest.mark.gpu,

@@ -33,7 +33,6 @@ from mopd.kernels.kl import (
     fused_vocab_parallel_kl,
     vocab_parallel_kl,
 )
-from mopd.kernels.kl_reference import reference_kl
 from mopd.kernels.kl_rowwise import (
     combine_partials,
     resolve_backend,
@@ -42,6 +41,7 @@ from mopd.kernels.kl_rowwise import (
     row_stats,
     row_stats_torch,
 )
+from tests.support.kl_reference import reference_kl
 
 KINDS = ("reverse", "forward", "mixed")
 REDUCTIONS = ("sum", "mean", "none")

@@ -1,8 +1,10 @@
-"""A float64 reference for the vocab-parallel KL that materializes everything.
+"""A float64 reference for the vocab-parallel KL that materializes everything (a test oracle).
 
 Why this file exists: the chunked, vocab-parallel loss in :mod:`mopd.kernels.kl` is checked
-(tier 1, 2 and 3 tests, the benchmark's sanity check) against one obviously-correct formula over
-the full, unsharded vocabulary. Nothing here is fast or memory-frugal, on purpose.
+(tier 1, 2 and 3 tests) against one obviously-correct formula over the full, unsharded
+vocabulary. Nothing here is fast or memory-frugal, on purpose, and nothing in the library
+imports it (the numerics benchmark has its own float64 reference in
+:mod:`mopd.profiling.kl_numerics`).
 """
 
 from __future__ import annotations
