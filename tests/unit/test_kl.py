@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.kernels import kl as kl_mod
+from mopd.kernels import kl_loop, kl_prepare
 from mopd.kernels.kl import (
     KLConfig,
     choose_chunk_tokens,
@@ -206,7 +207,7 @@ def test_unmasked_sorted_tokens_take_the_gather_free_path() -> None:
         torch.randn(int((index_T == k).sum()), h.shape[1], dtype=h.dtype)
         for k, h in enumerate(hidden)
     ]
-    job = kl_mod._prepare(kl_mod._Args(
+    job = kl_prepare.prepare(kl_prepare.KLArgs(
         student_TX=s_TV, student_weight_VH=None, teacher_hidden=hidden, teacher_weight=weight,
         vocab_start=0, vocab_size=V_real, loss_mask_T=None, teacher_index_T=index_T, group=None,
         config=KLConfig(),
@@ -239,8 +240,8 @@ def test_no_gradient_work_without_autograd(monkeypatch: pytest.MonkeyPatch) -> N
     """Under no_grad (or with inputs that need no grad) the row-gradient pass never runs."""
     _T, _V_pad, V_real, hidden, weight, _, mask_T, s_TV, _ = _case(43, n_teachers=1, compact=False)
     calls: list[int] = []
-    real = kl_mod.row_grad
-    monkeypatch.setattr(kl_mod, "row_grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kl_loop.row_grad
+    monkeypatch.setattr(kl_loop, "row_grad", lambda *a, **k: calls.append(1) or real(*a, **k))
     kwargs = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T)
     with_grad = s_TV.clone().requires_grad_(True)
     with torch.no_grad():

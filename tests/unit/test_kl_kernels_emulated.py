@@ -239,8 +239,7 @@ def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str
     """
     import contextlib
 
-    from mopd.kernels import kl as kl_mod
-    from mopd.kernels import kl_rowwise
+    from mopd.kernels import kl_prepare, kl_rowwise
 
     launched: list[str] = []
 
@@ -268,7 +267,7 @@ def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str
     monkeypatch.setattr(kl_cupy, "on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kl_cupy, "to_cupy", lambda t: t)
     monkeypatch.setattr(kl_rowwise, "resolve_backend", lambda backend, *t: backend)
-    monkeypatch.setattr(kl_mod, "resolve_backend", lambda backend, *t: backend)
+    monkeypatch.setattr(kl_prepare, "resolve_backend", lambda backend, *t: backend)
     return launched
 
 
