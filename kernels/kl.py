@@ -86,7 +86,7 @@ def _call(args: KLArgs) -> torch.Tensor:
         # failure so that every rank raises the same error instead of waiting for this one
         assert group is not None
         device = collective_device(args.student_TX, group)
-        check_agreement(group, position, device, config.collective_timeout_s, failure=exc)
+        check_agreement(group, position, device, config.timeout_s, failure=exc)
         raise AssertionError("the agreement check returned after a failure") from exc
     if debug and position is not None and position[0] > 1:
         assert group is not None
@@ -94,7 +94,7 @@ def _call(args: KLArgs) -> torch.Tensor:
             group,
             position,
             job.weight_N.device,
-            config.collective_timeout_s,
+            config.timeout_s,
             signature=job_signature(job, args.loss_mask_T, args.teacher_index_T),
             nonfinite=job.nonfinite,
         )
@@ -151,7 +151,7 @@ def vocab_parallel_kl(
         ValueError: inconsistent shapes, dtypes, devices, vocab range or group size, before
             any collective. Such an error can be specific to one rank (its ``vocab_start``, its
             shard size); with ``config.debug`` off only that rank raises and the others block in
-            the first chunk's all-reduce until ``collective_timeout_s`` (gloo) or the NCCL
+            the first chunk's all-reduce until ``KLConfig.timeout_s`` (gloo) or the NCCL
             watchdog ends them. With ``config.debug`` on, the failure joins the agreement
             all-reduce and every rank of the group raises the same ValueError.
 

@@ -8,6 +8,7 @@ Both are pure functions of their arguments, so TP ranks that agree on them agree
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -48,9 +49,10 @@ class KLConfig:
         backend: row-wise passes on ``"auto"`` / ``"cupy"`` / ``"torch"`` (see kl_rowwise).
         debug: check inputs for NaN/inf and check, with one extra all-reduce, that the TP ranks
             agree on tokens, mask and teacher index.
-        collective_timeout_s: CPU (gloo) groups: wait at most this long on each all-reduce
-            (``None``: the group's timeout). CUDA (NCCL) tensors always use the group's own
-            timeout (its watchdog): a timed wait there would block the CPU on every chunk.
+        timeout_s: seconds each all-reduce of a CPU (gloo) group may wait, a positive finite
+            number (``None``: the group's own timeout). CUDA (NCCL) tensors always use the
+            group's own timeout (its watchdog): a timed wait there would block the host on every
+            chunk.
         sum_hidden_grad_over_tp: fused path: all-reduce the student hidden-state gradient over
             the TP group (the hidden states are TP-replicated, as Megatron's
             copy-to-tensor-parallel-region does); ``False`` leaves this rank's partial sum.
@@ -65,7 +67,7 @@ class KLConfig:
     chunk_tokens: int | None = None
     backend: Backend = "auto"
     debug: bool = False
-    collective_timeout_s: float | None = 600.0
+    timeout_s: float | None = 600.0
     sum_hidden_grad_over_tp: bool = True
 
     def __post_init__(self) -> None:
@@ -95,8 +97,15 @@ class KLConfig:
                 f"chunk_tokens={self.chunk_tokens} sets the chunk size",
                 stacklevel=3,
             )
-        if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, int | float)
+            or not 0 < self.timeout_s < math.inf
+        ):
+            raise ValueError(
+                f"timeout_s must be a positive finite number of seconds or None, got "
+                f"{self.timeout_s!r}"
+            )
 
     @property
     def reverse_weight(self) -> float:

@@ -26,10 +26,10 @@ __all__ = ["KLFunction", "StudentSide", "run_chunks", "scale_", "teacher_logits"
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, job: KLJob) -> None:
-    """In-place all-reduce over the TP group, waiting at most ``collective_timeout_s``."""
+    """In-place all-reduce over the TP group, waiting at most ``KLConfig.timeout_s``."""
     if job.group is None or job.tp_size == 1:
         return
-    all_reduce_in(t, op, job.group, job.config.collective_timeout_s)
+    all_reduce_in(t, op, job.group, job.config.timeout_s)
 
 
 class StudentSide:

@@ -229,7 +229,7 @@ def test_debug_rank_specific_bad_argument_raises_on_every_rank(
         else:
             weight[1] = weight[1][:-1]
     s = x["logits_TV"][:, cols].clone().requires_grad_(True)
-    cfg = KLConfig(debug=True, collective_timeout_s=30.0)
+    cfg = KLConfig(debug=True, timeout_s=30.0)
     with pytest.raises(ValueError, match=r"invalid KL arguments on rank\(s\)") as info:
         vocab_parallel_kl(
             s, x["hidden"], weight, vocab_start=start, vocab_size=x["v_real"],

@@ -346,8 +346,11 @@ def test_config_validation() -> None:
         KLConfig(memory_budget_bytes=0)
     with pytest.raises(ValueError, match="chunk_tokens"):
         KLConfig(chunk_tokens=0)
-    with pytest.raises(ValueError, match="collective_timeout_s"):
-        KLConfig(collective_timeout_s=0)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(ValueError, match=r"timeout_s must be a positive finite number"):
+            KLConfig(timeout_s=bad)  # type: ignore[arg-type]
+    assert KLConfig(timeout_s=None).timeout_s is None
+    assert KLConfig(timeout_s=2).timeout_s == 2
     with pytest.warns(UserWarning, match="mix_weight=0.2 is ignored"):
         KLConfig(kind="reverse", mix_weight=0.2)
     with pytest.warns(UserWarning, match="memory_budget_bytes=1024 is ignored"):
