@@ -3,45 +3,57 @@
 Why this file exists: MOPD trains the student on the exact per-token KL to a frozen teacher over
 the whole vocabulary. The student holds a vocab shard ``[V_local]`` of its logits (what Megatron's
 ``output_layer`` returns) and the same vocab shard of each teacher's LM head; the teacher's logits
-shard is rebuilt from the bridged hidden states. This module computes the loss and its gradient
-without ever materializing a ``[T, V]`` fp32 tensor:
+shard is rebuilt from the bridged hidden states. This module holds the two entry points (logits;
+fused hidden states + LM head); the work is split by concern:
 
-- tokens are processed in chunks of ``C`` rows (``C`` from a memory budget), so extra memory is
-  ``O(C x V_local)`` (plus the gradients themselves);
-- per chunk, softmax statistics need exactly two all-reduces over the TP group: one MAX (both
-  row maxima) and one SUM (both partition sums and the two cross terms, rescaled to the maxima);
-- the gradient is computed in the forward pass (Liger-Kernel style), so backward only scales it
-  (in fp32, one rounding); autograd keeps only the gradients, not the inputs. With
-  ``reduction="none"`` the upstream gradient is per token and backward recomputes instead, from
-  tensors saved with ``save_for_backward`` (an in-place change to them in between raises);
-- the row-wise passes are a CuPy kernel on CUDA (a torch twin elsewhere), see
-  :mod:`mopd.kernels.kl_rowwise`.
+- :mod:`~mopd.kernels.kl_config`: :class:`KLConfig` and the chunk size its budget implies;
+- :mod:`~mopd.kernels.kl_prepare`: validation (local, before any collective) and the job;
+- :mod:`~mopd.kernels.kl_loop`: the chunk loop and the autograd function;
+- :mod:`~mopd.kernels.kl_matmul`: fp32 logits and gradients from bf16 operands;
+- :mod:`~mopd.kernels.kl_rowwise` (CuPy kernels on CUDA, a torch twin elsewhere): the two
+  row-wise passes; :mod:`~mopd.kernels.kl_collectives`: the debug agreement check.
+
+How: tokens are processed in chunks of ``C`` rows (``C`` from a memory budget), so extra memory is
+``O(C x V_local)`` plus the gradients; a ``[T, V]`` fp32 tensor never exists. Per chunk the
+softmax statistics need exactly two all-reduces over the TP group: one MAX (both row maxima) and
+one SUM (both partition sums and the two cross terms, rescaled to the maxima). The gradient is
+computed in the forward pass (Liger-Kernel style) when a backward can follow, so backward only
+scales it; autograd keeps only the gradients, not the inputs. With ``reduction="none"`` the
+upstream gradient is per token and backward recomputes instead, from tensors saved with
+``save_for_backward`` (an in-place change to them in between raises).
 
 The math, per token, with ``s``/``u`` the student/teacher logits, ``d = s - u``,
 ``Z_S = sum exp(s - m_S)``, ``A = sum exp(s - m_S) d``, ``B = sum exp(u - m_T) d``:
 
-- reverse ``KL(p_S || p_T) = A / Z_S - lse_S + lse_T``, gradient ``p_S (d - A / Z_S)``;
-- forward ``KL(p_T || p_S) = -B / Z_T + lse_S - lse_T``, gradient ``p_S - p_T``;
-- mixed ``w * reverse + (1 - w) * forward``.
+- reverse ``KL(p_S || p_T) = A / Z_S - (lse_S - lse_T)``, gradient ``p_S (d - A / Z_S)``;
+- forward ``KL(p_T || p_S) = (lse_S - lse_T) - B / Z_T``, gradient ``p_S - p_T``;
+- mixed ``w * reverse + (1 - w) * forward``;
 
-Padded vocab rows (global ids ``>= vocab_size``) are excluded on both sides. Masked tokens
-(weight 0) are skipped entirely. With several teachers, tokens are processed grouped by teacher so
-each teacher's LM-head matmul runs on contiguous rows.
+with ``lse_S - lse_T = (m_S - m_T) + (log Z_S - log Z_T)``, never the difference of two large
+log-sum-exps. Padded vocab rows (global ids ``>= vocab_size``) are excluded on both sides. Masked
+tokens (weight 0) are skipped entirely. With several teachers, tokens are processed grouped by
+teacher so each teacher's LM-head matmul runs on contiguous rows.
 
-Precision: the teacher logits are formed in the student's compute dtype (bf16 matmuls with fp32
-accumulation on GPU); all softmax statistics, the loss and the per-token coefficients are fp32;
-the gradient is stored in the student's dtype (the fused path accumulates the weight gradient over
-chunks in the weight's dtype). Host syncs: none on the plain path (no mask, one teacher); a mask
-or a teacher index costs a few (the index range check and the grouping of tokens).
+Precision (as accurate as the inputs allow): the teacher logits are formed in at least fp32 from
+the teacher's hidden states and LM head, with fp32 accumulation and fp32 output (on CUDA cuBLAS's
+``out_dtype``; elsewhere converted operand blocks; never an fp32 copy of a whole weight), and so
+are the fused path's student logits; the logits path takes the caller's logits as they are.
+Softmax statistics, the loss and the per-token coefficients are fp32. The logits gradient is
+computed in fp32 and rounded to the student's dtype once; the fused path accumulates the
+hidden-state gradient in fp32 (summed over the TP group in fp32) and the weight gradient as
+``KLConfig.weight_grad_accumulation`` says, and rounds each once. The gradients are stored in the
+inputs' dtypes at the end of the forward: an upstream gradient other than a power of two (1 is
+the usual) rescales them in backward, in fp32, with one more rounding.
 
 Cross-rank contract: every rank of the TP group passes the same ``T``, mask and teacher index
 (they shard the vocabulary, not the tokens). Validation is local and raises before any collective.
 An error specific to one rank (its ``vocab_start``, its shard size) then raises on that rank only,
-and with ``debug`` off the other ranks hang in the first all-reduce until the collective timeout
+and with ``debug`` off the other ranks hang in the first all-reduce until ``KLConfig.timeout_s``
 (gloo) or the NCCL watchdog. ``KLConfig(debug=True)`` adds finiteness checks and one agreement
 all-reduce that catches ranks passing different tokens and carries any rank's validation failure
 (its message and rank), so every rank raises the same ValueError. The chunk size is derived from the
-config, ``V_local``, the dtype and the backend, so it agrees across ranks that agree on those.
+config, ``V_local``, the dtypes and the backend, so it agrees across ranks that agree on those.
+Host syncs: none on the plain path (no mask, one teacher); a mask or a teacher index costs a few.
 """
 
 from __future__ import annotations
@@ -58,7 +70,13 @@ from mopd.kernels.kl_collectives import (
     group_position,
     job_signature,
 )
-from mopd.kernels.kl_config import KLConfig, KLKind, KLReduction, choose_chunk_tokens
+from mopd.kernels.kl_config import (
+    KLConfig,
+    KLKind,
+    KLReduction,
+    WeightGradAccumulation,
+    choose_chunk_tokens,
+)
 from mopd.kernels.kl_loop import KLFunction
 from mopd.kernels.kl_prepare import KLArgs, prepare
 
@@ -66,6 +84,7 @@ __all__ = [
     "KLConfig",
     "KLKind",
     "KLReduction",
+    "WeightGradAccumulation",
     "choose_chunk_tokens",
     "fused_vocab_parallel_kl",
     "vocab_parallel_kl",
@@ -155,14 +174,20 @@ def vocab_parallel_kl(
             watchdog ends them. With ``config.debug`` on, the failure joins the agreement
             all-reduce and every rank of the group raises the same ValueError.
 
-    ``config.sum_hidden_grad_over_tp`` has no meaning here (there are no hidden states): setting
-    it to ``False`` warns once per process.
+    ``config.sum_hidden_grad_over_tp`` and ``config.weight_grad_accumulation`` have no meaning
+    here (there are no hidden states, no weight): ``False`` for the one, anything but
+    ``"auto"`` for the other, warns once per process.
     """
     config = config or KLConfig()
     if isinstance(config, KLConfig) and not config.sum_hidden_grad_over_tp:
         _warn_once(
             "KLConfig.sum_hidden_grad_over_tp=False is ignored by vocab_parallel_kl (it applies "
             "to fused_vocab_parallel_kl's hidden-state gradient only)"
+        )
+    if isinstance(config, KLConfig) and config.weight_grad_accumulation != "auto":
+        _warn_once(
+            f"KLConfig.weight_grad_accumulation={config.weight_grad_accumulation!r} is ignored by "
+            "vocab_parallel_kl (it applies to fused_vocab_parallel_kl's weight gradient only)"
         )
     return _call(
         KLArgs(
@@ -203,9 +228,10 @@ def fused_vocab_parallel_kl(
             same dtype as ``student_hidden_TH``.
         Other arguments: as :func:`vocab_parallel_kl`.
     Returns:
-        As :func:`vocab_parallel_kl`. Gradients flow to ``student_hidden_TH`` (summed over the
-        TP group unless ``config.sum_hidden_grad_over_tp`` is off) and ``student_weight_VH``
-        (accumulated over chunks in the weight's dtype).
+        As :func:`vocab_parallel_kl`. Gradients flow to ``student_hidden_TH`` (accumulated in
+        fp32 and summed over the TP group unless ``config.sum_hidden_grad_over_tp`` is off) and
+        ``student_weight_VH`` (summed over chunks as ``config.weight_grad_accumulation`` says),
+        each rounded to its input's dtype once.
     """
     if not isinstance(student_weight_VH, torch.Tensor):
         raise ValueError(

@@ -1,8 +1,9 @@
 """The vocab-parallel KL's configuration and the chunk size it implies.
 
 Why this file exists: :class:`KLConfig` is what a caller of :mod:`mopd.kernels.kl` sets (kind,
-reduction, memory budget, backend, debug checks, collective timeout), validated once on
-construction; :func:`choose_chunk_tokens` turns its budget into the number of tokens per chunk.
+reduction, memory budget, backend, debug checks, collective timeout, how the fused path sums its
+weight gradient), validated once on construction; :func:`choose_chunk_tokens` turns its budget
+into the number of tokens per chunk.
 Both are pure functions of their arguments, so TP ranks that agree on them agree on the chunks.
 """
 
@@ -21,11 +22,13 @@ __all__ = [
     "KLConfig",
     "KLKind",
     "KLReduction",
+    "WeightGradAccumulation",
     "choose_chunk_tokens",
 ]
 
 KLKind = Literal["reverse", "forward", "mixed"]
 KLReduction = Literal["sum", "mean", "none"]
+WeightGradAccumulation = Literal["auto", "fp32", "weight"]
 
 #: Largest chunk: one CUDA launch covers at most 65535 rows in the grid's y dimension.
 MAX_CHUNK_TOKENS = 32768
@@ -58,6 +61,15 @@ class KLConfig:
             copy-to-tensor-parallel-region does); ``False`` leaves this rank's partial sum.
             The logits path has no hidden states: ``False`` there is ignored, with a warning
             (once per process).
+        weight_grad_accumulation: fused path with a bf16/fp16 weight: where the student LM-head
+            gradient ``[V_local, H_s]`` sums its chunks. ``"fp32"``: in an fp32 buffer
+            (``4 * V_local * H_s`` bytes beyond the budget while the loss runs), rounded to the
+            weight's dtype once; ``"weight"``: in the weight's dtype, one rounding per chunk
+            (the norm-wise error grows about as the square root of the number of chunks);
+            ``"auto"`` (default): ``"fp32"`` when there is more than one chunk and that buffer
+            fits in ``memory_budget_bytes``, else ``"weight"`` (with one chunk both round once).
+            The logits path has no weight: another value there is ignored, with a warning (once
+            per process).
     """
 
     kind: KLKind = "reverse"
@@ -69,6 +81,7 @@ class KLConfig:
     debug: bool = False
     timeout_s: float | None = 600.0
     sum_hidden_grad_over_tp: bool = True
+    weight_grad_accumulation: WeightGradAccumulation = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ("reverse", "forward", "mixed"):
@@ -77,6 +90,11 @@ class KLConfig:
             raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {self.reduction!r}")
         if self.backend not in ("auto", "cupy", "torch"):
             raise ValueError(f"backend must be 'auto', 'cupy' or 'torch', got {self.backend!r}")
+        if self.weight_grad_accumulation not in ("auto", "fp32", "weight"):
+            raise ValueError(
+                "weight_grad_accumulation must be 'auto', 'fp32' or 'weight', got "
+                f"{self.weight_grad_accumulation!r}"
+            )
         if self.mix_weight is not None:
             if not 0.0 <= self.mix_weight <= 1.0:
                 raise ValueError(f"mix_weight must be in [0, 1], got {self.mix_weight}")
@@ -127,17 +145,36 @@ def choose_chunk_tokens(
     element_size: int,
     backend: Literal["cupy", "torch"],
     fused: bool = True,
+    logit_element_size: int | None = None,
 ) -> int:
     """Tokens per chunk so one chunk's ``[C, V_local]`` blocks fit ``config.memory_budget_bytes``.
 
-    Per element of a chunk, in the compute dtype: the student and teacher logits (the fused
-    path writes the gradient over its own student logits) plus, for the logits path, a gradient
-    buffer; the torch twin adds ~5 fp32 temporaries. ``C`` is rounded down to a multiple of 64
-    when it is at least 128.
+    Args:
+        config: its ``chunk_tokens``, when set, is the answer; else its budget.
+        v_local: vocab rows of this rank's shard.
+        element_size: bytes per element of the student's dtype (its gradient's).
+        backend: where the row-wise passes run (the torch twin needs temporaries).
+        fused: the fused path (student logits formed here) rather than the logits path.
+        logit_element_size: bytes per element of the logits the loss forms (default: at least
+            4, the fp32 logits of bf16/fp16 inputs).
+    Returns:
+        ``C`` in ``[1, MAX_CHUNK_TOKENS]``, rounded down to a multiple of 64 when it is at
+        least 128.
+
+    Per element of a chunk: the fused path holds its student logits, the teacher logits and a
+    gradient buffer in the student's dtype (none when that is the logits' dtype: the gradient
+    then overwrites the student logits); the logits path holds the teacher logits, the
+    student's rows (when gathered) and a gradient buffer. The torch twin adds ~5 fp32
+    temporaries.
     """
     if config.chunk_tokens is not None:
         return config.chunk_tokens
-    per_elem = (2 if fused else 3) * element_size + (0 if backend == "cupy" else 20)
+    wide = max(element_size, 4) if logit_element_size is None else logit_element_size
+    if fused:
+        per_elem = 2 * wide + (0 if element_size == wide else element_size)
+    else:
+        per_elem = wide + 2 * element_size
+    per_elem += 0 if backend == "cupy" else 20
     chunk = config.memory_budget_bytes // max(1, v_local * per_elem)
     chunk = max(1, min(int(chunk), MAX_CHUNK_TOKENS))
     return chunk - chunk % 64 if chunk >= 128 else chunk

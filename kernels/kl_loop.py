@@ -1,13 +1,17 @@
 """The KL's chunk loop and its autograd function.
 
 Why this file exists: this is the loss's data path. Per chunk of ``C`` tokens it forms the
-student and teacher logits blocks ``[C, V_local]``, reduces their softmax statistics over the TP
-group (one MAX and one SUM all-reduce), computes the per-token KL and, when a backward can
-follow, the gradient with respect to the student logits, which it moves into the input
-gradients (the fused path through the student's LM-head matmuls). :class:`KLFunction` decides
-when the gradient is computed: in the forward for ``sum``/``mean`` (ctx keeps only the
+student and teacher logits blocks ``[C, V_local]`` (at least fp32, see
+:mod:`mopd.kernels.kl_matmul`), reduces their softmax statistics over the TP group (one MAX and
+one SUM all-reduce), computes the per-token KL and, when a backward can follow, the gradient with
+respect to the student logits, which it moves into the input gradients (the fused path through
+the student's LM-head matmuls, accumulated in fp32 where ``KLJob`` says so). :class:`KLFunction`
+decides when the gradient is computed: in the forward for ``sum``/``mean`` (ctx keeps only the
 gradients; backward scales them), in the backward for ``none`` (recomputed from tensors saved
 with ``save_for_backward``, so an in-place change in between raises).
+
+Profiler ranges (:mod:`mopd.profiling.ranges`, off by default): ``mopd/loss_chunk:<i>`` around
+each chunk, ``mopd/projection:<k>`` around teacher k's LM-head matmul.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from mopd.kernels.kl_collectives import all_reduce_in
+from mopd.kernels.kl_matmul import logit_dtype, matmul_into
 from mopd.kernels.kl_prepare import KLJob, TeacherSlot
 from mopd.kernels.kl_rowwise import rescale_sums, row_grad, row_stats
+from mopd.profiling.ranges import span
 
 __all__ = ["KLFunction", "StudentSide", "run_chunks", "scale_", "teacher_logits"]
 
@@ -36,7 +42,11 @@ class StudentSide:
     """The student's side of a chunk: its logits rows, and where their gradient goes.
 
     ``x_TX`` is ``[T, V_local]`` logits (``weight_VH`` ``None``) or ``[T, H_s]`` hidden states
-    with the ``[V_local, H_s]`` LM-head shard ``weight_VH``.
+    with the ``[V_local, H_s]`` LM-head shard ``weight_VH``. After the loop (:meth:`finish`),
+    ``grad_x`` / ``grad_w`` hold the input gradients in the inputs' dtypes. The logits path
+    writes its gradient into ``grad_x`` directly (one rounding per element); the fused path
+    accumulates the hidden-state gradient in ``[T, H_s]`` at least fp32 and the weight gradient
+    in ``job.weight_grad_dtype``, and rounds them in :meth:`finish`.
     """
 
     def __init__(self, job: KLJob, x_TX: torch.Tensor, weight_VH: torch.Tensor | None) -> None:
@@ -45,68 +55,98 @@ class StudentSide:
         self.weight_VH = None if weight_VH is None else weight_VH.detach()
         self.grad_x: torch.Tensor | None = None
         self.grad_w: torch.Tensor | None = None
+        self._acc_x_TH: torch.Tensor | None = None  # fused: hidden-state gradient, fp32
+        self._acc_w_VH: torch.Tensor | None = None  # fused: weight gradient, weight_grad_dtype
 
     def logits(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        """``[C, n_valid]`` student logits of the chunk's tokens (compute dtype)."""
+        """``[C, n_valid]`` student logits of the chunk's tokens, in ``student_logit_dtype``."""
         nv = self.job.n_valid
         if self.weight_VH is None:
             if isinstance(rows, slice):
                 return self.x_TX[rows, :nv]
             return self.x_TX.index_select(0, rows)[:, :nv]
         h_CH = self.x_TX[rows] if isinstance(rows, slice) else self.x_TX.index_select(0, rows)
-        return h_CH @ self.weight_VH[:nv].T
+        s_CV = torch.empty(
+            (h_CH.shape[0], nv), dtype=self.job.student_logit_dtype, device=h_CH.device
+        )
+        return matmul_into(h_CH, self.weight_VH[:nv].T, s_CV)
 
     def start_grads(self) -> None:
-        self.grad_x = torch.zeros_like(self.x_TX)
-        if self.weight_VH is not None:
-            self.grad_w = torch.zeros_like(self.weight_VH)
+        if self.weight_VH is None:
+            self.grad_x = torch.zeros_like(self.x_TX)
+            return
+        assert self.job.weight_grad_dtype is not None
+        self._acc_x_TH = torch.zeros(
+            self.x_TX.shape, dtype=logit_dtype(self.x_TX.dtype), device=self.x_TX.device
+        )
+        self._acc_w_VH = torch.zeros(
+            self.weight_VH.shape, dtype=self.job.weight_grad_dtype, device=self.weight_VH.device
+        )
 
     def grad_buffer(self, rows: slice | torch.Tensor, s_CV: torch.Tensor) -> torch.Tensor:
-        """Where :func:`row_grad` writes the chunk's logits gradient ``[C, n_valid]``."""
-        assert self.grad_x is not None
+        """Where :func:`row_grad` writes the chunk's ``[C, n_valid]`` logits gradient, in the
+        student's dtype."""
         if self.weight_VH is not None:
-            return s_CV  # our own matmul output: overwritten in place (one buffer fewer)
+            if s_CV.dtype == self.x_TX.dtype:
+                return s_CV  # our own matmul output: overwritten in place (one buffer fewer)
+            return torch.empty(s_CV.shape, dtype=self.x_TX.dtype, device=s_CV.device)
+        assert self.grad_x is not None
         if isinstance(rows, slice):
             return self.grad_x[rows, : self.job.n_valid]  # written in place, nothing to move
         return torch.empty_like(s_CV)
 
     def take_grad(self, rows: slice | torch.Tensor, g_CV: torch.Tensor) -> None:
         """Move the chunk's ``[C, n_valid]`` logits gradient into the input gradients."""
-        assert self.grad_x is not None
         nv = self.job.n_valid
         if self.weight_VH is None:
+            assert self.grad_x is not None
             if not isinstance(rows, slice):
                 self.grad_x[:, :nv].index_copy_(0, rows, g_CV)
             return
-        assert self.grad_w is not None
+        acc_x, acc_w = self._acc_x_TH, self._acc_w_VH
+        assert acc_x is not None and acc_w is not None
         w_VH = self.weight_VH[:nv]
         if isinstance(rows, slice):
             h_CH = self.x_TX[rows]
-            torch.matmul(g_CV, w_VH, out=self.grad_x[rows])
+            matmul_into(g_CV, w_VH, acc_x[rows])  # each token's row is written once
         else:
             h_CH = self.x_TX.index_select(0, rows)
-            self.grad_x.index_copy_(0, rows, g_CV @ w_VH)
-        self.grad_w[:nv].addmm_(g_CV.T, h_CH)
+            part_CH = torch.empty((g_CV.shape[0], acc_x.shape[1]), dtype=acc_x.dtype,
+                                  device=acc_x.device)  # fmt: skip
+            acc_x.index_copy_(0, rows, matmul_into(g_CV, w_VH, part_CH))
+        matmul_into(g_CV.T, h_CH, acc_w[:nv], accumulate=True)
+
+    def finish(self) -> None:
+        """Fused path: sum the hidden-state gradient over the TP group (fp32, when the config
+        says so) and round both gradients to the inputs' dtypes, once."""
+        if self.weight_VH is None:
+            return
+        acc_x, acc_w = self._acc_x_TH, self._acc_w_VH
+        assert acc_x is not None and acc_w is not None
+        self._acc_x_TH = self._acc_w_VH = None
+        if self.job.config.sum_hidden_grad_over_tp:
+            _all_reduce(acc_x, dist.ReduceOp.SUM, self.job)
+        self.grad_x = acc_x.to(self.x_TX.dtype)
+        del acc_x
+        self.grad_w = acc_w.to(self.weight_VH.dtype)
 
 
-def teacher_logits(job: KLJob, c0: int, c1: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[c1 - c0, n_valid]`` teacher logits of processing positions ``[c0, c1)`` in ``dtype``."""
+def teacher_logits(job: KLJob, c0: int, c1: int) -> torch.Tensor:
+    """``[c1 - c0, n_valid]`` teacher logits of processing positions ``[c0, c1)``, in
+    ``job.teacher_logit_dtype`` (fp32 accumulation and output from bf16 inputs)."""
     nv = job.n_valid
     device = job.weight_N.device
-    u_CV = torch.empty((c1 - c0, nv), dtype=dtype, device=device)
-    for t in job.teachers:
+    u_CV = torch.empty((c1 - c0, nv), dtype=job.teacher_logit_dtype, device=device)
+    for k, t in enumerate(job.teachers):
         a, b = max(c0, t.start), min(c1, t.stop)
         if a >= b:
             continue
-        if t.rows_M is None:
-            h_MH = t.hidden_XH[a - t.start : b - t.start]
-        else:
-            h_MH = t.hidden_XH.index_select(0, t.rows_M[a - t.start : b - t.start])
-        w_VH = t.weight_VH[:nv]
-        if h_MH.dtype == dtype:
-            torch.matmul(h_MH, w_VH.T, out=u_CV[a - c0 : b - c0])
-        else:
-            u_CV[a - c0 : b - c0] = h_MH @ w_VH.T
+        with span("projection", k):
+            if t.rows_M is None:
+                h_MH = t.hidden_XH[a - t.start : b - t.start]
+            else:
+                h_MH = t.hidden_XH.index_select(0, t.rows_M[a - t.start : b - t.start])
+            matmul_into(h_MH, t.weight_VH[:nv].T, u_CV[a - c0 : b - c0])
     return u_CV
 
 
@@ -115,8 +155,8 @@ def run_chunks(
 ) -> torch.Tensor:
     """The chunk loop. Returns ``[N]`` fp32 per-token KL in processing order.
 
-    With ``grad_weight_N`` (``[N]`` fp32 ``d loss / d KL_t``), also accumulates the gradients
-    into ``student.grad_x`` / ``student.grad_w``.
+    With ``grad_weight_N`` (``[N]`` fp32 ``d loss / d KL_t``), also computes the gradients into
+    ``student.grad_x`` / ``student.grad_w``.
     """
     cfg = job.config
     w_r, w_f = cfg.reverse_weight, cfg.forward_weight
@@ -125,50 +165,48 @@ def run_chunks(
     kl_N = torch.empty(N, dtype=torch.float32, device=device)
     if grad_weight_N is not None:
         student.start_grads()
-    for c0 in range(0, N, job.chunk):
-        c1 = min(N, c0 + job.chunk)
-        rows = slice(c0, c1) if job.order_N is None else job.order_N[c0:c1]
-        s_CV = student.logits(rows)
-        u_CV = teacher_logits(job, c0, c1, s_CV.dtype)
-        stats_6C = row_stats(s_CV, u_CV, need_forward=w_f != 0.0, backend=job.backend)
-        max_2C = stats_6C[:2].clone()
-        _all_reduce(max_2C, dist.ReduceOp.MAX, job)
-        sums_4C = rescale_sums(stats_6C, max_2C[0], max_2C[1])
-        _all_reduce(sums_4C, dist.ReduceOp.SUM, job)
-        z_s, z_t, a_s, b_t = sums_4C
-        lse_s = max_2C[0] + z_s.log()
-        lse_t = max_2C[1] + z_t.log()
-        kl_C = torch.zeros_like(z_s)
-        if w_r:
-            kl_C += w_r * (a_s / z_s - lse_s + lse_t)
-        if w_f:
-            kl_C += w_f * (lse_s - lse_t - b_t / z_t)
-        kl_N[c0:c1] = kl_C
-        if grad_weight_N is None:
-            del s_CV, u_CV  # free this chunk's blocks before the next chunk allocates its own
-            continue
-        g_C = grad_weight_N[c0:c1]
-        coef_5C = torch.stack(
-            [
-                max_2C[0],
-                max_2C[1],
-                g_C * (w_r / z_s),
-                g_C * (w_f - w_r * a_s / z_s) / z_s,
-                g_C * (-w_f / z_t),
-            ]
-        )
-        out_CV = student.grad_buffer(rows, s_CV)
-        row_grad(s_CV, u_CV, coef_5C, out_CV, teacher_term=w_f != 0.0, backend=job.backend)
-        del s_CV, u_CV
-        student.take_grad(rows, out_CV)
-        del out_CV  # (it may be the chunk's student logits) free before the next chunk
-    if (
-        grad_weight_N is not None
-        and student.weight_VH is not None
-        and cfg.sum_hidden_grad_over_tp
-        and student.grad_x is not None
-    ):
-        _all_reduce(student.grad_x, dist.ReduceOp.SUM, job)
+    for i, c0 in enumerate(range(0, N, job.chunk)):
+        with span("loss_chunk", i):
+            c1 = min(N, c0 + job.chunk)
+            rows = slice(c0, c1) if job.order_N is None else job.order_N[c0:c1]
+            s_CV = student.logits(rows)
+            u_CV = teacher_logits(job, c0, c1)
+            stats_6C = row_stats(s_CV, u_CV, need_forward=w_f != 0.0, backend=job.backend)
+            max_2C = stats_6C[:2].clone()
+            _all_reduce(max_2C, dist.ReduceOp.MAX, job)
+            sums_4C = rescale_sums(stats_6C, max_2C[0], max_2C[1])
+            _all_reduce(sums_4C, dist.ReduceOp.SUM, job)
+            z_s, z_t, a_s, b_t = sums_4C
+            # lse_S - lse_T without forming either: each may be ~100 where their difference
+            # and the KL are ~0.01 (fp32 rounding of lse_S alone would cost 1e-4 of the KL);
+            # the maxima's difference is exact for nearby maxima, the log-sums are O(log V)
+            d_lse = (max_2C[0] - max_2C[1]) + (z_s.log() - z_t.log())
+            kl_C = torch.zeros_like(z_s)
+            if w_r:
+                kl_C += w_r * (a_s / z_s - d_lse)
+            if w_f:
+                kl_C += w_f * (d_lse - b_t / z_t)
+            kl_N[c0:c1] = kl_C
+            if grad_weight_N is None:
+                del s_CV, u_CV  # free this chunk's blocks before the next chunk allocates
+                continue
+            g_C = grad_weight_N[c0:c1]
+            coef_5C = torch.stack(
+                [
+                    max_2C[0],
+                    max_2C[1],
+                    g_C * (w_r / z_s),
+                    g_C * (w_f - w_r * a_s / z_s) / z_s,
+                    g_C * (-w_f / z_t),
+                ]
+            )
+            out_CV = student.grad_buffer(rows, s_CV)
+            row_grad(s_CV, u_CV, coef_5C, out_CV, teacher_term=w_f != 0.0, backend=job.backend)
+            del s_CV, u_CV
+            student.take_grad(rows, out_CV)
+            del out_CV  # (it may be the chunk's student logits) free before the next chunk
+    if grad_weight_N is not None:
+        student.finish()
     return kl_N
 
 

@@ -6,7 +6,7 @@ locally, so that a debug-mode failure can still join the TP agreement all-reduce
 (:mod:`mopd.kernels.kl_collectives`). :func:`prepare` checks everything and builds the
 :class:`KLJob`: the processing order of the active tokens (grouped by teacher, so each teacher's
 LM-head matmul runs on contiguous rows), each teacher's rows in it, the mask weights, the
-backend and the chunk size.
+dtypes the logits and gradients are formed in, the backend and the chunk size.
 
 Host syncs: none without a mask or a teacher index; a mask or a teacher index costs a few (the
 index range check, the teacher counts, the grouping of tokens).
@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mopd.kernels.kl_config import KLConfig, choose_chunk_tokens
-from mopd.kernels.kl_rowwise import resolve_backend
+from mopd.kernels.kl_matmul import logit_dtype
+from mopd.kernels.kl_rowwise import resolve_chunk_backend
 
 __all__ = ["KLArgs", "KLJob", "TeacherSlot", "prepare"]
 
@@ -93,6 +94,11 @@ class KLJob:
         teachers: one :class:`TeacherSlot` per teacher, in processing order.
         chunk: tokens per chunk; ``backend``: where the row-wise passes run.
         nonfinite: debug mode: the names of this rank's inputs holding NaN or inf.
+        student_logit_dtype: the chunk's student logits: the caller's (logits path) or at least
+            fp32 (fused path).
+        teacher_logit_dtype: the chunk's teacher logits: at least fp32.
+        weight_grad_dtype: fused path: the dtype the weight gradient sums its chunks in (see
+            ``KLConfig.weight_grad_accumulation``); ``None`` on the logits path.
     """
 
     config: KLConfig
@@ -108,6 +114,9 @@ class KLJob:
     chunk: int
     backend: Literal["cupy", "torch"]
     nonfinite: tuple[str, ...]
+    student_logit_dtype: torch.dtype
+    teacher_logit_dtype: torch.dtype
+    weight_grad_dtype: torch.dtype | None
 
     @property
     def n_active(self) -> int:
@@ -355,17 +364,33 @@ def prepare(args: KLArgs) -> KLJob:
     total_weight = torch.full((), float(T), device=device) if mask_T is None else mask_T.sum()
     teachers = _teacher_slots(hiddens, weights, compact_K, index_T, order_N, seg_counts, identity)
 
-    fused = args.student_weight_VH is not None
-    probe = args.student_weight_VH if fused else student_TX
-    assert probe is not None
-    backend = resolve_backend(config.backend, probe)
+    # the logits in at least fp32 (never rounded to a bf16 input's dtype), the gradient in the
+    # student's dtype: the row-wise passes see (s, u) and (s, u, gradient) of these dtypes
+    student_w = args.student_weight_VH
+    s_dtype = logit_dtype(student_TX.dtype) if student_w is not None else student_TX.dtype
+    u_dtype = logit_dtype(*(w.dtype for w in weights))
+    backend = resolve_chunk_backend(
+        config.backend,
+        student_TX,
+        (s_dtype, u_dtype),
+        (s_dtype, u_dtype, student_TX.dtype),
+    )
     chunk = choose_chunk_tokens(
         config,
         v_local=v_local,
         element_size=student_TX.element_size(),
         backend=backend,
-        fused=fused,
+        fused=student_w is not None,
+        logit_element_size=max(s_dtype.itemsize, u_dtype.itemsize),
     )
+    weight_grad_dtype = None
+    if student_w is not None:
+        wide = logit_dtype(student_w.dtype)
+        fits = v_local * student_w.shape[1] * wide.itemsize <= config.memory_budget_bytes
+        mode = config.weight_grad_accumulation
+        n_chunks = -(-N // chunk)
+        use_wide = mode == "fp32" or (mode == "auto" and n_chunks > 1 and fits)
+        weight_grad_dtype = wide if use_wide else student_w.dtype
     return KLJob(
         config=config,
         group=args.group,
@@ -380,4 +405,7 @@ def prepare(args: KLArgs) -> KLJob:
         chunk=chunk,
         backend=backend,
         nonfinite=nonfinite,
+        student_logit_dtype=s_dtype,
+        teacher_logit_dtype=u_dtype,
+        weight_grad_dtype=weight_grad_dtype,
     )

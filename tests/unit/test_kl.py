@@ -322,13 +322,23 @@ def test_backend_rules_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_chunk_size_from_budget() -> None:
-    cfg = KLConfig(memory_budget_bytes=512 * 2**20)
-    c = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="cupy")
-    assert c % 64 == 0 and c * 151936 * 4 <= 512 * 2**20 < (c + 64) * 151936 * 4
-    c_logits = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="cupy", fused=False)
-    assert c_logits * 151936 * 6 <= 512 * 2**20 < (c_logits + 64) * 151936 * 6
-    c_torch = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="torch")
-    assert c_torch < c
+    """The budget covers one chunk's blocks: fp32 logits of bf16 inputs (student and teacher on
+    the fused path, 4 + 4 bytes, plus the 2-byte bf16 gradient; teacher 4 + gathered student 2 +
+    gradient 2 on the logits path), and the next multiple of 64 tokens would not fit."""
+    budget = 512 * 2**20
+    cfg = KLConfig(memory_budget_bytes=budget)
+    V = 151936
+    for fused, per_elem in ((True, 10), (False, 8)):
+        c = choose_chunk_tokens(cfg, v_local=V, element_size=2, backend="cupy", fused=fused)
+        assert c % 64 == 0 and c * V * per_elem <= budget < (c + 64) * V * per_elem, (fused, c)
+    # fp32 inputs: fp32 logits, the fused gradient overwrites the student logits (8 bytes)
+    c32 = choose_chunk_tokens(cfg, v_local=V, element_size=4, backend="cupy")
+    assert c32 * V * 8 <= budget < (c32 + 64) * V * 8
+    # float64 inputs keep float64 logits
+    c64 = choose_chunk_tokens(cfg, v_local=V, element_size=8, backend="cupy", fused=False)
+    assert c64 * V * 24 <= budget < (c64 + 64) * V * 24
+    c_torch = choose_chunk_tokens(cfg, v_local=V, element_size=2, backend="torch")
+    assert c_torch < choose_chunk_tokens(cfg, v_local=V, element_size=2, backend="cupy")
     assert choose_chunk_tokens(KLConfig(memory_budget_bytes=1), v_local=10, element_size=4,
                                backend="torch") == 1  # fmt: skip
     assert choose_chunk_tokens(KLConfig(chunk_tokens=17), v_local=10, element_size=4,
