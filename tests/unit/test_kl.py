@@ -8,7 +8,9 @@ the recompute path (``reduction="none"``) raises autograd's version-counter erro
 or a teacher tensor is changed in place between forward and backward, and matches the
 precomputed path; the precomputed path keeps neither the student input nor the teacher's hidden
 states alive (weakrefs); a bf16 gradient scaled by an fp32 upstream 1/3 is rounded once (bit
-for bit); ``sum_hidden_grad_over_tp=False`` on the logits path warns once.
+for bit); the fused-only settings (``sum_hidden_grad_over_tp=False``,
+``weight_grad_accumulation``) on the logits path warn once. bf16 accuracy at a large vocabulary
+is tests/unit/test_kl_numerics.py's.
 
 Tolerances: the loss keeps its statistics in fp32, so with float64 inputs values and gradients
 match the float64 reference to ~1e-6 relative; we assert rtol=1e-4, atol=1e-5 (scaled by the
@@ -356,6 +358,8 @@ def test_config_validation() -> None:
         KLConfig(memory_budget_bytes=0)
     with pytest.raises(ValueError, match="chunk_tokens"):
         KLConfig(chunk_tokens=0)
+    with pytest.raises(ValueError, match="weight_grad_accumulation must be"):
+        KLConfig(weight_grad_accumulation="fp64")  # type: ignore[arg-type]
     for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
         with pytest.raises(ValueError, match=r"timeout_s must be a positive finite number"):
             KLConfig(timeout_s=bad)  # type: ignore[arg-type]
@@ -564,18 +568,25 @@ def test_upstream_scale_rounds_once_in_bf16(fused: bool, budget: int) -> None:
         assert torch.equal(scaled, want), int((scaled != want).sum())
 
 
-def test_logits_path_warns_once_that_sum_hidden_grad_over_tp_is_ignored(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"sum_hidden_grad_over_tp": False}, "sum_hidden_grad_over_tp=False is ignored"),
+        ({"weight_grad_accumulation": "fp32"}, "weight_grad_accumulation='fp32' is ignored"),
+    ],
+)
+def test_logits_path_warns_once_that_a_fused_only_setting_is_ignored(
+    monkeypatch: pytest.MonkeyPatch, setting: dict[str, Any], message: str
 ) -> None:
     monkeypatch.setattr(kl_mod, "_WARNED", set())
     t = _tensors_for(False, compact=False)
-    cfg = KLConfig(sum_hidden_grad_over_tp=False)
+    cfg = KLConfig(**setting)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loss(t, False, cfg)
         _loss(t, False, cfg)
         _loss(_tensors_for(True, compact=False), True, cfg)  # meaningful there: no warning
         _loss(t, False, KLConfig())
-    hits = [w for w in caught if "sum_hidden_grad_over_tp=False is ignored" in str(w.message)]
+    hits = [w for w in caught if message in str(w.message)]
     assert len(hits) == 1, [str(w.message) for w in caught]
     assert hits[0].filename == __file__  # points at the caller
