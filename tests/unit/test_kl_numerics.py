@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from mopd.kernels import kl_matmul, kl_prepare
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 from mopd.profiling import ranges
-from tests.support.kl_reference import reference_kl
+from tests.support.kl_reference import distillation_case, reference_kl, relative_error
 
 V_BIG = 151936
 T, H, NOISE = 96, 64, 0.25
@@ -38,34 +38,12 @@ KINDS = ("reverse", "forward", "mixed")
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.double()
-    return float((got.double() - want).norm() / want.norm())
+    return relative_error(got, want)
 
 
 @functools.cache
 def _case(std: float, n_teachers: int) -> dict[str, Any]:
-    """bf16 inputs: teachers' hidden states ~N(0, 1) and LM heads for logit std ``std``; the
-    logits path's student logits are teacher 0's exact logits plus noise, the fused student has
-    teacher 0's hidden states plus noise and an LM head near teacher 0's."""
-    g = torch.Generator().manual_seed(int(std * 10) + n_teachers)
-    hs = (H, H + 32)[:n_teachers]
-    index_T = torch.randint(0, n_teachers, (T,), generator=g) if n_teachers > 1 else None
-    hidden = [torch.randn(T, h, generator=g).bfloat16() for h in hs]
-    weight = [(torch.randn(V_BIG, h, generator=g) * (std / h**0.5)).bfloat16() for h in hs]
-    u64 = torch.empty(T, V_BIG, dtype=torch.float64)
-    for k, (h, w) in enumerate(zip(hidden, weight, strict=True)):
-        rows = torch.arange(T) if index_T is None else torch.nonzero(index_T == k)[:, 0]
-        u64[rows] = h[rows].double() @ w.double().T
-    logits = (u64 + NOISE * torch.randn(T, V_BIG, generator=g, dtype=torch.float64)).bfloat16()
-    h_s = (hidden[0].float() + (NOISE / std) * torch.randn(T, H, generator=g)).bfloat16()
-    w_s = (weight[0].float() * (1 + 0.01 * torch.randn(V_BIG, H, generator=g))).bfloat16()
-    mask_T = None if n_teachers == 1 else torch.rand(T, generator=g) > 0.2
-    if index_T is not None:
-        hidden[1] = hidden[1][index_T == 1]  # compact rows: only teacher 1's tokens
-    return dict(
-        hidden=hidden, weight=weight, index_T=index_T, mask_T=mask_T, logits=logits, h_s=h_s,
-        w_s=w_s,
-    )  # fmt: skip
+    return distillation_case(std=std, n_teachers=n_teachers, T=T, H=H, V=V_BIG, noise=NOISE)
 
 
 def _kwargs(c: dict[str, Any], kind: str) -> dict[str, Any]:
