@@ -46,6 +46,12 @@ def logit_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
+_FALLBACK = {
+    "mm": "converting operand blocks to fp32 instead",
+    "addmm": "adding the fp32 products of row blocks instead",
+}
+
+
 def _try_out_dtype(op: str, call: Callable[[], object]) -> bool:
     """Run ``call()``, a CUDA ``out_dtype`` matmul; False where this torch does not have it.
 
@@ -69,9 +75,10 @@ def _try_out_dtype(op: str, call: Callable[[], object]) -> bool:
             _log,
             f"out_dtype:{op}",
             "mopd.kernels.kl: torch.%s(..., out_dtype=torch.float32) is unavailable here (%s); "
-            "converting operand blocks to fp32 instead (logged once)",
+            "%s (logged once)",
             op,
             str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            _FALLBACK[op],
         )
         return False
     _out_dtype_ok[op] = True

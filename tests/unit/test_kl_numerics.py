@@ -216,6 +216,52 @@ def test_matmul_into_rejects_what_it_cannot_do() -> None:
     assert kl_matmul.logit_dtype(torch.bfloat16, torch.float64) == torch.float64
 
 
+def test_out_dtype_probe_learns_once_and_never_hides_oom(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CUDA ``out_dtype`` form is tried once per op: a refusal is remembered and logged once
+    (later calls skip it), a success is remembered (later errors propagate), OOM propagates."""
+    from mopd.kernels.backend import reset_log_once
+
+    monkeypatch.setattr(kl_matmul, "_out_dtype_ok", {})
+    reset_log_once()
+    calls: list[str] = []
+
+    def refuse() -> None:
+        calls.append("refuse")
+        raise RuntimeError("out_dtype must be the same as input dtype")
+
+    with caplog.at_level("WARNING"):
+        assert kl_matmul._try_out_dtype("mm", refuse) is False
+        assert kl_matmul._try_out_dtype("mm", refuse) is False
+    assert calls == ["refuse"]
+    assert len([r for r in caplog.records if "torch.mm(" in r.getMessage()]) == 1
+    assert kl_matmul._try_out_dtype("addmm", lambda: calls.append("ok")) is True
+    with pytest.raises(RuntimeError, match="later"):
+        kl_matmul._try_out_dtype("addmm", lambda: (_ for _ in ()).throw(RuntimeError("later")))
+    monkeypatch.setattr(kl_matmul, "_out_dtype_ok", {})
+
+    def oom() -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        kl_matmul._try_out_dtype("mm", oom)
+    assert "mm" not in kl_matmul._out_dtype_ok  # not learned from an OOM
+
+
+def test_row_block_accumulation_leaves_out_untouched_when_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where ``torch.mm(..., out_dtype=)`` is refused (as on the CPU), the CUDA accumulation by
+    row blocks gives up before adding anything, so the caller's fallback starts from ``out``."""
+    monkeypatch.setattr(kl_matmul, "_out_dtype_ok", {})
+    a = torch.ones(5, 3, dtype=torch.bfloat16)
+    out = torch.full((5, 4), 7.0)
+    b = torch.ones(3, 4, dtype=torch.bfloat16)
+    assert kl_matmul._accumulate_by_row_blocks(a, b, out) is False
+    assert torch.equal(out, torch.full((5, 4), 7.0))
+
+
 # ---- profiler ranges ----------------------------------------------------------------------------
 
 
