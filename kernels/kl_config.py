@@ -47,7 +47,6 @@ class KLConfig:
         reduction: ``"sum"`` (of ``mask * KL``), ``"mean"`` (that sum over the mask's total
             weight; 0 when it is 0) or ``"none"`` (``[T]`` fp32 ``mask * KL``).
         memory_budget_bytes: working memory for one chunk's ``[C, V_local]`` blocks; sets ``C``.
-            It also bounds the fp32 buffer backward uses to scale a bf16/fp16 gradient.
         chunk_tokens: explicit chunk size; overrides the budget.
         backend: row-wise passes on ``"auto"`` / ``"cupy"`` / ``"torch"`` (see kl_rowwise).
         debug: check inputs for NaN/inf and check, with one extra all-reduce, that the TP ranks

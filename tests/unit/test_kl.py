@@ -544,7 +544,7 @@ def test_precomputed_path_does_not_keep_inputs_alive(fused: bool) -> None:
 @pytest.mark.parametrize("budget", [512 * 2**20, 64])
 def test_upstream_scale_rounds_once_in_bf16(fused: bool, budget: int) -> None:
     """A bf16 gradient times an fp32 upstream 1/3 is round(g * (1/3)): one rounding, no bf16
-    rounding of the scale first (that gave a x1.0018 bias). budget=64 scales row by row."""
+    rounding of the scale first (that gave a x1.0018 bias). budget=64: one token per chunk."""
     T, V_pad, V_real, hidden, weight, _, mask_T, s_TV, g = _case(71, n_teachers=1, compact=False)
     hidden_b = [h.bfloat16() for h in hidden]
     weight_b = [w.bfloat16() for w in weight]
@@ -566,6 +566,19 @@ def test_upstream_scale_rounds_once_in_bf16(fused: bool, budget: int) -> None:
         assert scaled.dtype == torch.bfloat16 and torch.count_nonzero(unit) > 0
         want = (unit.float() * third).bfloat16()
         assert torch.equal(scaled, want), int((scaled != want).sum())
+
+
+def test_scale_forms_the_product_in_fp32() -> None:
+    """The upstream scale as a 0-dim tensor would not take part in type promotion; scale_ makes
+    it one that does: bit-equal to the fp32 product rounded once, for bf16 and fp16."""
+    g = torch.Generator().manual_seed(8)
+    third = torch.tensor(1.0 / 3.0)
+    for dtype in (torch.bfloat16, torch.float16):
+        grad = (torch.randn(50, 30, generator=g) * 3).to(dtype)
+        want = (grad.float() * third).to(dtype)
+        assert torch.equal(kl_loop.scale_(grad.clone(), third), want)
+    grad64 = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    assert torch.equal(kl_loop.scale_(grad64.clone(), third), grad64 * third.double())
 
 
 @pytest.mark.parametrize(
