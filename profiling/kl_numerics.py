@@ -329,14 +329,25 @@ def run_numerics(
     return rows, notes
 
 
+def _num(value: object) -> float | None:
+    """A cell as a float (rows from a CSV hold text); ``None`` when empty or not a number."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
 def plot_errors(rows: Sequence[Row], png_path: Path, title: str) -> Path:
-    """Relative loss and gradient errors against logit std, log-scaled: one panel per (metric, V)."""
+    """Relative loss and gradient errors against logit std, log-scaled: one panel per (metric, V).
+
+    ``rows`` as :func:`run_numerics` returns them or as read back from its CSV.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     vocabs = sorted({int(r["V"]) for r in rows})
     metrics = [("loss_rel_err", "relative loss error"), ("grad_rel_err", "relative gradient error")]
-    fig = Figure(figsize=(5.0 * len(vocabs), 8.0), layout="constrained")
+    fig = Figure(figsize=(5.0 * len(vocabs), 9.0), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(metrics), len(vocabs), squeeze=False)
     styles = {"reverse": "-", "forward": "--", "mixed": ":"}
@@ -348,11 +359,11 @@ def plot_errors(rows: Sequence[Row], png_path: Path, title: str) -> Path:
             for method, path in series:
                 for kind, ls in styles.items():
                     pts = sorted(
-                        (float(r["logit_std"]), float(r[col]))
+                        (float(r["logit_std"]), y)
                         for r in rows
                         if int(r["V"]) == V
                         and (r["method"], r["path"], r["kind"]) == (method, path, kind)
-                        and isinstance(r.get(col), float)
+                        and (y := _num(r.get(col))) is not None
                     )
                     if not pts:
                         continue
@@ -367,7 +378,8 @@ def plot_errors(rows: Sequence[Row], png_path: Path, title: str) -> Path:
             ax.set_ylabel(label)
             ax.set_title(f"V = {V}")
             ax.grid(which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=6, loc="best")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7)
     fig.suptitle(title, fontsize=10)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=110)
