@@ -326,6 +326,38 @@ def _teacher_slots(
     return tuple(slots)
 
 
+def _processing_order(
+    T: int, mask_T: torch.Tensor | None, index_T: torch.Tensor | None, K: int, device: torch.device
+) -> tuple[torch.Tensor, list[int], bool]:
+    """``(order_N, tokens per teacher, identity)``: the active tokens grouped by teacher (stable);
+    ``identity`` when that is every token in token order (no gather needed)."""
+    active_N = (
+        torch.arange(T, device=device) if mask_T is None else torch.nonzero(mask_T != 0).flatten()
+    )
+    if index_T is None:
+        order_N, seg_counts = active_N, [active_N.numel()]
+    else:
+        keys_N = index_T[active_N]
+        order_N = active_N[torch.sort(keys_N, stable=True).indices]
+        seg_counts = torch.bincount(keys_N, minlength=K).tolist()
+    identity = order_N.numel() == T and (
+        index_T is None or bool((index_T[1:] >= index_T[:-1]).all())
+    )
+    return order_N, seg_counts, identity
+
+
+def _weight_grad_dtype(args: KLArgs, v_local: int, n_active: int, chunk: int) -> torch.dtype | None:
+    """Fused path: the dtype the weight gradient sums its chunks in (``KLConfig``'s rule)."""
+    w = args.student_weight_VH
+    if w is None:
+        return None
+    wide = logit_dtype(w.dtype)
+    fits = v_local * w.shape[1] * wide.itemsize <= args.config.memory_budget_bytes
+    mode = args.config.weight_grad_accumulation
+    n_chunks = -(-n_active // chunk)
+    return wide if mode == "fp32" or (mode == "auto" and n_chunks > 1 and fits) else w.dtype
+
+
 def prepare(args: KLArgs) -> KLJob:
     """Validate everything (locally, no collective) and build the processing order.
 
@@ -346,18 +378,8 @@ def prepare(args: KLArgs) -> KLJob:
     compact_K = _compact_layouts(hiddens, T, index_T)
     nonfinite = _nonfinite_inputs(args, hiddens, weights, mask_T, tp_size) if config.debug else ()
 
-    # processing order: active tokens, grouped by teacher (stable)
-    active_N = (
-        torch.arange(T, device=device) if mask_T is None else torch.nonzero(mask_T != 0).flatten()
-    )
-    if index_T is None:
-        order_N, seg_counts = active_N, [active_N.numel()]
-    else:
-        keys_N = index_T[active_N]
-        order_N = active_N[torch.sort(keys_N, stable=True).indices]
-        seg_counts = torch.bincount(keys_N, minlength=len(hiddens)).tolist()
+    order_N, seg_counts, identity = _processing_order(T, mask_T, index_T, len(hiddens), device)
     N = order_N.numel()
-    identity = N == T and (index_T is None or bool((index_T[1:] >= index_T[:-1]).all()))
     weight_N = (
         torch.ones(N, dtype=torch.float32, device=device) if mask_T is None else mask_T[order_N]
     )
@@ -366,31 +388,20 @@ def prepare(args: KLArgs) -> KLJob:
 
     # the logits in at least fp32 (never rounded to a bf16 input's dtype), the gradient in the
     # student's dtype: the row-wise passes see (s, u) and (s, u, gradient) of these dtypes
-    student_w = args.student_weight_VH
-    s_dtype = logit_dtype(student_TX.dtype) if student_w is not None else student_TX.dtype
+    fused = args.student_weight_VH is not None
+    s_dtype = logit_dtype(student_TX.dtype) if fused else student_TX.dtype
     u_dtype = logit_dtype(*(w.dtype for w in weights))
     backend = resolve_chunk_backend(
-        config.backend,
-        student_TX,
-        (s_dtype, u_dtype),
-        (s_dtype, u_dtype, student_TX.dtype),
+        config.backend, student_TX, (s_dtype, u_dtype), (s_dtype, u_dtype, student_TX.dtype)
     )
     chunk = choose_chunk_tokens(
         config,
         v_local=v_local,
         element_size=student_TX.element_size(),
         backend=backend,
-        fused=student_w is not None,
+        fused=fused,
         logit_element_size=max(s_dtype.itemsize, u_dtype.itemsize),
     )
-    weight_grad_dtype = None
-    if student_w is not None:
-        wide = logit_dtype(student_w.dtype)
-        fits = v_local * student_w.shape[1] * wide.itemsize <= config.memory_budget_bytes
-        mode = config.weight_grad_accumulation
-        n_chunks = -(-N // chunk)
-        use_wide = mode == "fp32" or (mode == "auto" and n_chunks > 1 and fits)
-        weight_grad_dtype = wide if use_wide else student_w.dtype
     return KLJob(
         config=config,
         group=args.group,
@@ -407,5 +418,5 @@ def prepare(args: KLArgs) -> KLJob:
         nonfinite=nonfinite,
         student_logit_dtype=s_dtype,
         teacher_logit_dtype=u_dtype,
-        weight_grad_dtype=weight_grad_dtype,
+        weight_grad_dtype=_weight_grad_dtype(args, v_local, N, chunk),
     )
