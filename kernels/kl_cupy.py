@@ -5,8 +5,10 @@ alignment) and launches them; :mod:`mopd.kernels.kl_rowwise` decides when it is 
 the torch twins with the same contracts. Compilation and the torch-stream bridge are
 :mod:`mopd.kernels.cupy_loader`'s. CuPy is only imported when a kernel runs.
 
-bf16 tensors are handed to CuPy as int16 views (CuPy before 14 cannot take bf16 through DLPack);
-the kernels reinterpret the bits. Kernels run on torch's current CUDA stream.
+Storage types per tensor (see :data:`STATS_KERNELS` / :data:`GRAD_KERNELS`): bf16 or fp32
+student logits, fp32 (or bf16) teacher logits, a bf16 or fp32 gradient. bf16 tensors are handed
+to CuPy as int16 views (CuPy before 14 cannot take bf16 through DLPack); the kernels reinterpret
+the bits. Kernels run on torch's current CUDA stream.
 """
 
 from __future__ import annotations
@@ -16,20 +18,60 @@ import torch
 from mopd.kernels.cupy_loader import get_kernel, on_torch_stream, to_cupy
 from mopd.kernels.kl_rowwise import combine_partials
 
-__all__ = ["row_grad_cupy", "row_stats_cupy", "unsupported_reason"]
+__all__ = [
+    "GRAD_KERNELS",
+    "STATS_KERNELS",
+    "dtype_reason",
+    "row_grad_cupy",
+    "row_stats_cupy",
+    "unsupported_reason",
+]
 
 _SOURCE = "kl_kernels.cu"
 _THREADS = 256
 _TARGET_BLOCKS = 1024  # enough blocks in flight to saturate HBM on a 132-SM part
 _MIN_COLS_PER_BLOCK = 4096
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+_BF16, _F32 = torch.bfloat16, torch.float32
+#: ``(s, u)`` storage dtypes -> suffix of the ``kl_row_stats_*`` kernel.
+STATS_KERNELS: dict[tuple[torch.dtype, ...], str] = {
+    (_BF16, _BF16): "bf16",
+    (_F32, _F32): "f32",
+    (_BF16, _F32): "bf16_f32",
+}
+#: ``(s, u, out)`` storage dtypes -> suffix of the ``kl_row_grad_*`` kernel.
+GRAD_KERNELS: dict[tuple[torch.dtype, ...], str] = {
+    (_BF16, _BF16, _BF16): "bf16",
+    (_F32, _F32, _F32): "f32",
+    (_BF16, _F32, _BF16): "bf16_f32_bf16",
+    (_F32, _F32, _BF16): "f32_f32_bf16",
+}
+
+
+def dtype_reason(*dtypes: torch.dtype) -> str | None:
+    """Why no kernel takes these storage dtypes, ``(s,)``, ``(s, u)`` or ``(s, u, out)``
+    (``None`` when one does)."""
+    if len(dtypes) == 1:
+        ok = dtypes[0] in (_BF16, _F32)
+    elif len(dtypes) == 2:
+        ok = tuple(dtypes) in STATS_KERNELS
+    else:
+        ok = tuple(dtypes) in GRAD_KERNELS
+    if ok:
+        return None
+    known = sorted(
+        "(" + ", ".join(str(d).removeprefix("torch.") for d in k) + ")"
+        for k in (*STATS_KERNELS, *GRAD_KERNELS)
+    )
+    got = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    return f"dtypes ({got}): the kernels take (s, u) / (s, u, out) in {', '.join(known)}"
 
 
 def unsupported_reason(*tensors: torch.Tensor) -> str | None:
-    """Why the kernels cannot take these CUDA ``tensors`` (``None`` when they can)."""
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _SUFFIX:
-        return f"dtypes {sorted(map(str, dtypes))}: the kernels need all bfloat16 or all float32"
+    """Why the kernels cannot take these CUDA tensors ``(s, u[, out])`` (``None`` when they can)."""
+    reason = dtype_reason(*(t.dtype for t in tensors))
+    if reason is not None:
+        return reason
     if any(t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1) for t in tensors):
         return "a tensor is not 2-D with contiguous columns"
     return None
@@ -40,10 +82,14 @@ def _as_cupy(t: torch.Tensor):
     return to_cupy(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
 
 
-def _geometry(t: torch.Tensor) -> tuple[int, int, int]:
-    """``(n, span, P)`` column split of ``t``'s rows into ``P`` blocks of ``span`` columns."""
+def _geometry(t: torch.Tensor, *others: torch.Tensor) -> tuple[int, int, int]:
+    """``(n, span, P)`` column split of ``t``'s rows into ``P`` blocks of ``span`` columns.
+
+    ``span`` is a multiple of the kernels' vector step over ``t`` and ``others`` (8 columns when
+    any of them is bf16, else 4).
+    """
     C, n = t.shape
-    vec = 16 // t.element_size()
+    vec = 16 // min(x.element_size() for x in (t, *others))
     per_row = max(1, min(-(-_TARGET_BLOCKS // max(C, 1)), -(-n // _MIN_COLS_PER_BLOCK)))
     span = -(-n // per_row)
     span = -(-span // vec) * vec
@@ -71,9 +117,9 @@ def _matrix(t: torch.Tensor) -> tuple[object, object]:
 
 
 def _launch(kernel_name: str, s_CV: torch.Tensor, P: int, args: tuple[object, ...]) -> None:
-    """Launch ``kl_<kernel_name>_<dtype>`` on a ``(P, C)`` grid (one block row per token of
-    ``s_CV``'s ``C`` rows, ``P`` column blocks) of ``_THREADS`` threads, on torch's stream."""
-    kernel = get_kernel(_SOURCE, f"kl_{kernel_name}_{_SUFFIX[s_CV.dtype]}", s_CV.device)
+    """Launch ``kl_<kernel_name>`` on a ``(P, C)`` grid (one block row per token of ``s_CV``'s
+    ``C`` rows, ``P`` column blocks) of ``_THREADS`` threads, on torch's stream."""
+    kernel = get_kernel(_SOURCE, f"kl_{kernel_name}", s_CV.device)
     with on_torch_stream(s_CV.device):
         kernel((P, s_CV.shape[0]), (_THREADS,), args)
 
@@ -83,7 +129,7 @@ def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool
     import numpy as np
 
     C, _ = s_CV.shape
-    n, span, P = _geometry(s_CV)
+    n, span, P = _geometry(s_CV, u_CV)
     part_6CP = torch.empty((6, C, P), dtype=torch.float32, device=s_CV.device)
     if C == 0:
         return part_6CP[:, :, 0]
@@ -102,7 +148,7 @@ def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool
         np.int32(C),
         np.int32(P),
     )
-    _launch("row_stats", s_CV, P, args)
+    _launch(f"row_stats_{STATS_KERNELS[s_CV.dtype, u_CV.dtype]}", s_CV, P, args)
     return combine_partials(part_6CP)
 
 
@@ -118,7 +164,7 @@ def row_grad_cupy(
     import numpy as np
 
     C, _ = s_CV.shape
-    n, span, P = _geometry(s_CV)
+    n, span, P = _geometry(s_CV, u_CV, out_CV)
     if C == 0 or n == 0:
         return out_CV
     coef_5C = coef_5C.to(torch.float32).contiguous()
@@ -133,5 +179,5 @@ def row_grad_cupy(
         np.int32(C),
         np.int32(1 if teacher_term else 0),
     )
-    _launch("row_grad", s_CV, P, args)
+    _launch(f"row_grad_{GRAD_KERNELS[s_CV.dtype, u_CV.dtype, out_CV.dtype]}", s_CV, P, args)
     return out_CV

@@ -1,17 +1,23 @@
 // Row-wise fused passes of the vocab-parallel KL (mopd.kernels.kl), compiled by CuPy (NVRTC).
 //
 // Why this file exists: the torch twin of these two passes (mopd.kernels.kl_rowwise) makes about
-// ten fp32 passes over each [chunk, V_local] block; these kernels read the bf16 (or fp32) logits
-// once per pass and keep everything else in registers:
+// ten fp32 passes over each [chunk, V_local] block; these kernels read the logits once per pass
+// and keep everything else in registers:
 //   kl_row_stats: per row, online softmax statistics of the student (s) and teacher (u) logits:
 //                 local max, sum exp(x - max), and sum exp(x - max) * (s - u), written as
 //                 partials [6, C, P] (P column blocks per row; combined on the host side).
 //   kl_row_grad:  out = exp(s - mS) * (alpha * (s - u) + beta) + gamma * exp(u - mT), per row
-//                 coefficients [5, C] = (mS, mT, alpha, beta, gamma). out may alias s (each
-//                 element is read and then written by the same thread), which saves a buffer.
-// Storage types: bf16 (as unsigned short bits) or float, one extern "C" entry point per kernel and
-// type (suffix _bf16 / _f32). Rows have a leading dimension (elements); columns are contiguous.
-// vec_ok = 1 when every row start is 16-byte aligned (then 16-byte vector loads are used).
+//                 coefficients [5, C] = (mS, mT, alpha, beta, gamma). out may alias s when both
+//                 have one storage type (each element is read and then written by the same
+//                 thread), which saves a buffer.
+// Storage types: bf16 (as unsigned short bits) or float, chosen per tensor; all math is fp32.
+// Entry points (extern "C"), by the storage types of (s, u) and (s, u, out):
+//   kl_row_stats_bf16, _f32, _bf16_f32 (bf16 student, fp32 teacher logits);
+//   kl_row_grad_bf16, _f32, _bf16_f32_bf16 (logits path: bf16 student, fp32 teacher, bf16
+//   gradient), _f32_f32_bf16 (fused path: fp32 logits of bf16 inputs, bf16 gradient).
+// Rows have a leading dimension (elements); columns are contiguous. vec_ok = 1 when every row
+// start is 16-byte aligned: then each thread moves VEC consecutive columns per step with 16-byte
+// vector accesses (VEC = 8 when any tensor is bf16, else 4; a float tensor then takes two).
 
 struct KlBf16 {  // bf16 bits in unsigned short; 8 per 16-byte vector
     typedef unsigned short T;
@@ -71,6 +77,28 @@ struct KlF32 {  // float; 4 per 16-byte vector
     }
 };
 
+// N consecutive elements (N a multiple of K::VEC, 16-byte aligned) to and from floats.
+template <class K, int N>
+__device__ __forceinline__ void kl_load_n(const typename K::T* p, float* x) {
+#pragma unroll
+    for (int q = 0; q < N / K::VEC; ++q) {
+        K::unpack(reinterpret_cast<const uint4*>(p)[q], x + q * K::VEC);
+    }
+}
+
+template <class K, int N>
+__device__ __forceinline__ void kl_store_n(typename K::T* p, const float* x) {
+#pragma unroll
+    for (int q = 0; q < N / K::VEC; ++q) {
+        reinterpret_cast<uint4*>(p)[q] = K::pack(x + q * K::VEC);
+    }
+}
+
+template <class A, class B>
+struct KlVec2 {  // the vector step of two storage types: the wider element count
+    static const int VEC = A::VEC > B::VEC ? A::VEC : B::VEC;
+};
+
 #define KL_NEG_INF (__int_as_float(0xff800000))
 
 // (m, z, a): running max, sum exp(x - m), sum exp(x - m) * d.
@@ -107,40 +135,41 @@ __device__ __forceinline__ void kl_merge(float& m, float& z, float& a, float m2,
     }
 }
 
-template <class K>
+template <class KS, class KU>
 __device__ __forceinline__ void kl_row_stats_impl(
-    const typename K::T* __restrict__ s, const long long ld_s, const typename K::T* __restrict__ u,
-    const long long ld_u, const int n, const int span, const int vec_ok, const int need_forward,
-    float* __restrict__ part, const int C, const int P) {
-    typedef typename K::T kl_t;
+    const typename KS::T* __restrict__ s, const long long ld_s,
+    const typename KU::T* __restrict__ u, const long long ld_u, const int n, const int span,
+    const int vec_ok, const int need_forward, float* __restrict__ part, const int C,
+    const int P) {
+    const int VEC = KlVec2<KS, KU>::VEC;
     const int row = blockIdx.y;
     const int p = blockIdx.x;
-    const kl_t* srow = s + (long long)row * ld_s;
-    const kl_t* urow = u + (long long)row * ld_u;
+    const typename KS::T* srow = s + (long long)row * ld_s;
+    const typename KU::T* urow = u + (long long)row * ld_u;
     const int begin = p * span;
     const int end = min(n, begin + span);
     float mS = KL_NEG_INF, zS = 0.0f, aS = 0.0f;
     float mT = KL_NEG_INF, zT = 0.0f, bT = 0.0f;
     int scalar_from = begin;
     if (vec_ok && end > begin) {
-        const int nvec = (end - begin) / K::VEC;
+        const int nvec = (end - begin) / VEC;
         for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-            const int j = begin + i * K::VEC;
-            float xs[K::VEC], xu[K::VEC];
-            K::unpack(*reinterpret_cast<const uint4*>(srow + j), xs);
-            K::unpack(*reinterpret_cast<const uint4*>(urow + j), xu);
+            const int j = begin + i * VEC;
+            float xs[VEC], xu[VEC];
+            kl_load_n<KS, VEC>(srow + j, xs);
+            kl_load_n<KU, VEC>(urow + j, xu);
 #pragma unroll
-            for (int k = 0; k < K::VEC; ++k) {
+            for (int k = 0; k < VEC; ++k) {
                 const float d = xs[k] - xu[k];
                 kl_push(mS, zS, aS, xs[k], d);
                 kl_push(mT, zT, bT, xu[k], d);
             }
         }
-        scalar_from = begin + nvec * K::VEC;
+        scalar_from = begin + nvec * VEC;
     }
     for (int j = scalar_from + threadIdx.x; j < end; j += blockDim.x) {
-        const float x = K::load(srow[j]);
-        const float y = K::load(urow[j]);
+        const float x = KS::load(srow[j]);
+        const float y = KU::load(urow[j]);
         const float d = x - y;
         kl_push(mS, zS, aS, x, d);
         kl_push(mT, zT, bT, y, d);
@@ -182,18 +211,18 @@ __device__ __forceinline__ void kl_row_stats_impl(
     }
 }
 
-template <class K>
+template <class KS, class KU, class KO>
 __device__ __forceinline__ void kl_row_grad_impl(
-    const typename K::T* s, const long long ld_s, const typename K::T* __restrict__ u,
-    const long long ld_u, typename K::T* out, const long long ld_o, const int n,
+    const typename KS::T* s, const long long ld_s, const typename KU::T* __restrict__ u,
+    const long long ld_u, typename KO::T* out, const long long ld_o, const int n,
     const int span, const int vec_ok, const float* __restrict__ coef, const int C,
     const int teacher_term) {
-    typedef typename K::T kl_t;
+    const int VEC = KlVec2<KlVec2<KS, KU>, KO>::VEC;
     const int row = blockIdx.y;
     const int p = blockIdx.x;
-    const kl_t* srow = s + (long long)row * ld_s;
-    const kl_t* urow = u + (long long)row * ld_u;
-    kl_t* orow = out + (long long)row * ld_o;
+    const typename KS::T* srow = s + (long long)row * ld_s;
+    const typename KU::T* urow = u + (long long)row * ld_u;
+    typename KO::T* orow = out + (long long)row * ld_o;
     const float mS = coef[0 * C + row];
     const float mT = coef[1 * C + row];
     const float alpha = coef[2 * C + row];
@@ -203,45 +232,51 @@ __device__ __forceinline__ void kl_row_grad_impl(
     const int end = min(n, begin + span);
     int scalar_from = begin;
     if (vec_ok && end > begin) {
-        const int nvec = (end - begin) / K::VEC;
+        const int nvec = (end - begin) / VEC;
         for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-            const int j = begin + i * K::VEC;
-            float xs[K::VEC], xu[K::VEC], g[K::VEC];
-            K::unpack(*reinterpret_cast<const uint4*>(srow + j), xs);
-            K::unpack(*reinterpret_cast<const uint4*>(urow + j), xu);
+            const int j = begin + i * VEC;
+            float xs[VEC], xu[VEC], g[VEC];
+            kl_load_n<KS, VEC>(srow + j, xs);
+            kl_load_n<KU, VEC>(urow + j, xu);
 #pragma unroll
-            for (int k = 0; k < K::VEC; ++k) {
+            for (int k = 0; k < VEC; ++k) {
                 g[k] = expf(xs[k] - mS) * (alpha * (xs[k] - xu[k]) + beta);
                 if (teacher_term) g[k] += gamma * expf(xu[k] - mT);
             }
-            *reinterpret_cast<uint4*>(orow + j) = K::pack(g);
+            kl_store_n<KO, VEC>(orow + j, g);
         }
-        scalar_from = begin + nvec * K::VEC;
+        scalar_from = begin + nvec * VEC;
     }
     for (int j = scalar_from + threadIdx.x; j < end; j += blockDim.x) {
-        const float x = K::load(srow[j]);
-        const float y = K::load(urow[j]);
+        const float x = KS::load(srow[j]);
+        const float y = KU::load(urow[j]);
         float g = expf(x - mS) * (alpha * (x - y) + beta);
         if (teacher_term) g += gamma * expf(y - mT);
-        orow[j] = K::round(g);
+        orow[j] = KO::round(g);
     }
 }
 
-#define KL_ENTRY_POINTS(SUFFIX, TRAITS)                                                          \
-    extern "C" __global__ void kl_row_stats_##SUFFIX(                                            \
-        const TRAITS::T* __restrict__ s, const long long ld_s, const TRAITS::T* __restrict__ u, \
-        const long long ld_u, const int n, const int span, const int vec_ok,                    \
-        const int need_forward, float* __restrict__ part, const int C, const int P) {           \
-        kl_row_stats_impl<TRAITS>(s, ld_s, u, ld_u, n, span, vec_ok, need_forward, part, C, P); \
-    }                                                                                           \
-    extern "C" __global__ void kl_row_grad_##SUFFIX(                                             \
-        const TRAITS::T* s, const long long ld_s, const TRAITS::T* __restrict__ u,              \
-        const long long ld_u, TRAITS::T* out, const long long ld_o, const int n,                \
-        const int span, const int vec_ok, const float* __restrict__ coef, const int C,          \
-        const int teacher_term) {                                                               \
-        kl_row_grad_impl<TRAITS>(s, ld_s, u, ld_u, out, ld_o, n, span, vec_ok, coef, C,         \
-                                 teacher_term);                                                 \
+#define KL_STATS_ENTRY(SUFFIX, TS, TU)                                                          \
+    extern "C" __global__ void kl_row_stats_##SUFFIX(                                             \
+        const TS::T* __restrict__ s, const long long ld_s, const TU::T* __restrict__ u,          \
+        const long long ld_u, const int n, const int span, const int vec_ok,                     \
+        const int need_forward, float* __restrict__ part, const int C, const int P) {            \
+        kl_row_stats_impl<TS, TU>(s, ld_s, u, ld_u, n, span, vec_ok, need_forward, part, C, P);  \
     }
 
-KL_ENTRY_POINTS(bf16, KlBf16)
-KL_ENTRY_POINTS(f32, KlF32)
+#define KL_GRAD_ENTRY(SUFFIX, TS, TU, TO)                                                        \
+    extern "C" __global__ void kl_row_grad_##SUFFIX(                                              \
+        const TS::T* s, const long long ld_s, const TU::T* __restrict__ u, const long long ld_u,  \
+        TO::T* out, const long long ld_o, const int n, const int span, const int vec_ok,         \
+        const float* __restrict__ coef, const int C, const int teacher_term) {                   \
+        kl_row_grad_impl<TS, TU, TO>(s, ld_s, u, ld_u, out, ld_o, n, span, vec_ok, coef, C,      \
+                                     teacher_term);                                              \
+    }
+
+KL_STATS_ENTRY(bf16, KlBf16, KlBf16)
+KL_STATS_ENTRY(f32, KlF32, KlF32)
+KL_STATS_ENTRY(bf16_f32, KlBf16, KlF32)
+KL_GRAD_ENTRY(bf16, KlBf16, KlBf16, KlBf16)
+KL_GRAD_ENTRY(f32, KlF32, KlF32, KlF32)
+KL_GRAD_ENTRY(bf16_f32_bf16, KlBf16, KlF32, KlBf16)
+KL_GRAD_ENTRY(f32_f32_bf16, KlF32, KlF32, KlBf16)

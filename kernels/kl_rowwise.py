@@ -11,7 +11,9 @@ supports the dtypes, the torch twin otherwise (a fallback on CUDA is logged once
 ``"cupy"`` that cannot be met raises.
 
 Layouts: ``s_CV`` (student logits) and ``u_CV`` (teacher logits) are ``[C, V]`` with contiguous
-columns (rows may have any stride, e.g. a ``[:, :V]`` view of a padded shard).
+columns (rows may have any stride, e.g. a ``[:, :V]`` view of a padded shard). Their dtypes may
+differ (the loss passes bf16 student logits with fp32 teacher logits, or fp32 logits of both with
+a bf16 gradient buffer); the math is fp32 either way.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "combine_partials",
     "rescale_sums",
     "resolve_backend",
+    "resolve_chunk_backend",
     "row_grad",
     "row_grad_torch",
     "row_stats",
@@ -42,23 +45,8 @@ _log = logging.getLogger(__name__)
 STATS_ROWS = ("max_s", "max_t", "sum_exp_s", "sum_exp_t", "sum_exp_s_diff", "sum_exp_t_diff")
 
 
-def resolve_backend(backend: Backend, *tensors: torch.Tensor) -> Resolved:
-    """Which implementation runs for ``tensors`` under ``backend``.
-
-    :func:`mopd.kernels.backend.resolve_backend`'s rule, plus the KL kernels' own limits (all
-    tensors bf16 or all fp32, contiguous columns): beyond them ``"auto"`` takes the twin
-    (logged once) and ``"cupy"`` raises.
-
-    Raises:
-        ValueError: unknown ``backend``, or ``"cupy"`` asked for tensors it cannot take.
-        RuntimeError: ``"cupy"`` asked for but CuPy is unusable.
-    """
-    resolved = _resolve_base(backend, "mopd.kernels.kl", *tensors)
-    if resolved == "torch":
-        return "torch"
-    from mopd.kernels.kl_cupy import unsupported_reason
-
-    reason = unsupported_reason(*tensors)
+def _cupy_unless(backend: Backend, reason: str | None) -> Resolved:
+    """``"cupy"`` when nothing stands against it; else the twin (``"auto"``) or a ValueError."""
     if reason is None:
         return "cupy"
     if backend == "cupy":
@@ -69,6 +57,43 @@ def resolve_backend(backend: Backend, *tensors: torch.Tensor) -> Resolved:
     )
     log_once(_log, reason, "%s", msg)
     return "torch"
+
+
+def resolve_backend(backend: Backend, *tensors: torch.Tensor) -> Resolved:
+    """Which implementation runs for ``tensors`` (``(s, u)`` or ``(s, u, out)``) under ``backend``.
+
+    :func:`mopd.kernels.backend.resolve_backend`'s rule, plus the KL kernels' own limits (the
+    storage dtypes of :data:`mopd.kernels.kl_cupy.STATS_KERNELS` / ``GRAD_KERNELS``, contiguous
+    columns): beyond them ``"auto"`` takes the twin (logged once) and ``"cupy"`` raises.
+
+    Raises:
+        ValueError: unknown ``backend``, or ``"cupy"`` asked for tensors it cannot take.
+        RuntimeError: ``"cupy"`` asked for but CuPy is unusable.
+    """
+    resolved = _resolve_base(backend, "mopd.kernels.kl", *tensors)
+    if resolved == "torch":
+        return "torch"
+    from mopd.kernels.kl_cupy import unsupported_reason
+
+    return _cupy_unless(backend, unsupported_reason(*tensors))
+
+
+def resolve_chunk_backend(
+    backend: Backend, probe: torch.Tensor, *dtypes: tuple[torch.dtype, ...]
+) -> Resolved:
+    """:func:`resolve_backend` for chunks not formed yet: ``probe`` is on their device and
+    ``dtypes`` are the storage dtypes the passes will see, ``(s, u)`` and ``(s, u, out)``.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`resolve_backend`.
+    """
+    resolved = _resolve_base(backend, "mopd.kernels.kl", probe)
+    if resolved == "torch":
+        return "torch"
+    from mopd.kernels.kl_cupy import dtype_reason
+
+    reason = next((r for r in (dtype_reason(*d) for d in dtypes) if r is not None), None)
+    return _cupy_unless(backend, reason)
 
 
 def _check_pair(s_CV: torch.Tensor, u_CV: torch.Tensor) -> None:

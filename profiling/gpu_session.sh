@@ -66,7 +66,9 @@ for part in $ONLY; do
     env) run env 30 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
     tests) run tests 180 $PY -m pytest $TESTS -q -rs -p no:cacheprovider -o addopts= --timeout 120 ;;
     kernels) run bench_kernels 90 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
-    kl) run bench_kl 120 $PY -m mopd.profiling.bench_kl --results-dir "$OUT" ;;
+    # kl: speed and memory at T=8192, H=4096, V=151936 bf16 against the matmul floor and the
+    # peers (Liger-Kernel too where its wheel was installed from .whl), then the numerics sweep
+    kl) run bench_kl 150 $PY -m mopd.profiling.bench_kl --tokens 8192 --results-dir "$OUT" ;;
     bridge) run bench_bridge 60 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
     capture) run bench_capture 45 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
     ranges) run bench_ranges 30 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"

@@ -8,7 +8,9 @@ the recompute path (``reduction="none"``) raises autograd's version-counter erro
 or a teacher tensor is changed in place between forward and backward, and matches the
 precomputed path; the precomputed path keeps neither the student input nor the teacher's hidden
 states alive (weakrefs); a bf16 gradient scaled by an fp32 upstream 1/3 is rounded once (bit
-for bit); ``sum_hidden_grad_over_tp=False`` on the logits path warns once.
+for bit); the fused-only settings (``sum_hidden_grad_over_tp=False``,
+``weight_grad_accumulation``) on the logits path warn once. bf16 accuracy at a large vocabulary
+is tests/unit/test_kl_numerics.py's.
 
 Tolerances: the loss keeps its statistics in fp32, so with float64 inputs values and gradients
 match the float64 reference to ~1e-6 relative; we assert rtol=1e-4, atol=1e-5 (scaled by the
@@ -27,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from mopd.kernels import kl as kl_mod
+from mopd.kernels import kl_loop, kl_prepare
 from mopd.kernels.kl import (
     KLConfig,
     choose_chunk_tokens,
     fused_vocab_parallel_kl,
     vocab_parallel_kl,
 )
-from mopd.kernels.kl_reference import reference_kl
 from mopd.kernels.kl_rowwise import (
     combine_partials,
     resolve_backend,
@@ -42,6 +44,7 @@ from mopd.kernels.kl_rowwise import (
     row_stats,
     row_stats_torch,
 )
+from tests.support.kl_reference import reference_kl
 
 KINDS = ("reverse", "forward", "mixed")
 REDUCTIONS = ("sum", "mean", "none")
@@ -206,7 +209,7 @@ def test_unmasked_sorted_tokens_take_the_gather_free_path() -> None:
         torch.randn(int((index_T == k).sum()), h.shape[1], dtype=h.dtype)
         for k, h in enumerate(hidden)
     ]
-    job = kl_mod._prepare(kl_mod._Args(
+    job = kl_prepare.prepare(kl_prepare.KLArgs(
         student_TX=s_TV, student_weight_VH=None, teacher_hidden=hidden, teacher_weight=weight,
         vocab_start=0, vocab_size=V_real, loss_mask_T=None, teacher_index_T=index_T, group=None,
         config=KLConfig(),
@@ -239,8 +242,8 @@ def test_no_gradient_work_without_autograd(monkeypatch: pytest.MonkeyPatch) -> N
     """Under no_grad (or with inputs that need no grad) the row-gradient pass never runs."""
     _T, _V_pad, V_real, hidden, weight, _, mask_T, s_TV, _ = _case(43, n_teachers=1, compact=False)
     calls: list[int] = []
-    real = kl_mod.row_grad
-    monkeypatch.setattr(kl_mod, "row_grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kl_loop.row_grad
+    monkeypatch.setattr(kl_loop, "row_grad", lambda *a, **k: calls.append(1) or real(*a, **k))
     kwargs = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T)
     with_grad = s_TV.clone().requires_grad_(True)
     with torch.no_grad():
@@ -321,13 +324,23 @@ def test_backend_rules_on_cpu(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_chunk_size_from_budget() -> None:
-    cfg = KLConfig(memory_budget_bytes=512 * 2**20)
-    c = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="cupy")
-    assert c % 64 == 0 and c * 151936 * 4 <= 512 * 2**20 < (c + 64) * 151936 * 4
-    c_logits = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="cupy", fused=False)
-    assert c_logits * 151936 * 6 <= 512 * 2**20 < (c_logits + 64) * 151936 * 6
-    c_torch = choose_chunk_tokens(cfg, v_local=151936, element_size=2, backend="torch")
-    assert c_torch < c
+    """The budget covers one chunk's blocks: fp32 logits of bf16 inputs (student and teacher on
+    the fused path, 4 + 4 bytes, plus the 2-byte bf16 gradient; teacher 4 + gathered student 2 +
+    gradient 2 on the logits path), and the next multiple of 64 tokens would not fit."""
+    budget = 512 * 2**20
+    cfg = KLConfig(memory_budget_bytes=budget)
+    V = 151936
+    for fused, per_elem in ((True, 10), (False, 8)):
+        c = choose_chunk_tokens(cfg, v_local=V, element_size=2, backend="cupy", fused=fused)
+        assert c % 64 == 0 and c * V * per_elem <= budget < (c + 64) * V * per_elem, (fused, c)
+    # fp32 inputs: fp32 logits, the fused gradient overwrites the student logits (8 bytes)
+    c32 = choose_chunk_tokens(cfg, v_local=V, element_size=4, backend="cupy")
+    assert c32 * V * 8 <= budget < (c32 + 64) * V * 8
+    # float64 inputs keep float64 logits
+    c64 = choose_chunk_tokens(cfg, v_local=V, element_size=8, backend="cupy", fused=False)
+    assert c64 * V * 24 <= budget < (c64 + 64) * V * 24
+    c_torch = choose_chunk_tokens(cfg, v_local=V, element_size=2, backend="torch")
+    assert c_torch < choose_chunk_tokens(cfg, v_local=V, element_size=2, backend="cupy")
     assert choose_chunk_tokens(KLConfig(memory_budget_bytes=1), v_local=10, element_size=4,
                                backend="torch") == 1  # fmt: skip
     assert choose_chunk_tokens(KLConfig(chunk_tokens=17), v_local=10, element_size=4,
@@ -345,8 +358,13 @@ def test_config_validation() -> None:
         KLConfig(memory_budget_bytes=0)
     with pytest.raises(ValueError, match="chunk_tokens"):
         KLConfig(chunk_tokens=0)
-    with pytest.raises(ValueError, match="collective_timeout_s"):
-        KLConfig(collective_timeout_s=0)
+    with pytest.raises(ValueError, match="weight_grad_accumulation must be"):
+        KLConfig(weight_grad_accumulation="fp64")  # type: ignore[arg-type]
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(ValueError, match=r"timeout_s must be a positive finite number"):
+            KLConfig(timeout_s=bad)  # type: ignore[arg-type]
+    assert KLConfig(timeout_s=None).timeout_s is None
+    assert KLConfig(timeout_s=2).timeout_s == 2
     with pytest.warns(UserWarning, match="mix_weight=0.2 is ignored"):
         KLConfig(kind="reverse", mix_weight=0.2)
     with pytest.warns(UserWarning, match="memory_budget_bytes=1024 is ignored"):
@@ -526,7 +544,7 @@ def test_precomputed_path_does_not_keep_inputs_alive(fused: bool) -> None:
 @pytest.mark.parametrize("budget", [512 * 2**20, 64])
 def test_upstream_scale_rounds_once_in_bf16(fused: bool, budget: int) -> None:
     """A bf16 gradient times an fp32 upstream 1/3 is round(g * (1/3)): one rounding, no bf16
-    rounding of the scale first (that gave a x1.0018 bias). budget=64 scales row by row."""
+    rounding of the scale first (that gave a x1.0018 bias). budget=64: one token per chunk."""
     T, V_pad, V_real, hidden, weight, _, mask_T, s_TV, g = _case(71, n_teachers=1, compact=False)
     hidden_b = [h.bfloat16() for h in hidden]
     weight_b = [w.bfloat16() for w in weight]
@@ -550,18 +568,38 @@ def test_upstream_scale_rounds_once_in_bf16(fused: bool, budget: int) -> None:
         assert torch.equal(scaled, want), int((scaled != want).sum())
 
 
-def test_logits_path_warns_once_that_sum_hidden_grad_over_tp_is_ignored(
-    monkeypatch: pytest.MonkeyPatch,
+def test_scale_forms_the_product_in_fp32() -> None:
+    """The upstream scale as a 0-dim tensor would not take part in type promotion; scale_ makes
+    it one that does: bit-equal to the fp32 product rounded once, for bf16 and fp16."""
+    g = torch.Generator().manual_seed(8)
+    third = torch.tensor(1.0 / 3.0)
+    for dtype in (torch.bfloat16, torch.float16):
+        grad = (torch.randn(50, 30, generator=g) * 3).to(dtype)
+        want = (grad.float() * third).to(dtype)
+        assert torch.equal(kl_loop.scale_(grad.clone(), third), want)
+    grad64 = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    assert torch.equal(kl_loop.scale_(grad64.clone(), third), grad64 * third.double())
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"sum_hidden_grad_over_tp": False}, "sum_hidden_grad_over_tp=False is ignored"),
+        ({"weight_grad_accumulation": "fp32"}, "weight_grad_accumulation='fp32' is ignored"),
+    ],
+)
+def test_logits_path_warns_once_that_a_fused_only_setting_is_ignored(
+    monkeypatch: pytest.MonkeyPatch, setting: dict[str, Any], message: str
 ) -> None:
     monkeypatch.setattr(kl_mod, "_WARNED", set())
     t = _tensors_for(False, compact=False)
-    cfg = KLConfig(sum_hidden_grad_over_tp=False)
+    cfg = KLConfig(**setting)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loss(t, False, cfg)
         _loss(t, False, cfg)
         _loss(_tensors_for(True, compact=False), True, cfg)  # meaningful there: no warning
         _loss(t, False, KLConfig())
-    hits = [w for w in caught if "sum_hidden_grad_over_tp=False is ignored" in str(w.message)]
+    hits = [w for w in caught if message in str(w.message)]
     assert len(hits) == 1, [str(w.message) for w in caught]
     assert hits[0].filename == __file__  # points at the caller

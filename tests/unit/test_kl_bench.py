@@ -1,7 +1,10 @@
 """Tier 1: the KL benchmark's harness runs on CPU (``--quick``) and records what it measured.
 
 Not a timed test: it checks that every peer runs, that their losses agree with ours (the same
-reverse KL, so ``loss_rel_diff`` is small), and that ``--results-dir`` gets the CSV and Markdown.
+reverse KL, so ``loss_rel_diff`` is small), that the CPU output is labelled functional, prints
+each table once and leaves out the columns that mean nothing there (floor, memory), that the
+numerics part records its CSV and log-scale PNG with our errors far below plain bf16's, and
+that ``--baseline`` pairs an earlier run's errors with this one's.
 """
 
 from __future__ import annotations
@@ -15,19 +18,56 @@ import torch
 from mopd.profiling import bench_kl
 
 
+def _rows(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(path.open()))
+
+
 def test_quick_run_records_rows_that_agree(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert bench_kl.main(["--quick", "--tokens", "40", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "skipping Liger-Kernel" in out or "Liger-Kernel JSD" in out
-    csvs = list(tmp_path.glob("kl-*.csv"))
-    assert len(csvs) == 1 and len(list(tmp_path.glob("kl-*.md"))) == 1
-    rows = list(csv.DictReader(csvs[0].open()))
+    assert "functional check on the CPU: not performance figures" in out
+    # each table once: one header line per part
+    assert out.count("| method | T | H | V | fwd_bwd_ms |") == 1
+    assert out.count("| method | path | kind | V | logit_std |") == 1
+    speed = tmp_path.glob("kl-cpu-*.csv")
+    (speed_csv,) = list(speed)
+    rows = _rows(speed_csv)
+    assert {"x_floor", "extra_GiB", "floor_ms"}.isdisjoint(rows[0])  # meaningless on a CPU
+    assert "FUNCTIONAL CPU RUN" in speed_csv.with_suffix(".md").read_text()
     methods = {r["method"] for r in rows}
     assert {"naive torch", "torch chunked 1024"} <= methods
     assert any(m.startswith("ours") for m in methods)
     for r in rows:
         assert float(r["fwd_bwd_ms"]) > 0
         assert float(r["loss_rel_diff"]) < 1e-4, r
+
+    (num_csv,) = list(tmp_path.glob("kl-numerics-cpu-*.csv"))
+    assert num_csv.with_name(num_csv.stem + "-errors.png").stat().st_size > 0
+    num = _rows(num_csv)
+    assert {r["kind"] for r in num} == {"reverse", "forward", "mixed"}
+    assert {r["path"] for r in num} == {"logits", "fused"}
+    for r in num:
+        if r["method"] == "ours":
+            assert float(r["loss_rel_err"]) < 1e-5 and float(r["grad_rel_err"]) < 5e-3, r
+        elif float(r["logit_std"]) >= 12:  # plain bf16 logits: far worse at a large logit std
+            assert float(r["loss_rel_err"]) > 1e-3 and float(r["grad_rel_err"]) > 5e-2, r
+
+
+def test_baseline_pairs_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["--quick", "--part", "numerics", "--logit-stds", "4", "--num-vocabs", "300"]
+    assert bench_kl.main([*args, "--results-dir", str(tmp_path)]) == 0
+    (first,) = list(tmp_path.glob("kl-numerics-cpu-*.csv"))
+    baseline = tmp_path / "baseline.csv"
+    first.rename(baseline)
+    assert bench_kl.main([*args, "--results-dir", str(tmp_path), "--baseline", str(baseline)]) == 0
+    (paired,) = list(tmp_path.glob("kl-numerics-vs-baseline-*.csv"))
+    rows = _rows(paired)
+    assert len(rows) == 12  # 2 methods x 2 paths x 3 kinds
+    for r in rows:  # the same code and inputs twice: the same errors
+        assert r["loss_rel_err_before"] == r["loss_rel_err_after"]
+        assert r["grad_rel_err_before"] == r["grad_rel_err_after"]
+    assert "numerics beside baseline.csv" in capsys.readouterr().out
 
 
 def test_peers_compute_the_same_gradients() -> None:
@@ -47,8 +87,8 @@ def test_peers_compute_the_same_gradients() -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_measured_run_refuses_a_cpu_only_machine() -> None:
+def test_speed_part_refuses_a_cpu_only_machine() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the measured run is allowed")
     with pytest.raises(SystemExit):
-        bench_kl.main([])
+        bench_kl.main(["--part", "speed"])

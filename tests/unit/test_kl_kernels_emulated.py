@@ -83,25 +83,32 @@ static void launch(int gx, int gy, int threads, const std::function<void()>& bod
         }
     }
 }
-#define EMU(SUFFIX, T)                                                                        \
-    extern "C" void emu_stats_##SUFFIX(const T* s, long long ld_s, const T* u, long long ld_u, \
-                                       int n, int span, int vec_ok, int need_forward,          \
-                                       float* part, int C, int P, int threads) {               \
-        launch(P, C, threads, [&] {                                                            \
-            kl_row_stats_##SUFFIX(s, ld_s, u, ld_u, n, span, vec_ok, need_forward, part, C, P); \
-        });                                                                                    \
-    }                                                                                          \
-    extern "C" void emu_grad_##SUFFIX(const T* s, long long ld_s, const T* u, long long ld_u,  \
-                                      T* out, long long ld_o, int n, int span, int vec_ok,     \
-                                      const float* coef, int C, int teacher_term, int P,       \
-                                      int threads) {                                           \
-        launch(P, C, threads, [&] {                                                            \
-            kl_row_grad_##SUFFIX(s, ld_s, u, ld_u, out, ld_o, n, span, vec_ok, coef, C,        \
-                                 teacher_term);                                                \
-        });                                                                                    \
+#define EMU_STATS(SUFFIX, TS, TU)                                                              \
+    extern "C" void emu_stats_##SUFFIX(const TS* s, long long ld_s, const TU* u, long long ld_u, \
+                                       int n, int span, int vec_ok, int need_forward,            \
+                                       float* part, int C, int P, int threads) {                 \
+        launch(P, C, threads, [&] {                                                              \
+            kl_row_stats_##SUFFIX(s, ld_s, u, ld_u, n, span, vec_ok, need_forward, part, C, P);  \
+        });                                                                                      \
     }
-EMU(bf16, unsigned short)
-EMU(f32, float)
+#define EMU_GRAD(SUFFIX, TS, TU, TO)                                                           \
+    extern "C" void emu_grad_##SUFFIX(const TS* s, long long ld_s, const TU* u, long long ld_u,  \
+                                      TO* out, long long ld_o, int n, int span, int vec_ok,      \
+                                      const float* coef, int C, int teacher_term, int P,         \
+                                      int threads) {                                             \
+        launch(P, C, threads, [&] {                                                              \
+            kl_row_grad_##SUFFIX(s, ld_s, u, ld_u, out, ld_o, n, span, vec_ok, coef, C,          \
+                                 teacher_term);                                                  \
+        });                                                                                      \
+    }
+typedef unsigned short bf16_t;
+EMU_STATS(bf16, bf16_t, bf16_t)
+EMU_STATS(f32, float, float)
+EMU_STATS(bf16_f32, bf16_t, float)
+EMU_GRAD(bf16, bf16_t, bf16_t, bf16_t)
+EMU_GRAD(f32, float, float, float)
+EMU_GRAD(bf16_f32_bf16, bf16_t, float, bf16_t)
+EMU_GRAD(f32_f32_bf16, float, float, bf16_t)
 """
 
 THREADS = 64  # fewer than the device's 256 (two warps or more exercise the block reduction)
@@ -130,9 +137,9 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 def _stats(emu: ctypes.CDLL, s: torch.Tensor, u: torch.Tensor, need_forward: bool) -> torch.Tensor:
     C = s.shape[0]
-    n, span, P = kl_cupy._geometry(s)
+    n, span, P = kl_cupy._geometry(s, u)
     part = torch.full((6, C, P), float("nan"))
-    fn = getattr(emu, f"emu_stats_{kl_cupy._SUFFIX[s.dtype]}")
+    fn = getattr(emu, f"emu_stats_{kl_cupy.STATS_KERNELS[s.dtype, u.dtype]}")
     fn(
         _ptr(s), ctypes.c_longlong(kl_cupy._ld(s)), _ptr(u), ctypes.c_longlong(kl_cupy._ld(u)),
         n, span, kl_cupy._vec_ok(s, u), int(need_forward), _ptr(part), C, P, THREADS,
@@ -149,9 +156,9 @@ def _grad(
     teacher_term: bool,
 ) -> None:
     C = s.shape[0]
-    n, span, P = kl_cupy._geometry(s)
+    n, span, P = kl_cupy._geometry(s, u, out)
     coef = coef.float().contiguous()
-    fn = getattr(emu, f"emu_grad_{kl_cupy._SUFFIX[s.dtype]}")
+    fn = getattr(emu, f"emu_grad_{kl_cupy.GRAD_KERNELS[s.dtype, u.dtype, out.dtype]}")
     fn(
         _ptr(s), ctypes.c_longlong(kl_cupy._ld(s)), _ptr(u), ctypes.c_longlong(kl_cupy._ld(u)),
         _ptr(out), ctypes.c_longlong(kl_cupy._ld(out)), n, span,
@@ -160,15 +167,25 @@ def _grad(
 
 
 def _pair(
-    C: int, n: int, dtype: torch.dtype, ld: int | None, offset: int
+    C: int, n: int, dtypes: tuple[torch.dtype, torch.dtype], ld: int | None, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher ``[C, n]`` views of the given dtypes, row stride ``ld``, starting
+    ``offset`` elements into their buffers; the teacher is the student plus noise."""
     g = torch.Generator().manual_seed(C * 1000 + n)
     ld = n if ld is None else ld
-    out = []
-    for _ in range(2):
-        flat = (torch.randn(C * ld + offset + 8, generator=g) * 4).to(dtype)
-        out.append(flat.as_strided((C, n), (ld, 1), storage_offset=offset))
+    base = torch.randn(C * ld + offset + 8, generator=g) * 4
+    flats = (base, base + torch.randn(base.shape, generator=g) * 0.5)
+    out = [
+        f.to(dt).as_strided((C, n), (ld, 1), storage_offset=offset)
+        for f, dt in zip(flats, dtypes, strict=True)
+    ]
     return out[0], out[1]
+
+
+BF16, F32 = torch.bfloat16, torch.float32
+#: (student, teacher, gradient) storage dtypes the kernels take: uniform, the logits path's
+#: bf16 student with fp32 teacher logits, the fused path's fp32 logits with a bf16 gradient
+DTYPES = [(BF16, BF16, BF16), (F32, F32, F32), (BF16, F32, BF16), (F32, F32, BF16)]
 
 
 SHAPES = [
@@ -182,17 +199,20 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(str(x)[6:] for x in d))
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_emulated_kernels_match_twins(
-    emu: ctypes.CDLL, dtype: torch.dtype, shape: tuple[int, int, int | None, int]
+    emu: ctypes.CDLL,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+    shape: tuple[int, int, int | None, int],
 ) -> None:
     C, n, ld, offset = shape
-    s, u = _pair(C, n, dtype, ld, offset)
+    s_dtype, u_dtype, out_dtype = dtypes
+    s, u = _pair(C, n, (s_dtype, u_dtype), ld, offset)
     if shape[3]:
         assert kl_cupy._vec_ok(s, u) == 0  # the scalar path is what this case is for
     if n == 9000:
-        assert kl_cupy._geometry(s)[2] > 1  # rows split over column blocks
+        assert kl_cupy._geometry(s, u)[2] > 1  # rows split over column blocks
     spread = float(s.float().abs().amax()) + float(u.float().abs().amax())
     for need_forward in (False, True):
         got = _stats(emu, s, u, need_forward)
@@ -206,25 +226,26 @@ def test_emulated_kernels_match_twins(
     coef[0], coef[1] = want[0], want[1]
     for teacher_term in (False, True):
         want_g = row_grad_torch(
-            s, u, coef, torch.empty((C, n), dtype=dtype), teacher_term=teacher_term
+            s, u, coef, torch.empty((C, n), dtype=out_dtype), teacher_term=teacher_term
         )
-        out = torch.full((C, n), float("nan"), dtype=dtype)  # poisoned
+        out = torch.full((C, n), float("nan"), dtype=out_dtype)  # poisoned
         _grad(emu, s, u, coef, out, teacher_term)
         assert not torch.isnan(out).any()
-        tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+        tol = 2**-7 if out_dtype == torch.bfloat16 else 1e-5
         scale = float(want_g.float().abs().amax())
         torch.testing.assert_close(out, want_g, rtol=tol, atol=1e-5 * scale)
-        # in place over the student logits, as the fused path does
-        s_copy = s.clone()
-        _grad(emu, s_copy, u, coef, s_copy, teacher_term)
-        torch.testing.assert_close(s_copy, want_g, rtol=tol, atol=1e-5 * scale)
+        if s_dtype == out_dtype:  # in place over the student logits, as the fused fp32 path
+            s_copy = s.clone()
+            _grad(emu, s_copy, u, coef, s_copy, teacher_term)
+            torch.testing.assert_close(s_copy, want_g, rtol=tol, atol=1e-5 * scale)
 
 
 def test_geometry_covers_every_column() -> None:
     for C, n, dtype in [(1, 151936, torch.bfloat16), (832, 151936, torch.bfloat16),
                         (5, 37, torch.float32), (4000, 10, torch.bfloat16)]:  # fmt: skip
         t = torch.empty((C, n), dtype=dtype)
-        n_, span, P = kl_cupy._geometry(t)
+        u = torch.empty((C, n), dtype=torch.float32)  # fp32 teacher logits beside it
+        n_, span, P = kl_cupy._geometry(t, u)
         vec = 16 // t.element_size()
         assert n_ == n and span % vec == 0 and (P - 1) * span < n <= P * span
         assert P * C < kl_cupy._TARGET_BLOCKS + C  # no more blocks than the target needs
@@ -239,8 +260,7 @@ def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str
     """
     import contextlib
 
-    from mopd.kernels import kl as kl_mod
-    from mopd.kernels import kl_rowwise
+    from mopd.kernels import kl_prepare, kl_rowwise
 
     launched: list[str] = []
 
@@ -253,7 +273,7 @@ def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str
 
     def get_kernel(filename: str, name: str, device: torch.device) -> Callable[..., None]:
         assert filename == "kl_kernels.cu" and device.type == "cpu"
-        op, suffix = name.removeprefix("kl_row_").split("_")
+        op, suffix = name.removeprefix("kl_row_").split("_", 1)
         fn = getattr(emu, f"emu_{op}_{suffix}")
 
         def launch(grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
@@ -268,7 +288,7 @@ def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str
     monkeypatch.setattr(kl_cupy, "on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kl_cupy, "to_cupy", lambda t: t)
     monkeypatch.setattr(kl_rowwise, "resolve_backend", lambda backend, *t: backend)
-    monkeypatch.setattr(kl_mod, "resolve_backend", lambda backend, *t: backend)
+    monkeypatch.setattr(kl_prepare, "resolve_chunk_backend", lambda backend, *a: backend)
     return launched
 
 
@@ -301,7 +321,11 @@ def test_loss_through_the_cupy_launcher_matches_the_twin(
                 out = vocab_parallel_kl(logits, t_h, t_w, config=cfg, **kw)
                 grads = torch.autograd.grad(out, (logits,))
             results[backend, fused] = (out.detach(), grads)
-    assert {"kl_row_stats_bf16", "kl_row_grad_bf16"} <= set(emulated_cupy)
+    # bf16 logits with fp32 teacher logits; the fused path's fp32 logits with a bf16 gradient
+    assert set(emulated_cupy) == {
+        "kl_row_stats_bf16_f32", "kl_row_grad_bf16_f32_bf16",
+        "kl_row_stats_f32", "kl_row_grad_f32_f32_bf16",
+    }  # fmt: skip
     for fused in (True, False):
         (a, ga), (b, gb) = results["cupy", fused], results["torch", fused]
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -1,17 +1,20 @@
-"""A float64 reference for the vocab-parallel KL that materializes everything.
+"""A float64 reference for the vocab-parallel KL that materializes everything (a test oracle).
 
 Why this file exists: the chunked, vocab-parallel loss in :mod:`mopd.kernels.kl` is checked
-(tier 1, 2 and 3 tests, the benchmark's sanity check) against one obviously-correct formula over
-the full, unsharded vocabulary. Nothing here is fast or memory-frugal, on purpose.
+(tier 1, 2 and 3 tests) against one obviously-correct formula over the full, unsharded
+vocabulary. Nothing here is fast or memory-frugal, on purpose, and nothing in the library
+imports it (the numerics benchmark has its own float64 reference in
+:mod:`mopd.profiling.kl_numerics`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["reference_kl"]
+__all__ = ["distillation_case", "reference_kl", "relative_error"]
 
 
 def reference_kl(
@@ -82,3 +85,45 @@ def reference_kl(
         total = mask_T.sum()
         return per_token_T.sum() / total.clamp_min(torch.finfo(torch.float64).tiny)
     raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+
+
+def distillation_case(
+    *, std: float, n_teachers: int, T: int, H: int, V: int, noise: float = 0.25, seed: int = 0
+) -> dict[str, Any]:
+    """bf16 inputs in the distillation regime, the same on every rank that asks.
+
+    Teachers' hidden states ``~N(0, 1)`` and LM heads scaled for teacher logits of standard
+    deviation ``std``; the logits path's student logits (``"logits"``, ``[T, V]``) are teacher
+    0's exact logits plus ``N(0, noise^2)``; the fused student (``"h_s"``, ``"w_s"``) has teacher
+    0's hidden states plus noise and an LM head within 1% of teacher 0's. With two teachers:
+    a ``[T]`` teacher index, teacher 1's hidden rows in the compact layout, and a mask.
+
+    Returns:
+        ``hidden``, ``weight`` (lists), ``index_T``, ``mask_T`` (``None`` with one teacher),
+        ``logits``, ``h_s``, ``w_s``.
+    """
+    g = torch.Generator().manual_seed(seed + int(std * 10) + n_teachers)
+    hs = (H, H + 32)[:n_teachers]
+    index_T = torch.randint(0, n_teachers, (T,), generator=g) if n_teachers > 1 else None
+    hidden = [torch.randn(T, h, generator=g).bfloat16() for h in hs]
+    weight = [(torch.randn(V, h, generator=g) * (std / h**0.5)).bfloat16() for h in hs]
+    u64 = torch.empty(T, V, dtype=torch.float64)
+    for k, (h, w) in enumerate(zip(hidden, weight, strict=True)):
+        rows = torch.arange(T) if index_T is None else torch.nonzero(index_T == k)[:, 0]
+        u64[rows] = h[rows].double() @ w.double().T
+    logits = (u64 + noise * torch.randn(T, V, generator=g, dtype=torch.float64)).bfloat16()
+    h_s = (hidden[0].float() + (noise / std) * torch.randn(T, H, generator=g)).bfloat16()
+    w_s = (weight[0].float() * (1 + 0.01 * torch.randn(V, H, generator=g))).bfloat16()
+    mask_T = None if n_teachers == 1 else torch.rand(T, generator=g) > 0.2
+    if index_T is not None:
+        hidden[1] = hidden[1][index_T == 1]  # compact rows: only teacher 1's tokens
+    return dict(
+        hidden=hidden, weight=weight, index_T=index_T, mask_T=mask_T, logits=logits, h_s=h_s,
+        w_s=w_s,
+    )  # fmt: skip
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` (Frobenius, float64)."""
+    want = want.double()
+    return float((got.double() - want).norm() / want.norm())

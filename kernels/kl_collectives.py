@@ -1,0 +1,147 @@
+"""The KL's collectives beyond the per-chunk statistics: timed all-reduce and debug agreement.
+
+Why this file exists: the TP ranks of one KL call must agree on tokens, mask and teacher index
+(they shard the vocabulary, not the tokens), and an argument that is wrong on one rank only
+raises there only, leaving the others waiting in the first all-reduce. In debug mode one extra
+MAX all-reduce (:func:`check_agreement`) carries every rank's signature and any rank's
+validation failure, so every rank raises the same ``ValueError`` instead of hanging. The timed
+all-reduce (:func:`all_reduce_in`) bounds each wait on CPU (gloo) groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mopd.kernels.kl_prepare import KLJob
+
+__all__ = [
+    "MESSAGE_BYTES",
+    "SIGNATURE_LEN",
+    "all_reduce_in",
+    "check_agreement",
+    "collective_device",
+    "group_position",
+    "job_signature",
+]
+
+#: Bytes of a failing rank's error message carried by the debug agreement all-reduce.
+MESSAGE_BYTES = 400
+#: Entries of :func:`job_signature`.
+SIGNATURE_LEN = 7
+
+
+def all_reduce_in(
+    t: torch.Tensor,
+    op: dist.ReduceOp,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+) -> None:
+    """In-place all-reduce of ``t`` over ``group``, waiting at most ``timeout_s`` (CPU tensors).
+
+    CUDA tensors (NCCL) rely on the group's own watchdog: a timed wait would block the host on
+    every call.
+    """
+    if t.is_cuda or timeout_s is None:
+        dist.all_reduce(t, op=op, group=group)
+        return
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def group_position(group: dist.ProcessGroup | None) -> tuple[int, int] | None:
+    """``(tp_size, rank_in_group)`` when this rank can take part in a collective on ``group``."""
+    if group is None or not dist.is_initialized():
+        return None
+    rank_in_group = dist.get_rank(group)
+    if rank_in_group < 0:
+        return None
+    return dist.get_world_size(group), rank_in_group
+
+
+def collective_device(x_TX: object, group: dist.ProcessGroup) -> torch.device:
+    """Where the debug agreement vector lives: the student's device, else the group's kind."""
+    if isinstance(x_TX, torch.Tensor):
+        return x_TX.device
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def job_signature(
+    job: KLJob, loss_mask_T: torch.Tensor | None, index_T: torch.Tensor | None
+) -> list[int]:
+    """What the TP ranks must agree on: ``T``, active tokens, teachers, ``V_local``, chunk, and
+    position-weighted sums of the mask and the teacher index (one host sync each)."""
+    dev = job.weight_N.device
+    pos_T = torch.arange(1, job.T + 1, device=dev, dtype=torch.int64)
+    mask_sig = 0 if loss_mask_T is None else int(((loss_mask_T != 0).to(torch.int64) * pos_T).sum())
+    index_sig = 0 if index_T is None else int((index_T.to(torch.int64) * pos_T).sum())
+    return [job.T, job.n_active, len(job.teachers), job.v_local, job.chunk, mask_sig, index_sig]
+
+
+def check_agreement(
+    group: dist.ProcessGroup,
+    position: tuple[int, int],
+    device: torch.device,
+    timeout_s: float | None,
+    *,
+    signature: list[int] | None = None,
+    nonfinite: tuple[str, ...] = (),
+    failure: ValueError | None = None,
+) -> None:
+    """Debug mode: one MAX all-reduce over the TP group; raises the same ValueError on every rank.
+
+    ``position`` is ``(tp_size, rank_in_group)`` (see :func:`group_position`); ``device`` is
+    where the vector is reduced (the group's device kind).
+
+    The int64 vector reduced is ``[sig (7), -sig (7), non-finite flag, failed flag,
+    message bytes (tp_size x MESSAGE_BYTES)]``: a rank whose validation failed (``failure``,
+    ``signature`` then ``None``) sets its flag and writes its message into its own slot, so every
+    rank learns which ranks failed and why, and raises the same text. Otherwise: a non-finite
+    input anywhere, then any disagreement of the signature (max != min), raise.
+    """
+    tp_size, rank_in_group = position
+    n = SIGNATURE_LEN
+    vec = torch.zeros(2 * n + 2 + tp_size * MESSAGE_BYTES, dtype=torch.int64)
+    if signature is not None:
+        assert len(signature) == n
+        vec[:n] = torch.tensor(signature, dtype=torch.int64)
+        vec[n : 2 * n] = -vec[:n]
+    vec[2 * n] = len(nonfinite)
+    if failure is not None:
+        vec[2 * n + 1] = 1
+        msg = (str(failure) or "ValueError").encode("utf-8", errors="replace")[:MESSAGE_BYTES]
+        first = 2 * n + 2 + rank_in_group * MESSAGE_BYTES
+        vec[first : first + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    vec = vec.to(device)
+    all_reduce_in(vec, dist.ReduceOp.MAX, group, timeout_s)
+    vec = vec.cpu()
+    if int(vec[2 * n + 1]):
+        slots = vec[2 * n + 2 :].reshape(tp_size, MESSAGE_BYTES)
+        failed, parts = [], []
+        for r in range(tp_size):
+            raw = bytes(slots[r].to(torch.uint8).tolist()).rstrip(b"\0")
+            if raw:
+                failed.append(r)
+                parts.append(f"rank {r}: {raw.decode('utf-8', errors='replace')}")
+        error = ValueError(
+            f"invalid KL arguments on rank(s) {failed} of the TP group (KLConfig(debug=True)); "
+            + "; ".join(parts)
+        )
+        if failure is not None:
+            raise error from failure
+        raise error
+    if int(vec[2 * n]):
+        where = ", ".join(nonfinite) if nonfinite else "another rank's inputs"
+        raise ValueError(f"NaN or inf in {where} (KLConfig(debug=True))")
+    hi, lo = vec[:n], -vec[n : 2 * n]
+    if not bool((hi == lo).all()):
+        raise ValueError(
+            "TP ranks disagree on (T, active tokens, teachers, V_local, chunk, mask, teacher "
+            f"index): max {hi.tolist()} vs min {lo.tolist()} (KLConfig(debug=True))"
+        )
