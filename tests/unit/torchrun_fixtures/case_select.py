@@ -24,3 +24,9 @@ def test_beta(request: pytest.FixtureRequest, n: int):
     t = torch.full((1,), n)
     dist.all_reduce(t)
     record(request.node.name)
+
+
+class TestGamma:
+    def test_in_class(self, request: pytest.FixtureRequest):
+        dist.barrier()
+        record(request.node.name)
