@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,6 @@ from tests.support.torchrun_report import node_key
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "torchrun_fixtures"
 REL = FIXTURES.relative_to(ROOT).as_posix()
-
-__all__: list[str] = []
 
 
 def _pytest(
@@ -58,6 +57,16 @@ def _pytest(
     )
 
 
+def _junit(path: Path) -> dict[str, tuple[str, str]]:
+    """``{test name: (failure/skipped/passed, message)}`` from a junitxml file."""
+    found: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kinds = [c for c in case if c.tag in ("failure", "error", "skipped")]
+        kind, message = (kinds[0].tag, kinds[0].get("message", "")) if kinds else ("passed", "")
+        found[case.get("name", "")] = (kind, message)
+    return found
+
+
 def _outcomes(out: str) -> dict[str, str]:
     """``{node id: PASSED/FAILED/SKIPPED/XFAIL/ERROR}`` from ``-v`` progress lines."""
     found: dict[str, str] = {}
@@ -73,8 +82,8 @@ def _section(out: str, title: str) -> str:
     return m.group(1)
 
 
-def test_each_test_is_an_item_with_its_own_outcome_and_the_failing_ranks_report():
-    res = _pytest(f"{REL}/case_outcomes.py")
+def test_each_test_is_an_item_with_its_own_outcome_and_the_failing_ranks_report(tmp_path: Path):
+    res = _pytest(f"{REL}/case_outcomes.py", f"--junitxml={tmp_path / 'junit.xml'}")
     out = res.stdout
     assert res.returncode == 1, out
     mod = f"{REL}/case_outcomes.py"
@@ -97,6 +106,11 @@ def test_each_test_is_an_item_with_its_own_outcome_and_the_failing_ranks_report(
     assert f"FAILED {mod}::test_rank1_fails - [rank 1] AssertionError: rank 1 disagrees" in out
     assert re.search(r"SKIPPED \[1\] \S*case_outcomes.py:\d+: skipped for a stated reason", out)
     assert f"XFAIL {mod}::test_xfail - known to fail" in out
+    junit = _junit(tmp_path / "junit.xml")  # what CI reads sees the same per-test outcomes
+    assert junit["test_rank1_fails"][0] == "failure"
+    assert junit["test_rank1_fails"][1].startswith("[rank 1] AssertionError: rank 1 disagrees")
+    assert junit["test_skip"] == ("skipped", "skipped for a stated reason")
+    assert junit["test_param[2]"] == ("passed", "")
 
 
 @pytest.mark.parametrize(
@@ -154,8 +168,13 @@ def test_a_hang_is_killed_and_finished_tests_keep_their_outcome():
     assert elapsed < 20 + 60, elapsed
 
 
-def test_a_crash_no_test_ran_and_an_unimportable_module():
-    res = _pytest(f"{REL}/case_crash.py", f"{REL}/case_nothing.py", f"{REL}/case_unimportable.py")
+def test_a_crash_no_test_ran_and_an_unimportable_module(tmp_path: Path):
+    res = _pytest(
+        f"{REL}/case_crash.py",
+        f"{REL}/case_nothing.py",
+        f"{REL}/case_unimportable.py",
+        f"--junitxml={tmp_path / 'junit.xml'}",
+    )
     out = res.stdout
     assert res.returncode == 1, out
     assert _outcomes(out) == {
@@ -172,6 +191,8 @@ def test_a_crash_no_test_ran_and_an_unimportable_module():
     )
     assert "no test ran under torchrun" in _section(out, "test_only_outside_torchrun")
     assert "case_unimportable.py cannot be imported outside torchrun" in out  # the warning
+    kind, message = _junit(tmp_path / "junit.xml")["test_only_outside_torchrun"]
+    assert kind == "failure" and message.startswith("no test ran under torchrun: the torchrun")
 
 
 def test_every_tier2_module_is_collected_test_by_test_in_the_parent():
