@@ -294,6 +294,9 @@ class _ModuleRun:
             never = [r for r in range(n) if r not in done and r not in begun]
             if never:
                 body.append(f"Never started on {rank_list(never)}.")
+        elif len(launch.exitstatus) == n:  # every rank's session ended without running it
+            message = f"not run: no rank ran this test ({ended})"
+            body = [f"{message}: is it collected differently under torchrun?"]
         else:
             where = f" (it stopped in {self.first_unfinished})" if self.first_unfinished else ""
             message = f"not run: {ended} before this test started"
