@@ -453,7 +453,9 @@ class HiddenStateBridge:
             holds = c is not None and c.pp_rank == spec.mesh.pp - 1
             if holds != (o in given):
                 want = "must pass" if holds else "must not pass"
-                raise ValueError(f"teacher {o} ({spec.mesh}): this rank {want} teacher_layouts[{o}]")
+                raise ValueError(
+                    f"teacher {o} ({spec.mesh}): this rank {want} teacher_layouts[{o}]"
+                )
             if not holds:
                 continue
             assert c is not None
@@ -489,7 +491,9 @@ class HiddenStateBridge:
                 device=self.device,
             )
         if len(counts) > 1:
-            raise ValueError(f"this rank's layouts give different micro-batch counts {sorted(counts)}")
+            raise ValueError(
+                f"this rank's layouts give different micro-batch counts {sorted(counts)}"
+            )
         return counts.pop() if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
@@ -743,7 +747,9 @@ class BridgeStep:
             if sec is None:
                 raise ValueError(f"this rank holds no rows of teacher {o} (not its last stage)")
             if o in self._given[micro_batch]:
-                raise BridgeStateError(f"teacher {o}'s rows of micro-batch {micro_batch} were already sent")
+                raise BridgeStateError(
+                    f"teacher {o}'s rows of micro-batch {micro_batch} were already sent"
+                )
             f = _flat(t, f"teacher {o} hidden buffer")
             lay = sec.layouts[micro_batch]
             h = self._specs[o][0]

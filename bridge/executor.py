@@ -4,31 +4,32 @@ Why this file exists: the planner says which rows go where; this file moves them
 row at most once on each side, with no collective over the bridge group (so it can run inside a
 training schedule). Per micro-batch a rank has one :class:`Slot`:
 
-- :meth:`Executor.issue` takes the rows at that moment: packs this rank's sends into staging
-  buffers (one kernel launch per owner for all peers: ``copy_runs`` for long runs, a gather
-  otherwise; a contiguous side is copied as one block), runs the local copies (a source replica
-  on this rank) and zero-fills the rows no transfer writes, then posts all of the slot's sends and
-  receives in one ``batch_isend_irecv``. After it returns the caller may overwrite its buffers:
-  the bridge never reads them again.
+- :meth:`Executor.take` takes a teacher's rows at that moment: packs this rank's sends into
+  staging buffers (one kernel launch per owner for all peers: ``copy_runs`` for long runs, a
+  gather otherwise; a contiguous side is copied as one block), checksums them in integrity mode
+  and runs the local copies (a source replica on this rank). Afterwards the caller may overwrite
+  its buffer: the bridge never reads it again.
+- :meth:`Executor.post` zero-fills the rows no transfer writes and posts all of the slot's sends
+  and receives in one ``batch_isend_irecv``.
 - :meth:`Executor.complete` waits for the slot's receives (a host wait with a deadline on gloo; a
   stream wait on NCCL), unpacks them (one launch per owner), and all-gathers each owner's buffer
   over the student TP group when the destination group has more than one rank.
-- :meth:`Executor.release` waits for the slot's sends and returns its staging buffers.
+- :meth:`Executor.release` waits for the slot's sends and returns their staging buffers.
 
-Ordering: every rank issues its slots in micro-batch order, one batch per slot holding both its
+Ordering: every rank posts its slots in micro-batch order, one batch per slot holding both its
 sends and its receives, so the point-to-point operations of any two ranks meet in the same order
 (on NCCL a communicator runs a rank's batches in issue order; see :mod:`mopd.bridge.api`).
 
 Data never leaves the device of its tensors: CUDA tensors go over NCCL, CPU tensors over gloo.
 Kernels run with ``check_bounds=False``: plan rows are in range by construction and buffer row
-counts are checked against the layouts before anything is issued.
+counts are checked against the layouts before anything is taken.
 
 Reliability: a failed or timed-out wait raises :class:`~mopd.bridge.errors.BridgeTimeoutError` /
 :class:`~mopd.bridge.errors.BridgeCommError` naming this rank, the pending peers and the timeout;
 the executor then refuses further work (:class:`~mopd.bridge.errors.BridgeStateError`): the
 process group may still hold operations of the failed slot that a later one could match.
 Integrity mode (:mod:`mopd.bridge.integrity`) checksums every delivered row; the checks run on
-the device at :meth:`complete` and are judged together, on every rank alike, by
+the device at :meth:`Executor.complete` and are judged together, on every rank alike, by
 :meth:`Executor.verdict`.
 """
 
@@ -228,7 +229,7 @@ class Slot:
     send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
     send_sums: dict[int, torch.Tensor] = field(default_factory=dict)
     findings: list[_Check] = field(default_factory=list)
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dev: DeviceIndices | None = None
 
 
@@ -357,8 +358,14 @@ class Executor:
             self._fail_slot(slot, exc)
             raise
 
-    def post(self, slot: Slot, *, output_specs: Mapping[int, tuple[int, torch.dtype]],
-             device: torch.device, group: Any) -> None:
+    def post(
+        self,
+        slot: Slot,
+        *,
+        output_specs: Mapping[int, tuple[int, torch.dtype]],
+        device: torch.device,
+        group: Any,
+    ) -> None:
         """Post ``slot``'s sends (rows taken by :meth:`take`) and receives in one batch."""
         self.check_usable()
         sched = slot.schedule
@@ -383,7 +390,9 @@ class Executor:
             self._pool.forget(t)
         slot.staged.clear()
 
-    def _stage(self, slot: Slot, kind: str, owner: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+    def _stage(
+        self, slot: Slot, kind: str, owner: int, rows: int, like: torch.Tensor
+    ) -> torch.Tensor:
         key = (kind, owner, like.dtype, like.device, like.shape[1])
         t = self._pool.acquire(key, rows, like)
         slot.staged.append((key, t))
@@ -481,7 +490,9 @@ class Executor:
                 kinds.append(False)
                 slot.send_descs.append(f"send to global rank {op.peer} (checksums)")
         targets = self._targets(slot, sched) if sched.dest is not None else {}
-        like = {o: torch.empty((0, h), dtype=d, device=device) for o, (h, d) in output_specs.items()}
+        like = {
+            o: torch.empty((0, h), dtype=d, device=device) for o, (h, d) in output_specs.items()
+        }
         slot.recv_stage = {
             o: self._stage(slot, "recv", o, n, like[o]) for o, n in sched.recv_stage_rows.items()
         }
@@ -539,7 +550,8 @@ class Executor:
                 cdist.wait(w, device=device, timeout_s=max(deadline - time.monotonic(), 1e-3))
             except Exception as exc:
                 pending = []
-                for w2, d in zip(works[i:], list(descs)[i:] or [""] * (len(works) - i)):
+                tail = list(descs)[i:] if len(descs) == len(works) else [""] * (len(works) - i)
+                for w2, d in zip(works[i:], tail, strict=True):
                     try:
                         completed = bool(w2.is_completed()) and w2 is not w
                     except Exception:
@@ -704,7 +716,9 @@ class Executor:
         for i, o in enumerate(owners):
             got = row_checksum(slot.outputs[o]).view(group_size, rows)
             for j in range(group_size):
-                dst_rows = torch.arange(j * rows, (j + 1) * rows) - sched.slice_rows * sched.dest.slot
+                dst_rows = (
+                    torch.arange(j * rows, (j + 1) * rows) - sched.slice_rows * sched.dest.slot
+                )
                 slot.findings.append(
                     (
                         got[j] != expected[j, i],
@@ -776,6 +790,8 @@ class Executor:
         key = (out_NH.dtype, out_NH.device, out_NH.shape[1])
         z = self._zeros.get(key)
         if z is None or z.shape[0] < rows.numel():
-            z = torch.zeros((rows.numel(), out_NH.shape[1]), dtype=out_NH.dtype, device=out_NH.device)
+            z = torch.zeros(
+                (rows.numel(), out_NH.shape[1]), dtype=out_NH.dtype, device=out_NH.device
+            )
             self._zeros[key] = z
         scatter_rows(z[: rows.numel()], dev(rows), out_NH, check_bounds=False)

@@ -40,12 +40,12 @@ import torch
 
 __all__ = [
     "TokenLayout",
-    "megatron_padded_length",
     "concat_layouts",
     "cp_positions",
     "encode_keys",
     "layout_from_runs",
     "layout_to_runs",
+    "megatron_padded_length",
     "packed_layout",
     "padded_layout",
     "vocab_layout",
@@ -326,7 +326,7 @@ def layout_to_runs(layout: TokenLayout) -> torch.Tensor:
     brk = ~cont | step_change
     start = torch.cat([torch.zeros(1, dtype=_I64), torch.nonzero(brk).reshape(-1) + 1])
     length = torch.diff(torch.cat([start, torch.tensor([n], dtype=_I64)]))
-    step = torch.zeros_like(start)
+    step = torch.ones_like(start)
     multi = length > 1
     step[multi] = d[start[multi]]
     return torch.stack([s[start], p[start], row[start], step, length], dim=1)

@@ -306,11 +306,23 @@ def lm_head_from_models(
     """
     rank = dist.get_rank()
     meta = groups.meta if groups.meta is not None else groups.bridge
-    t_head = _head_of(teacher_model) if teacher_model is not None and teacher.is_last_stage(rank) else None
-    s_head = _head_of(student_model) if student_model is not None and student.is_last_stage(rank) else None
+    t_head = (
+        _head_of(teacher_model)
+        if teacher_model is not None and teacher.is_last_stage(rank)
+        else None
+    )
+    s_head = (
+        _head_of(student_model)
+        if student_model is not None and student.is_last_stage(rank)
+        else None
+    )
     known = torch.full((4,), -1, dtype=torch.int64)  # vocab, teacher padded, student padded, H
     if t_head is not None:
-        known[0], known[1], known[3] = t_head[1], t_head[0].shape[0] * teacher.tp, t_head[0].shape[1]
+        known[0], known[1], known[3] = (
+            t_head[1],
+            t_head[0].shape[0] * teacher.tp,
+            t_head[0].shape[1],
+        )
     if s_head is not None:
         known[2] = s_head[0].shape[0] * student.tp
         known[0] = max(int(known[0]), s_head[1])

@@ -40,9 +40,7 @@ def mesh_group_ranks(mesh: Mesh) -> dict[str, list[list[int]]]:
         "dp": [[at(t, c, d, p) for d in dp_r] for p in pp_r for c in cp_r for t in tp_r],
         "dp_cp": [[at(t, c, d, p) for d in dp_r for c in cp_r] for p in pp_r for t in tp_r],
         "tp_cp": [[at(t, c, d, p) for c in cp_r for t in tp_r] for p in pp_r for d in dp_r],
-        "tp_dp_cp": [
-            [at(t, c, d, p) for d in dp_r for c in cp_r for t in tp_r] for p in pp_r
-        ],
+        "tp_dp_cp": [[at(t, c, d, p) for d in dp_r for c in cp_r for t in tp_r] for p in pp_r],
         "pp": [[at(t, c, d, p) for p in pp_r] for d in dp_r for c in cp_r for t in tp_r],
         "mp": [[at(t, c, d, p) for p in pp_r for t in tp_r] for d in dp_r for c in cp_r],
         "embd": [

@@ -46,8 +46,10 @@ def _merge_runs(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.
         joins[1:] = row_S[1:] == row_S[:-1] + len_S[:-1]
     start = np.flatnonzero(~joins)
     length = np.add.reduceat(len_S, start) if start.size else len_S[:0]
-    return np.stack([row_S[start], pos[start], length], axis=1) if start.size else np.empty(
-        (0, 3), dtype=np.int64
+    return (
+        np.stack([row_S[start], pos[start], length], axis=1)
+        if start.size
+        else np.empty((0, 3), dtype=np.int64)
     )
 
 

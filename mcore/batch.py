@@ -11,6 +11,7 @@ group, so nothing is re-derived by hand.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -145,7 +146,7 @@ def micro_batch_layout(
                 f"{len(ids)} sample ids but cu_seqlens_q has {len(real)} offsets "
                 f"(one sample id per packed sequence)"
             )
-        lens = [b - a for a, b in zip(real[:-1], real[1:], strict=True)]
+        lens = [b - a for a, b in itertools.pairwise(real)]
         return packed_layout(
             ids,
             lens,

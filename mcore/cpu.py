@@ -134,7 +134,6 @@ def _patch_schedules() -> None:
     schedules.torch = _CpuTorch()  # type: ignore[attr-defined]
 
 
-
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """``[length / cp]`` int64 positions that CP rank ``cp_rank`` holds of a sequence of ``length``.
 

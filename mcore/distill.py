@@ -177,13 +177,17 @@ class Distiller:
                 ``None`` where the rank is outside that teacher's mesh.
         """
         if len(teachers) != len(self.teachers):
-            raise ValueError(f"{len(teachers)} teacher micro-batch lists for {len(self.teachers)} teachers")
+            raise ValueError(
+                f"{len(teachers)} teacher micro-batch lists for {len(self.teachers)} teachers"
+            )
         rank = self.rank
         s = self.student
         teacher_layouts = {}
         for o, (t, mbs) in enumerate(zip(self.teachers, teachers, strict=True)):
             if t.last_stage(rank):
-                teacher_layouts[o] = _layouts(mbs, t.pg_collection, rows="hidden", what=f"teacher {o}")
+                teacher_layouts[o] = _layouts(
+                    mbs, t.pg_collection, rows="hidden", what=f"teacher {o}"
+                )
         student_layouts = None
         keep = self.bridge_config.keep_sp_shard
         if s.last_stage(rank):
@@ -204,7 +208,9 @@ class Distiller:
         for k, o in enumerate(held):
             t, mbs = self.teachers[o], teachers[o]
             if mbs is None:
-                raise ValueError(f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches")
+                raise ValueError(
+                    f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches"
+                )
             last = k == len(held) - 1
             run_teacher(
                 t.model,
@@ -276,7 +282,9 @@ class DistillationStep:
 
     # --- inside the schedule --------------------------------------------------------------------
 
-    def loss_func(self, micro_batch: int | None = None) -> Callable[[torch.Tensor], tuple[Any, ...]]:
+    def loss_func(
+        self, micro_batch: int | None = None
+    ) -> Callable[[torch.Tensor], tuple[Any, ...]]:
         """The ``loss_func`` for a student micro-batch (default: the next one, in schedule order:
         megatron calls the last stage's loss functions in micro-batch order)."""
         d = self.distiller

@@ -63,7 +63,9 @@ def kl_loss_func(
     """
     config = config or KLConfig(reduction="sum")
     if config.reduction != "sum":
-        raise ValueError(f"the Megatron loss needs KLConfig(reduction='sum'), got {config.reduction!r}")
+        raise ValueError(
+            f"the Megatron loss needs KLConfig(reduction='sum'), got {config.reduction!r}"
+        )
     if not lm_heads:
         raise ValueError("need one LM-head shard per teacher")
 
@@ -92,7 +94,10 @@ def kl_loss_func(
             )
             n = step.num_tokens(micro_batch)
             logged = torch.stack(
-                [kl_sum.detach().to(torch.float64), torch.tensor(float(n), dtype=torch.float64, device=kl_sum.device)]
+                [
+                    kl_sum.detach().to(torch.float64),
+                    torch.tensor(float(n), dtype=torch.float64, device=kl_sum.device),
+                ]
             )
             if record is not None:
                 record(micro_batch, logged)

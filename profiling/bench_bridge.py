@@ -50,7 +50,7 @@ from mopd.bridge import (
 )
 from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.layout import encode_keys
-from mopd.bridge.synthetic import SideFormat, synthetic_step
+from mopd.profiling.synthetic import SideFormat, synthetic_step
 from mopd.kernels import gather_rows
 from mopd.profiling.results import format_table, record
 

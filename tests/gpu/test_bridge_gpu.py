@@ -25,7 +25,7 @@ from mopd.bridge import (
     create_bridge_groups,
     reshard_lm_head,
 )
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,7 +23,7 @@ from mopd.bridge import (
 )
 from mopd.bridge.api import BridgeIntegrityError
 from mopd.bridge.integrity import row_checksum
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 pytestmark = [
     pytest.mark.gpu,

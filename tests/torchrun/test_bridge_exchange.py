@@ -25,7 +25,7 @@ from mopd.bridge import (
     reshard_lm_head,
 )
 from mopd.bridge.layout import TokenLayout, encode_keys
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 240

@@ -21,7 +21,7 @@ from mopd.bridge import (
     mesh_from_groups,
     padded_layout,
 )
-from mopd.bridge.synthetic import key_pattern
+from mopd.profiling.synthetic import key_pattern
 from tests.support import bridges
 
 TORCHRUN_NPROC = 4

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from mopd.bridge import GroupPool, HiddenStateBridge, Mesh, padded_layout
 from mopd.bridge.api import BridgeError, BridgeStateError, BridgeTimeoutError
-from mopd.bridge.synthetic import key_pattern
+from mopd.profiling.synthetic import key_pattern
 from tests.support.bridges import make_bridge
 
 TORCHRUN_NPROC = 4

@@ -28,7 +28,7 @@ from mopd.bridge import (
     padded_layout,
 )
 from mopd.bridge.api import BridgeIntegrityError
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 from tests.support.bridges import make_bridge
 
 TORCHRUN_NPROC = 4

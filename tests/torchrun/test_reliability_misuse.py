@@ -35,7 +35,7 @@ from mopd.bridge import (
 )
 from mopd.bridge import api as api_mod
 from mopd.bridge import executor as executor_mod
-from mopd.bridge.synthetic import key_pattern
+from mopd.profiling.synthetic import key_pattern
 from tests.support import bridges
 
 TORCHRUN_NPROC = 4

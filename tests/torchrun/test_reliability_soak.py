@@ -39,7 +39,7 @@ from mopd.bridge import (
     TeacherSpec,
     create_bridge_groups,
 )
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 240

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from mopd.bridge import Mesh, StudentBatch, TeacherBatch, plan_token_exchange
 from mopd.bridge.executor import Executor, _local, _pack, _unpack
 from mopd.bridge.schedule import DeviceIndices, RankSchedule
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPE = torch.float32

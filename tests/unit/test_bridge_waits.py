@@ -20,7 +20,7 @@ from mopd.bridge.executor import Executor, _Flight
 from mopd.bridge.groups import group_moves_cuda, wait_work
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.planner import StudentBatch, TeacherBatch, plan_token_exchange
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 TIMEOUT = datetime.timedelta(seconds=30)
 

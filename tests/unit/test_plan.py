@@ -29,7 +29,7 @@ from mopd.bridge.plan import (
     check_rank,
     plan_rank,
 )
-from mopd.bridge.synthetic import SideFormat, synthetic_step
+from mopd.profiling.synthetic import SideFormat, synthetic_step
 from tests.support.plan_oracle import compose, oracle_plans, oracle_verdicts, token_pairs
 from tests.support.plan_sim import (
     SimStep,

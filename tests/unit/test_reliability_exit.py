@@ -36,7 +36,7 @@ def _worker(scenario: str, out_dir: Path) -> None:
     import torch.distributed as dist
 
     from mopd.bridge import GroupPool, Mesh, padded_layout
-    from mopd.bridge.synthetic import key_pattern
+    from mopd.profiling.synthetic import key_pattern
     from tests.support.bridges import make_bridge
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -43,7 +43,7 @@ from mopd.bridge.integrity import (
     format_mismatches,
     row_checksum,
 )
-from mopd.bridge.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 
 TIMEOUT = datetime.timedelta(seconds=5)
 

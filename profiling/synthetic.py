@@ -1,7 +1,6 @@
 """Synthetic steps: seeded batch descriptions for both sides, and row contents derived from keys.
 
-Why this file exists: the tests, the benchmark, the multi-rank demo and the ``mopd plan``
-inspector all need realistic, reproducible steps without a model: samples of random lengths,
+Why this file exists: the tests, the benchmarks and the ``mopd plan`` inspector all need realistic, reproducible steps without a model: samples of random lengths,
 routed to teachers, sharded over DP differently on each side, cut into micro-batches of different
 sizes, padded (``[S, B, H]`` / ``[B, S, H]``) or packed (THD) independently, with CP zigzag on
 both sides. :func:`synthetic_step` builds the :class:`~mopd.bridge.layout.TokenLayout` of every
