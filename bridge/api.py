@@ -667,6 +667,22 @@ class BridgeStep:
             got = self._owner_dev[micro_batch] = sched.owner_N.to(self._bridge.device)
         return got
 
+    def traffic(self) -> list[tuple[int, int, int, int, int]]:
+        """What this rank moves in the step: ``(micro_batch, owner, src_rank, dst_rank, bytes)``
+        for each of its sends and local copies (``src_rank == dst_rank``), from its plans."""
+        out = []
+        for slot in self._slots:
+            sched = slot.schedule
+            if sched is None:
+                continue
+            rb = sched.row_bytes
+            for op in sched.sends:
+                out.append((slot.index, op.owner, self._bridge.rank, op.peer, op.count * rb[op.owner]))
+            for x in sched.locals:
+                r = self._bridge.rank
+                out.append((slot.index, x.owner, r, r, x.src.count * rb[x.owner]))
+        return out
+
     def num_tokens(self, micro_batch: int) -> int:
         """Real tokens in the rows this rank receives for ``micro_batch`` (0 if none)."""
         sched = self._slots[micro_batch].schedule

@@ -22,6 +22,7 @@ expects (:mod:`mopd.mcore.loss`). Leaving the step finishes the bridge's transfe
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,10 +201,12 @@ class Distiller:
                 what="student",
                 sp=(s.mesh.tp, coord.tp_rank) if keep else (1, 0),
             )
+        t0 = time.perf_counter()
         bstep = self.bridge.plan_step(
             teacher_layouts=teacher_layouts or None, student_layouts=student_layouts
         )
         step = DistillationStep(self, bstep, student)
+        t1 = time.perf_counter()
         held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
         for k, o in enumerate(held):
             t, mbs = self.teachers[o], teachers[o]
@@ -220,6 +223,8 @@ class Distiller:
                 forward=t.forward,
             )
         step._flush_teacher_rows()
+        step.timings["plan"] = t1 - t0
+        step.timings["teacher"] = time.perf_counter() - t1
         return step
 
 
@@ -262,6 +267,9 @@ class DistillationStep:
         tokens = bridge_step.global_tokens()
         self.default_scale = self.num_micro_batches * dp / max(tokens, 1)
         self.global_tokens = tokens
+        #: seconds on this rank: ``plan`` (the bridge's metadata, checks and plans) and
+        #: ``teacher`` (the teachers' forward-only pass, sends included)
+        self.timings: dict[str, float] = {}
 
     # --- teacher rows ---------------------------------------------------------------------------
 

@@ -1,31 +1,31 @@
 """``mopd demo``: a real multi-teacher MOPD training job on tiny models, started with one command.
 
 Why this file exists: a user should see the whole pipeline work, end to end and verified, before
-wiring it into a trainer. ``main`` starts torchrun itself (8 ranks on CPU with gloo by default,
-NCCL when there are enough GPUs) and every rank runs ``--worker``:
+wiring it into a trainer. ``main`` checks the flags, then starts torchrun itself (8 CPU ranks with
+gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
+(:mod:`mopd.profiling.demo_job`), which trains the way a megatron-core user does:
 
-- two (or more) frozen teacher GPTModels, each on its own mesh with its own hidden size
-  (default teacher 0: TP2 DP2 on ranks 0-3, teacher 1: TP4 on ranks 4-7, both with SP on CPU),
-  and a student GPTModel on its own mesh (default TP2 CP2 DP2 over all 8 ranks, THD-packed sequences, CP zigzag). Each
-  model is built on explicit process groups (megatron's ``pg_collection``), so the meshes differ
-  inside one job; megatron's global ``parallel_state`` is set up as plain data parallelism only
-  for what still reads it (the global memory buffer, the RNG tracker);
-- each step draws a batch of samples with global ids; sample ``i`` is routed to teacher
-  ``i % num_teachers``. Teacher forward under the capture -> bridge (teacher ``[S, B, H]``
-  padded layouts -> the student's packed CP layout) -> student forward (overlapping the
-  transfer) -> full-vocabulary reverse KL with the teachers' LM-head shards (resharded once at
-  start-up) -> backward -> gradient all-reduce over the student's DP x CP ranks -> Adam step;
-- step 1's bridged buffers are checked on every student rank against an all-gather reference
-  (every teacher's captured hidden states on every rank, joined by key); any mismatch makes the
-  job exit non-zero; otherwise rank 0 prints ``verification: OK``;
-- rank 0 shows a progress bar over steps and ends with a table: time per phase (max over ranks),
-  loss per step, and bytes per link from the transfer plans.
+- two frozen teacher GPTModels, each on its own mesh with its own hidden size (default teacher 0:
+  TP2 DP2 on ranks 0-3, teacher 1: TP4 on ranks 4-7, SP on), and a student GPTModel on its own
+  mesh (default TP2 CP2 DP2 over all 8 ranks, THD-packed sequences, CP zigzag), each on explicit
+  process groups (:func:`mopd.bridge.megatron_process_groups`), PP allowed on both sides;
+- set-up once with :class:`mopd.mcore.Distiller` (bridge groups, the bridge, the teachers' LM
+  heads resharded into the student's vocab partition);
+- each step: a global batch of samples with global ids, cut into micro-batches (sample ``i`` goes
+  to teacher ``i % num_teachers``); ``Distiller.step`` plans the bridge and runs the teachers'
+  forward-only pass; megatron's ``get_forward_backward_func()`` runs the student (1F1B with PP)
+  with the MOPD loss inside ``loss_func``; then Adam;
+- step 1's bridged rows are checked on every student rank against an all-gather reference (the
+  teachers' hidden states, from a second teacher pass, joined by key): any mismatch makes the job
+  exit non-zero; otherwise rank 0 prints ``verification: OK``; it ends with time per phase, the
+  loss per step and bytes per link (``--json``: one JSON object instead).
 
-On CPU the megatron patches and the stand-in CP/THD core attention come from the checkout's test
-support (``tests/support/megatron_cpu.py``, ``tests/support/cpu_attention.py``); on GPUs only the
-stand-in attention is used (megatron's local attention does neither CP nor THD).
-The teachers are random-init models fed random tokens: the job shows data movement and training
-mechanics, not distillation quality.
+megatron-core runs on CPU ranks through :mod:`mopd.mcore.cpu` (shipped in the package). The
+teachers are random-init models fed random tokens: the job shows data movement and training
+mechanics, not distillation quality. Under your own launcher (several nodes, say), run the
+workers directly: ``torchrun ... -m mopd.profiling.demo --worker [FLAGS]`` with ``--nproc`` the
+job's world size; ``mopd demo --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` does that for
+one node of a multi-node job.
 """
 
 from __future__ import annotations
@@ -34,66 +34,63 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
-__all__ = [
-    "PHASE_NAMES",
-    "DemoConfig",
-    "MeshArg",
-    "main",
-    "parse_mesh",
-]
+__all__ = ["DemoConfig", "MeshArg", "main", "parse_mesh"]
 
-#: The timed phases of one step, in table order.
-PHASE_NAMES: tuple[str, ...] = (
-    "capture (teacher fwd)",
-    "bridge",
-    "student fwd",
-    "loss",
-    "backward",
-    "grad sync",
-    "optimizer",
-)
+_ARGV_ENV = "MOPD_DEMO_ARGV"
+_T0_ENV = "MOPD_DEMO_T0"
+_DEFAULT_TEACHERS = ("tp=2,dp=2,rank_offset=0", "tp=4,rank_offset=4")
+_MESH_KEYS = ("tp", "cp", "dp", "pp", "rank_offset")
 
 
 @dataclass(frozen=True, kw_only=True)
 class MeshArg:
-    """A mesh as given on the command line: ``tp=2,cp=1,dp=2,at=0`` (``at``: first global rank)."""
+    """A mesh as given on the command line: ``tp=2,cp=1,dp=2,pp=1,rank_offset=0``."""
 
     tp: int = 1
     cp: int = 1
     dp: int = 1
-    at: int = 0
+    pp: int = 1
+    rank_offset: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "dp"):
+        for name in ("tp", "cp", "dp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"mesh {name} must be >= 1, got {getattr(self, name)}")
-        if self.at < 0:
-            raise ValueError(f"mesh at (first global rank) must be >= 0, got {self.at}")
+        if self.rank_offset < 0:
+            raise ValueError(f"mesh rank_offset must be >= 0, got {self.rank_offset}")
 
     @property
     def size(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
     def __str__(self) -> str:
-        return f"tp={self.tp},cp={self.cp},dp={self.dp},at={self.at}"
+        return ",".join(f"{k}={getattr(self, k)}" for k in _MESH_KEYS)
 
 
 def parse_mesh(text: str) -> MeshArg:
-    """``"tp=2,dp=2,at=0"`` -> :class:`MeshArg`; missing keys default (1, 1, 1, 0)."""
+    """``"tp=2,dp=2,rank_offset=0"`` -> :class:`MeshArg`; missing keys default (1 and offset 0)."""
     values: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, raw = part.partition("=")
-        if not sep or key not in ("tp", "cp", "dp", "at"):
+        if not sep or key not in _MESH_KEYS:
             raise ValueError(
-                f"mesh {text!r}: expected comma-separated tp=/cp=/dp=/at=, got {part!r}"
+                f"mesh {text!r}: expected comma-separated {'=, '.join(_MESH_KEYS)}=, got {part!r}"
             )
         try:
             values[key] = int(raw)
         except ValueError:
             raise ValueError(f"mesh {text!r}: {key} must be an integer, got {raw!r}") from None
     return MeshArg(**values)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(h) for h in text.split(",") if h.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +103,10 @@ class DemoConfig:
         student / student_hidden: the student's mesh and hidden size.
         heads, layers, vocab, seq_len: model and batch shape (``seq_len`` = max sample length).
         samples: samples per step over the whole job (global ids ``step * samples + i``).
+        micro_batches: micro-batches per step (each a contiguous share of the samples).
+        per_token_loss: megatron's ``calculate_per_token_loss`` (else its default loss path).
         steps, lr, seed: the training run.
         teacher_init_std: the teachers' init std (large -> peaked teacher distributions).
-        overlap: run the student forward while the bridge transfer is in flight.
     """
 
     nproc: int
@@ -121,11 +119,12 @@ class DemoConfig:
     vocab: int = 256
     seq_len: int = 32
     samples: int = 8
+    micro_batches: int = 2
+    per_token_loss: bool = True
     steps: int = 3
     lr: float = 3e-3
     seed: int = 1234
     teacher_init_std: float = 0.2
-    overlap: bool = True
     min_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -136,6 +135,7 @@ class DemoConfig:
             "vocab",
             "seq_len",
             "samples",
+            "micro_batches",
             "steps",
             "student_hidden",
         ):
@@ -149,8 +149,8 @@ class DemoConfig:
             raise ValueError("at least one teacher is needed")
         if len(self.teacher_hidden) != len(self.teachers):
             raise ValueError(
-                f"{len(self.teachers)} teacher meshes but {len(self.teacher_hidden)} teacher hidden sizes "
-                f"{list(self.teacher_hidden)}"
+                f"{len(self.teachers)} teacher meshes but {len(self.teacher_hidden)} teacher "
+                f"hidden sizes {list(self.teacher_hidden)}"
             )
         models = [
             (f"teacher {i}", m, h)
@@ -159,12 +159,13 @@ class DemoConfig:
         models.append(("student", self.student, self.student_hidden))
         covered: set[int] = set()
         for label, m, h in models:
-            end = m.at + m.size
+            end = m.rank_offset + m.size
             if end > self.nproc:
                 raise ValueError(
-                    f"{label} mesh ({m}) needs global ranks {m.at}..{end - 1}, the job has {self.nproc}"
+                    f"{label} mesh ({m}) needs global ranks {m.rank_offset}..{end - 1}, the job "
+                    f"has {self.nproc}"
                 )
-            covered |= set(range(m.at, end))
+            covered |= set(range(m.rank_offset, end))
             if self.heads % m.tp:
                 raise ValueError(
                     f"{label}: {self.heads} attention heads do not divide by tp={m.tp}"
@@ -175,36 +176,41 @@ class DemoConfig:
                 )
             if self.vocab % m.tp:
                 raise ValueError(f"{label}: vocab {self.vocab} does not divide by tp={m.tp}")
+            if self.layers % m.pp:
+                raise ValueError(f"{label}: {self.layers} layers do not divide by pp={m.pp}")
         if covered != set(range(self.nproc)):
             raise ValueError(
-                f"every rank must hold a model; ranks {sorted(set(range(self.nproc)) - covered)} hold none "
-                f"(teachers {[str(t) for t in self.teachers]}, student {self.student}, nproc {self.nproc})"
+                f"every rank must hold a model; ranks {sorted(set(range(self.nproc)) - covered)} "
+                f"hold none (teachers {[str(t) for t in self.teachers]}, student {self.student}, "
+                f"nproc {self.nproc})"
+            )
+        if self.samples % self.micro_batches:
+            raise ValueError(
+                f"samples per step ({self.samples}) must divide into {self.micro_batches} "
+                "micro-batches"
+            )
+        per_mb = self.samples // self.micro_batches
+        if per_mb % len(self.teachers):
+            raise ValueError(
+                f"samples per micro-batch ({per_mb}) must divide by the number of teachers "
+                f"({len(self.teachers)})"
             )
         for i, t in enumerate(self.teachers):
             if t.cp != 1:
-                raise ValueError(
-                    f"teacher {i}: context parallelism is not supported in the demo (cp={t.cp})"
-                )
+                raise ValueError(f"teacher {i}: the demo's teachers take cp=1, got cp={t.cp}")
             if self.seq_len % t.tp:
                 raise ValueError(
-                    f"teacher {i}: seq_len {self.seq_len} must divide by tp={t.tp} (sequence parallel)"
+                    f"teacher {i}: seq_len {self.seq_len} must divide by tp={t.tp} (sequence "
+                    "parallelism)"
                 )
-            per_teacher = len(range(i, self.samples, len(self.teachers)))
-            if per_teacher < t.dp:
+            if per_mb // len(self.teachers) < t.dp:
                 raise ValueError(
-                    f"teacher {i} gets {per_teacher} of {self.samples} samples per step, fewer than its dp={t.dp}"
+                    f"teacher {i} gets {per_mb // len(self.teachers)} samples per micro-batch, "
+                    f"fewer than its dp={t.dp}"
                 )
-        if self.student.cp > 1 and self.seq_len % (2 * self.student.cp):
+        if per_mb < self.student.dp:
             raise ValueError(
-                f"seq_len {self.seq_len} must divide by 2*cp = {2 * self.student.cp} (student context parallelism)"
-            )
-        if self.samples % len(self.teachers):
-            raise ValueError(
-                f"samples per step ({self.samples}) must divide by the number of teachers ({len(self.teachers)})"
-            )
-        if self.samples < self.student.dp:
-            raise ValueError(
-                f"{self.samples} samples per step are fewer than the student's dp={self.student.dp}"
+                f"{per_mb} samples per micro-batch are fewer than the student's dp={self.student.dp}"
             )
         object.__setattr__(self, "min_len", max(1, self.seq_len // 2))
 
@@ -212,20 +218,32 @@ class DemoConfig:
     def num_teachers(self) -> int:
         return len(self.teachers)
 
+    def as_dict(self) -> dict[str, object]:
+        """The configuration as plain data (for ``--json``)."""
+        return {
+            "nproc": self.nproc,
+            "teachers": [str(t) for t in self.teachers],
+            "teacher_hidden": list(self.teacher_hidden),
+            "student": str(self.student),
+            "student_hidden": self.student_hidden,
+            "samples": self.samples,
+            "micro_batches": self.micro_batches,
+            "seq_len": self.seq_len,
+            "vocab": self.vocab,
+            "steps": self.steps,
+            "per_token_loss": self.per_token_loss,
+        }
 
-_ARGV_ENV = "MOPD_DEMO_ARGV"
-_DEFAULT_TEACHERS = ("tp=2,dp=2,at=0", "tp=4,at=4")
 
-
-def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, DemoConfig]:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mopd demo",
-        description=__doc__.split("\n\n")[0],
-        epilog="MESH: comma-separated tp=, cp=, dp= and at= (the mesh's first global rank), "
-        "e.g. tp=2,dp=2,at=0; missing keys are 1 (at: 0). Teachers take cp=1. Sample i goes "
-        "to teacher i % (number of teachers).",
+        description="A verified multi-teacher MOPD training run through megatron-core's schedule.",
+        epilog="MESH: comma-separated tp=, cp=, dp=, pp= and rank_offset= (the mesh's first "
+        "global rank), e.g. tp=2,dp=2,rank_offset=0; missing keys are 1 (rank_offset: 0). "
+        "Teachers take cp=1. Sample i goes to teacher i % (number of teachers).",
     )
-    p.add_argument("--nproc", type=int, default=8, help="ranks (default 8)")
+    p.add_argument("--nproc", type=int, default=8, help="ranks in the job (default 8)")
     p.add_argument(
         "--backend",
         choices=["auto", "gloo", "nccl"],
@@ -238,43 +256,47 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, DemoConfig]:
         metavar="MESH",
         help=f"a teacher mesh, repeat per teacher (default: {' and '.join(_DEFAULT_TEACHERS)})",
     )
-    p.add_argument(
-        "--teacher-hidden", default="64,96", help="hidden size per teacher (default 64,96)"
-    )
-    p.add_argument(
-        "--student",
-        default="tp=2,cp=2,dp=2",
-        metavar="MESH",
-        help="student mesh (default tp=2,cp=2,dp=2)",
-    )
+    p.add_argument("--teacher-hidden", default="64,96", help="hidden size per teacher (64,96)")
+    p.add_argument("--student", default="tp=2,cp=2,dp=2", metavar="MESH", help="(tp=2,cp=2,dp=2)")
     p.add_argument("--student-hidden", type=int, default=48)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument(
-        "--seq-len", type=int, default=32, help="max sample length (lengths vary in [seq/2, seq])"
-    )
+    p.add_argument("--seq-len", type=int, default=32, help="max sample length (in [seq/2, seq])")
     p.add_argument("--samples", type=int, default=8, help="samples per step, whole job")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
+    p.add_argument(
+        "--loss-path",
+        choices=["per-token", "default"],
+        default="per-token",
+        help="megatron's loss normalization: calculate_per_token_loss=True, or its default",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument(
-        "--no-overlap", action="store_true", help="wait for the bridge before the student forward"
-    )
-    p.add_argument(
-        "--trace", metavar="DIR", help="write a torch.profiler chrome trace per rank into DIR"
-    )
+    p.add_argument("--json", action="store_true", help="print one JSON object of the results")
+    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank to DIR")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is killed")
+    launch = p.add_argument_group("launching (passed to torchrun)")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument(
+        "--nproc-per-node", type=int, default=None, help="(default: --nproc / --nnodes)"
+    )
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
     p.add_argument("--inject-mismatch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
+    p = _parser()
     args = p.parse_args(argv)
     try:
-        teachers = tuple(parse_mesh(t) for t in (args.teacher or _DEFAULT_TEACHERS))
-        hidden = tuple(int(h) for h in args.teacher_hidden.split(",") if h.strip())
         cfg = DemoConfig(
             nproc=args.nproc,
-            teachers=teachers,
-            teacher_hidden=hidden,
+            teachers=tuple(parse_mesh(t) for t in (args.teacher or _DEFAULT_TEACHERS)),
+            teacher_hidden=_ints(args.teacher_hidden, "--teacher-hidden"),
             student=parse_mesh(args.student),
             student_hidden=args.student_hidden,
             heads=args.heads,
@@ -282,11 +304,21 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, DemoConfig]:
             vocab=args.vocab,
             seq_len=args.seq_len,
             samples=args.samples,
+            micro_batches=args.micro_batches,
+            per_token_loss=args.loss_path == "per-token",
             steps=args.steps,
             lr=args.lr,
             seed=args.seed,
-            overlap=not args.no_overlap,
         )
+        if args.nnodes < 1 or args.nproc % args.nnodes:
+            raise ValueError(f"--nproc {args.nproc} must divide into --nnodes {args.nnodes}")
+        per_node = args.nproc_per_node or args.nproc // args.nnodes
+        if per_node * args.nnodes != args.nproc:
+            raise ValueError(
+                f"--nproc-per-node {per_node} x --nnodes {args.nnodes} != --nproc {args.nproc}"
+            )
+        if args.nnodes > 1 and not args.rdzv_endpoint:
+            raise ValueError("a multi-node job needs --rdzv-endpoint HOST:PORT")
     except ValueError as exc:
         p.error(str(exc))
     return args, cfg
@@ -297,49 +329,64 @@ def _resolve_backend(args: argparse.Namespace) -> str:
         return args.backend
     import torch
 
-    return (
-        "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
-    )
+    per_node = args.nproc_per_node or args.nproc // args.nnodes
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= per_node
+    return "nccl" if enough else "gloo"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Launch the demo under torchrun (or, with ``--worker``, be one of its ranks)."""
     if argv is None:
         argv = sys.argv[1:]
-    if argv == ["--worker"]:  # a rank: the user's arguments come through the environment
+    if argv == ["--worker"] and _ARGV_ENV in os.environ:  # a rank started by this launcher
         argv = [*json.loads(os.environ[_ARGV_ENV]), "--worker"]
     args, cfg = _parse(argv)
     if args.worker:
         from mopd.profiling.demo_job import worker
 
         return worker(args, cfg)
-    from mopd.profiling.launch import cpu_support_root, run_torchrun
+    from mopd.profiling.launch import run_torchrun
 
     backend = _resolve_backend(args)
+    per_node = args.nproc_per_node or args.nproc // args.nnodes
     if backend == "nccl":
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus < cfg.nproc:
-            print(
-                f"mopd demo: --backend nccl needs {cfg.nproc} GPUs, found {gpus}", file=sys.stderr
-            )
+        if gpus < per_node:
+            print(f"mopd demo: --backend nccl needs {per_node} GPUs, found {gpus}", file=sys.stderr)
             return 2
-    env = {"MOPD_DEMO_BACKEND": backend}
-    try:  # the stand-in CP/THD attention comes from the checkout on every backend
-        env["MOPD_CHECKOUT"] = str(cpu_support_root())
-    except ValueError as exc:
-        print(f"mopd demo: {exc}", file=sys.stderr)
-        return 2
-    print(f"mopd demo: {cfg.nproc} ranks, backend {backend}, {cfg.steps} steps", flush=True)
-    # not on torchrun's command line: its parser would claim options like --nproc (a prefix)
-    env[_ARGV_ENV] = json.dumps(list(argv))
+    out = sys.stderr if args.json else sys.stdout
+    print(
+        f"mopd demo: {cfg.nproc} ranks, backend {backend}, {cfg.steps} steps of "
+        f"{cfg.micro_batches} micro-batches; starting the ranks (each imports torch and "
+        "megatron-core first)...",
+        file=out,
+        flush=True,
+    )
+    # the user's flags travel in the environment: torchrun's own parser would claim some
+    env = {
+        "MOPD_DEMO_BACKEND": backend,
+        _ARGV_ENV: json.dumps(list(argv)),
+        _T0_ENV: str(time.time()),
+    }
+    rdzv = (
+        ["--standalone"]
+        if args.nnodes == 1
+        else [
+            f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+        ]
+    )
     return run_torchrun(
         "mopd.profiling.demo",
         ["--worker"],
-        nproc=cfg.nproc,
+        nproc=per_node,
         timeout_s=args.timeout,
         env=env,
+        rendezvous=rdzv,
     )
 
 

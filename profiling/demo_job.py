@@ -1,33 +1,39 @@
 """The ``mopd demo`` worker: one rank of the multi-teacher MOPD training job.
 
 Why this file exists: :mod:`mopd.profiling.demo` parses the flags and starts torchrun; every rank
-then runs :func:`worker` from here: build the teachers and the student on their own meshes,
-reshard the teachers' LM heads once, and run the steps (capture, bridge, student forward, KL,
-backward, optimizer), verifying step 1 against an all-gather reference and reporting per phase.
+then runs :func:`worker` from here, as a megatron-core user's training script would: models on
+their own meshes, :class:`mopd.mcore.Distiller` once, then per step ``Distiller.step`` around
+megatron's ``get_forward_backward_func()``, an optimizer step, step 1 verified bit-exact against
+an all-gather reference, and a report per phase.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
+import re
 import sys
 import time
+import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mopd.profiling.demo import PHASE_NAMES, DemoConfig
-from mopd.profiling.megatron_groups import model_process_groups
+from mopd.profiling.demo import DemoConfig
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["worker"]
 
+#: The timed phases of one step, in table order.
+PHASES: tuple[str, ...] = ("plan", "teacher fwd", "student fwd+bwd", "finish", "optimizer")
+
 
 def worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
+    """One rank of the demo (torchrun's env:// gives the world); returns the exit code."""
     import warnings
 
     import torch
@@ -38,181 +44,125 @@ def worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
     )
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
     backend = os.environ.get("MOPD_DEMO_BACKEND", "gloo")
-    sys.path.insert(0, os.environ["MOPD_CHECKOUT"])
     if backend == "gloo":
-        from tests.support import megatron_cpu
+        from mopd.mcore import cpu
 
-        megatron_cpu.apply()
+        cpu.apply()
         device = torch.device("cpu")
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=max(60.0, args.timeout / 2))
     dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=max(60.0, args.timeout / 2)),
-        **({"device_id": device} if backend == "nccl" else {}),
+        backend=backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {})
     )
+    if dist.get_world_size() != cfg.nproc:
+        print(
+            f"mopd demo: the job has {dist.get_world_size()} ranks but --nproc says {cfg.nproc}",
+            file=sys.stderr,
+        )
+        dist.destroy_process_group()
+        return 2
     try:
-        ok = _Job(cfg, args, device).run()
+        ok = _Job(cfg, args, device, timeout).run()
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Batch:
-    """One step's global batch, identical on every rank.
+def _name_seed(name: str, seed: int) -> int:
+    """A parameter's seed from its full (PP=1, TP=1) name: the same whatever the meshes."""
+    return (zlib.crc32(name.encode()) + 1_000_003 * seed) % (2**31)
 
-    Attributes:
-        sample_id_N: ``[N]`` int64 global sample ids.
-        length_N: ``[N]`` int64 real lengths.
-        tokens_NS: ``[N, S]`` int64 token ids (past ``length`` they are padding, never read as real).
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _init_weights(
+    model: Any, *, tp_rank: int, tp: int, layer_offset: int, seed: int, std: float
+) -> None:
+    """Initialize every parameter from its full name, then take this rank's shard.
+
+    Every full weight is drawn whole from a generator seeded by its name, so a model has the
+    same weights on any mesh (TP shards, pipeline stages): the demo's loss does not depend on
+    the parallelism, which its tests check.
     """
+    import torch
 
-    sample_id_N: torch.Tensor
-    length_N: torch.Tensor
-    tokens_NS: torch.Tensor
-
-
-def _split(items: list[int], parts: int, index: int) -> list[int]:
-    """Contiguous near-equal split (``numpy.array_split`` semantics): part ``index`` of ``parts``."""
-    q, r = divmod(len(items), parts)
-    start = index * q + min(index, r)
-    return items[start : start + q + (1 if index < r else 0)]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            m = _LAYER.match(name)
+            full_name = (
+                name
+                if m is None
+                else f"decoder.layers.{int(m.group(1)) + layer_offset}." + name[m.end() :]
+            )
+            shape = list(p.shape)
+            split = getattr(p, "tensor_model_parallel", False) and tp > 1
+            if split:
+                shape[p.partition_dim] *= tp
+            if name.endswith("norm.weight"):
+                full = torch.ones(shape)
+            elif name.endswith(".bias"):
+                full = torch.zeros(shape)
+            else:
+                g = torch.Generator().manual_seed(_name_seed(full_name, seed))
+                full = torch.randn(shape, generator=g) * std
+            if split:
+                full = full.chunk(tp, dim=p.partition_dim)[tp_rank]
+            p.copy_(full.to(p.device, p.dtype))
 
 
 class _Job:
     """One rank's share of the demo (built collectively, then :meth:`run`)."""
 
-    def __init__(self, cfg: DemoConfig, args: argparse.Namespace, device: torch.device) -> None:
+    def __init__(
+        self, cfg: DemoConfig, args: argparse.Namespace, device: torch.device, timeout: Any
+    ) -> None:
         import torch.distributed as dist
 
-        self.cfg, self.args, self.device = cfg, args, device
+        self.cfg, self.args, self.device, self.timeout = cfg, args, device, timeout
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.timeout = datetime.timedelta(seconds=max(60.0, args.timeout / 2))
-        self._captures: dict[int, Any] = {}
+        self.out = sys.stderr if args.json else sys.stdout
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"  {text}", file=self.out, flush=True)
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _build(self) -> None:
+    def _config(self, *, hidden: int, mesh: Any, sp: bool, per_token: bool) -> Any:
         import torch
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from mopd.bridge import (
-            BridgeConfig,
-            GroupPool,
-            HiddenStateBridge,
-            Mesh,
-            TeacherSpec,
-            VocabSpec,
-            create_bridge_groups,
-            reshard_lm_head,
+        return TransformerConfig(
+            num_layers=self.cfg.layers,
+            hidden_size=hidden,
+            num_attention_heads=self.cfg.heads,
+            tensor_model_parallel_size=mesh.tp,
+            context_parallel_size=mesh.cp,
+            pipeline_model_parallel_size=mesh.pp,
+            sequence_parallel=sp,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bias_dropout_fusion=False,
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            calculate_per_token_loss=per_token,
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",
         )
-        from tests.support.cpu_attention import cpu_gpt_layer_spec
 
-        cfg = self.cfg
-        # Global parallel_state as plain data parallelism: only what still reads it (the global
-        # memory buffer, the RNG tracker) sees it; every model runs on its own pg_collection.
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1,
-            create_gloo_process_groups=False,
-            distributed_timeout_minutes=max(1, int(self.timeout.total_seconds() // 60)),
-        )
-        model_parallel_cuda_manual_seed(cfg.seed)
-        self.teacher_meshes = [
-            Mesh(tp=t.tp, dp=t.dp, rank_offset=t.at, name=f"teacher{i}")
-            for i, t in enumerate(cfg.teachers)
-        ]
-        s = cfg.student
-        self.student_mesh = Mesh(tp=s.tp, cp=s.cp, dp=s.dp, rank_offset=s.at, name="student")
-        pool = GroupPool(timeout=self.timeout)
-        teacher_pgs = [model_process_groups(m, pool) for m in self.teacher_meshes]
-        student_pg = model_process_groups(self.student_mesh, pool)
-        groups = create_bridge_groups(pool, self.teacher_meshes, self.student_mesh)
-        self.pool = pool
-
-        self.teachers: dict[int, Any] = {}
-        for i, (mesh, pg) in enumerate(zip(self.teacher_meshes, teacher_pgs, strict=True)):
-            if pg is None:
-                continue
-            torch.manual_seed(cfg.seed + 101 * (i + 1))
-            tcfg = self._transformer_config(
-                hidden=cfg.teacher_hidden[i],
-                tp=mesh.tp,
-                cp=1,
-                sp=self._teacher_sp(mesh.tp),
-                std=cfg.teacher_init_std,
-            )
-            model = GPTModel(
-                config=tcfg,
-                transformer_layer_spec=get_gpt_layer_local_spec(),
-                vocab_size=cfg.vocab,
-                max_sequence_length=cfg.seq_len,
-                position_embedding_type="learned_absolute",
-                pg_collection=pg,
-            )
-            model = model.to(self.device).eval().requires_grad_(False)
-            self.teachers[i] = model
-        self.student = None
-        self.student_pg = student_pg
-        if student_pg is not None:
-            torch.manual_seed(cfg.seed)
-            scfg = self._transformer_config(
-                hidden=cfg.student_hidden, tp=s.tp, cp=s.cp, sp=False, std=0.02
-            )
-            self.student = GPTModel(
-                config=scfg,
-                transformer_layer_spec=cpu_gpt_layer_spec(),
-                vocab_size=cfg.vocab,
-                max_sequence_length=cfg.seq_len,
-                position_embedding_type="learned_absolute",
-                pg_collection=student_pg,
-            ).to(self.device)
-            self.optimizer = torch.optim.Adam(self.student.parameters(), lr=cfg.lr)
-
-        # the teachers' LM heads, resharded once into the student's vocab partition
-        self.lm_heads: list[torch.Tensor] = []
-        vocab = VocabSpec(vocab_size=cfg.vocab, teacher_padded=cfg.vocab, student_padded=cfg.vocab)
-        for i, mesh in enumerate(self.teacher_meshes):
-            weight = (
-                self.teachers[i].output_layer.weight.detach().contiguous()
-                if i in self.teachers
-                else None
-            )
-            shard = reshard_lm_head(
-                weight,
-                teacher=mesh,
-                student=self.student_mesh,
-                vocab=vocab,
-                hidden_size=cfg.teacher_hidden[i],
-                groups=groups,
-                timeout_s=self.timeout.total_seconds(),
-            )
-            if shard is not None:
-                self.lm_heads.append(shard.weight_VH)
-                self.vocab_start = shard.vocab_start
-        self.bridge = HiddenStateBridge(
-            teachers=[
-                TeacherSpec(mesh=m, hidden_size=h)
-                for m, h in zip(self.teacher_meshes, cfg.teacher_hidden, strict=True)
-            ],
-            student=self.student_mesh,
-            groups=groups,
-            config=BridgeConfig(timeout_s=self.timeout.total_seconds()),
-        )
-        self.student_tp_group = student_pg.tp if student_pg is not None else None
-        self.student_dp_cp_group = student_pg.dp_cp if student_pg is not None else None
-
-    def _teacher_sp(self, tp: int) -> bool:
-        """Sequence parallelism on a teacher: with TP, where the norm supports it.
-
-        On CPU the test-support patch makes torch's LayerNorm SP-safe; on GPUs megatron's local
-        spec needs apex's fused norm for SP (its torch norm asserts), so without apex SP is off.
-        """
+    def _sp(self, tp: int) -> bool:
+        """Sequence parallelism on a teacher: with TP, where the norm supports it (on GPUs
+        megatron's local spec needs apex's fused norm for SP)."""
         if tp == 1:
             return False
         if self.device.type == "cpu":
@@ -221,51 +171,185 @@ class _Job:
 
         return bool(getattr(gpt_layer_specs, "HAVE_APEX", False))
 
-    def _transformer_config(self, *, hidden: int, tp: int, cp: int, sp: bool, std: float) -> Any:
-        import torch
-        from megatron.core.transformer.transformer_config import TransformerConfig
+    def _build(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel as DDP
+        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        return TransformerConfig(
-            num_layers=self.cfg.layers,
-            hidden_size=hidden,
-            num_attention_heads=self.cfg.heads,
-            tensor_model_parallel_size=tp,
-            context_parallel_size=cp,
-            sequence_parallel=sp,
-            use_cpu_initialization=True,
-            params_dtype=torch.float32,
-            init_method_std=std,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bias_dropout_fusion=False,
-            gradient_accumulation_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            apply_rope_fusion=False,
+        import torch
+
+        from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
+        from mopd.mcore import Distiller, MeshModel
+        from mopd.mcore.cpu import cpu_gpt_layer_spec
+
+        cfg = self.cfg
+        # megatron's global parallel_state as plain data parallelism: only what still reads it
+        # (the global memory buffer, the RNG tracker) sees it; every model has its own groups
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1,
+            create_gloo_process_groups=False,
+            distributed_timeout_minutes=max(1, int(self.timeout.total_seconds() // 60)),
+        )
+        model_parallel_cuda_manual_seed(cfg.seed)
+        self.teacher_meshes = [
+            Mesh(tp=t.tp, dp=t.dp, pp=t.pp, rank_offset=t.rank_offset, name=f"teacher{i}")
+            for i, t in enumerate(cfg.teachers)
+        ]
+        s = cfg.student
+        self.student_mesh = Mesh(
+            tp=s.tp, cp=s.cp, dp=s.dp, pp=s.pp, rank_offset=s.rank_offset, name="student"
+        )
+        pool = GroupPool(timeout_s=self.timeout.total_seconds())
+        self.teacher_pgs = [megatron_process_groups(m, pool) for m in self.teacher_meshes]
+        self.student_pg = megatron_process_groups(self.student_mesh, pool)
+
+        def gpt(
+            mesh: Any,
+            pg: Any,
+            hidden: int,
+            *,
+            spec: Any,
+            sp: bool,
+            per_token: bool,
+            seed: int,
+            std: float,
+        ) -> Any:
+            c = mesh.coord(self.rank)
+            model = GPTModel(
+                config=self._config(hidden=hidden, mesh=mesh, sp=sp, per_token=per_token),
+                transformer_layer_spec=spec,
+                vocab_size=cfg.vocab,
+                max_sequence_length=cfg.seq_len,
+                position_embedding_type="learned_absolute",
+                pre_process=c.pp_rank == 0,
+                post_process=c.pp_rank == mesh.pp - 1,
+                pg_collection=pg,
+            ).to(self.device)
+            _init_weights(
+                model,
+                tp_rank=c.tp_rank,
+                tp=mesh.tp,
+                layer_offset=c.pp_rank * (cfg.layers // mesh.pp),
+                seed=seed,
+                std=std,
+            )
+            return model
+
+        self.teachers: list[Any] = []
+        for i, (mesh, pg) in enumerate(zip(self.teacher_meshes, self.teacher_pgs, strict=True)):
+            model = None
+            if pg is not None:
+                model = gpt(
+                    mesh,
+                    pg,
+                    cfg.teacher_hidden[i],
+                    spec=get_gpt_layer_local_spec(),
+                    sp=self._sp(mesh.tp),
+                    per_token=True,
+                    seed=cfg.seed + 101 * (i + 1),
+                    std=cfg.teacher_init_std,
+                )
+                model.eval().requires_grad_(False)
+            self.teachers.append(model)
+        self.student = None
+        if self.student_pg is not None:
+            scfg_model = gpt(
+                self.student_mesh,
+                self.student_pg,
+                cfg.student_hidden,
+                spec=cpu_gpt_layer_spec(),
+                sp=False,
+                per_token=cfg.per_token_loss,
+                seed=cfg.seed,
+                std=0.02,
+            )
+            self.scfg = scfg_model.config
+            self.student = DDP(
+                self.scfg,
+                DistributedDataParallelConfig(),
+                scfg_model,
+                pg_collection=self.student_pg,
+            )
+            self.scfg.finalize_model_grads_func = finalize_model_grads
+            self.params = [p for p in self.student.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
+        self.distiller = Distiller(
+            teachers=[
+                MeshModel(mesh=m, model=t, pg_collection=pg)
+                for m, t, pg in zip(
+                    self.teacher_meshes, self.teachers, self.teacher_pgs, strict=True
+                )
+            ],
+            student=MeshModel(
+                mesh=self.student_mesh, model=self.student, pg_collection=self.student_pg
+            ),
+            pool=pool,
+            bridge_config=BridgeConfig(timeout_s=self.timeout.total_seconds()),
         )
 
     # ---- data --------------------------------------------------------------------------------
 
-    def _batch(self, step: int) -> _Batch:
+    def _global_batch(self, step: int) -> tuple[list[int], dict[int, torch.Tensor]]:
         import torch
 
         cfg = self.cfg
         g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
-        ids = torch.arange(step * cfg.samples, (step + 1) * cfg.samples, dtype=torch.int64)
-        lengths = torch.randint(cfg.min_len, cfg.seq_len + 1, (cfg.samples,), generator=g)
-        tokens = torch.randint(0, cfg.vocab, (cfg.samples, cfg.seq_len), generator=g)
-        return _Batch(sample_id_N=ids, length_N=lengths, tokens_NS=tokens)
+        ids = list(range(step * cfg.samples, (step + 1) * cfg.samples))
+        lens = torch.randint(cfg.min_len, cfg.seq_len + 1, (cfg.samples,), generator=g).tolist()
+        return ids, {
+            i: torch.randint(0, cfg.vocab, (n,), generator=g)
+            for i, n in zip(ids, lens, strict=True)
+        }
 
-    def _teacher_samples(self, i: int, dp_rank: int) -> list[int]:
-        """Indices into the batch of the samples teacher ``i``'s DP rank ``dp_rank`` runs."""
-        # ids are step * samples + index and samples % num_teachers == 0: id % T == index % T
-        mine = list(range(i, self.cfg.samples, self.cfg.num_teachers))
-        return _split(mine, self.teacher_meshes[i].dp, dp_rank)
+    def _micro_batches(
+        self, ids: list[int], tokens: dict[int, torch.Tensor]
+    ) -> tuple[Any, list[Any]]:
+        """This rank's student and teacher micro-batches (``None`` where it holds no model)."""
+        import torch
 
-    def _student_samples(self, dp_rank: int) -> list[int]:
-        return _split(list(range(self.cfg.samples)), self.student_mesh.dp, dp_rank)
+        from mopd.mcore import packed_micro_batch, padded_micro_batch, split_samples
 
-    # ---- one step ----------------------------------------------------------------------------
+        cfg = self.cfg
+        per = cfg.samples // cfg.micro_batches
+        mbs = [ids[i * per : (i + 1) * per] for i in range(cfg.micro_batches)]
+        student = None
+        c = self.student_mesh.coord(self.rank)
+        if c is not None:
+            student = [
+                packed_micro_batch(
+                    (mine := split_samples(mb, self.student_mesh.dp, c.dp_rank)),
+                    [tokens[s] for s in mine],
+                    cp_size=self.student_mesh.cp,
+                    cp_rank=c.cp_rank,
+                    device=self.device,
+                )
+                for mb in mbs
+            ]
+        teachers: list[Any] = []
+        for k, mesh in enumerate(self.teacher_meshes):
+            tc = mesh.coord(self.rank)
+            if tc is None:
+                teachers.append(None)
+                continue
+            mine_k = []
+            for mb in mbs:
+                routed = [s for s in mb if s % cfg.num_teachers == k]
+                mine = split_samples(routed, mesh.dp, tc.dp_rank)
+                t_BS = torch.zeros(len(mine), cfg.seq_len, dtype=torch.int64)
+                for b, s in enumerate(mine):
+                    t_BS[b, : tokens[s].numel()] = tokens[s]
+                mine_k.append(
+                    padded_micro_batch(
+                        mine, t_BS, lengths=[tokens[s].numel() for s in mine], device=self.device
+                    )
+                )
+            teachers.append(mine_k)
+        return student, teachers
+
+    # ---- the run -----------------------------------------------------------------------------
 
     def _sync(self) -> None:
         import torch
@@ -279,17 +363,22 @@ class _Job:
 
         from mopd.profiling import ranges
 
-        for phase in ("loss", "optimizer", "grad_sync", "verify"):
-            ranges.register_phase(phase)
         cfg = self.cfg
+        t_start = float(os.environ.get("MOPD_DEMO_T0", time.time()))
         t0 = time.perf_counter()
+        self.say(
+            f"ranks up after {time.time() - t_start:.1f} s (python, torch, megatron-core imports)"
+        )
         self._build()
-        setup_s = time.perf_counter() - t0
+        self.say(
+            f"models, groups, bridge and LM-head reshard built in {time.perf_counter() - t0:.1f} s"
+        )
         if self.rank == 0:
-            self._print_meshes(setup_s)
-        self.times = torch.zeros(cfg.steps, len(PHASE_NAMES), dtype=torch.float64)
+            self._print_meshes()
+        self.times = torch.zeros(cfg.steps, len(PHASES), dtype=torch.float64)
         self.losses = torch.zeros(cfg.steps, dtype=torch.float64)
         self.link_bytes: dict[tuple[int, int, int], int] = {}
+        self.verified: dict[str, Any] = {}
         profiler = None
         if self.args.trace:
             ranges.enable()
@@ -299,7 +388,7 @@ class _Job:
             profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
         bar = None
-        if self.rank == 0:
+        if self.rank == 0 and not self.args.json:
             from tqdm import tqdm
 
             bar = tqdm(
@@ -321,12 +410,17 @@ class _Job:
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 os.makedirs(self.args.trace, exist_ok=True)
-                path = os.path.join(self.args.trace, f"trace_rank{self.rank}.json")
-                profiler.export_chrome_trace(path)
+                profiler.export_chrome_trace(
+                    os.path.join(self.args.trace, f"trace_rank{self.rank}.json")
+                )
         if ok:
             self._report()
         if profiler is not None and self.rank == 0:
-            print(f"traces: {self.args.trace}/trace_rank<r>.json ({self.world} ranks)", flush=True)
+            print(
+                f"traces: {self.args.trace}/trace_rank<r>.json ({self.world} ranks)",
+                file=self.out,
+                flush=True,
+            )
         from megatron.core import parallel_state
 
         dist.barrier()
@@ -336,315 +430,196 @@ class _Job:
     def _step(self, step: int) -> bool:
         import torch
         import torch.distributed as dist
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        from mopd.bridge import packed_layout, padded_layout
-        from mopd.kernels.kl import vocab_parallel_kl
-        from mopd.profiling import ranges
-        from tests.support.cpu_attention import packed_rows
-
-        cfg, dev = self.cfg, self.device
-        batch = self._batch(step)
+        cfg = self.cfg
         times = self.times[step]
-
-        # teacher forward under the capture
-        t = time.perf_counter()
-        hidden: dict[int, torch.Tensor] = {}
-        layouts: dict[int, Any] = {}
-        for i, model in self.teachers.items():
-            coord = self.teacher_meshes[i].coord(self.rank)
-            assert coord is not None
-            idx = self._teacher_samples(i, coord.dp_rank)
-            tokens_BS = batch.tokens_NS[idx].to(dev)
-            pos_BS = torch.arange(cfg.seq_len, device=dev).expand(len(idx), -1)
-            capture = self._capture(i, model)
-            with ranges.span("forward", f"teacher{i}"), torch.no_grad(), capture.capture_context():
-                model(tokens_BS, pos_BS, None)
-            with ranges.span("capture", i):
-                hidden_SBH = capture.get_hidden_states()
-            assert hidden_SBH is not None and hidden_SBH.shape[:2] == (cfg.seq_len, len(idx))
-            hidden[i] = hidden_SBH.contiguous()
-            layouts[i] = padded_layout(
-                batch.sample_id_N[idx], cfg.seq_len, order="sbh", lengths=batch.length_N[idx]
-            )
-        self._sync()
-        times[0] = time.perf_counter() - t
-
-        # the student's packed CP layout and inputs
-        s_coord = self.student_mesh.coord(self.rank)
-        student_layout = None
-        if s_coord is not None:
-            idx = self._student_samples(s_coord.dp_rank)
-            ids, lens = batch.sample_id_N[idx], batch.length_N[idx]
-            # pad each sequence so that every CP rank holds whole zigzag chunks and its rows
-            # split into student-TP equal slices (the bridge's TP split)
-            cp, tp = self.student_mesh.cp, self.student_mesh.tp
-            mult = (2 * cp if cp > 1 else 1) * tp
-            cu = torch.zeros(len(idx) + 1, dtype=torch.int64)
-            cu[1:] = torch.cumsum((lens + mult - 1) // mult * mult, 0)
-            student_layout = packed_layout(
-                ids,
-                lens,
-                cu_seqlens_padded=cu,
-                cp_size=self.student_mesh.cp,
-                cp_rank=s_coord.cp_rank,
-            )
-            seq_T, pos_T = packed_rows(cu, self.student_mesh.cp, s_coord.cp_rank)
-            # our invariant: the attention's row order is the bridge layout's row order
-            real_T = pos_T < lens[seq_T]
-            assert torch.equal(torch.where(real_T, ids[seq_T], -1), student_layout.sample_id_R)
-            assert torch.equal(torch.where(real_T, pos_T, -1), student_layout.position_R)
-            tokens_1T = batch.tokens_NS[torch.tensor(idx)[seq_T], pos_T][None].to(dev)
-            pos_1T = pos_T[None].to(dev)
-            cu_real = torch.zeros_like(cu)
-            cu_real[1:] = torch.cumsum(lens, 0)
-            psp = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu_real.to(torch.int32).to(dev),
-                cu_seqlens_kv=cu_real.to(torch.int32).to(dev),
-                cu_seqlens_q_padded=cu.to(torch.int32).to(dev),
-                cu_seqlens_kv_padded=cu.to(torch.int32).to(dev),
-                max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
-                max_seqlen_kv=int((cu[1:] - cu[:-1]).max()),
-            )
-
-        # bridge (the transfer overlaps the student forward unless --no-overlap)
-        t = time.perf_counter()
-        with ranges.span("plan"):
-            prepared = self.bridge.prepare(
-                hidden=hidden, layouts=layouts, student_layout=student_layout
-            )
-        handle = self.bridge.start(prepared)
-        self._count_links(prepared.plan)
-        bridge_s = time.perf_counter() - t
-        logits = None
-        if not cfg.overlap:
-            t = time.perf_counter()
-            with ranges.span("wait"):
-                handle.wait()
-            self._sync()
-            bridge_s += time.perf_counter() - t
+        ids, tokens = self._global_batch(step)
+        s_mbs, t_mbs = self._micro_batches(ids, tokens)
         if self.student is not None:
-            t = time.perf_counter()
-            with ranges.span("forward", "student"):
-                logits = self.student(tokens_1T, pos_1T, None, packed_seq_params=psp)
-            self._sync()
-            times[2] = time.perf_counter() - t
+            self.student.zero_grad_buffer()
         t = time.perf_counter()
-        with ranges.span("wait"):
-            outputs = handle.wait()
-        self._sync()
-        times[1] = bridge_s + time.perf_counter() - t
-
-        if step == 0:
-            if (
-                self.args.inject_mismatch
-                and s_coord is not None
-                and self.rank == max(self.student_mesh.ranks)
-            ):
-                owner = prepared.owner_N
-                assert owner is not None
-                row = int(torch.nonzero(owner == 0)[0])
-                outputs[0][row, 0] += 1.0
-            with ranges.span("verify"):
-                ok = self._verify(batch, hidden, layouts, student_layout, prepared.owner_N, outputs)
-            if not ok:
-                return False
-
-        loss_value = torch.zeros((), dtype=torch.float64)
-        if self.student is not None:
-            assert logits is not None and prepared.owner_N is not None
-            owner_T = prepared.owner_N.to(dev)
-            logits_TV = logits.reshape(-1, logits.shape[-1])
-            total_tokens = int(batch.length_N.sum())
+        ok = True
+        with self.distiller.step(student=s_mbs, teachers=t_mbs) as dstep:
+            times[0] = dstep.timings["plan"]
+            times[1] = dstep.timings["teacher"]
             t = time.perf_counter()
-            with ranges.span("loss"):
-                loss = vocab_parallel_kl(
-                    logits_TV,
-                    [outputs[i] for i in range(cfg.num_teachers)],
-                    self.lm_heads,
-                    vocab_start=self.vocab_start,
-                    vocab_size=cfg.vocab,
-                    teacher_index_T=owner_T.clamp(min=0),
-                    loss_mask_T=(owner_T >= 0).to(torch.float32) / total_tokens,
-                    group=self.student_tp_group,
+            if self.student is not None:
+                fb = get_forward_backward_func(pp_size=self.student_mesh.pp, vp_size=None)
+                kwargs: dict[str, Any] = {"pg_collection": self.student_pg}
+                if self.student_mesh.pp > 1:
+                    kwargs["p2p_communicator"] = P2PCommunicator(
+                        pp_group=self.student_pg.pp, config=self.scfg
+                    )
+                fb(
+                    forward_step_func=dstep.forward_step,
+                    data_iterator=dstep.data_iterator(),
+                    model=[self.student],
+                    num_microbatches=cfg.micro_batches,
+                    seq_length=cfg.seq_len,
+                    micro_batch_size=1,
+                    **kwargs,
                 )
             self._sync()
-            times[3] = time.perf_counter() - t
+            times[2] = time.perf_counter() - t
+            if step == 0:
+                ok = self._verify(dstep, s_mbs, t_mbs, tokens)
             t = time.perf_counter()
-            with ranges.span("backward"):
-                loss.backward()
-            self._sync()
-            times[4] = time.perf_counter() - t
-            t = time.perf_counter()
-            with ranges.span("grad_sync"):
-                self._all_reduce_grads()
-            self._sync()
-            times[5] = time.perf_counter() - t
-            t = time.perf_counter()
-            with ranges.span("optimizer"):
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-            self._sync()
-            times[6] = time.perf_counter() - t
-            assert s_coord is not None
-            if s_coord.tp_rank == 0:  # the loss is replicated over TP; one rank per token shard
-                loss_value = loss.detach().to(torch.float64).cpu()
-        # the global mean KL per token: every token shard's sum, once
-        total = loss_value.reshape(1).to(dev)
-        dist.all_reduce(total)
-        self.losses[step] = float(total)
-        return True
-
-    def _capture(self, i: int, model: Any) -> Any:
-        from mopd.capture import OutputLayerInputCapture
-
-        if i not in self._captures:
-            self._captures[i] = OutputLayerInputCapture(model)
-        return self._captures[i]
-
-    def _all_reduce_grads(self) -> None:
-        """Sum the student's gradients over its DP x CP ranks (the loss is already / global tokens)."""
-        import torch
-        import torch.distributed as dist
-
-        assert self.student is not None
-        if self.student_dp_cp_group is None or dist.get_world_size(self.student_dp_cp_group) == 1:
-            return
-        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.student_dp_cp_group)
-        for g, synced in zip(
-            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-        ):
-            g.copy_(synced)
-
-    def _count_links(self, plan: Any) -> None:
-        t = plan.transfers_T5
-        for owner, src, dst, _, count in t.tolist():
+        times[3] = time.perf_counter() - t
+        for mb, owner, src, dst, nbytes in dstep.bridge_step.traffic():
+            del mb
             key = (owner, src, dst)
-            self.link_bytes[key] = self.link_bytes.get(key, 0) + count * plan.row_bytes[owner]
+            self.link_bytes[key] = self.link_bytes.get(key, 0) + nbytes
+        t = time.perf_counter()
+        if self.student is not None:
+            for p in self.params:
+                p.grad = p.main_grad
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+        self._sync()
+        times[4] = time.perf_counter() - t
+        loss = dstep.mean_loss()
+        value = torch.tensor(
+            [-math.inf if loss is None else loss], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        self.losses[step] = float(value)
+        return ok
 
     # ---- verification ------------------------------------------------------------------------
 
-    def _verify(
-        self,
-        batch: _Batch,
-        hidden: dict[int, torch.Tensor],
-        layouts: dict[int, Any],
-        student_layout: Any,
-        owner_N: torch.Tensor | None,
-        outputs: dict[int, torch.Tensor],
-    ) -> bool:
+    def _verify(self, dstep: Any, s_mbs: Any, t_mbs: list[Any], tokens: dict[int, Any]) -> bool:
         """Every student rank checks its bridged rows against an all-gather reference (bit-exact).
 
-        Reference: each teacher's captured ``[S, B, H]`` (from its TP rank 0 of every DP shard),
-        all-gathered to every rank with the key of every row; the student's rows are joined to
-        it by key. Checked: owner of each row (``sample_id % num_teachers``, ``-1`` for padding),
-        each owned row equal to the reference row, rows of other teachers zero.
+        Reference: each teacher's hidden states from a second forward-only pass over the same
+        micro-batches (deterministic: the same bits), all-gathered with the key of every row;
+        the student's rows are joined to it by key. Checked: the owner of each row
+        (``sample_id % num_teachers``, ``-1`` for padding), each owned row equal to the reference
+        row, rows of other teachers zero.
         """
         import torch
         import torch.distributed as dist
 
-        from mopd.bridge import encode_keys
+        from mopd.bridge.layout import encode_keys
+        from mopd.mcore import micro_batch_layout, run_teacher
 
         cfg, dev = self.cfg, self.device
         stride = cfg.seq_len
         problems: list[str] = []
-        max_b = [
-            max(len(self._teacher_samples(i, d)) for d in range(m.dp))
-            for i, m in enumerate(self.teacher_meshes)
-        ]
-        refs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, mesh in enumerate(self.teacher_meshes):
-            cap = cfg.seq_len * max_b[i]
-            h = cfg.teacher_hidden[i]
-            rows_RH = torch.zeros(cap, h, dtype=torch.float32, device=dev)
-            keys_R = torch.full((cap,), -1, dtype=torch.int64, device=dev)
-            coord = mesh.coord(self.rank)
-            if i in hidden and coord is not None and coord.tp_rank == 0:
-                flat = hidden[i].reshape(-1, h)
-                rows_RH[: flat.shape[0]] = flat
-                lay = layouts[i]
-                keys_R[: flat.shape[0]] = encode_keys(lay.sample_id_R, lay.position_R, stride).to(
-                    dev
-                )
-            all_rows = [torch.empty_like(rows_RH) for _ in range(self.world)]
-            all_keys = [torch.empty_like(keys_R) for _ in range(self.world)]
-            dist.all_gather(all_rows, rows_RH)
-            dist.all_gather(all_keys, keys_R)
-            keys = torch.cat(all_keys).cpu()
-            rows = torch.cat(all_rows)
-            valid = keys >= 0
-            keys, rows = keys[valid], rows[valid.to(dev)]
-            order = torch.argsort(keys)
-            refs.append((keys[order], rows[order.to(dev)]))
         checked = 0
-        if student_layout is not None:
-            assert owner_N is not None
-            keys_N = encode_keys(student_layout.sample_id_R, student_layout.position_R, stride)
-            want_owner = torch.where(
-                keys_N >= 0,
-                student_layout.sample_id_R % cfg.num_teachers,
-                torch.full_like(keys_N, -1),
-            )
-            if not torch.equal(owner_N.cpu(), want_owner):
-                bad = int((owner_N.cpu() != want_owner).sum())
-                problems.append(f"{bad} rows have the wrong owner teacher")
-            for i in range(cfg.num_teachers):
-                out = outputs[i]
-                mine = (want_owner == i).nonzero().reshape(-1)
-                ref_keys, ref_rows = refs[i]
+        for k, mesh in enumerate(self.teacher_meshes):
+            seen: dict[int, torch.Tensor] = {}
+            if t_mbs[k] is not None:
+                run_teacher(
+                    self.teachers[k],
+                    t_mbs[k],
+                    pg_collection=self.teacher_pgs[k],
+                    on_hidden=lambda i, h: seen.__setitem__(i, h.clone()),
+                )
+            h = cfg.teacher_hidden[k]
+            for i in range(cfg.micro_batches):
+                cap = cfg.seq_len * cfg.samples
+                rows = torch.zeros(cap, h, dtype=torch.float32, device=dev)
+                keys = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+                tc = mesh.coord(self.rank)
+                if i in seen and tc is not None and tc.tp_rank == 0:
+                    flat = seen[i].reshape(-1, h)
+                    lay = micro_batch_layout(t_mbs[k][i], rows="hidden")
+                    rows[: flat.shape[0]] = flat
+                    keys[: flat.shape[0]] = encode_keys(lay.sample_id_R, lay.position_R, stride).to(
+                        dev
+                    )
+                every_rows = [torch.empty_like(rows) for _ in range(self.world)]
+                every_keys = [torch.empty_like(keys) for _ in range(self.world)]
+                dist.all_gather(every_rows, rows)
+                dist.all_gather(every_keys, keys)
+                all_keys, all_rows = torch.cat(every_keys).cpu(), torch.cat(every_rows)
+                valid = all_keys >= 0
+                all_keys, all_rows = all_keys[valid], all_rows[valid.to(dev)]
+                order = torch.argsort(all_keys)
+                ref_keys, ref_rows = all_keys[order], all_rows[order.to(dev)]
+                if not self.student_mesh.is_last_stage(self.rank):
+                    continue
+                got = dstep.bridge_step.receive(i)[k]
+                owner = dstep.bridge_step.owner(i).cpu()
+                if (
+                    self.args.inject_mismatch
+                    and k == 0
+                    and i == 0
+                    and self.rank == max(self.student_mesh.ranks)
+                ):
+                    row = int(torch.nonzero(owner == 0)[0])
+                    got = got.clone()
+                    got[row, 0] += 1.0
+                lay = micro_batch_layout(s_mbs[i], rows="logits", pg_collection=self.student_pg)
+                keys_N = encode_keys(lay.sample_id_R, lay.position_R, stride)
+                want_owner = torch.where(
+                    keys_N >= 0, lay.sample_id_R % cfg.num_teachers, torch.full_like(keys_N, -1)
+                )
+                if k == 0 and not torch.equal(owner, want_owner):
+                    problems.append(
+                        f"micro-batch {i}: {int((owner != want_owner).sum())} rows have the wrong owner"
+                    )
+                mine = (want_owner == k).nonzero().reshape(-1)
                 pos = torch.searchsorted(ref_keys, keys_N[mine]).clamp(
                     max=max(ref_keys.numel() - 1, 0)
                 )
-                found = ref_keys.numel() > 0 and torch.equal(ref_keys[pos], keys_N[mine])
-                if not found:
+                if mine.numel() and not torch.equal(ref_keys[pos], keys_N[mine]):
                     problems.append(
-                        f"teacher {i}: some student keys are missing from the reference"
+                        f"teacher {k} micro-batch {i}: student keys missing from the reference"
                     )
                     continue
-                got = out[mine.to(dev)]
-                want = ref_rows[pos.to(dev)]
-                if not torch.equal(got, want):
-                    diff = (got != want).any(dim=1).nonzero().reshape(-1)
+                if not torch.equal(got[mine.to(dev)], ref_rows[pos.to(dev)]):
+                    diff = (
+                        (got[mine.to(dev)] != ref_rows[pos.to(dev)])
+                        .any(dim=1)
+                        .nonzero()
+                        .reshape(-1)
+                    )
                     first = int(mine[diff[0]])
                     problems.append(
-                        f"teacher {i}: {diff.numel()} of {mine.numel()} rows differ from the reference "
-                        f"(first: row {first}, sample {int(student_layout.sample_id_R[first])}, "
-                        f"position {int(student_layout.position_R[first])})"
+                        f"teacher {k} micro-batch {i}: {diff.numel()} of {mine.numel()} rows differ "
+                        f"from the reference (first: row {first}, sample "
+                        f"{int(lay.sample_id_R[first])}, position {int(lay.position_R[first])})"
                     )
-                others = (want_owner != i).nonzero().reshape(-1).to(dev)
-                if bool((out[others] != 0).any()):
+                others = (want_owner != k).nonzero().reshape(-1).to(dev)
+                if bool((got[others] != 0).any()):
                     problems.append(
-                        f"teacher {i}: rows owned by no teacher or another teacher are not zero"
+                        f"teacher {k} micro-batch {i}: rows of no / another teacher are not zero"
                     )
                 checked += mine.numel()
         flag = torch.tensor([1 if problems else 0, checked], dtype=torch.int64, device=dev)
         dist.all_reduce(flag)
         for p in problems:
             print(f"verification: global rank {self.rank}: {p}", file=sys.stderr, flush=True)
+        self.verified = {"ok": int(flag[0]) == 0, "rows": int(flag[1]), "bad_ranks": int(flag[0])}
         if self.rank == 0:
             if int(flag[0]) == 0:
                 print(
                     f"verification: OK (step 1: {int(flag[1])} bridged rows on "
-                    f"{self.student_mesh.size} student ranks bit-exact against the all-gather reference)",
+                    f"{len(self.student_mesh.last_stage_ranks())} student ranks, "
+                    f"{cfg.micro_batches} micro-batches, bit-exact against the all-gather reference)",
+                    file=self.out,
                     flush=True,
                 )
             else:
-                print(f"verification: MISMATCH on {int(flag[0])} rank(s)", flush=True)
+                print(
+                    f"verification: MISMATCH on {int(flag[0])} rank(s)", file=self.out, flush=True
+                )
         return int(flag[0]) == 0
 
     # ---- printing ----------------------------------------------------------------------------
 
-    def _print_meshes(self, setup_s: float) -> None:
+    def _print_meshes(self) -> None:
         cfg = self.cfg
         lines = [
             f"world: {self.world} ranks, backend {os.environ.get('MOPD_DEMO_BACKEND', 'gloo')}"
         ]
         for i, m in enumerate(self.teacher_meshes):
             lines.append(
-                f"{m} hidden={cfg.teacher_hidden[i]} sp={'on' if self._teacher_sp(m.tp) else 'off'} "
+                f"{m} hidden={cfg.teacher_hidden[i]} sp={'on' if self._sp(m.tp) else 'off'} "
                 f"frozen; gets samples with id % {cfg.num_teachers} == {i}"
             )
         lines.append(
@@ -652,25 +627,62 @@ class _Job:
             f"vocab={cfg.vocab} layers={cfg.layers} heads={cfg.heads}"
         )
         lines.append(
-            f"batch: {cfg.samples} samples/step, lengths {cfg.min_len}..{cfg.seq_len}; set-up {setup_s:.1f} s"
+            f"step: {cfg.samples} samples in {cfg.micro_batches} micro-batches, lengths "
+            f"{cfg.min_len}..{cfg.seq_len}; megatron's {'per-token' if cfg.per_token_loss else 'default'} "
+            "loss path"
         )
-        print("\n".join(f"  {x}" for x in lines), flush=True)
+        print("\n".join(f"  {x}" for x in lines), file=self.out, flush=True)
 
     def _report(self) -> None:
+        import torch
         import torch.distributed as dist
 
         cfg = self.cfg
         times = self.times.to(self.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        links: list[Any] = [None] * self.world
+        dist.all_gather_object(links, self.link_bytes)
         if self.rank != 0:
             return
-        times = times.cpu() * 1e3
+        link_bytes: dict[tuple[int, int, int], int] = {}
+        for part in links:
+            for key, n in part.items():
+                link_bytes[key] = link_bytes.get(key, 0) + n
+        ms = times.cpu() * 1e3
+        tokens = sum(
+            sum(int(t.numel()) for t in self._global_batch(k)[1].values()) for k in range(cfg.steps)
+        )
+        cross = sum(n for (o, s, d), n in link_bytes.items() if s != d)
+        local = sum(n for (o, s, d), n in link_bytes.items() if s == d)
+        if self.args.json:
+            print(
+                json.dumps(
+                    {
+                        "config": cfg.as_dict(),
+                        "verification": self.verified,
+                        "loss_per_step": [float(x) for x in self.losses],
+                        "phase_ms_max_over_ranks": {
+                            name: [float(ms[s, k]) for s in range(cfg.steps)]
+                            for k, name in enumerate(PHASES)
+                        },
+                        "bytes_sent": cross,
+                        "bytes_local": local,
+                        "logits_bytes_instead": 4 * cfg.vocab * tokens,
+                        "links": [
+                            {"teacher": o, "src": s, "dst": d, "bytes": n}
+                            for (o, s, d), n in sorted(link_bytes.items())
+                        ],
+                    }
+                ),
+                flush=True,
+            )
+            return
         head = ["phase (ms, max over ranks)"] + [f"step {s + 1}" for s in range(cfg.steps)]
         rows = [
-            [name] + [f"{float(times[s, k]):.1f}" for s in range(cfg.steps)]
-            for k, name in enumerate(PHASE_NAMES)
+            [name] + [f"{float(ms[s, k]):.1f}" for s in range(cfg.steps)]
+            for k, name in enumerate(PHASES)
         ]
-        rows.append(["total"] + [f"{float(times[s].sum()):.1f}" for s in range(cfg.steps)])
+        rows.append(["total"] + [f"{float(ms[s].sum()):.1f}" for s in range(cfg.steps)])
         rows.append(["loss (reverse KL / token)"] + [f"{float(x):.6f}" for x in self.losses])
         widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
 
@@ -687,24 +699,17 @@ class _Job:
         out.append(
             f"  bytes per link (teacher rank -> student rank, from the plans, {cfg.steps} steps):"
         )
-        cross = local = 0
-        for (owner, src, dst), nbytes in sorted(self.link_bytes.items()):
+        for (owner, src, dst), nbytes in sorted(link_bytes.items()):
             kind = "local copy" if src == dst else "sent"
-            if src == dst:
-                local += nbytes
-            else:
-                cross += nbytes
             out.append(f"    teacher{owner} r{src} -> r{dst}  {_human(nbytes):>10}  {kind}")
-        tokens = sum(int(self._batch(k).length_N.sum()) for k in range(cfg.steps))
-        logits_bytes = 4 * cfg.vocab * tokens
         out.append(
-            f"  total: {_human(cross)} sent, {_human(local)} local copies "
-            f"(teacher logits instead: {_human(logits_bytes)}, {tokens} tokens x {cfg.vocab} fp32)"
+            f"  total: {_human(cross)} sent, {_human(local)} local copies (teacher logits instead: "
+            f"{_human(4 * cfg.vocab * tokens)}, {tokens} tokens x {cfg.vocab} fp32)"
         )
         first, last = float(self.losses[0]), float(self.losses[-1])
         trend = "decreasing" if last < first else "not decreasing"
         out.append(f"  loss: {first:.6f} -> {last:.6f} ({trend})")
-        print("\n".join(out), flush=True)
+        print("\n".join(out), file=self.out, flush=True)
 
 
 def _human(n: int) -> str:

@@ -1,10 +1,8 @@
-"""Starting a torchrun job from a console command, and finding the CPU patches megatron needs.
+"""Starting a torchrun job from a console command, and stopping one for good.
 
 Why this file exists: ``mopd demo`` (and the benchmarks) start torchrun themselves, so a user
-types one command. On CPU, megatron-core needs patches that live in the repository's test support
-(``tests/support/megatron_cpu.py``), never in the library; a CPU run therefore needs a checkout,
-and this module finds it (the current directory or ``MOPD_CHECKOUT``) and says so clearly when it
-cannot. It also owns :func:`kill_tree`, which the test harness uses for hung launches too.
+types one command; a job that hangs must then be killed with every worker it started.
+:func:`kill_tree` does that (the test harness uses it for hung launches too).
 """
 
 from __future__ import annotations
@@ -16,28 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["cpu_support_root", "kill_tree", "run_torchrun"]
-
-
-def cpu_support_root() -> Path:
-    """The checkout whose ``tests/support/megatron_cpu.py`` a CPU run imports.
-
-    Raises:
-        ValueError: no checkout found (the message says how to fix it).
-    """
-    candidates = [
-        os.environ.get("MOPD_CHECKOUT"),
-        os.getcwd(),
-        str(Path(__file__).resolve().parents[1]),
-    ]
-    for c in candidates:
-        if c and (Path(c) / "tests" / "support" / "megatron_cpu.py").is_file():
-            return Path(c).resolve()
-    raise ValueError(
-        "a CPU (gloo) run needs megatron-core's CPU patches from the mopd-bridge checkout "
-        "(tests/support/megatron_cpu.py); run from the checkout or set MOPD_CHECKOUT to it, "
-        "or use --backend nccl on GPUs"
-    )
+__all__ = ["kill_tree", "run_torchrun"]
 
 
 def kill_tree(pid: int) -> None:
@@ -62,18 +39,25 @@ def kill_tree(pid: int) -> None:
 
 
 def run_torchrun(
-    module: str, args: list[str], *, nproc: int, timeout_s: float, env: dict[str, str] | None = None
+    module: str,
+    args: list[str],
+    *,
+    nproc: int,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    rendezvous: list[str] | None = None,
 ) -> int:
-    """Run ``python -m module args...`` under ``torchrun --standalone --nproc-per-node nproc``.
+    """Run ``python -m module args...`` under ``torchrun --nproc-per-node nproc``.
 
-    The whole job (torchrun and every worker, see :func:`kill_tree`) is killed after
-    ``timeout_s`` seconds; returns the exit code (124 on timeout).
+    ``rendezvous``: torchrun's rendezvous flags (default ``["--standalone"]``, one node). The
+    whole job (torchrun and every worker, see :func:`kill_tree`) is killed after ``timeout_s``
+    seconds; returns the exit code (124 on timeout).
     """
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(rendezvous if rendezvous is not None else ["--standalone"]),
         f"--nproc-per-node={nproc}",
         "-m",
         module,

@@ -1,16 +1,18 @@
 """``mopd demo``: the multi-teacher MOPD job, run for real as a subprocess (it starts torchrun).
 
 What can fail here: the job's exit code, its step-1 verification (bridged rows against an
-all-gather reference), the final table (phases and a loss per step), the detection of a
-corrupted bridge buffer (a hidden ``--inject-mismatch`` flag must make the job exit non-zero),
-and the equivalence of the parallel job with a one-rank run of the same models: same seeds give
-the same weights whatever the meshes, so the loss per step of the 8-rank job (student TP2 CP2 DP2,
-teachers TP2 DP2 and TP4) must match the one-rank job's. Also: bad flags are rejected before
-anything starts.
+all-gather reference), the final table (phases and a loss per step) and its ``--json`` form, the
+detection of a corrupted bridge buffer (a hidden ``--inject-mismatch`` flag must make the job exit
+non-zero), and the independence of the loss from the parallelism: every weight is drawn from its
+full name's seed, so the 8-rank job (student TP2 CP2 DP2, teachers TP2 DP2 and TP4), a one-rank
+job, and a pipelined job (student and teacher PP=2 under megatron's 1F1B schedule, 4
+micro-batches, megatron's default loss path) must give the same loss per step. Also: bad flags
+are rejected before anything starts.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -24,22 +26,14 @@ import torch
 from mopd.profiling import demo
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = (
-    "capture (teacher fwd)",
-    "bridge",
-    "student fwd",
-    "loss",
-    "backward",
-    "grad sync",
-    "optimizer",
-)
+PHASES = ("plan", "teacher fwd", "student fwd+bwd", "finish", "optimizer")
 SINGLE_RANK = ["--nproc", "1", "--teacher", "tp=1", "--teacher", "tp=1", "--student", "tp=1"]
-FOUR_RANKS = ["--nproc", "4", "--teacher", "tp=2,at=0", "--teacher", "tp=2,at=2"]
+FOUR_RANKS = ["--nproc", "4", "--teacher", "tp=2", "--teacher", "tp=2,rank_offset=2"]
 FOUR_RANKS += ["--student", "tp=2,cp=2"]
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MOPD_CHECKOUT=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("MOPD_NVTX", None)
     return subprocess.run(
         [sys.executable, "-m", "mopd.profiling.demo", *args, "--timeout", str(timeout - 20)],
@@ -68,7 +62,11 @@ def eight_ranks() -> subprocess.CompletedProcess[str]:
 def test_demo_runs_verifies_and_prints_the_table(eight_ranks) -> None:
     out = eight_ranks.stdout
     assert eight_ranks.returncode == 0, _explain(eight_ranks)
-    assert re.search(r"^verification: OK \(step 1: \d+ bridged rows on 8 student ranks", out, re.M)
+    assert re.search(
+        r"^verification: OK \(step 1: \d+ bridged rows on 8 student ranks, 2 micro-batches",
+        out,
+        re.M,
+    )
     assert "student Mesh(tp=2, cp=2, dp=2" in out and "teacher1 Mesh(tp=4" in out
     for phase in PHASES:
         row = next(x for x in out.splitlines() if x.strip().startswith(phase + " "))
@@ -96,14 +94,33 @@ def test_parallel_job_matches_a_one_rank_run(eight_ranks) -> None:
     assert par[1] != pytest.approx(par[0], rel=1e-4)  # the step changed the student
 
 
+def test_pipelined_job_with_the_default_loss_path_matches(eight_ranks) -> None:
+    """Student and teacher PP=2 (1F1B / forward-only schedules), 4 micro-batches, megatron's
+    default loss normalization: the same losses as the 8-rank PP=1 job, and the same JSON."""
+    assert eight_ranks.returncode == 0, _explain(eight_ranks)
+    argv = ["--steps", "2", "--student", "tp=2,cp=2,pp=2", "--teacher", "tp=2,pp=2"]
+    argv += ["--teacher", "tp=4,rank_offset=4", "--micro-batches", "4", "--loss-path", "default"]
+    proc = _run(*argv, "--json")
+    assert proc.returncode == 0, _explain(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["verification"]["ok"] and result["verification"]["rows"] > 0
+    assert result["config"]["micro_batches"] == 4 and not result["config"]["per_token_loss"]
+    assert set(result["phase_ms_max_over_ranks"]) == set(PHASES)
+    assert result["bytes_sent"] > 0 and result["logits_bytes_instead"] > result["bytes_sent"]
+    ref = _losses(eight_ranks.stdout)
+    got = result["loss_per_step"]
+    assert got[0] == pytest.approx(ref[0], rel=1e-5), (got, ref)
+    assert got[1] == pytest.approx(ref[1], rel=1e-4), (got, ref)
+
+
 def test_injected_mismatch_fails_the_job() -> None:
     proc = _run("--steps", "1", "--inject-mismatch", *FOUR_RANKS)
     assert proc.returncode != 0, _explain(proc)
     assert "verification: MISMATCH" in proc.stdout, _explain(proc)
     assert "verification: OK" not in proc.stdout
-    assert re.search(r"teacher 0: 1 of \d+ rows differ from the reference", proc.stderr), _explain(
-        proc
-    )
+    assert re.search(
+        r"teacher 0 micro-batch 0: 1 of \d+ rows differ from the reference", proc.stderr
+    ), _explain(proc)
 
 
 @pytest.mark.parametrize(
@@ -117,11 +134,11 @@ def test_injected_mismatch_fails_the_job() -> None:
         ),
         (["--student", "tp=2,zz=1"], "expected comma-separated"),
         (["--teacher-hidden", "64"], "2 teacher meshes but 1 teacher hidden sizes"),
-        (
-            ["--seq-len", "30", "--teacher", "tp=2,dp=2", "--teacher", "tp=2,dp=2,at=4"],
-            "must divide by 2*cp = 4",
-        ),
-        (["--samples", "7"], "must divide by the number of teachers"),
+        (["--samples", "7"], "must divide into 2 micro-batches"),
+        (["--samples", "6"], "must divide by the number of teachers"),
+        (["--teacher-hidden", "64,abc"], "--teacher-hidden must be comma-separated integers"),
+        (["--student", "tp=2,pp=3"], "2 layers do not divide by pp=3"),
+        (["--student", "tp=2,at=1"], "expected comma-separated"),
     ],
 )
 def test_bad_flags_are_rejected_before_launch(argv, message, capsys) -> None:
@@ -141,7 +158,8 @@ def test_nccl_without_enough_gpus_is_refused(capsys) -> None:
 
 
 def test_parse_mesh() -> None:
-    assert demo.parse_mesh("tp=2,dp=2,at=4") == demo.MeshArg(tp=2, dp=2, at=4)
+    assert demo.parse_mesh("tp=2,dp=2,rank_offset=4") == demo.MeshArg(tp=2, dp=2, rank_offset=4)
+    assert demo.parse_mesh("pp=2") == demo.MeshArg(pp=2)
     assert demo.parse_mesh("") == demo.MeshArg()
     with pytest.raises(ValueError, match="must be an integer"):
         demo.parse_mesh("tp=two")
