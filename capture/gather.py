@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mopd.profiling import ranges
+
 __all__ = ["ReusableBuffer", "all_gather_into", "gather_sequence_parallel"]
 
 #: ``all_gather_into_tensor`` under the name torch >= 2.13 prefers (it deprecates the old one).
@@ -67,8 +69,9 @@ def gather_sequence_parallel(
         )
     if not out_SBH.is_contiguous():
         raise ValueError(f"capture buffer must be contiguous, got strides {out_SBH.stride()}")
-    if world == 1:
-        out_SBH.copy_(local_SBH)
-    else:
-        all_gather_into(out_SBH, local_SBH.contiguous(), group=tp_group)
+    with ranges.span("gather", world):
+        if world == 1:
+            out_SBH.copy_(local_SBH)
+        else:
+            all_gather_into(out_SBH, local_SBH.contiguous(), group=tp_group)
     return out_SBH

@@ -15,7 +15,8 @@ A kernel whose source cannot be compiled (:class:`KernelCompileError`, raised be
 is launched) is one more fallback: :func:`run_cupy_or_twin` runs the twin instead under ``"auto"``
 and raises under ``"cupy"``.
 
-Fallbacks anywhere in the kernels log through :func:`log_once`: one message per cause per process.
+Fallbacks anywhere in the kernels log through :func:`mopd.common.log.log_once`: one message per
+cause per process.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from typing import Literal, TypeVar
 
 import torch
 
+from mopd.common.log import log_once
+
 __all__ = [
     "BACKENDS",
     "Backend",
     "KernelCompileError",
     "Resolved",
     "cupy_available",
-    "log_once",
-    "reset_log_once",
     "resolve_backend",
     "run_cupy_or_twin",
 ]
@@ -45,25 +46,6 @@ BACKENDS: tuple[Backend, ...] = ("auto", "cupy", "torch")
 T = TypeVar("T")
 
 _log = logging.getLogger(__name__)
-_logged_once: set[tuple[str, str]] = set()
-
-
-def log_once(logger: logging.Logger, key: str, msg: str, *args: object) -> bool:
-    """``logger.warning(msg, *args)`` the first time ``(logger.name, key)`` comes up.
-
-    ``key`` names the cause (an op, a reason), so different fallbacks each log once per process.
-    Returns whether it logged.
-    """
-    if (logger.name, key) in _logged_once:
-        return False
-    _logged_once.add((logger.name, key))
-    logger.warning(msg, *args)
-    return True
-
-
-def reset_log_once() -> None:
-    """Forget what :func:`log_once` has logged (tests)."""
-    _logged_once.clear()
 
 
 class KernelCompileError(RuntimeError):

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from mopd.kernels.backend import KernelCompileError, log_once
+from mopd.common.log import log_once
+from mopd.kernels.backend import KernelCompileError
 
 __all__ = ["get_kernel", "kernel_source", "on_torch_stream", "to_cupy"]
 

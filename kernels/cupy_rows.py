@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mopd.kernels.backend import log_once
+from mopd.common.log import log_once
 from mopd.kernels.cupy_loader import get_kernel, on_torch_stream, to_cupy
 
 __all__ = [

@@ -58,12 +58,12 @@ Host syncs: none on the plain path (no mask, one teacher); a mask or a teacher i
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from mopd.common.log import warn_once
 from mopd.kernels.kl_collectives import (
     check_agreement,
     collective_device,
@@ -125,16 +125,6 @@ def _call(args: KLArgs) -> torch.Tensor:
     return KLFunction.apply(job, want_grad, x_TX, weight_VH)
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """``warnings.warn`` the first time ``message`` comes up in this process."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)  # the caller of the public function
-
-
 def vocab_parallel_kl(
     student_logits_TV: torch.Tensor,
     teacher_hidden: torch.Tensor | Sequence[torch.Tensor],
@@ -180,12 +170,12 @@ def vocab_parallel_kl(
     """
     config = config or KLConfig()
     if isinstance(config, KLConfig) and not config.sum_hidden_grad_over_tp:
-        _warn_once(
+        warn_once(
             "KLConfig.sum_hidden_grad_over_tp=False is ignored by vocab_parallel_kl (it applies "
             "to fused_vocab_parallel_kl's hidden-state gradient only)"
         )
     if isinstance(config, KLConfig) and config.weight_grad_accumulation != "auto":
-        _warn_once(
+        warn_once(
             f"KLConfig.weight_grad_accumulation={config.weight_grad_accumulation!r} is ignored by "
             "vocab_parallel_kl (it applies to fused_vocab_parallel_kl's weight gradient only)"
         )

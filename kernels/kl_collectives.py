@@ -3,8 +3,9 @@
 Why this file exists: the TP ranks of one KL call must agree on tokens, mask and teacher index
 (they shard the vocabulary, not the tokens), and an argument that is wrong on one rank only
 raises there only, leaving the others waiting in the first all-reduce. In debug mode one extra
-MAX all-reduce (:func:`check_agreement`) carries every rank's signature and any rank's
-validation failure, so every rank raises the same ``ValueError`` instead of hanging. The timed
+MAX all-reduce (:func:`check_agreement`) carries every rank's signature and whether any rank's
+validation failed, and :func:`mopd.common.dist.same_verdict` makes every rank raise the same
+``ValueError`` instead of hanging. The timed
 all-reduce (:func:`all_reduce_in`) bounds each wait on CPU (gloo) groups.
 """
 
@@ -16,11 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from mopd.common.dist import group_device, same_verdict
+
 if TYPE_CHECKING:
     from mopd.kernels.kl_prepare import KLJob
 
 __all__ = [
-    "MESSAGE_BYTES",
     "SIGNATURE_LEN",
     "all_reduce_in",
     "check_agreement",
@@ -29,8 +31,6 @@ __all__ = [
     "job_signature",
 ]
 
-#: Bytes of a failing rank's error message carried by the debug agreement all-reduce.
-MESSAGE_BYTES = 400
 #: Entries of :func:`job_signature`.
 SIGNATURE_LEN = 7
 
@@ -67,9 +67,7 @@ def collective_device(x_TX: object, group: dist.ProcessGroup) -> torch.device:
     """Where the debug agreement vector lives: the student's device, else the group's kind."""
     if isinstance(x_TX, torch.Tensor):
         return x_TX.device
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return group_device(group)
 
 
 def job_signature(
@@ -94,54 +92,49 @@ def check_agreement(
     nonfinite: tuple[str, ...] = (),
     failure: ValueError | None = None,
 ) -> None:
-    """Debug mode: one MAX all-reduce over the TP group; raises the same ValueError on every rank.
+    """Debug mode: the TP ranks agree on the call; raises the same ValueError on every rank.
 
     ``position`` is ``(tp_size, rank_in_group)`` (see :func:`group_position`); ``device`` is
     where the vector is reduced (the group's device kind).
 
-    The int64 vector reduced is ``[sig (7), -sig (7), non-finite flag, failed flag,
-    message bytes (tp_size x MESSAGE_BYTES)]``: a rank whose validation failed (``failure``,
-    ``signature`` then ``None``) sets its flag and writes its message into its own slot, so every
-    rank learns which ranks failed and why, and raises the same text. Otherwise: a non-finite
-    input anywhere, then any disagreement of the signature (max != min), raise.
+    One MAX all-reduce of ``[sig (7), -sig (7), non-finite count, failed flag]`` tells every rank
+    whether some rank's validation failed (``failure``; ``signature`` is then ``None``), whether
+    an input holds NaN or inf, and whether the signatures differ (max != min). Each rank then
+    states what it found and :func:`mopd.common.dist.same_verdict` raises the same text
+    everywhere: a failed rank's own message first, else the non-finite input, else the
+    disagreement.
     """
     tp_size, rank_in_group = position
     n = SIGNATURE_LEN
-    vec = torch.zeros(2 * n + 2 + tp_size * MESSAGE_BYTES, dtype=torch.int64)
+    vec = torch.zeros(2 * n + 2, dtype=torch.int64)
     if signature is not None:
         assert len(signature) == n
         vec[:n] = torch.tensor(signature, dtype=torch.int64)
         vec[n : 2 * n] = -vec[:n]
     vec[2 * n] = len(nonfinite)
-    if failure is not None:
-        vec[2 * n + 1] = 1
-        msg = (str(failure) or "ValueError").encode("utf-8", errors="replace")[:MESSAGE_BYTES]
-        first = 2 * n + 2 + rank_in_group * MESSAGE_BYTES
-        vec[first : first + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    vec[2 * n + 1] = 1 if failure is not None else 0
     vec = vec.to(device)
     all_reduce_in(vec, dist.ReduceOp.MAX, group, timeout_s)
     vec = vec.cpu()
-    if int(vec[2 * n + 1]):
-        slots = vec[2 * n + 2 :].reshape(tp_size, MESSAGE_BYTES)
-        failed, parts = [], []
-        for r in range(tp_size):
-            raw = bytes(slots[r].to(torch.uint8).tolist()).rstrip(b"\0")
-            if raw:
-                failed.append(r)
-                parts.append(f"rank {r}: {raw.decode('utf-8', errors='replace')}")
-        error = ValueError(
-            f"invalid KL arguments on rank(s) {failed} of the TP group (KLConfig(debug=True)); "
-            + "; ".join(parts)
+    problems: list[str] = []
+    if failure is not None:
+        problems.append(f"rank {rank_in_group} of the TP group: {failure}")
+    elif not int(vec[2 * n + 1]):
+        if nonfinite:
+            problems.append(f"NaN or inf in {', '.join(nonfinite)} on rank {rank_in_group}")
+        elif not int(vec[2 * n]):
+            hi, lo = vec[:n], -vec[n : 2 * n]
+            if not bool((hi == lo).all()):
+                problems.append(
+                    "TP ranks disagree on (T, active tokens, teachers, V_local, chunk, mask, "
+                    f"teacher index): max {hi.tolist()} vs min {lo.tolist()}"
+                )
+    del tp_size
+    try:
+        same_verdict(
+            problems, group=group, timeout_s=timeout_s, what="KL arguments (KLConfig(debug=True))"
         )
+    except ValueError as exc:
         if failure is not None:
-            raise error from failure
-        raise error
-    if int(vec[2 * n]):
-        where = ", ".join(nonfinite) if nonfinite else "another rank's inputs"
-        raise ValueError(f"NaN or inf in {where} (KLConfig(debug=True))")
-    hi, lo = vec[:n], -vec[n : 2 * n]
-    if not bool((hi == lo).all()):
-        raise ValueError(
-            "TP ranks disagree on (T, active tokens, teachers, V_local, chunk, mask, teacher "
-            f"index): max {hi.tolist()} vs min {lo.tolist()} (KLConfig(debug=True))"
-        )
+            raise exc from failure
+        raise

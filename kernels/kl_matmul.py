@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from mopd.kernels.backend import log_once
+from mopd.common.log import log_once
 
 __all__ = ["BLOCK_BYTES", "logit_dtype", "matmul_into"]
 

@@ -22,7 +22,8 @@ import logging
 
 import torch
 
-from mopd.kernels.backend import Backend, Resolved, log_once, run_cupy_or_twin
+from mopd.common.log import log_once
+from mopd.kernels.backend import Backend, Resolved, run_cupy_or_twin
 from mopd.kernels.backend import resolve_backend as _resolve_base
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Tier 1: fallbacks in the kernels log once per cause and process (``mopd.kernels.backend.log_once``)."""
+"""Tier 1: fallbacks in the kernels log once per cause and process (``mopd.common.log.log_once``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 
-from mopd.kernels import backend as backend_mod
+from mopd.common import log as backend_mod
 from mopd.kernels import kl_rowwise
 
 
 @pytest.fixture(autouse=True)
 def _fresh() -> None:
-    backend_mod.reset_log_once()
+    backend_mod.reset_once()
 
 
 def test_log_once_per_logger_and_key(caplog: pytest.LogCaptureFixture) -> None:
@@ -24,7 +24,7 @@ def test_log_once_per_logger_and_key(caplog: pytest.LogCaptureFixture) -> None:
         assert backend_mod.log_once(a, "k2", "second")
         assert backend_mod.log_once(b, "k1", "other logger")
     assert [r.getMessage() for r in caplog.records] == ["first x", "second", "other logger"]
-    backend_mod.reset_log_once()
+    backend_mod.reset_once()
     assert backend_mod.log_once(a, "k1", "after reset")
 
 
