@@ -677,7 +677,9 @@ class BridgeStep:
                 continue
             rb = sched.row_bytes
             for op in sched.sends:
-                out.append((slot.index, op.owner, self._bridge.rank, op.peer, op.count * rb[op.owner]))
+                out.append(
+                    (slot.index, op.owner, self._bridge.rank, op.peer, op.count * rb[op.owner])
+                )
             for x in sched.locals:
                 r = self._bridge.rank
                 out.append((slot.index, x.owner, r, r, x.src.count * rb[x.owner]))

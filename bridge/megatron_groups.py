@@ -78,8 +78,11 @@ def megatron_process_groups(mesh: Mesh, pool: GroupPool) -> Any | None:
         ("intra_dp_cp", "dp_cp"),
         ("expt_dp", "dp_cp"),
         ("intra_expt_dp", "dp_cp"),
+        ("intra_dist_opt", "dp_cp"),
         ("expt_tp", "tp"),
         ("tp_ep", "tp"),
+        ("tp_ep_pp", "mp"),
     ):
         mine[alias] = mine[same]
+    mine["inter_dist_opt"] = None  # one distributed-optimizer instance
     return ProcessGroupCollection(**mine)

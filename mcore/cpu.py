@@ -113,17 +113,25 @@ def apply() -> None:
     _APPLIED = True
 
 
+def _on_cpu(device: Any) -> Any:
+    if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+        return "cpu"
+    return device
+
+
 class _CpuTorch:
-    """``torch`` for megatron's schedule module, with its CUDA-only token counters on the CPU."""
+    """``torch`` for megatron's schedule module, whose token counters are ``device="cuda"``."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
-            device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
+        return torch.zeros(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, device=_on_cpu(device), **kwargs)
 
 
 def _patch_schedules() -> None:

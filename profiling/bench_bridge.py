@@ -50,9 +50,9 @@ from mopd.bridge import (
 )
 from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.layout import encode_keys
-from mopd.profiling.synthetic import SideFormat, synthetic_step
 from mopd.kernels import gather_rows
 from mopd.profiling.results import format_table, record
+from mopd.profiling.synthetic import SideFormat, synthetic_step
 
 __all__ = ["bench_exchange", "bench_plan", "main"]
 

@@ -172,14 +172,13 @@ class _Job:
         return bool(getattr(gpt_layer_specs, "HAVE_APEX", False))
 
     def _build(self) -> None:
+        import torch
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel as DDP
         from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        import torch
 
         from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
         from mopd.mcore import Distiller, MeshModel
@@ -516,7 +515,7 @@ class _Job:
                     self.teachers[k],
                     t_mbs[k],
                     pg_collection=self.teacher_pgs[k],
-                    on_hidden=lambda i, h: seen.__setitem__(i, h.clone()),
+                    on_hidden=lambda i, h, seen=seen: seen.__setitem__(i, h.clone()),
                 )
             h = cfg.teacher_hidden[k]
             for i in range(cfg.micro_batches):
@@ -634,7 +633,6 @@ class _Job:
         print("\n".join(f"  {x}" for x in lines), file=self.out, flush=True)
 
     def _report(self) -> None:
-        import torch
         import torch.distributed as dist
 
         cfg = self.cfg

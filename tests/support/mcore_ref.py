@@ -27,7 +27,9 @@ def _full_name(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + layer_offset}." + name[m.end() :]
 
 
-def shard_of(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+def shard_of(
+    full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """This TP rank's shard of a full tensor (megatron's ``partition_dim`` chunks)."""
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
         return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
@@ -91,7 +93,9 @@ def reference_step(
         count += L
     loss = total / count
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None}
+    grads = {
+        n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None
+    }
     return float(loss), grads
 
 
@@ -121,8 +125,6 @@ def compare_grads(
     return problems
 
 
-
 def unwrapped(model: Any) -> torch.nn.Module:
     """The GPTModel inside megatron's DDP wrapper."""
     return model.module if hasattr(model, "module") else model
-

@@ -25,6 +25,7 @@ __all__ = [
     "tiny_config",
 ]
 
+
 def init_parallel(
     *, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
 ) -> None:

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge import GroupPool, Mesh, packed_layout
+from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from mopd.profiling.megatron_groups import model_process_groups
 from tests.support import megatron_cpu as mc
-from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from tests.support.dist import COLLECTIVE_TIMEOUT
 
 TORCHRUN_NPROC = 4

@@ -235,7 +235,9 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
                         pg_collection=spg,
                     )
             assert step.bridge_step.finished
-            ours = [str(w.message) for w in caught if "mopd" in w.filename or "bridge" in str(w.message)]
+            ours = [
+                str(w.message) for w in caught if "mopd" in w.filename or "bridge" in str(w.message)
+            ]
             assert not ours, ours  # e.g. no "in flight" warning at 12 micro-batches
             loss = step.mean_loss()
             ref_loss, ref_grads = reference_step(
@@ -249,7 +251,12 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
             problems += [
                 f"{what}: {p}"
                 for p in compare_grads(
-                    unwrapped(student), names, ref_grads, tp_rank=sc.tp_rank, tp_size=smesh.tp, rtol=1e-4
+                    unwrapped(student),
+                    names,
+                    ref_grads,
+                    tp_rank=sc.tp_rank,
+                    tp_size=smesh.tp,
+                    rtol=1e-4,
                 )
             ]
     del tc
@@ -304,13 +311,15 @@ def test_inline_send_in_forward_step(world: Any) -> None:
     capture = OutputLayerInputCapture(teacher) if teacher is not None else None
     m = 6
     fb = get_forward_backward_func(pp_size=2, vp_size=None)
-    schedules_before = None
-    for step_no in range(2):  # the second step has the same shapes: its schedules are reused
+
+    def run_step(step_no: int) -> None:
         ids, toks = _global_batch(m, seed=50, id_base=10_000 * (step_no + 1))
         t_mbs = _padded_mbs(ids, toks, m, tmesh, tpg) if tc is not None else None
         s_mbs = _padded_mbs(ids, toks, m, smesh, spg)
         step = bridge.plan_step(
-            teacher_layouts={0: [micro_batch_layout(x, rows="hidden", pg_collection=tpg) for x in t_mbs]}
+            teacher_layouts={
+                0: [micro_batch_layout(x, rows="hidden", pg_collection=tpg) for x in t_mbs]
+            }
             if t_mbs is not None
             else None,
             student_layouts=[micro_batch_layout(x, rows="logits", pg_collection=spg) for x in s_mbs]
@@ -366,7 +375,12 @@ def test_inline_send_in_forward_step(world: Any) -> None:
             all_keys = [torch.empty_like(keys) for _ in range(world)]
             dist.all_gather(all_rows, rows)
             dist.all_gather(all_keys, keys)
-            ref = {int(k): r for kk, rr in zip(all_keys, all_rows) for k, r in zip(kk, rr) if k >= 0}
+            ref = {
+                int(k): r
+                for kk, rr in zip(all_keys, all_rows, strict=True)
+                for k, r in zip(kk, rr, strict=True)
+                if k >= 0
+            }
             if smesh.is_last_stage(rank):
                 lay = micro_batch_layout(s_mbs[i], rows="logits", pg_collection=spg)
                 k = encode_keys(lay.sample_id_R, lay.position_R, S)
@@ -375,8 +389,10 @@ def test_inline_send_in_forward_step(world: Any) -> None:
                     if not torch.equal(got[i][0][r], want):
                         problems.append(f"step {step_no} micro-batch {i} row {r}")
         assert not problems, problems[:5]
-        built = bridge.executor.schedules_built
-        if step_no == 0:
-            schedules_before = built
-        else:
-            assert built == schedules_before, f"same shapes built {built - schedules_before} more schedules"
+
+    run_step(0)
+    built = bridge.executor.schedules_built
+    run_step(1)  # the same shapes: every schedule is reused
+    assert bridge.executor.schedules_built == built, (
+        f"same shapes built {bridge.executor.schedules_built - built} more schedules"
+    )
