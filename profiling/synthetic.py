@@ -16,7 +16,13 @@ from typing import Literal
 
 import torch
 
-from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
+from mopd.bridge.layout import (
+    TokenLayout,
+    concat_layouts,
+    megatron_padded_length,
+    packed_layout,
+    padded_layout,
+)
 from mopd.bridge.mesh import Mesh
 
 __all__ = ["SideFormat", "SyntheticStep", "key_pattern", "synthetic_step"]
@@ -63,10 +69,6 @@ class SyntheticStep:
         return int(self.lengths.sum())
 
 
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
-
-
 def _side_layouts(
     mesh: Mesh,
     samples: torch.Tensor,
@@ -75,7 +77,10 @@ def _side_layouts(
     gen: torch.Generator,
 ) -> dict[tuple[int, int], TokenLayout]:
     perm = samples[torch.randperm(samples.numel(), generator=gen)]
-    mult = (2 * mesh.cp if mesh.cp > 1 else 1) * fmt.pad_multiple
+
+    def pad(n: int) -> int:  # megatron's rule: 2 * cp, times the extra multiple (SP's tp)
+        return megatron_padded_length(n, cp_size=mesh.cp, sp_size=fmt.pad_multiple)
+
     out: dict[tuple[int, int], TokenLayout] = {}
     for d in range(mesh.dp):
         mine = perm[d :: mesh.dp].tolist()
@@ -85,7 +90,7 @@ def _side_layouts(
             for mb in mbs:
                 lens = [lengths[s] for s in mb]
                 if fmt.kind == "thd":
-                    padded = [_round_up(n, mult) for n in lens]
+                    padded = [pad(n) for n in lens]
                     cu = [0]
                     for p in padded:
                         cu.append(cu[-1] + p)
@@ -93,7 +98,7 @@ def _side_layouts(
                         packed_layout(mb, lens, cu_seqlens_padded=cu, cp_size=mesh.cp, cp_rank=c)
                     )
                 else:
-                    seq = _round_up(max(lens), mult)
+                    seq = pad(max(lens))
                     parts.append(
                         padded_layout(
                             mb, seq, order=fmt.kind, lengths=lens, cp_size=mesh.cp, cp_rank=c

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from mopd.common.log import reset_once
 from mopd.kernels import backend as backend_mod
 from mopd.kernels import copy_runs, gather_rows, scatter_rows
 from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, run_rows, scatter_rows_torch
@@ -306,7 +307,7 @@ def test_auto_falls_back_once_when_cupy_missing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(backend_mod, "_cupy_import_error", lambda: "ImportError: no cupy")
-    backend_mod.reset_log_once()
+    reset_once()
     with caplog.at_level(logging.WARNING, logger=backend_mod.__name__):
         assert backend_mod.resolve_backend("auto", "op_x", _FakeCuda()) == "torch"
         assert backend_mod.resolve_backend("auto", "op_x", _FakeCuda()) == "torch"
@@ -345,7 +346,7 @@ def test_bulk_variant_needs_sm90_when_named(
 
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(cupy_rows, "_device_facts", lambda index: (108, (8, 0)))
-    backend_mod.reset_log_once()
+    reset_once()
     with pytest.raises(ValueError, match=r"variant 'bulk' needs an sm_90\+ device.*sm_80"):
         cupy_rows._plan("gather", "bulk", 16, cuda0)
     assert cupy_rows._plan("gather", "flat", 16, cuda0) == ("flat", 108, 256)
@@ -422,7 +423,7 @@ def test_compile_failure_falls_back_to_the_twin_under_auto_only(
 
     monkeypatch.setattr(rows_mod, "_pick", lambda backend, op, variant, *ts: "cupy")
     monkeypatch.setattr(rows_mod, "gather_rows_cupy", broken)
-    backend_mod.reset_log_once()
+    reset_once()
     src, idx = torch.arange(12.0).view(6, 2), torch.tensor([5, 0])
     with caplog.at_level(logging.WARNING, logger=backend_mod.__name__):
         for _ in range(2):

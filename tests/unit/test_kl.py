@@ -28,7 +28,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.kernels import kl as kl_mod
 from mopd.kernels import kl_loop, kl_prepare
 from mopd.kernels.kl import (
     KLConfig,
@@ -591,7 +590,9 @@ def test_scale_forms_the_product_in_fp32() -> None:
 def test_logits_path_warns_once_that_a_fused_only_setting_is_ignored(
     monkeypatch: pytest.MonkeyPatch, setting: dict[str, Any], message: str
 ) -> None:
-    monkeypatch.setattr(kl_mod, "_WARNED", set())
+    from mopd.common.log import reset_once
+
+    reset_once()
     t = _tensors_for(False, compact=False)
     cfg = KLConfig(**setting)
     with warnings.catch_warnings(record=True) as caught:

@@ -222,7 +222,7 @@ def test_out_dtype_probe_learns_once_and_never_hides_oom(
 ) -> None:
     """The CUDA ``out_dtype`` form is tried once per op: a refusal is remembered and logged once
     (later calls skip it), a success is remembered (later errors propagate), OOM propagates."""
-    from mopd.kernels.backend import reset_log_once
+    from mopd.common.log import reset_once as reset_log_once
 
     monkeypatch.setattr(kl_matmul, "_out_dtype_ok", {})
     reset_log_once()
