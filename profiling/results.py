@@ -124,7 +124,7 @@ class Progress:
         """Count one finished case (``case``: its name, if :meth:`start` did not say it)."""
         if self._bar is not None:
             if case is not None:
-                self._bar.set_postfix_str(case, refresh=False)
+                self._bar.set_postfix_str(case, refresh=True)
             self._bar.update(1)
 
     def close(self) -> None:
