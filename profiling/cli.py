@@ -163,7 +163,8 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
     csvs, pngs = _snapshot(results_dir, "*.csv"), _snapshot(results_dir, "*.png")
     rc = subprocess.call([sys.executable, "-m", module, *args])
     if rc != 0:
-        print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)
+        if rc != EXIT_USAGE:  # a usage error has said why in its own one line
+            print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)
         return rc
     if not plot:
         return 0

@@ -190,6 +190,15 @@ def test_bench_results_dir_after_name_is_the_benchmarks(
     assert "--results-dir given twice" in err and err.count("\n") == 1
 
 
+def test_a_benchmarks_usage_error_is_its_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "ranges", "--iters", "0"]) == 2
+    err = capfd.readouterr().err
+    assert err == (
+        "bench_ranges: error: --iters and --repeat must be >= 1, got 0, 5 "
+        "(see bench_ranges --help)\n"
+    )
+
+
 def test_bench_failure_propagates_without_plot(fake_bench: Path) -> None:
     rc = cli.main(["bench", "--results-dir", str(fake_bench), "kl", "--fail"])
     assert rc == 3
