@@ -70,6 +70,7 @@ __all__ = [
     "PlanReport",
     "PlanRequest",
     "SimulatedStep",
+    "build_layouts",
     "build_parser",
     "format_report",
     "inspect_plan",
