@@ -1,126 +1,166 @@
-"""Benchmark: the bridge against the naive all-gather, and the planner at 1M tokens / 256 ranks.
+"""Benchmark: a bridge step against the naive all-gather, with bytes and kernel launches per rank.
 
-Why this file exists: the bridge's claims are "cross-mesh bytes == the minimum", "balanced over
-teacher TP replicas" and "one pass on each side", at a planning cost of milliseconds. This prints,
-side by side in one run:
+Why this file exists: the bridge's claims are "cross-mesh bytes == the minimum (each token
+crosses into its student group once)", "one pack and one unpack launch per teacher on each rank,
+whatever the number of peers" and "faster than gathering every teacher row everywhere". This
+runs, side by side in one run on this world, for a few mesh pairs:
 
-1. planning (pure, no process group): plan time for ~1M tokens over 256 ranks (a 128-rank teacher
-   ``tp8 cp2 dp8`` and a 128-rank student ``tp4 cp4 dp8``, THD on both sides, different packing),
-   bytes across ranks, messages and replica imbalance;
-2. the exchange on this world (torchrun: ``W`` ranks, teacher on the first half, student on the
-   second, plus a colocated run on all ranks; plain ``python``: world size 1, colocated, with
-   local copies and with NCCL/gloo send-to-self): time per exchange, bytes moved across ranks,
-   messages, pack/unpack bytes (each staged row once: one pass per side) and kernel launches
-   (one per owner and side on each rank, whatever the number of peers), and the same figures for the naive baseline that all-gathers
-   every teacher row to every rank and then gathers its own rows (``vs naive`` = naive time /
-   bridge time);
-3. the first case that sends (NCCL send/recv to self at world size 1 on a GPU) again with
-   ``BridgeConfig(integrity=True)`` (per-row checksums of the source and output rows, one
-   checksum message per transfer, a small verdict all-gather in ``wait()``): ``integrity cost``
-   = its bridge time / the same exchange's time with integrity off, the two timed alternately
-   in the same call.
+- the bridge's step API (:meth:`~mopd.bridge.HiddenStateBridge.plan_step`, ``send`` /
+  ``receive`` per micro-batch, ``finish``): time per step (``plan_step ms``: its metadata
+  all-gather and planning, part of the step), bytes moved across ranks against the minimum,
+  local-copy / pack / unpack bytes, and per rank the kernel launches and peers from the
+  executor's schedules (``bridge.executor``);
+- the naive baseline: all-gather every teacher row (padded to the largest rank) to every rank,
+  then gather one's own rows (``vs all-gather`` = its time / the bridge step's);
+- every delivered row checked bit for bit against the teacher's (``exact``);
+- the first case that sends, again with ``BridgeConfig(integrity=True)`` (per-row checksums, a
+  verdict all-gather in ``finish``): ``integrity cost`` = its step time / the same step with
+  integrity off, the two timed alternately in the same call.
 
-Run: ``python -m mopd.profiling.bench_bridge [--quick] [--results-dir DIR]`` (one process, NCCL
-on a GPU, gloo on CPU), or ``torchrun --nproc-per-node 4 -m mopd.profiling.bench_bridge --quick``
-(gloo on CPU). Results go to ``profiling/results/bridge-<machine>-<date>.{csv,md}``.
+On CPU ranks (gloo) the times are functional figures (the paths run, the rows are exact, the
+bytes and launches are what a GPU run moves), not link or kernel speed: ranks share this
+machine's cores. Every table, note and the plot say so. Planning at scale is ``mopd bench plan``.
+
+Run: ``python -m mopd.profiling.bench_bridge [--quick] [--nproc N] [--json] [--results-dir DIR]``
+(or ``mopd bench bridge``). Without torchrun it starts ``--nproc`` ranks itself (default 4 gloo
+ranks on CPU, 1 NCCL rank on a GPU: send/recv to itself); under
+``torchrun --nproc-per-node N -m mopd.profiling.bench_bridge`` it uses torchrun's world.
+Records ``bridge-<machine>-<date>.{csv,md,png}`` under the results folder
+(:func:`mopd.profiling.results.default_results_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import socket
 import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+from mopd.profiling.mesh_arg import OneLineParser
 
-from mopd.bridge import (
-    BridgeConfig,
-    GroupPool,
-    HiddenStateBridge,
-    Mesh,
-    StudentBatch,
-    TeacherBatch,
-    TeacherSpec,
-    create_bridge_groups,
-    plan_token_exchange,
-)
-from mopd.bridge.groups import all_gather_flat
-from mopd.bridge.layout import encode_keys
-from mopd.kernels import gather_rows
-from mopd.profiling.results import format_table, record
-from mopd.profiling.synthetic import SideFormat, synthetic_step
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["bench_exchange", "bench_plan", "main"]
+    from mopd.bridge import BridgeStep, GroupPool, Mesh, TokenLayout
+
+__all__ = ["Case", "bench_case", "cases_for", "main", "plot"]
+
+_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def bench_plan(*, samples: int, max_len: int, repeats: int = 5, student_kind: str = "thd") -> dict:
-    """Plan time and figures for the 256-rank layout (``samples * max_len / 2`` tokens on average).
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One mesh pair of the run."""
 
-    Times the run join (``method="runs"``, what the bridge uses) and the per-token reference
-    (``method="tokens"``) on the same layouts (medians of ``repeats`` after a warm-up), checks
-    they give the same plan, and prints both with their ratio. ``student_kind``: ``"thd"`` or ``"sbh"`` (strided runs that interleave).
-    """
-    teacher = Mesh(tp=8, cp=2, dp=8, name="teacher")
-    student = Mesh(tp=4, cp=4, dp=8, rank_offset=128, name="student")
-    step = synthetic_step(
-        teachers=[teacher],
-        student=student,
-        num_samples=samples,
-        max_len=max_len,
-        teacher_formats=[SideFormat(kind="thd", micro_batch=8)],
-        student_format=SideFormat(kind=student_kind, micro_batch=4, pad_multiple=student.tp),
-        seed=0,
-    )
-    tb = [TeacherBatch(mesh=teacher, layouts=step.teacher_layouts[0], hidden_size=4096)]
-    sb = StudentBatch(mesh=student, layouts=step.student_layouts)
-    med: dict[str, float] = {}
-    plans = {}
-    for method in ("runs", "tokens"):
-        plan_token_exchange(tb, sb, method=method)  # warm-up: first-touch page faults
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            plans[method] = plan_token_exchange(tb, sb, method=method)
-            times.append(time.perf_counter() - t)
-        med[method] = statistics.median(times)
-    plan, ref = plans["runs"], plans["tokens"]
-    if not (
-        plan.signature == ref.signature
-        and torch.equal(plan.transfers_T5, ref.transfers_T5)
-        and torch.equal(plan.src_rows_M, ref.src_rows_M)
-        and torch.equal(plan.dst_rows_M, ref.dst_rows_M)
-    ):
-        raise RuntimeError("bench_plan: the run join and the per-token reference disagree")
-    s = plan.summary()
-    return {
-        "case": f"plan only: 256 ranks (tp8cp2dp8 -> tp4cp4dp8), THD -> {student_kind.upper()}",
-        "tokens": step.num_tokens,
-        "hidden": 4096,
-        "plan ms": 1e3 * med["runs"],
-        "plan ms (per-token reference)": 1e3 * med["tokens"],
-        "reference / runs": med["tokens"] / med["runs"],
-        "torch threads": torch.get_num_threads(),
-        "bytes across ranks": s["bytes_cross"],
-        "minimum bytes": step.num_tokens * 4096 * 2,
-        "messages": s["messages"],
-        "replica imbalance": s["replica_imbalance"],
-    }
+    name: str
+    teacher: Mesh
+    student: Mesh
+    local_copy: bool = True
+    micro_batches: int = 1
+
+
+def cases_for(world: int, *, cuda: bool) -> list[Case]:
+    """The mesh pairs measured on a world of ``world`` ranks."""
+    from mopd.bridge import Mesh
+
+    if world == 1:
+        out = [Case(name="world 1, colocated, local copies", teacher=Mesh(), student=Mesh())]
+        if cuda:  # gloo cannot send to itself
+            out.append(
+                Case(
+                    name="world 1, colocated, NCCL send/recv to self",
+                    teacher=Mesh(),
+                    student=Mesh(),
+                    local_copy=False,
+                )
+            )
+        return out
+    half = world // 2
+    t_tp = 2 if half % 2 == 0 else 1
+    s_tp = 2 if (world - half) % 2 == 0 else 1
+    out = [
+        Case(
+            name=f"disjoint: tp{t_tp}dp{half // t_tp} -> tp{s_tp}dp{(world - half) // s_tp}",
+            teacher=Mesh(tp=t_tp, dp=half // t_tp),
+            student=Mesh(tp=s_tp, dp=(world - half) // s_tp, rank_offset=half),
+        )
+    ]
+    if world % 2 == 0:
+        out.append(
+            Case(
+                name=f"colocated: tp2dp{world // 2} -> dp{world}",
+                teacher=Mesh(tp=2, dp=world // 2),
+                student=Mesh(dp=world),
+            )
+        )
+    if world % 4 == 0:
+        out.append(
+            Case(
+                name=f"colocated, 2 micro-batches: tp2dp{world // 2} -> tp2cp2dp{world // 4}",
+                teacher=Mesh(tp=2, dp=world // 2),
+                student=Mesh(tp=2, cp=2, dp=world // 4),
+                micro_batches=2,
+            )
+        )
+    return out
+
+
+def _shifted(layout: TokenLayout, by: int) -> TokenLayout:
+    """``layout`` with every real sample id moved by ``by`` (micro-batches with distinct ids)."""
+    import torch
+
+    from mopd.bridge import TokenLayout
+
+    s = layout.sample_id_R
+    return TokenLayout(sample_id_R=torch.where(s >= 0, s + by, s), position_R=layout.position_R)
+
+
+def _micro_batches(
+    case: Case, *, samples: int, max_len: int, seed: int
+) -> tuple[list[dict[tuple[int, int], TokenLayout]], list[dict[tuple[int, int], TokenLayout]]]:
+    """Per micro-batch, teacher (THD) and student (SBH) layouts of the same samples."""
+    from mopd.profiling.synthetic import SideFormat, synthetic_step
+
+    t_out, s_out = [], []
+    for i in range(case.micro_batches):
+        st = synthetic_step(
+            teachers=[case.teacher],
+            student=case.student,
+            num_samples=samples,
+            max_len=max_len,
+            teacher_formats=[SideFormat(kind="thd", micro_batch=4)],
+            student_format=SideFormat(kind="sbh", micro_batch=2, pad_multiple=case.student.tp),
+            seed=seed + i,
+        )
+        by = i * 3 * samples  # synthetic ids lie in [0, 3 * samples)
+        t_out.append({k: _shifted(v, by) for k, v in st.teacher_layouts[0].items()})
+        s_out.append({k: _shifted(v, by) for k, v in st.student_layouts.items()})
+    return t_out, s_out
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def bench_exchange(
+def _schedules(step: BridgeStep) -> list[Any]:
+    """This rank's schedule of every micro-batch (the executor's, as the step runs them)."""
+    return [s.schedule for s in step._slots if s.schedule is not None]
+
+
+def bench_case(
+    case: Case,
     *,
-    name: str,
-    teacher: Mesh,
-    student: Mesh,
     pool: GroupPool,
     samples: int,
     max_len: int,
@@ -128,83 +168,105 @@ def bench_exchange(
     dtype: torch.dtype,
     device: torch.device,
     iters: int,
-    local_copy: bool = True,
     integrity: bool = False,
-) -> dict | None:
-    """Time the bridge and the naive all-gather on ``teacher -> student`` (collective over the world)."""
-    rank = dist.get_rank()
-    groups = create_bridge_groups(pool, [teacher], student)
-    step = synthetic_step(
-        teachers=[teacher],
-        student=student,
-        num_samples=samples,
-        max_len=max_len,
-        teacher_formats=[SideFormat(kind="thd", micro_batch=4)],
-        student_format=SideFormat(kind="sbh", micro_batch=2, pad_multiple=student.tp),
-        seed=1,
-    )
-    kw: dict = {}
-    src_keys = torch.empty(0, dtype=torch.int64)
-    src = torch.empty((0, hidden), dtype=dtype, device=device)
-    if teacher.is_last_stage(rank):
-        c = teacher.coord(rank)
-        lay = step.teacher_layouts[0][(c.dp_rank, c.cp_rank)]
-        src = torch.randn(lay.num_rows, hidden, device=device).to(dtype)
-        kw.update(hidden={0: src}, layouts={0: lay})
-        if c.tp_rank == 0:  # the naive baseline gathers each teacher row once
-            src_keys = encode_keys(lay.sample_id_R, lay.position_R, 1 << 24)
-        else:
-            src = src[:0]
-    stu = None
-    if student.is_last_stage(rank):
-        c = student.coord(rank)
-        stu = step.student_layouts[(c.dp_rank, c.cp_rank)]
-        kw.update(
-            student_layout=stu,
-            outputs={0: torch.empty((stu.num_rows, hidden), dtype=dtype, device=device)},
-        )
-    bridge = HiddenStateBridge(
-        teachers=[TeacherSpec(mesh=teacher, hidden_size=hidden)],
-        student=student,
-        groups=groups,
-        config=BridgeConfig(timeout_s=120, local_copy=local_copy, integrity=integrity),
-    )
-    prepared = bridge.prepare(**kw)
+) -> dict[str, Any]:
+    """Time the bridge step and the naive all-gather on ``case`` (collective over the world)."""
+    import torch
+    import torch.distributed as dist
 
-    # naive: all-gather every teacher row (padded to the largest rank) everywhere, then gather
-    world = dist.get_world_size()
-    n_local = torch.tensor([src.shape[0]], device=device)
-    n_all = torch.empty(world, dtype=torch.int64, device=device)
-    all_gather_flat(n_all, n_local, group=None, timeout=datetime.timedelta(seconds=120))
-    width = int(n_all.max())
-    keys_pad = torch.full((width,), -1, dtype=torch.int64, device=device)
-    keys_pad[: src_keys.numel()] = src_keys.to(device)
-    keys_all = torch.empty(world * width, dtype=torch.int64, device=device)
-    all_gather_flat(keys_all, keys_pad, group=None, timeout=datetime.timedelta(seconds=120))
-    send_pad = torch.zeros((width, hidden), dtype=dtype, device=device)
-    recv_all = torch.empty((world * width, hidden), dtype=dtype, device=device)
-    pick = None
-    naive_out = None
-    if stu is not None:
-        kd = encode_keys(stu.sample_id_R, stu.position_R, 1 << 24).to(device)
-        order = torch.argsort(keys_all)
-        pos = torch.searchsorted(keys_all[order], kd).clamp(max=keys_all.numel() - 1)
-        pick = order[pos]  # padding rows pick anything: the bridge zero-fills them, naive does not
-        naive_out = torch.empty((stu.num_rows, hidden), dtype=dtype, device=device)
+    from mopd.bridge import BridgeConfig, HiddenStateBridge, TeacherSpec, create_bridge_groups
+    from mopd.bridge.groups import all_gather_flat
+    from mopd.bridge.layout import encode_keys
+    from mopd.kernels import gather_rows
+    from mopd.profiling.synthetic import key_pattern
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    teacher, student, m = case.teacher, case.student, case.micro_batches
+    groups = create_bridge_groups(pool, [teacher], student)
+    t_lay, s_lay = _micro_batches(case, samples=samples, max_len=max_len, seed=1)
+    tc, sc = teacher.coord(rank), student.coord(rank)
+    t_mine = [t_lay[i][(tc.dp_rank, tc.cp_rank)] for i in range(m)] if tc is not None else None
+    s_mine = [s_lay[i][(sc.dp_rank, sc.cp_rank)] for i in range(m)] if sc is not None else None
+    # rows whose bits derive from their key: replicas agree, a misplaced row is caught
+    hidden_M = [key_pattern(x, hidden, dtype).to(device) for x in t_mine or []]
+
+    def make(with_integrity: bool) -> HiddenStateBridge:
+        return HiddenStateBridge(
+            teachers=[TeacherSpec(mesh=teacher, hidden_size=hidden, dtype=dtype)],
+            student=student,
+            groups=groups,
+            config=BridgeConfig(
+                timeout_s=120, local_copy=case.local_copy, integrity=with_integrity
+            ),
+        )
+
+    bridge = make(integrity)
+    plan_s: list[float] = []  # plan_step of the timed bridge steps
+
+    def run_step(
+        b: HiddenStateBridge, plan_times: list[float] | None = None
+    ) -> tuple[BridgeStep, list[tuple[torch.Tensor, Any]]]:
+        """One step; on student ranks ``(rows of teacher 0, owner of each row)`` per micro-batch."""
+        t0 = time.perf_counter()
+        step = b.plan_step(
+            teacher_layouts={0: t_mine} if t_mine is not None else None,
+            student_layouts=s_mine,
+        )
+        if plan_times is not None:
+            plan_times.append(time.perf_counter() - t0)
+        outs = []
+        for i in range(m):
+            if t_mine is not None:
+                step.send(i, {0: hidden_M[i]})
+            if s_mine is not None:
+                outs.append((step.receive(i)[0], step.owner(i)))
+        step.finish()
+        return step, outs
+
+    # naive: per micro-batch, all-gather every teacher row (tp rank 0's copy) everywhere
+    naive_mb = []
+    for i in range(m):
+        if tc is not None and tc.tp_rank == 0:
+            src = hidden_M[i]
+            keys = encode_keys(t_mine[i].sample_id_R, t_mine[i].position_R, 1 << 24)  # type: ignore[index]
+        else:
+            src = torch.empty((0, hidden), dtype=dtype, device=device)
+            keys = torch.empty(0, dtype=torch.int64)
+        n_all = torch.empty(world, dtype=torch.int64, device=device)
+        all_gather_flat(
+            n_all, torch.tensor([src.shape[0]], device=device), group=None, timeout=_TIMEOUT
+        )
+        width = int(n_all.max())
+        keys_pad = torch.full((width,), -1, dtype=torch.int64, device=device)
+        keys_pad[: keys.numel()] = keys.to(device)
+        keys_all = torch.empty(world * width, dtype=torch.int64, device=device)
+        all_gather_flat(keys_all, keys_pad, group=None, timeout=_TIMEOUT)
+        pick = out = None
+        if s_mine is not None:
+            kd = encode_keys(s_mine[i].sample_id_R, s_mine[i].position_R, 1 << 24).to(device)
+            order = torch.argsort(keys_all)
+            pos = torch.searchsorted(keys_all[order], kd).clamp(max=keys_all.numel() - 1)
+            pick = order[pos]  # padding rows pick anything: the bridge zero-fills them
+            out = torch.empty((s_mine[i].num_rows, hidden), dtype=dtype, device=device)
+        naive_mb.append(
+            {
+                "src": src,
+                "send": torch.zeros((width, hidden), dtype=dtype, device=device),
+                "recv": torch.empty((world * width, hidden), dtype=dtype, device=device),
+                "pick": pick,
+                "out": out,
+                "rows": int(n_all.sum()),
+            }
+        )
 
     def naive() -> None:
-        send_pad[: src.shape[0]].copy_(src)
-        all_gather_flat(recv_all, send_pad, group=None, timeout=datetime.timedelta(seconds=120))
-        if pick is not None:
-            gather_rows(recv_all, pick, out_RH=naive_out, check_bounds=False)
+        for x in naive_mb:
+            x["send"][: x["src"].shape[0]].copy_(x["src"])
+            all_gather_flat(x["recv"], x["send"], group=None, timeout=_TIMEOUT)
+            if x["pick"] is not None:
+                gather_rows(x["recv"], x["pick"], out_RH=x["out"], check_bounds=False)
 
-    def bridged() -> None:
-        bridge.start(prepared).wait()
-
-    row_bytes = hidden * torch.empty((), dtype=dtype).element_size()
-    figures = {}
-
-    def timed(fn) -> float:
+    def timed(fn: Callable[[], object]) -> float:
         dist.barrier()
         _sync(device)
         t = time.perf_counter()
@@ -213,197 +275,324 @@ def bench_exchange(
         dist.barrier()
         return time.perf_counter() - t
 
-    for label, fn in (("bridge", bridged), ("naive", naive)):
+    # the functional check first: every delivered row bit for bit, the baseline's too
+    step, outs = run_step(bridge)
+    ok = True
+    int_view = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[dtype.itemsize]
+    for i, (got, owner) in enumerate(outs):
+        want = key_pattern(s_mine[i], hidden, dtype).to(device).view(int_view)  # type: ignore[index]
+        real = owner >= 0
+        ok &= bool(torch.equal(got.view(int_view)[real], want[real]))
+        ok &= bool(real.sum() == s_mine[i].num_tokens)  # type: ignore[index]
+    naive()
+    for i, x in enumerate(naive_mb):
+        if x["out"] is not None:
+            real = s_mine[i].sample_id_R.to(device) >= 0  # type: ignore[index]
+            want = key_pattern(s_mine[i], hidden, dtype).to(device).view(int_view)  # type: ignore[index]
+            ok &= bool(torch.equal(x["out"].view(int_view)[real], want[real]))
+
+    counts = [s.counts() for s in _schedules(step)]
+    per_rank = {
+        k: sum(c[k] for c in counts)
+        for k in ("send_bytes", "local_bytes", "pack_bytes", "unpack_bytes", "messages")
+    }
+    launches = max(
+        (c["pack_launches"] + c["unpack_launches"] + c["local_passes"] for c in counts), default=0
+    )
+    peers = max((c["messages"] for c in counts), default=0)
+    sums = torch.tensor(
+        [per_rank[k] for k in ("send_bytes", "local_bytes", "pack_bytes", "unpack_bytes")]
+        + [per_rank["messages"]],
+        dtype=torch.int64,
+        device=device,
+    )
+    tops = torch.tensor([launches, peers, 0 if ok else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(sums)
+    dist.all_reduce(tops, op=dist.ReduceOp.MAX)
+    sums, tops = sums.cpu().tolist(), tops.cpu().tolist()
+
+    figures: dict[str, float] = {}
+    for label, fn in (("bridge", lambda: run_step(bridge, plan_s)), ("naive", naive)):
         fn()
         figures[label] = statistics.median(timed(fn) for _ in range(iters))
+    plan_ms = 1e3 * statistics.median(plan_s)
+    extra: dict[str, Any] = {}
     if integrity:
-        # the same exchange with integrity off, timed alternately with the integrity-on bridge
-        # in this call, so the ratio compares like with like (on a busy machine too)
-        plain_bridge = HiddenStateBridge(
-            teachers=[TeacherSpec(mesh=teacher, hidden_size=hidden)],
-            student=student,
-            groups=groups,
-            config=BridgeConfig(timeout_s=120, local_copy=local_copy),
-        )
-        plain_prepared = plain_bridge.prepare(**kw)
-
-        def plain() -> None:
-            plain_bridge.start(plain_prepared).wait()
-
-        plain()
+        # the same step with integrity off, timed alternately with the integrity-on bridge in
+        # this call, so the ratio compares like with like (on a busy machine too)
+        plain = make(False)
+        run_step(plain)
         on, off = [], []
         for _ in range(iters):
-            on.append(timed(bridged))
-            off.append(timed(plain))
-        figures["bridge"], figures["plain"] = statistics.median(on), statistics.median(off)
-    sched = bridge.executor.schedule(prepared.plan).counts()
-    totals = torch.tensor(
-        [
-            sched["pack_bytes"],
-            sched["unpack_bytes"],
-            sched["local_bytes"],
-            sched["pack_launches"] + sched["unpack_launches"],
-        ],
-        dtype=torch.int64,
-    )
-    if device.type == "cuda":
-        totals = totals.to(device)
-    dist.all_reduce(totals)
-    totals = totals.cpu()
-    s = prepared.plan.summary()
-    needed = sum(x.num_tokens * student.tp for x in step.student_layouts.values()) * row_bytes
-    naive_bytes = (world - 1) * int(n_all.sum()) * row_bytes
-    extra = (
-        {
-            "integrity off ms": 1e3 * figures["plain"],
-            "integrity cost": figures["bridge"] / figures["plain"],
+            on.append(timed(lambda: run_step(bridge)))
+            off.append(timed(lambda: run_step(plain)))
+        figures["bridge"] = statistics.median(on)
+        extra = {
+            "integrity off ms": 1e3 * statistics.median(off),
+            "integrity cost": statistics.median(on) / statistics.median(off),
         }
-        if integrity
-        else {}
-    )
+    row_bytes = hidden * dtype.itemsize
+    tokens = sum(x.num_tokens for lay in s_lay for x in lay.values())
+    naive_bytes = sum((world - 1) * x["rows"] * row_bytes for x in naive_mb)
     return {
-        "case": name,
+        "case": case.name,
+        "world": world,
+        "micro-batches": m,
         "integrity": "on" if integrity else "off",
-        "tokens": step.num_tokens,
+        "tokens": tokens,
         "hidden": hidden,
-        "bridge ms": 1e3 * figures["bridge"],
-        "naive ms": 1e3 * figures["naive"],
-        "vs naive": figures["naive"] / figures["bridge"],
-        "bridge GB/s (rows delivered)": needed / figures["bridge"] / 1e9,
-        "bytes across ranks": s["bytes_cross"],
-        "naive bytes across ranks": naive_bytes,
-        "local copy bytes": int(totals[2]),
-        "pack bytes": int(totals[0]),
-        "unpack bytes": int(totals[1]),
-        "pack+unpack launches": int(totals[3]),
-        "messages": s["messages"],
-        "replica imbalance": s["replica_imbalance"],
+        "bridge step ms": 1e3 * figures["bridge"],
+        "plan_step ms": plan_ms,
+        "all-gather ms": 1e3 * figures["naive"],
+        "vs all-gather": figures["naive"] / figures["bridge"],
+        "bytes across ranks": sums[0],
+        "local copy bytes": sums[1],
+        "minimum bytes": tokens * row_bytes,
+        "all-gather bytes across ranks": naive_bytes,
+        "pack bytes": sums[2],
+        "unpack bytes": sums[3],
+        "transfers": sums[4] // 2,  # each counted by its sender and its receiver
+        "launches/rank/micro-batch (max)": tops[0],
+        "messages/rank/micro-batch (max)": tops[1],
+        "exact": tops[2] == 0,
         **extra,
     }
 
 
-def _init() -> torch.device:
+def plot(rows: Sequence[dict[str, Any]], png: Path, title: str, *, caveat: str | None) -> Path:
+    """Per case: the bridge step against the all-gather (time), and the bytes each moves."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    from mopd.profiling.plots import spans_decades
+
+    labels = [
+        f"{r['case']}{' + integrity' if r['integrity'] == 'on' else ''}\n"
+        f"all-gather / bridge {float(r['vs all-gather']):.2f}x, rows exact: {r['exact']}"
+        for r in rows
+    ]
+    peak = max(float(r["all-gather bytes across ranks"]) for r in rows)
+    unit, scale = next(
+        ((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak >= k),
+        ("B", 1),
+    )
+    fig = Figure(figsize=(12.0, 0.8 * len(rows) + 2.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2, sharey=None)
+    pos = list(range(len(rows)))
+    h = 0.38
+    bridge = [float(r["bridge step ms"]) for r in rows]
+    naive = [float(r["all-gather ms"]) for r in rows]
+    ax.barh([p - h / 2 for p in pos], bridge, h, color="#4472c4", label="bridge step")
+    ax.barh([p + h / 2 for p in pos], naive, h, color="#7f7f7f", label="all-gather baseline")
+    h = 0.27
+    cross = [float(r["bytes across ranks"]) / scale for r in rows]
+    local = [float(r["local copy bytes"]) / scale for r in rows]
+    minimum = [float(r["minimum bytes"]) / scale for r in rows]
+    gathered = [float(r["all-gather bytes across ranks"]) / scale for r in rows]
+    bx.barh([p - h for p in pos], cross, h, color="#4472c4", label="bridge: across ranks")
+    bx.barh([p - h for p in pos], local, h, left=cross, color="tab:orange", label="+ local copies")
+    bx.barh(pos, minimum, h, color="tab:green", label="minimum: each token once")
+    bx.barh([p + h for p in pos], gathered, h, color="#7f7f7f", label="all-gather: across ranks")
+    for axis, values, unit_text in (
+        (ax, bridge + naive, "ms per step (median)"),
+        (bx, [c + x for c, x in zip(cross, local, strict=True)] + gathered, f"{unit} per step"),
+    ):
+        if spans_decades(values):
+            axis.set_xscale("log")
+            axis.xaxis.set_minor_formatter(NullFormatter())
+            unit_text += ", log scale"
+        axis.set_xlabel(unit_text)
+        axis.grid(axis="x", alpha=0.3, which="both")
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+        axis.invert_yaxis()
+    ax.set_yticks(pos, labels, fontsize=8)
+    bx.set_yticks(pos, ["" for _ in pos])
+    fig.suptitle(title + (f"\n{caveat}" if caveat else ""), fontsize=9)
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def _init(args: argparse.Namespace) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
     cuda = torch.cuda.is_available()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            kw = {"device_id": device} if cuda else {}
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # several ranks share the cores
+    if not dist.is_initialized():
+        kw = {"device_id": device} if cuda else {}
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(
                 "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300), **kw
             )
-        return device
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if not dist.is_initialized():
-        kw = {"device_id": device} if cuda else {}
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=300),
-            **kw,
-        )
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=300),
+                **kw,
+            )
     return device
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_bridge", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes (CPU / harness check)")
-    p.add_argument("--results-dir", type=Path, default=None)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--samples", type=int, default=None, help="samples per exchange")
-    p.add_argument("--max-len", type=int, default=None, help="longest sample")
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--skip-plan", action="store_true", help="skip the 256-rank planning figure")
-    args = p.parse_args(argv)
-    device = _init()
+def _run(args: argparse.Namespace) -> int:
+    """One rank of the run (rank 0 prints and records)."""
+    import torch
+    import torch.distributed as dist
+
+    from mopd.bridge import GroupPool
+    from mopd.profiling.results import CPU_CAVEAT, Progress, format_table, record
+
+    device = _init(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     small = args.quick or device.type == "cpu"
     samples = args.samples or (16 if small else 32)
     max_len = args.max_len or (256 if small else 4096)
     hidden = args.hidden or (128 if small else 4096)
-    dtype = torch.bfloat16
+    pool = GroupPool(backend="nccl" if device.type == "cuda" else "gloo", timeout_s=120)
+    cases = cases_for(world, cuda=device.type == "cuda")
+    # the first case that sends once more with integrity on (world 1 on a GPU: NCCL to self)
+    first = next((c for c in cases if not c.local_copy), cases[0]) if world == 1 else cases[0]
+    runs = [(c, False) for c in cases] + [(first, True)]
+    cpu = device.type == "cpu"
+    label = (
+        f"functional (CPU: {world} gloo rank(s) on {os.cpu_count()} cores)"
+        if cpu
+        else f"measured ({world} x {torch.cuda.get_device_name(device)})"
+    )
     rows = []
-    if rank == 0 and not args.skip_plan:
-        plan_samples = 64 if args.quick else 512
-        for kind in ("thd", "sbh"):
-            rows.append(bench_plan(samples=plan_samples, max_len=4096, student_kind=kind))
-            print(format_table(rows[-1:]), flush=True)
-    pool = GroupPool(backend="nccl" if device.type == "cuda" else "gloo")
-    cases: list[tuple[str, Mesh, Mesh, bool]] = []
-    if world == 1:
-        cases += [
-            ("world 1, colocated, local copies", Mesh(), Mesh(), True),
-        ]
-        if device.type == "cuda":  # gloo cannot send to itself
-            cases.append(("world 1, colocated, NCCL send/recv to self", Mesh(), Mesh(), False))
-    else:
-        half = world // 2
-        t_tp = 2 if half % 2 == 0 else 1
-        s_tp = 2 if (world - half) % 2 == 0 else 1
-        cases += [
-            (
-                f"disjoint: tp{t_tp}dp{half // t_tp} -> tp{s_tp}dp{(world - half) // s_tp}",
-                Mesh(tp=t_tp, dp=half // t_tp),
-                Mesh(tp=s_tp, dp=(world - half) // s_tp, rank_offset=half),
-                True,
-            ),
-            (
-                f"colocated: tp{t_tp}dp{world // t_tp} -> dp{world}",
-                Mesh(tp=t_tp, dp=world // t_tp),
-                Mesh(dp=world),
-                True,
-            ),
-        ]
-    # the first case once more with integrity on: its cost against the row with it off
-    # (on the network path: NCCL send/recv to self at world size 1 on a GPU)
-    runs = [(c, False) for c in cases] + [(next((c for c in cases if not c[3]), cases[0]), True)]
-    for (name, teacher, student, local), integrity in runs:
-        row = bench_exchange(
-            name=name,
-            teacher=teacher,
-            student=student,
-            pool=pool,
-            samples=samples,
-            max_len=max_len,
-            hidden=hidden,
-            dtype=dtype,
-            device=device,
-            iters=args.iters,
-            local_copy=local,
-            integrity=integrity,
-        )
-        if row is not None:
-            row["world"] = world
+    with Progress(total=len(runs), desc="bench bridge", quiet=args.json or rank != 0) as bar:
+        for case, integrity in runs:
+            bar.start(case.name + (" + integrity" if integrity else ""))
+            row = bench_case(
+                case,
+                pool=pool,
+                samples=samples,
+                max_len=max_len,
+                hidden=hidden,
+                dtype=torch.bfloat16,
+                device=device,
+                iters=args.iters,
+                integrity=integrity,
+            )
+            row["figures"] = label
             rows.append(row)
-            if rank == 0:
-                print(format_table([row]), flush=True)
+            bar.step()
+            if args.json and rank == 0:
+                print(json.dumps(row), flush=True)
     if rank == 0:
-        print(format_table(rows))
-        record(
-            "bridge",
-            rows,
-            out_dir=args.results_dir,
-            notes=(
-                "bridge vs naive (all-gather every teacher row to every rank, then gather one's "
-                "own rows), same run. 'vs naive' = naive ms / bridge ms. 'bytes across ranks' "
-                "excludes local copies; the planning row is pure (no process group). "
-                "'integrity cost' = bridge ms with BridgeConfig(integrity=True) / 'integrity "
-                "off ms' (the same exchange with it off, timed alternately in the same call)."
-                + (
-                    f" CPU run: {world} gloo ranks share this machine's cores, so the times are "
-                    "a functional check, not link or kernel speed."
-                    if device.type == "cpu"
-                    else ""
-                )
-            ),
-        )
+        if not args.json:
+            if cpu:
+                print(f"{CPU_CAVEAT}: {world} gloo ranks share this machine's cores.")
+            print(format_table(rows))
+        if not args.no_record:
+            notes = (
+                "Bridge step (plan_step + send/receive per micro-batch + finish) against the "
+                "naive all-gather (every teacher row to every rank, then one's own rows), same "
+                "run. 'vs all-gather' = all-gather ms / bridge step ms; 'plan_step ms' is part "
+                "of the step. 'bytes across ranks' excludes local copies; with them it equals "
+                "'minimum bytes' (each token into its student group once). 'launches/rank/"
+                "micro-batch' = pack + unpack + local-copy passes of the busiest rank in one "
+                "micro-batch (executor schedules), 'messages/...' its sends and receives. 'exact': every delivered row bit for bit. "
+                "'integrity cost' = step ms with BridgeConfig(integrity=True) / 'integrity off "
+                "ms' (timed alternately in the same call)."
+                + (f" {CPU_CAVEAT}: {world} gloo ranks share the cores." if cpu else "")
+            )
+            csv_path, md_path = record("bridge", rows, out_dir=args.results_dir, notes=notes)
+            png = plot(
+                rows,
+                csv_path.with_suffix(".png"),
+                f"{csv_path.stem}: bridge step vs all-gather, {world} rank(s)",
+                caveat=f"{CPU_CAVEAT}: {world} gloo ranks share the cores" if cpu else None,
+            )
+            print(f"recorded {csv_path}, {md_path} and {png}", file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawned(local_rank: int, nproc: int, port: int, argd: dict[str, Any]) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    rc = _run(argparse.Namespace(**argd))
+    if rc:
+        raise SystemExit(rc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="bench_bridge", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (CPU / harness check)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to start when not under torchrun (default: 4 on CPU, 1 on a GPU)",
+    )
+    p.add_argument("--iters", type=int, default=10, help="timed steps per case (median)")
+    p.add_argument("--samples", type=int, default=None, help="samples per micro-batch")
+    p.add_argument("--max-len", type=int, default=None, help="longest sample")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per case, no table")
+    p.add_argument("--results-dir", type=Path, default=None)
+    p.add_argument("--no-record", action="store_true", help="print only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("nproc", "iters", "samples", "max_len", "hidden"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run(args)  # under torchrun
+    nproc = args.nproc
+    if nproc is None:  # the default depends on the machine: only then is torch needed here
+        import torch
+
+        nproc = 1 if torch.cuda.is_available() else 4
+    if nproc == 1:
+        return _run(args)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, nproc, port, vars(args))) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    while any(p.is_alive() for p in procs):  # a rank that fails ends the others, no hang
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        print(f"bench_bridge: rank(s) failed (rank, exit code): {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,8 +6,14 @@ step, effective GB/s and allocations per step for (a) ``gather_sequence_parallel
 :class:`ReusableBuffer` and (b) the usual ``all_gather`` into a fresh list + ``torch.cat``, and
 the forward-time overhead of the capture hook on a Megatron GPTModel when megatron-core is there.
 
+On a CPU (gloo at world size 1) the "gather" is a local copy and the sizes are small: the
+figures there are functional (the paths run, the buffer is reused), not performance, and the
+table, the notes and the plot say so. The plot puts each path beside the reused buffer
+(``x`` = its time / the reused buffer's) on a log axis when the times span decades.
+
 Run: ``python -m mopd.profiling.bench_capture [--quick] [--results-dir DIR]`` (one process; NCCL
-at world size 1 on a GPU, gloo on CPU).
+at world size 1 on a GPU, gloo on CPU). Records ``capture-<machine>-<date>.{csv,md,png}`` under
+the results folder (:func:`mopd.profiling.results.default_results_dir`).
 """
 
 from __future__ import annotations
@@ -16,34 +22,85 @@ import argparse
 import datetime
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+from mopd.profiling.mesh_arg import OneLineParser
 
-from mopd.capture import OutputLayerInputCapture, ReusableBuffer, gather_sequence_parallel
-from mopd.profiling.results import format_table, record
-from mopd.profiling.timing import time_calls
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["main"]
+__all__ = ["main", "plot"]
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
     """``timer(fn, n)``: milliseconds of each of ``n`` calls of ``fn()``, each waited for."""
+    from mopd.profiling.timing import time_calls
+
     return lambda fn, n: time_calls(lambda i: fn(), device=device, iters=n)
 
 
 def _allocs(device: torch.device) -> int | None:
+    import torch
+
     return torch.cuda.memory_stats()["allocation.all.allocated"] if device.type == "cuda" else None
 
 
+def plot(rows: Sequence[dict[str, Any]], png: Path, title: str, *, cpu: bool) -> Path:
+    """ms per step of every path, each against the reused buffer (or the plain forward)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from mopd.profiling.plots import spans_decades
+    from mopd.profiling.results import CPU_CAVEAT
+
+    ms = [float(r["ms/step"]) for r in rows]
+    by_path = {str(r["path"]): v for r, v in zip(rows, ms, strict=True)}
+    labels = []
+    for r, v in zip(rows, ms, strict=True):
+        hook = str(r["path"]).startswith("GPT")
+        ref = by_path["GPT forward, no capture"] if hook else ms[0]
+        what = "the plain forward" if hook else "the reused buffer"
+        labels.append(f"{v:.3g} ms ({v / ref:.2f}x {what})")
+    fig = Figure(figsize=(9.0, 0.55 * len(rows) + 2.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    pos = list(range(len(rows)))
+    bars = ax.barh(
+        pos, ms, color=["#4472c4" if "mopd" in str(r["path"]) else "#7f7f7f" for r in rows]
+    )
+    ax.set_yticks(pos, [f"{r['path']}\n{r['shape']}" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    log = spans_decades(ms)
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel("ms per step (median)" + ("; log scale" if log else ""))
+    ax.bar_label(bars, labels=labels, padding=3, fontsize=7)
+    ax.margins(x=0.35)
+    ax.grid(axis="x", alpha=0.3, which="both" if log else "major")
+    ax.set_title(
+        title + (f"\n{CPU_CAVEAT}: gloo at world size 1, small sizes" if cpu else ""), fontsize=9
+    )
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_capture", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="bench_capture", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes (harness check on CPU)")
     p.add_argument("--results-dir", type=Path, default=None)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-record", action="store_true", help="print only")
     args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error(f"--iters must be >= 1, got {args.iters}")
+    import torch
+    import torch.distributed as dist
+
+    from mopd.capture import ReusableBuffer, gather_sequence_parallel
+    from mopd.profiling.results import CPU_CAVEAT, format_table, record
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -95,26 +152,40 @@ def main(argv: list[str] | None = None) -> int:
         rows += _hook_overhead(device, timer, args)
     except ImportError as exc:
         print(f"(hook overhead skipped: {exc})")
+    for row in rows:
+        row["figures"] = "functional (CPU)" if not cuda else "measured"
+    if not cuda:
+        print(f"{CPU_CAVEAT}.")
     print(format_table(rows))
-    record(
-        "capture",
-        rows,
-        out_dir=args.results_dir,
-        notes="NCCL/gloo world size 1: the gather is a copy; the figure is the buffer's reuse, not link speed.",
-    )
+    if not args.no_record:
+        notes = (
+            "NCCL/gloo world size 1: the gather is a copy; the figure is the buffer's reuse, not "
+            "link speed." + (f" {CPU_CAVEAT}." if not cuda else "")
+        )
+        csv_path, md_path = record("capture", rows, out_dir=args.results_dir, notes=notes)
+        png = plot(
+            rows,
+            csv_path.with_suffix(".png"),
+            f"{csv_path.stem}: capture's SP gather",
+            cpu=not cuda,
+        )
+        print(f"recorded {csv_path}, {md_path} and {png}")
     dist.destroy_process_group()
     return 0
 
 
-def _hook_overhead(device: torch.device, timer, args: argparse.Namespace) -> list[dict]:
+def _hook_overhead(device: torch.device, timer: Any, args: argparse.Namespace) -> list[dict]:
+    if device.type != "cuda":
+        raise ImportError("megatron-core forward on CPU needs the test harness's patches")
+    import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if device.type != "cuda":
-        raise ImportError("megatron-core forward on CPU needs the test harness's patches")
+    from mopd.capture import OutputLayerInputCapture
+
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     H = 256 if args.quick else 2048

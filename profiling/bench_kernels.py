@@ -11,22 +11,25 @@ then records the table with :func:`mopd.profiling.results.record`.
 Method: bytes counted are read + written (2x the payload; index reads ignored, < 0.1%); buffers
 >= 1 GiB, two sets used in turn so L2 cannot help; CUDA events around each call, warm-up first,
 the median of ``--iters`` (>= 15) calls. Every kernel's output is compared bit for bit with
-torch's once (``bit_exact`` column). Each row is printed as soon as it is measured (a variant
-that breaks, or a run cut short, keeps the rows before it); a variant that raises becomes an
-ERROR row. The summary line names the best variant per op (gather, scatter, copy_runs), ranked
+torch's once (``bit_exact`` column). A variant that raises becomes an ERROR row (the peers'
+rows stay); a run cut short (Ctrl-C, or SIGTERM from a time limit) still prints and records the
+rows measured so far, marked as cut short. The table is printed once, at the end; while it runs,
+a progress bar on stderr names the case being measured (on a terminal only). The summary line names the best variant per op (gather, scatter, copy_runs), ranked
 by its mean % of the copy over the index kinds, and prints them as a ``DEFAULT_VARIANTS`` dict
 for :mod:`mopd.kernels.cupy_rows`. With all variants it runs in well under a minute on an H200
 (plus the one-time NVRTC compile of rows.cu when CuPy's cache is cold).
 
 Run: ``python -m mopd.profiling.bench_kernels`` on a GPU; ``--quick`` for a small CPU run that
-only checks the harness (torch twins, perf_counter timing, nothing recorded unless
-``--results-dir`` is given).
+only checks the harness (torch twins, perf_counter timing: functional figures, not performance,
+as its table, notes and plot say; nothing recorded unless ``--results-dir`` is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -37,7 +40,8 @@ import torch
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.cupy_rows import DEFAULT_VARIANTS, OPS, VARIANTS
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
-from mopd.profiling.results import environment, format_table, record
+from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.results import CPU_CAVEAT, Progress, environment, format_table, record
 from mopd.profiling.timing import time_calls
 
 __all__ = ["main", "run_structured_index", "summarize"]
@@ -121,8 +125,12 @@ def _runs(
     copy_runs(srcs[i % 2], *runs, dsts[i % 2], **kw)
 
 
-def bench(args: argparse.Namespace) -> tuple[list[Row], str]:
-    """Run every measurement; returns the rows and a summary line."""
+def bench(args: argparse.Namespace, rows: list[Row] | None = None) -> tuple[list[Row], str]:
+    """Run every measurement; returns the rows and a summary line.
+
+    ``rows``: a list the rows are appended to as they are measured (a caller that is
+    interrupted keeps the rows so far).
+    """
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
@@ -149,7 +157,11 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], str]:
     )
     transpose_idx = (s_idx * b_len + b_idx).reshape(-1)
 
-    rows: list[Row] = []
+    rows = [] if rows is None else rows
+    wanted = [v for v in VARIANTS if args.variants is None or v in args.variants]
+    variants: list[str | None] = wanted if cuda and cupy_available() else [None]
+    per_variant = [7 if v in (None, DEFAULT_VARIANTS["gather"]) else 5 for v in variants]
+    bar = Progress(total=6 + sum(per_variant), desc="kernels", quiet=args.no_progress)
 
     def add(
         op: str, indices_kind: str, impl: str, ms: float, exact: object = "", nbytes: int = 0
@@ -166,11 +178,7 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], str]:
         }
         rows.append(row)
         share = 100.0 * row["GB/s"] / rows[0]["GB/s"]  # rows[0] is the copy ceiling
-        print(
-            f"  {op} | {indices_kind} | {impl}: {ms:.4f} ms, {row['GB/s']:.0f} GB/s, "
-            f"{share:.1f}% of copy, exact={exact}",
-            flush=True,
-        )
+        bar.step(f"{op} | {indices_kind} | {impl}: {row['GB/s']:.0f} GB/s, {share:.1f}% of copy")
 
     add("copy (ceiling)", "-", "tensor.copy_", timer(lambda i: dsts[i % 2].copy_(srcs[i % 2])))
     for kind, idx in indices.items():
@@ -225,8 +233,6 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], str]:
             exact = _bits_equal(mis_dsts[0], mis_srcs[0][idx_mis])
             add("gather (views at element 1)", "random", name, ms, exact, m * row_bytes)
 
-    wanted = [v for v in VARIANTS if args.variants is None or v in args.variants]
-    variants: list[str | None] = wanted if cuda and cupy_available() else [None]
     backend = "cupy" if variants[0] is not None else "torch"
     for variant in variants:
         name = f"{backend}:{variant}" if variant else "twin (torch)"
@@ -235,7 +241,8 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], str]:
             measure(name, variant, kw)
         except Exception as exc:  # keep the peers' figures if one variant breaks
             rows.append({"op": "ERROR", "indices": "-", "impl": name, "bit_exact": repr(exc)})
-            print(f"{name} failed: {exc!r}", flush=True)
+            print(f"{name} failed: {exc!r}", file=sys.stderr, flush=True)
+    bar.close()
 
     ceiling = rows[0]["GB/s"]
     for row in rows:
@@ -277,7 +284,7 @@ def summarize(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="bench_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small CPU run: harness check only")
     parser.add_argument("--gib", type=float, default=None, help="payload per buffer (>= 1 on GPU)")
     parser.add_argument("--hidden", type=int, default=8192, help="H (bf16 elements per row)")
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results-dir", type=Path, default=None, help="where results go")
     parser.add_argument("--no-record", action="store_true", help="print only")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
     if args.gib is None:
         args.gib = 1 / 128 if args.quick else 1.0
@@ -307,7 +315,31 @@ def main(argv: list[str] | None = None) -> int:
             f"a measured run needs --iters >= 15 and --gib >= 1, got {args.iters}, {args.gib}"
         )
 
-    rows, summary = bench(args)
+    rows: list[Row] = []
+    cut_short = False
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # a time limit's SIGTERM: keep what was measured
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        rows, summary = bench(args, rows)
+    except KeyboardInterrupt:
+        cut_short = True
+        for row in rows:
+            if "GB/s" in row and rows and "GB/s" in rows[0]:
+                row["%_of_copy"] = 100.0 * row["GB/s"] / rows[0]["GB/s"]
+        summary = summarize(rows) if rows else "no row measured"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not rows:
+        print("bench_kernels: cut short before the first row", file=sys.stderr)
+        return 130
+    on_cpu = args.quick or not torch.cuda.is_available()  # bench() measures on the CPU then
+    if on_cpu:
+        print(f"{CPU_CAVEAT}{' (--quick: a harness check)' if args.quick else ''}.")
+    if cut_short:
+        print(f"CUT SHORT after {len(rows)} rows.")
     print(format_table(rows))
     print(summary)
     notes = (
@@ -316,13 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         f"contiguous runs of {args.min_run}-{args.max_run} rows in shuffled order. "
         f"Default variants: {DEFAULT_VARIANTS}. {summary}"
         + (" QUICK CPU RUN: harness check, not a measurement." if args.quick else "")
+        + (f" {CPU_CAVEAT}." if on_cpu else "")
+        + (f" CUT SHORT after {len(rows)} rows." if cut_short else "")
     )
     if not args.no_record and (args.results_dir is not None or not args.quick):
         csv_path, md_path = record(
             "kernels", rows, out_dir=args.results_dir, notes=notes, env=environment()
         )
         print(f"recorded {csv_path} and {md_path}")
-    return 0
+    return 130 if cut_short else 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,20 @@
-"""The ``mopd`` command: ``mopd demo``, ``mopd plan``, ``mopd bench <name>``.
+"""The ``mopd`` command: ``mopd demo``, ``mopd plan``, ``mopd bench <name>``, ``mopd --version``.
 
-Why this file exists: one entry point (declared in pyproject.toml as
-``mopd = "mopd.profiling.cli:main"``) for everything a person runs by hand. It only dispatches:
+Why this file exists: one entry point (the ``mopd`` console script, and ``python -m mopd``) for
+everything a person runs by hand. It only dispatches:
 
 - ``mopd demo [ARGS...]``: ``mopd.profiling.demo:main(ARGS)``;
 - ``mopd plan [ARGS...]``: ``mopd.profiling.plan_inspector:main(ARGS)``;
 - ``mopd bench [--results-dir DIR] [--no-plot] NAME [ARGS...]``: runs
-  ``python -m mopd.profiling.bench_NAME ARGS`` in a child process, then draws one PNG next to each
-  CSV that the run created or rewrote under DIR (default: the results folder of
-  :mod:`mopd.profiling.results`).
+  ``python -m mopd.profiling.bench_NAME [--results-dir DIR] ARGS`` in a child process, then
+  draws one PNG next to each CSV that the run created or rewrote under DIR, unless the
+  benchmark drew its own plot of it. DIR defaults to :func:`mopd.profiling.results.
+  default_results_dir`: ``profiling/results/`` inside a checkout, ``./mopd-results/`` elsewhere.
 
 Everything after the subcommand (after NAME for bench) is passed through untouched, ``--help``
-included. The target modules are imported lazily, so ``mopd --help`` stays fast and works before
-they exist; a missing one exits with status 2 and says which.
+included. Nothing heavy is imported here and the targets are imported lazily, so ``mopd --help``
+and a mistyped command answer at once, in one line; a missing target exits with status 2 and
+says which.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["BENCHMARKS", "bench_module", "build_parser", "main"]
+from mopd.profiling.mesh_arg import OneLineParser
+
+__all__ = ["BENCHMARKS", "bench_module", "build_parser", "main", "version"]
 
 #: ``mopd bench NAME`` -> module ``mopd.profiling.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges", "plan")
@@ -36,6 +40,7 @@ _ENTRY_POINTS: dict[str, str] = {
 }
 
 EXIT_USAGE = 2
+_DIST = "mopd-bridge"
 
 
 def bench_module(name: str) -> str:
@@ -43,12 +48,36 @@ def bench_module(name: str) -> str:
     return f"mopd.profiling.bench_{name}"
 
 
+def version() -> str:
+    """The installed package's version (its metadata), or ``"unknown"`` outside an install."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(_DIST)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _Version(argparse.Action):
+    """``--version``: reads the installed metadata only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kw: object) -> None:
+        print(f"mopd ({_DIST}) {version()}")
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mopd`` argument parser (subcommands demo, plan, bench)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="mopd",
         description="mopd-bridge tools: the demo, the transfer-plan inspector, the benchmarks.",
+        epilog="Meshes everywhere: tp=8,pp=2,cp=1,dp=1,rank_offset=16 (the keys of "
+        "mopd.bridge.Mesh). 'python -m mopd' is the same command.",
     )
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="{demo,plan,bench}", required=True)
     sub.add_parser(
         "demo",
@@ -58,20 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "plan",
-        help="inspect a transfer plan (arguments go to mopd.profiling.plan_inspector)",
+        help="show the bridge's transfers for two meshes and a batch, no GPU needed "
+        "(mopd plan --help)",
         add_help=False,
         prefix_chars="\0",
     )
     bench = sub.add_parser(
         "bench",
         help="run a benchmark and plot the CSV it records",
-        description="Run python -m mopd.profiling.bench_NAME ARGS, then plot each CSV it wrote.",
+        description="Run python -m mopd.profiling.bench_NAME [--results-dir DIR] ARGS, then plot "
+        "each CSV it wrote that it did not plot itself. On a CPU the figures are functional "
+        "(the harness runs, outputs are checked), not performance.",
     )
     bench.add_argument(
         "--results-dir",
         type=Path,
         default=None,
-        help="where the benchmark records its CSVs (default: mopd.profiling.results' folder)",
+        metavar="DIR",
+        help="where the benchmark records (passed to it); default: profiling/results/ inside a "
+        "checkout of mopd-bridge, ./mopd-results/ elsewhere",
     )
     bench.add_argument("--no-plot", action="store_true", help="do not draw PNGs")
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
@@ -90,41 +124,65 @@ def _load_main(module_name: str) -> Callable[[list[str]], int | None] | None:
     return module.main
 
 
-def _csv_snapshot(directory: Path) -> dict[Path, tuple[int, int]]:
-    """``{csv path: (mtime_ns, size)}`` for the CSVs directly under ``directory``."""
+def _snapshot(directory: Path, pattern: str) -> dict[Path, tuple[int, int]]:
+    """``{path: (mtime_ns, size)}`` for the files matching ``pattern`` directly under ``directory``."""
     if not directory.is_dir():
         return {}
-    return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in directory.glob("*.csv")}
+    return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in directory.glob(pattern)}
 
 
-def _run_bench(name: str, args: Sequence[str], results_dir: Path | None, plot: bool) -> int:
+def _results_dir_in(args: Sequence[str]) -> Path | None:
+    """The ``--results-dir`` given to the benchmark itself (after NAME), if any."""
+    for i, a in enumerate(args):
+        if a == "--results-dir" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if a.startswith("--results-dir="):
+            return Path(a.split("=", 1)[1])
+    return None
+
+
+def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool) -> int:
     module = bench_module(name)
     if importlib.util.find_spec(module) is None:
-        print(f"mopd bench: benchmark module {module} is not installed", file=sys.stderr)
+        print(f"mopd bench: error: benchmark module {module} is not installed", file=sys.stderr)
         return EXIT_USAGE
-    if results_dir is None:
+    inner = _results_dir_in(args)
+    if results_dir is not None and inner is not None:
+        print(
+            f"mopd bench: error: --results-dir given twice ({results_dir} before {name}, {inner} "
+            "after it); give it once",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if results_dir is not None:
+        args = ["--results-dir", str(results_dir), *args]
+    else:
         from mopd.profiling.results import default_results_dir
 
-        results_dir = default_results_dir()
-    before = _csv_snapshot(results_dir)
+        results_dir = inner if inner is not None else default_results_dir()
+    csvs, pngs = _snapshot(results_dir, "*.csv"), _snapshot(results_dir, "*.png")
     rc = subprocess.call([sys.executable, "-m", module, *args])
     if rc != 0:
-        print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)
+        if rc != EXIT_USAGE:  # a usage error has said why in its own one line
+            print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)
         return rc
     if not plot:
         return 0
-    after = _csv_snapshot(results_dir)
-    written = sorted(p for p, key in after.items() if before.get(p) != key)
+    written = sorted(p for p, k in _snapshot(results_dir, "*.csv").items() if csvs.get(p) != k)
+    drawn = [p for p, k in _snapshot(results_dir, "*.png").items() if pngs.get(p) != k]
     if not written:
         print(
-            f"mopd bench: {module} recorded no CSV under {results_dir}; nothing plotted "
-            "(use --results-dir if it writes elsewhere)",
+            f"mopd bench: {module} recorded no CSV under {results_dir}; nothing plotted",
             file=sys.stderr,
         )
         return 0
     from mopd.profiling.plots import plot_csv
 
     for csv_path in written:
+        own = [p for p in drawn if p.name.startswith(csv_path.stem)]
+        if own:  # the benchmark drew this CSV its own way: keep it
+            print(f"mopd bench: plot {', '.join(str(p) for p in sorted(own))} (the benchmark's)")
+            continue
         try:
             png = plot_csv(csv_path, csv_path.with_suffix(".png"))
         except ValueError as exc:  # a CSV without a plottable column: say so, keep going
@@ -135,14 +193,17 @@ def _run_bench(name: str, args: Sequence[str], results_dir: Path | None, plot: b
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mopd`` console script; returns the exit status."""
+    """Entry point of the ``mopd`` console script; returns the exit status.
+
+    Misuse prints one line to stderr and exits with status 2 (``SystemExit``).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return _run_bench(args.name, args.args, args.results_dir, plot=not args.no_plot)
+        return _run_bench(args.name, list(args.args), args.results_dir, plot=not args.no_plot)
     leading = argv[: argv.index(args.command)]
     if leading:
         parser.error(f"unrecognized arguments before {args.command!r}: {' '.join(leading)}")

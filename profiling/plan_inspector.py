@@ -1,35 +1,38 @@
-"""``mopd plan``: inspect the bridge's transfer plan for a teacher mesh, a student mesh and a batch.
+"""``mopd plan``: the bridge's transfers for a teacher mesh, a student mesh and a batch, job-wide.
 
 Why this file exists: before a job is launched, a person wants to know what the bridge will move
 and where: which global rank sends how many bytes to which, how balanced the ranks are, how that
 compares with shipping logits or going through host memory, and about how long it takes on a
 given link. All of that follows from the meshes and the batch shape alone, so this tool answers
-it on a laptop: no GPU, no process group. It builds each side's token layouts with
-:mod:`mopd.bridge.layout` and plans with :func:`mopd.bridge.plan_token_exchange` (the very
-function every rank of a live bridge runs), then derives every figure from that plan.
+it on a laptop: no GPU, no process group. It simulates one step as the live bridge sees it:
+every rank's metadata record (:mod:`mopd.bridge.metadata`) for every micro-batch, stacked as the
+all-gather would, then :func:`mopd.bridge.plan.plan_rank` and
+:func:`mopd.bridge.plan.check_rank` on every rank (the functions each rank of a live bridge
+runs). The job's plan is the union of those rank plans, and every figure is derived from it.
 
 Batch model (one training step of one teacher; sample ids ``0 .. B-1``):
 
-- padded (``--batch B --seq-len S``): every sample has ``S`` real tokens; each side's buffer is
-  Megatron's ``[S_pad / cp, b, H]`` per micro-batch (micro-batches stacked), ``S_pad`` being ``S``
-  rounded up to a multiple of ``2 * cp`` (times ``tp`` under sequence parallelism, and always
-  times the student's ``tp`` on the student side: the bridge splits a student shard's rows into
-  ``tp`` equal slices); rows past ``S`` are padding and never move;
-- packed (``--packed-lengths L0,L1,...``): THD, each sample padded to that multiple separately;
-- data parallelism: DP rank ``d`` of a side holds samples ``[d * B / dp, (d + 1) * B / dp)``;
-  ``--teacher-micro-batch`` / ``--student-micro-batch`` cut that into micro-batches (default:
-  one micro-batch). Teacher and student shard independently, as in a real job.
+- the step has ``--micro-batches M`` micro-batches; micro-batch ``i`` is samples
+  ``[i B / M, (i + 1) B / M)`` on both sides (the bridge pairs micro-batch ``i`` of the teacher
+  with micro-batch ``i`` of the student), and each side's DP rank ``d`` holds the ``d``-th
+  contiguous part of it (Megatron: the same number of samples on every DP rank);
+- padded (``--batch B --seq-len S``): every sample has ``S`` real tokens. The teacher's rows are
+  its capture's ``[S_pad / cp, b, H]``; the student wants its logits' ``[b, S_pad / cp]`` order
+  (each SP slice's ``[S_pad / cp / tp, b]`` rows when it keeps its SP slice). ``S_pad`` is ``S``
+  rounded up to a multiple of ``2 cp`` (times ``tp`` under sequence parallelism); rows past
+  ``S`` are padding and never move;
+- packed (``--packed-lengths L0,L1,...``): THD, each sample padded to that multiple separately.
 
-Figures (all bytes; ``row = hidden_size * dtype_bytes``):
+Figures (bytes; ``row = hidden_size * dtype_bytes``; sums over the step's micro-batches):
 
-- transfer matrix ``[W, W]``: bytes from source global rank (row) to destination (column), from
-  :meth:`TransferPlan.transfer_matrix`; the diagonal is local copies (colocated meshes);
-- per rank: send (row sum) and receive (column sum) across ranks, the diagonal apart; imbalance
-  is ``max / mean`` over the ranks that send (receive) anything;
-- time at ``--link-gbps`` (per rank, each direction): ``max(send, recv) / bandwidth`` per rank,
-  the step's crossing time is the maximum over ranks. Without student sequence parallelism the
-  student then all-gathers its shard inside each student TP group (ring: each rank sends and
-  receives ``(tp - 1) / tp`` of the shard's buffer), timed at ``--nvlink-gbps``;
+- transfer matrix ``[W, W]``: bytes from source global rank (row) to destination (column); the
+  diagonal is local copies (a student rank that is a teacher replica copies its rows);
+- per rank: send and receive across ranks, local copies apart; imbalance is ``max / mean`` over
+  the ranks that send (receive) anything;
+- time at ``--link-gbps`` per rank and direction: per micro-batch ``max(send, recv) / bandwidth``
+  of the slowest rank, added over the micro-batches. Without student sequence parallelism the
+  student then all-gathers each micro-batch inside each student TP group (ring: each rank sends
+  and receives ``tp - 1`` slices), timed at ``--nvlink-gbps``;
 - logits instead of hidden states: ``vocab_size * dtype_bytes`` per token to every student rank
   that needs it (all ``tp`` ranks of the token's student group), and the best case of sending
   each rank only its ``vocab / tp`` slice;
@@ -37,6 +40,8 @@ Figures (all bytes; ``row = hidden_size * dtype_bytes``):
   network bytes host to host, H2D of every row each student rank needs (its whole shard, or its
   SP slice); PCIe bytes = D2H + H2D, two extra hops per token, each stage timed at
   ``--pcie-gbps`` per rank and the stages added (no overlap).
+
+Nothing heavy is imported before the arguments are parsed: a bad flag is one line, at once.
 """
 
 from __future__ import annotations
@@ -45,97 +50,42 @@ import argparse
 import json
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
-from mopd.bridge.mesh import Mesh, meshes_overlap
-from mopd.bridge.planner import StudentBatch, TeacherBatch, TransferPlan, plan_token_exchange
+from mopd.profiling.mesh_arg import MESH_EXAMPLE, MeshSpec, OneLineParser, mesh_type, parse_int_list
+
+if TYPE_CHECKING:
+    from mopd.bridge.layout import TokenLayout
+    from mopd.bridge.mesh import Mesh
+    from mopd.bridge.metadata import StepMatrix
+    from mopd.bridge.plan import RankPlan, RunCatalog
+    from mopd.bridge.topology import Topology
 
 __all__ = [
-    "MeshSpec",
     "PlanReport",
     "PlanRequest",
-    "build_batches",
+    "SimulatedStep",
+    "build_layouts",
     "build_parser",
     "format_report",
     "inspect_plan",
     "main",
-    "parse_mesh",
     "render_heatmap",
     "report_to_dict",
+    "simulate_step",
 ]
 
 EXIT_USAGE = 2
-_I64 = torch.int64
-_MESH_KEYS = ("tp", "cp", "dp", "pp", "offset")
 _DENSE_MAX_WORLD = 16
+_I64 = np.int64
 
 
 # --- inputs ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeshSpec:
-    """A mesh as written on the command line: sizes, and a rank offset if one was given."""
-
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-    offset: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "cp", "dp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.offset is not None and (not isinstance(self.offset, int) or self.offset < 0):
-            raise ValueError(f"offset must be a non-negative int, got {self.offset!r}")
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    def mesh(self, *, rank_offset: int, name: str) -> Mesh:
-        return Mesh(
-            tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, rank_offset=rank_offset, name=name
-        )
-
-
-def parse_mesh(text: str) -> MeshSpec:
-    """``"tp=8,pp=2,dp=1,cp=1[,offset=0]"`` -> :class:`MeshSpec` (missing sizes are 1).
-
-    Raises:
-        ValueError: an unknown or repeated key, an item without ``=``, a value that is not a
-            non-negative integer, or a size below 1.
-    """
-    values: dict[str, int] = {}
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        key, eq, raw = item.partition("=")
-        key = key.strip().lower()
-        if not eq:
-            raise ValueError(f"mesh item {item!r} in {text!r} is not KEY=VALUE")
-        if key not in _MESH_KEYS:
-            raise ValueError(
-                f"unknown mesh key {key!r} in {text!r} (known: {', '.join(_MESH_KEYS)})"
-            )
-        if key in values:
-            raise ValueError(f"mesh key {key!r} given twice in {text!r}")
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            raise ValueError(f"mesh {key}={raw.strip()!r} in {text!r} is not an integer") from None
-        values[key] = value
-    if not values:
-        raise ValueError(f"empty mesh {text!r}; write e.g. tp=8,pp=2")
-    return MeshSpec(**values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,9 +99,9 @@ class PlanRequest:
         hidden_size: the teacher's ``H`` (what crosses).
         vocab_size: for the logits comparison.
         dtype_bytes: bytes per element on the wire (2 for bf16).
-        teacher_micro_batch, student_micro_batch: samples per micro-batch (``None``: all of a DP
-            rank's samples in one).
-        teacher_sp, student_sp: sequence parallelism on that side.
+        micro_batches: the step's micro-batches (the same on both sides).
+        teacher_sp, student_sp: sequence parallelism on that side (the student then keeps its
+            SP slice: every student rank is its own destination, no all-gather).
         link_gbps, nvlink_gbps, pcie_gbps: per-rank, per-direction bandwidths in Gb/s.
     """
 
@@ -162,8 +112,7 @@ class PlanRequest:
     hidden_size: int
     vocab_size: int
     dtype_bytes: int = 2
-    teacher_micro_batch: int | None = None
-    student_micro_batch: int | None = None
+    micro_batches: int = 1
     teacher_sp: bool = False
     student_sp: bool = False
     link_gbps: float = 400.0
@@ -177,35 +126,28 @@ class PlanRequest:
             raise ValueError(f"sample lengths must be positive ints, got {list(self.lengths)}")
         if self.padded_seq_len is not None and any(n != self.padded_seq_len for n in self.lengths):
             raise ValueError(
-                f"a padded batch has every sample at seq_len {self.padded_seq_len}, got {list(self.lengths)}"
+                f"a padded batch has every sample at seq_len {self.padded_seq_len}, got "
+                f"{list(self.lengths)}"
             )
-        for name in ("hidden_size", "vocab_size", "dtype_bytes"):
+        for name in ("hidden_size", "vocab_size", "dtype_bytes", "micro_batches"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("link_gbps", "nvlink_gbps", "pcie_gbps"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
-        b = len(self.lengths)
-        for side, mesh, mb in (
-            ("teacher", self.teacher, self.teacher_micro_batch),
-            ("student", self.student, self.student_micro_batch),
-        ):
-            if b % mesh.dp:
+        b, m = len(self.lengths), self.micro_batches
+        if b % m:
+            raise ValueError(f"--micro-batches {m} does not divide the batch of {b} samples")
+        per_mb = b // m
+        for side, mesh in (("teacher", self.teacher), ("student", self.student)):
+            if per_mb % mesh.dp:
                 raise ValueError(
-                    f"batch of {b} samples does not split over the {side}'s dp={mesh.dp} "
-                    f"(Megatron gives every DP rank the same number of samples)"
+                    f"a micro-batch of {per_mb} samples ({b} samples / {m} micro-batches) does "
+                    f"not split over the {side}'s dp={mesh.dp} (Megatron gives every DP rank "
+                    "the same number of samples)"
                 )
-            per_rank = b // mesh.dp
-            if mb is not None:
-                if not isinstance(mb, int) or mb < 1:
-                    raise ValueError(f"{side} micro-batch must be a positive int, got {mb!r}")
-                if per_rank % mb:
-                    raise ValueError(
-                        f"{side} micro-batch {mb} does not divide the {per_rank} samples of each "
-                        f"{side} DP rank ({b} samples / dp={mesh.dp})"
-                    )
         if self.teacher_sp and self.teacher.tp == 1:
             warnings.warn("teacher sequence parallelism ignored: teacher tp=1", stacklevel=2)
         if self.student_sp and self.student.tp == 1:
@@ -219,60 +161,186 @@ class PlanRequest:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
+    @property
+    def keeps_sp_slice(self) -> bool:
+        """The student keeps its SP slice (``BridgeConfig(keep_sp_shard=True)``)."""
+        return self.student_sp and self.student.tp > 1
+
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _pad_multiple(mesh: Mesh, *, sp: bool, is_student: bool) -> int:
-    """Multiple each (padded) sequence length is rounded to on one side (see the module doc)."""
+def _pad_multiple(mesh: Mesh, *, sp: bool) -> int:
+    """Multiple each (padded) sequence length is rounded to on one side (Megatron's rule)."""
     mult = 2 * mesh.cp if mesh.cp > 1 else 1
-    return mult * mesh.tp if (sp or is_student) else mult
+    return mult * mesh.tp if sp and mesh.tp > 1 else mult
 
 
-def _side_layouts(
-    mesh: Mesh, req: PlanRequest, *, micro_batch: int | None, mult: int
-) -> dict[tuple[int, int], TokenLayout]:
-    """``(dp_rank, cp_rank) -> layout`` of one side's buffer (all its micro-batches stacked)."""
-    b = len(req.lengths)
-    per_rank = b // mesh.dp
-    mb = micro_batch or per_rank
-    out: dict[tuple[int, int], TokenLayout] = {}
-    for d, c in mesh.shards():
-        ids = list(range(d * per_rank, (d + 1) * per_rank))
-        parts = []
-        for i in range(0, per_rank, mb):
-            chunk = ids[i : i + mb]
-            lens = [req.lengths[s] for s in chunk]
-            if req.padded_seq_len is not None:
-                seq = _round_up(req.padded_seq_len, mult)
-                parts.append(padded_layout(chunk, seq, lengths=lens, cp_size=mesh.cp, cp_rank=c))
+def _micro_batch_ids(req: PlanRequest, i: int, mesh: Mesh, d: int) -> list[int]:
+    """Sample ids DP rank ``d`` of ``mesh`` holds in micro-batch ``i``."""
+    per_mb = len(req.lengths) // req.micro_batches
+    per_rank = per_mb // mesh.dp
+    start = i * per_mb + d * per_rank
+    return list(range(start, start + per_rank))
+
+
+def _layout(
+    req: PlanRequest,
+    ids: list[int],
+    mesh: Mesh,
+    cp_rank: int,
+    *,
+    mult: int,
+    order: str,
+    sp: tuple[int, int] = (1, 0),
+) -> TokenLayout:
+    from mopd.bridge.layout import packed_layout, padded_layout
+
+    lens = [req.lengths[s] for s in ids]
+    if req.padded_seq_len is not None:
+        return padded_layout(
+            ids,
+            _round_up(req.padded_seq_len, mult),
+            order=order,  # type: ignore[arg-type]
+            lengths=lens,
+            cp_size=mesh.cp,
+            cp_rank=cp_rank,
+            sp_size=sp[0],
+            sp_rank=sp[1],
+        )
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + _round_up(n, mult))
+    return packed_layout(
+        ids,
+        lens,
+        cu_seqlens_padded=cu,
+        cp_size=mesh.cp,
+        cp_rank=cp_rank,
+        sp_size=sp[0],
+        sp_rank=sp[1],
+    )
+
+
+def build_layouts(
+    req: PlanRequest,
+) -> tuple[list[dict[tuple[int, int], TokenLayout]], list[dict[Any, TokenLayout]]]:
+    """Per micro-batch, the teacher's captured layouts (``(dp, cp) ->``) and the student's
+    wanted ones (``(dp, cp) ->``, or ``global rank ->`` when it keeps its SP slice)."""
+    t, s = req.teacher, req.student
+    t_mult = _pad_multiple(t, sp=req.teacher_sp)
+    s_mult = _pad_multiple(s, sp=req.student_sp)
+    teacher: list[dict[tuple[int, int], TokenLayout]] = []
+    student: list[dict[Any, TokenLayout]] = []
+    for i in range(req.micro_batches):
+        teacher.append(
+            {
+                (d, c): _layout(req, _micro_batch_ids(req, i, t, d), t, c, mult=t_mult, order="sbh")
+                for d, c in t.shards()
+            }
+        )
+        mine: dict[Any, TokenLayout] = {}
+        for d, c in s.shards():
+            ids = _micro_batch_ids(req, i, s, d)
+            if req.keeps_sp_slice:
+                for j, r in enumerate(s.tp_group_ranks(dp_rank=d, cp_rank=c)):
+                    mine[r] = _layout(req, ids, s, c, mult=s_mult, order="sbh", sp=(s.tp, j))
             else:
-                cu = [0]
-                for n in lens:
-                    cu.append(cu[-1] + _round_up(n, mult))
-                parts.append(
-                    packed_layout(chunk, lens, cu_seqlens_padded=cu, cp_size=mesh.cp, cp_rank=c)
-                )
-        out[(d, c)] = concat_layouts(parts)
-    return out
-
-
-def build_batches(req: PlanRequest) -> tuple[TeacherBatch, StudentBatch]:
-    """The planner's inputs for ``req``: the teacher's captured layouts and the student's wanted ones."""
-    t_mult = _pad_multiple(req.teacher, sp=req.teacher_sp, is_student=False)
-    s_mult = _pad_multiple(req.student, sp=req.student_sp, is_student=True)
-    teacher = TeacherBatch(
-        mesh=req.teacher,
-        layouts=_side_layouts(req.teacher, req, micro_batch=req.teacher_micro_batch, mult=t_mult),
-        hidden_size=req.hidden_size,
-        itemsize=req.dtype_bytes,
-    )
-    student = StudentBatch(
-        mesh=req.student,
-        layouts=_side_layouts(req.student, req, micro_batch=req.student_micro_batch, mult=s_mult),
-    )
+                mine[(d, c)] = _layout(req, ids, s, c, mult=s_mult, order="bsh")
+        student.append(mine)
     return teacher, student
+
+
+# --- the simulated step ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SimulatedStep:
+    """One step as every rank of a live bridge would see and plan it.
+
+    Attributes:
+        topology: the meshes' groups (:class:`~mopd.bridge.topology.Topology`).
+        matrix: the gathered metadata of every rank (:class:`~mopd.bridge.metadata.StepMatrix`).
+        catalogs: per micro-batch, the planner's view of it.
+        plans: per micro-batch, every member rank's :class:`~mopd.bridge.plan.RankPlan`.
+        teacher_layouts, student_layouts: per micro-batch, what :func:`build_layouts` made.
+    """
+
+    topology: Topology
+    matrix: StepMatrix
+    catalogs: tuple[RunCatalog, ...]
+    plans: tuple[dict[int, RankPlan], ...]
+    teacher_layouts: tuple[dict[tuple[int, int], TokenLayout], ...]
+    student_layouts: tuple[dict[Any, TokenLayout], ...]
+
+
+def simulate_step(req: PlanRequest) -> SimulatedStep:
+    """Every rank's record, the gathered matrix, every rank's verdicts and plan (no processes).
+
+    Raises:
+        ValueError: a verdict of :func:`~mopd.bridge.plan.check_rank` (the bridge would refuse
+            this step on every rank).
+    """
+    import torch
+
+    from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
+    from mopd.bridge.plan import check_rank, plan_rank
+    from mopd.bridge.topology import Topology
+
+    t, s = req.teacher, req.student
+    t_lay, s_lay = build_layouts(req)
+    topo = Topology.build([t], s, per_rank_dests=req.keeps_sp_slice)
+    m = req.micro_batches
+    cache: dict[tuple[Any, Any], np.ndarray] = {}
+    records: list[np.ndarray] = []
+    for r in topo.members:
+        tc, sc = t.coord(r), s.coord(r)
+        t_key = s_key = None
+        if tc is not None and tc.pp_rank == t.pp - 1:
+            t_key = (tc.dp_rank, tc.cp_rank, tc.tp_rank == 0)
+        if sc is not None and sc.pp_rank == s.pp - 1:
+            s_key = r if req.keeps_sp_slice else (sc.dp_rank, sc.cp_rank, sc.tp_rank == 0)
+        key = (t_key, s_key)
+        if key not in cache:  # replicas with one role share one encoding
+            sections: list[Section | None] = [None, None]
+            if t_key is not None:
+                sections[0] = Section(
+                    layouts=[t_lay[i][t_key[:2]] for i in range(m)],
+                    send_runs=t_key[2],
+                    dtype=torch.bfloat16,  # the planner does not read it; bytes use dtype_bytes
+                    hidden=req.hidden_size,
+                )
+            if s_key is not None:
+                k = s_key if req.keeps_sp_slice else s_key[:2]
+                sections[1] = Section(
+                    layouts=[s_lay[i][k] for i in range(m)],
+                    send_runs=req.keeps_sp_slice or bool(s_key[2]),  # type: ignore[index]
+                )
+            rec = encode_step_record(config_sig=1, n_slots=m, error="", sections=sections)
+            cache[key] = rec.numpy()
+        records.append(cache[key])
+    sizes = np.asarray([x.size for x in records], dtype=_I64)
+    gathered = np.zeros((len(records), int(sizes.max())), dtype=_I64)
+    for j, x in enumerate(records):
+        gathered[j, : x.size] = x
+    matrix = StepMatrix(gathered, sizes, n_sections=2)
+    catalogs, plans = [], []
+    for i in range(m):
+        catalog = topo.catalog(matrix, i)
+        verdicts = [v for r in topo.members for v in check_rank(catalog, r)]
+        if verdicts:
+            raise ValueError(f"the bridge would refuse micro-batch {i}: {verdicts[0]}")
+        catalogs.append(catalog)
+        plans.append({r: plan_rank(catalog, r) for r in topo.members})
+    return SimulatedStep(
+        topology=topo,
+        matrix=matrix,
+        catalogs=tuple(catalogs),
+        plans=tuple(plans),
+        teacher_layouts=tuple(t_lay),
+        student_layouts=tuple(s_lay),
+    )
 
 
 # --- the figures ----------------------------------------------------------------------------
@@ -280,113 +348,174 @@ def build_batches(req: PlanRequest) -> tuple[TeacherBatch, StudentBatch]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class PlanReport:
-    """Every figure of one inspected plan (bytes unless named otherwise).
+    """Every figure of one inspected step (bytes unless named otherwise).
 
     Attributes:
         request: what was asked.
-        plan: the planner's :class:`TransferPlan`.
+        step: the simulated step (every rank's plan per micro-batch).
         world_size: ``W``, one past the highest global rank of either mesh.
-        matrix_WW: ``[W, W]`` int64 bytes, source global rank (row) -> destination (column).
-        send_W, recv_W: ``[W]`` int64 bytes each rank sends / receives across ranks (diagonal apart).
-        local_W: ``[W]`` int64 bytes of local copies (the diagonal).
-        teacher_rows, student_rows: rows of each side's buffer per ``(dp, cp)`` shard.
-        tokens_per_group: real tokens each student ``(dp, cp)`` group needs, in ``mesh.shards()`` order.
-        allgather_W: ``[W]`` int64 bytes each student rank sends (= receives) in the TP all-gather.
-        d2h_W, h2d_W: ``[W]`` int64 PCIe bytes per rank on the host path.
+        entries_E3: ``[E, 3]`` int64 nonzero ``(source, destination, bytes)`` of the transfer
+            matrix, sorted; ``source == destination`` is a local copy.
+        send_MW, recv_MW: ``[M, W]`` int64 bytes each rank sends / receives across ranks, per
+            micro-batch (local copies apart).
+        local_MW: ``[M, W]`` int64 bytes of local copies (by the receiving rank).
+        allgather_MW: ``[M, W]`` int64 bytes each student rank sends (= receives) in the TP
+            all-gather after the crossing.
+        d2h_MW, h2d_MW: ``[M, W]`` int64 PCIe bytes per rank on the host path.
+        teacher_rows, student_rows: rows of each side's buffer per shard, per micro-batch.
+        tokens_per_group: real tokens each student ``(dp, cp)`` group needs (whole step), in
+            ``mesh.shards()`` order.
         figures: the scalar figures (see :func:`report_to_dict`).
     """
 
     request: PlanRequest
-    plan: TransferPlan
+    step: SimulatedStep
     world_size: int
-    matrix_WW: torch.Tensor
-    send_W: torch.Tensor
-    recv_W: torch.Tensor
-    local_W: torch.Tensor
-    teacher_rows: dict[tuple[int, int], int]
-    student_rows: dict[tuple[int, int], int]
+    entries_E3: np.ndarray
+    send_MW: np.ndarray
+    recv_MW: np.ndarray
+    local_MW: np.ndarray
+    allgather_MW: np.ndarray
+    d2h_MW: np.ndarray
+    h2d_MW: np.ndarray
+    teacher_rows: dict[tuple[int, int], tuple[int, ...]]
+    student_rows: dict[Any, tuple[int, ...]]
     tokens_per_group: tuple[int, ...]
-    allgather_W: torch.Tensor
-    d2h_W: torch.Tensor
-    h2d_W: torch.Tensor
     figures: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def send_W(self) -> np.ndarray:
+        return self.send_MW.sum(axis=0)
 
-def _imbalance(v_W: torch.Tensor) -> float:
+    @property
+    def recv_W(self) -> np.ndarray:
+        return self.recv_MW.sum(axis=0)
+
+    @property
+    def local_W(self) -> np.ndarray:
+        return self.local_MW.sum(axis=0)
+
+    def dense(self) -> np.ndarray:
+        """The ``[W, W]`` int64 transfer matrix (local copies on the diagonal)."""
+        w = self.world_size
+        m = np.zeros((w, w), dtype=_I64)
+        e = self.entries_E3
+        m[e[:, 0], e[:, 1]] = e[:, 2]
+        return m
+
+
+def _imbalance(v_W: np.ndarray) -> float:
     """``max / mean`` over the nonzero entries (1.0 when perfectly even; 0.0 when all are zero)."""
-    nz = v_W[v_W > 0].double()
-    return float(nz.max() / nz.mean()) if nz.numel() else 0.0
+    nz = v_W[v_W > 0].astype(np.float64)
+    return float(nz.max() / nz.mean()) if nz.size else 0.0
 
 
 def _seconds(nbytes: int | float, gbps: float) -> float:
     return float(nbytes) * 8.0 / (gbps * 1e9)
 
 
+def _slowest(v_MW: np.ndarray, gbps: float) -> float:
+    """The step's time of a per-rank volume: per micro-batch the slowest rank, added up."""
+    return sum(_seconds(int(v.max()) if v.size else 0, gbps) for v in v_MW)
+
+
 def inspect_plan(req: PlanRequest) -> PlanReport:
-    """Plan ``req`` with the bridge's planner and derive every figure (pure; no process group)."""
-    teacher, student = build_batches(req)
-    plan = plan_token_exchange([teacher], student)
-    w = max(req.teacher.rank_offset + req.teacher.size, req.student.rank_offset + req.student.size)
-    m = plan.transfer_matrix(w)
-    diag = torch.diagonal(m).clone()
-    send = m.sum(dim=1) - diag
-    recv = m.sum(dim=0) - diag
-    rb = req.row_bytes
-    s_mesh = req.student
+    """Simulate ``req``'s step, plan it on every rank and derive every figure (no processes)."""
+    step = simulate_step(req)
+    t, s = req.teacher, req.student
+    w = max(t.rank_offset + t.size, s.rank_offset + s.size)
+    m, rb = req.micro_batches, req.row_bytes
+    send = np.zeros((m, w), dtype=_I64)
+    recv = np.zeros((m, w), dtype=_I64)
+    local = np.zeros((m, w), dtype=_I64)
+    allgather = np.zeros((m, w), dtype=_I64)
+    h2d = np.zeros((m, w), dtype=_I64)
+    pairs: dict[tuple[int, int], int] = {}
+    messages = local_copies = 0
+    for i, (catalog, plans) in enumerate(zip(step.catalogs, step.plans, strict=True)):
+        sent: dict[tuple[int, int], int] = {}
+        heard: dict[tuple[int, int], int] = {}
+        for r, plan in plans.items():
+            for x in plan.sends:
+                n = x.count * rb
+                send[i, r] += n
+                pairs[(r, x.dst_rank)] = pairs.get((r, x.dst_rank), 0) + n
+                sent[(r, x.dst_rank)] = sent.get((r, x.dst_rank), 0) + x.count
+                messages += 1
+            for x in plan.recvs:
+                recv[i, r] += x.count * rb
+                heard[(x.src_rank, r)] = heard.get((x.src_rank, r), 0) + x.count
+            for x in plan.locals:  # source and destination are this rank
+                n = x.count * rb
+                local[i, r] += n
+                pairs[(r, r)] = pairs.get((r, r), 0) + n
+                local_copies += 1
+            if plan.dest is not None:
+                assert plan.owner_N is not None
+                group = catalog.dests[plan.dest.group]
+                k = len(group.ranks)
+                if k > 1:  # a shared crossing, all-gathered over the student TP group
+                    allgather[i, r] = (k - 1) * group.slice_rows * rb
+                h2d[i, r] = int((plan.owner_N >= 0).sum()) * rb
+        if sent != heard:  # both ends of every transfer derive it alone: they must agree
+            bad = sorted(set(sent.items()) ^ set(heard.items()))[:3]
+            raise RuntimeError(f"micro-batch {i}: sends and receives disagree at {bad}")
+    entries = np.asarray(sorted((a, b, n) for (a, b), n in pairs.items() if n), dtype=_I64).reshape(
+        -1, 3
+    )
+    d2h = send + local  # on the host path every row leaves its teacher GPU, local ones too
 
-    tokens = tuple(student.layouts[k].num_tokens for k in s_mesh.shards())
-    allgather = torch.zeros(w, dtype=_I64)
-    h2d = torch.zeros(w, dtype=_I64)
-    for dest in plan.dests:
-        tp = len(dest.ranks)
-        real_N = dest.owner_N >= 0
-        for j, rank in enumerate(dest.ranks):
-            if not req.student_sp and tp > 1:
-                allgather[rank] += (tp - 1) * dest.slice_rows * rb
-            if req.student_sp:
-                lo = j * dest.slice_rows
-                h2d[rank] += int(real_N[lo : lo + dest.slice_rows].sum()) * rb
+    tokens = []
+    for d, c in s.shards():
+        n = 0
+        for lay in step.student_layouts:
+            if req.keeps_sp_slice:
+                n += sum(lay[r].num_tokens for r in s.tp_group_ranks(dp_rank=d, cp_rank=c))
             else:
-                h2d[rank] += int(real_N.sum()) * rb
-    d2h = send + diag  # the host path copies out every row the plan has a teacher rank send
-
-    cross = int(send.sum())
-    local = int(diag.sum())
-    total = cross + local
+                n += lay[(d, c)].num_tokens
+        tokens.append(n)
+    send_W, recv_W, local_W = send.sum(0), recv.sum(0), local.sum(0)
+    cross, loc = int(send_W.sum()), int(local_W.sum())
+    total = cross + loc
     needed = sum(tokens)
-    s_tp = s_mesh.tp
+    s_tp = s.tp
     logits_full = needed * s_tp * req.vocab_size * req.dtype_bytes
     logits_sharded = needed * req.vocab_size * req.dtype_bytes
-    pcie = int(d2h.sum() + h2d.sum())
-
-    link = torch.maximum(send, recv)
-    t_rank = [_seconds(int(x), req.link_gbps) for x in link.tolist()]
-    t_cross = max(t_rank, default=0.0)
-    slowest = int(torch.argmax(link)) if w else -1
-    t_gather = _seconds(int(allgather.max()) if w else 0, req.nvlink_gbps)
-    t_d2h = _seconds(int(d2h.max()) if w else 0, req.pcie_gbps)
-    t_h2d = _seconds(int(h2d.max()) if w else 0, req.pcie_gbps)
+    link_MW = np.maximum(send, recv)
+    t_cross = _slowest(link_MW, req.link_gbps)
+    slowest = int(np.argmax(link_MW.sum(0))) if w else -1
+    t_gather = _slowest(allgather, req.nvlink_gbps)
+    t_d2h = _slowest(d2h, req.pcie_gbps)
+    t_h2d = _slowest(h2d, req.pcie_gbps)
     t_host = t_d2h + t_cross + t_h2d
-    summary = plan.summary()
+    rep = [
+        _imbalance(send_W[list(g.ranks)])
+        for g in step.topology.sources
+        if send_W[list(g.ranks)].sum()
+    ]
+    pcie = int(d2h.sum() + h2d.sum())
     figures: dict[str, Any] = {
         "tokens": req.num_tokens,
         "tokens_needed": needed,
+        "micro_batches": m,
         "row_bytes": rb,
         "bytes_total": total,
+        "bytes_minimum": needed * rb,
         "bytes_cross": cross,
-        "bytes_local": local,
-        "messages": int(((m > 0) & ~torch.eye(w, dtype=torch.bool)).sum()),
-        "local_copies": summary["local_copies"],
-        "transfers": summary["transfers"],
-        "senders": int((send > 0).sum()),
-        "receivers": int((recv > 0).sum()),
-        "max_send_bytes": int(send.max()) if w else 0,
-        "max_recv_bytes": int(recv.max()) if w else 0,
-        "mean_send_bytes": float(send[send > 0].double().mean()) if cross else 0.0,
-        "mean_recv_bytes": float(recv[recv > 0].double().mean()) if cross else 0.0,
-        "send_imbalance": _imbalance(send),
-        "recv_imbalance": _imbalance(recv),
-        "replica_imbalance": summary["replica_imbalance"] + 1.0 if cross else 0.0,
+        "bytes_local": loc,
+        "transfers": messages + local_copies,
+        "messages": messages,
+        "local_copies": local_copies,
+        "rank_pairs": sum(1 for a, b, _ in entries.tolist() if a != b),
+        "senders": int((send_W > 0).sum()),
+        "receivers": int((recv_W > 0).sum()),
+        "max_send_bytes": int(send_W.max()) if w else 0,
+        "max_recv_bytes": int(recv_W.max()) if w else 0,
+        "mean_send_bytes": float(send_W[send_W > 0].mean()) if cross else 0.0,
+        "mean_recv_bytes": float(recv_W[recv_W > 0].mean()) if cross else 0.0,
+        "send_imbalance": _imbalance(send_W),
+        "recv_imbalance": _imbalance(recv_W),
+        "replica_imbalance": max(rep, default=0.0),
         "link_gbps": req.link_gbps,
         "nvlink_gbps": req.nvlink_gbps,
         "pcie_gbps": req.pcie_gbps,
@@ -417,18 +546,24 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
     }
     return PlanReport(
         request=req,
-        plan=plan,
+        step=step,
         world_size=w,
-        matrix_WW=m,
-        send_W=send,
-        recv_W=recv,
-        local_W=diag,
-        teacher_rows={k: v.num_rows for k, v in teacher.layouts.items()},
-        student_rows={k: v.num_rows for k, v in student.layouts.items()},
-        tokens_per_group=tokens,
-        allgather_W=allgather,
-        d2h_W=d2h,
-        h2d_W=h2d,
+        entries_E3=entries,
+        send_MW=send,
+        recv_MW=recv,
+        local_MW=local,
+        allgather_MW=allgather,
+        d2h_MW=d2h,
+        h2d_MW=h2d,
+        teacher_rows={
+            k: tuple(lay[k].num_rows for lay in step.teacher_layouts)
+            for k in step.teacher_layouts[0]
+        },
+        student_rows={
+            k: tuple(lay[k].num_rows for lay in step.student_layouts)
+            for k in step.student_layouts[0]
+        },
+        tokens_per_group=tuple(tokens),
         figures=figures,
     )
 
@@ -467,19 +602,17 @@ def _ranges(ranks: Sequence[int]) -> str:
     return ",".join(out)
 
 
-def _row_entries(row_W: torch.Tensor) -> str:
-    """Nonzero entries of one matrix row, consecutive destinations with equal bytes merged."""
-    dst = torch.nonzero(row_W).reshape(-1).tolist()
+def _row_entries(dst: Sequence[int], nbytes: Sequence[int]) -> str:
+    """One matrix row's entries (ascending destinations), consecutive equal ones merged."""
     parts: list[str] = []
     i = 0
     while i < len(dst):
         j = i
-        v = int(row_W[dst[i]])
-        while j + 1 < len(dst) and dst[j + 1] == dst[j] + 1 and int(row_W[dst[j + 1]]) == v:
+        while j + 1 < len(dst) and dst[j + 1] == dst[j] + 1 and nbytes[j + 1] == nbytes[i]:
             j += 1
         who = str(dst[i]) if i == j else f"{dst[i]}-{dst[j]}"
         each = " each" if j > i else ""
-        parts.append(f"{who}: {_fmt_bytes(v)}{each}")
+        parts.append(f"{who}: {_fmt_bytes(nbytes[i])}{each}")
         i = j + 1
     return "; ".join(parts)
 
@@ -492,9 +625,15 @@ def _mesh_line(mesh: Mesh, sp: bool) -> str:
     )
 
 
+def _rows_text(rows: Mapping[Any, tuple[int, ...]]) -> str:
+    return str(sorted({n for v in rows.values() for n in v}))
+
+
 def format_report(report: PlanReport, *, top: int = 8) -> str:
     """The printed summary: setup, matrix, per-rank volumes, comparisons, times."""
-    req, f, m = report.request, report.figures, report.matrix_WW
+    from mopd.bridge.mesh import meshes_overlap
+
+    req, f = report.request, report.figures
     t, s = req.teacher, req.student
     w = report.world_size
     lines: list[str] = []
@@ -509,24 +648,22 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     else:
         shown = ",".join(map(str, req.lengths[:8])) + (",..." if b > 8 else "")
         batch = f"packed (THD), {b} samples, lengths {shown}"
-    add(f"batch: {batch}; {f['tokens']} tokens")
-    tm = req.teacher_micro_batch or b // t.dp
-    sm = req.student_micro_batch or b // s.dp
+    m = req.micro_batches
+    add(f"batch: {batch}; {f['tokens']} tokens; {m} micro-batch{'es' if m > 1 else ''}")
+    per_mb = b // m
+    sp_note = ", each rank its own SP slice" if req.keeps_sp_slice else ""
     add(
-        f"buffers: teacher {sorted(set(report.teacher_rows.values()))} rows per (dp, cp) shard "
-        f"(micro-batch {tm}), student {sorted(set(report.student_rows.values()))} rows "
-        f"(micro-batch {sm}); padding rows never move"
+        f"buffers per micro-batch: teacher {_rows_text(report.teacher_rows)} rows per (dp, cp) "
+        f"shard ({per_mb // t.dp} samples), student {_rows_text(report.student_rows)} rows "
+        f"({per_mb // s.dp} samples{sp_note}); padding rows never move"
     )
     add(
         f"row: hidden {req.hidden_size} x {req.dtype_bytes} B = {_fmt_bytes(req.row_bytes)}; "
         f"vocab {req.vocab_size}"
     )
     if req.padded_seq_len is not None:
-        for side, mesh, sp, is_student in (
-            ("teacher", t, req.teacher_sp, False),
-            ("student", s, req.student_sp, True),
-        ):
-            mult = _pad_multiple(mesh, sp=sp, is_student=is_student)
+        for side, mesh, sp in (("teacher", t, req.teacher_sp), ("student", s, req.student_sp)):
+            mult = _pad_multiple(mesh, sp=sp)
             padded = _round_up(req.padded_seq_len, mult)
             if padded != req.padded_seq_len:
                 add(
@@ -539,43 +676,55 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
             "teacher's TP group before the bridge"
         )
     add("")
-    add("== plan (mopd.bridge.plan_token_exchange) ==")
+    add("== plan (mopd.bridge.plan.plan_rank on every rank, every micro-batch) ==")
     add(
-        f"{f['transfers']} transfers: {f['messages']} messages between ranks, "
-        f"{f['local_copies']} local copies; {f['tokens_needed']} token rows delivered, each once "
-        f"per student (dp, cp) group"
+        f"{f['transfers']} transfers: {f['messages']} messages between ranks "
+        f"({f['rank_pairs']} rank pairs), {f['local_copies']} local copies; "
+        f"{f['tokens_needed']} token rows delivered, each once per student "
+        f"{'rank (SP slice)' if req.keeps_sp_slice else '(dp, cp) group'}"
+    )
+    minimum = (
+        "= the minimum"
+        if f["bytes_total"] == f["bytes_minimum"]
+        else (f"!= the minimum {f['bytes_minimum']} B")
     )
     add(
         f"bytes: {_fmt_bytes(f['bytes_total'])} total = {_fmt_bytes(f['bytes_cross'])} across ranks "
-        f"+ {_fmt_bytes(f['bytes_local'])} local copies ({f['bytes_total']} B)"
+        f"+ {_fmt_bytes(f['bytes_local'])} local copies ({f['bytes_total']} B, {minimum}: "
+        "tokens x row)"
     )
     add("")
     add("== transfer matrix: bytes, source global rank (row) -> destination (column) ==")
+    e = report.entries_E3
     if w <= _DENSE_MAX_WORLD:
-        unit, scale = ("MiB", 2**20) if int(m.max()) >= 2**20 else ("KiB", 2**10)
-        add(f"(in {unit}; '.' = nothing)")
+        dense = report.dense()
+        unit, scale = ("MiB", 2**20) if int(dense.max(initial=0)) >= 2**20 else ("KiB", 2**10)
+        add(f"(in {unit}; '.' = nothing; the diagonal is local copies)")
         add("src\\dst " + "".join(f"{j:>8}" for j in range(w)))
         for i in range(w):
             cells = "".join(
-                f"{int(x) / scale:>8.1f}" if int(x) else f"{'.':>8}" for x in m[i].tolist()
+                f"{int(x) / scale:>8.1f}" if int(x) else f"{'.':>8}" for x in dense[i].tolist()
             )
             add(f"{i:>7} {cells}")
-    rows = torch.nonzero(m.sum(dim=1)).reshape(-1).tolist()
-    order = sorted(rows, key=lambda r: (-int(m[r].sum()), r))
+    by_src: dict[int, tuple[list[int], list[int]]] = {}
+    for a, b_, n in e.tolist():
+        dst, nb = by_src.setdefault(a, ([], []))
+        dst.append(b_)
+        nb.append(n)
+    order = sorted(by_src, key=lambda r: (-sum(by_src[r][1]), r))
     shown_rows = order[:top]
-    add(
-        f"{len(rows)} source ranks, {int((m > 0).sum())} nonzero entries; top {len(shown_rows)} rows:"
-    )
+    add(f"{len(by_src)} source ranks, {e.shape[0]} nonzero entries; top {len(shown_rows)} rows:")
     for r in shown_rows:
-        add(f"  {r:>5} ({_fmt_bytes(int(m[r].sum()))}) -> {_row_entries(m[r])}")
+        dst, nb = by_src[r]
+        add(f"  {r:>5} ({_fmt_bytes(sum(nb))}) -> {_row_entries(dst, nb)}")
     if len(order) > len(shown_rows):
-        rest = sum(int(m[r].sum()) for r in order[len(shown_rows) :])
+        rest = sum(sum(by_src[r][1]) for r in order[len(shown_rows) :])
         add(f"  ... {len(order) - len(shown_rows)} more source ranks, {_fmt_bytes(rest)}")
-    add(f"  total {_fmt_bytes(int(m.sum()))}")
+    add(f"  total {_fmt_bytes(int(e[:, 2].sum()))}")
     add("")
     add("== per-rank volume across ranks (local copies apart) ==")
     for what, v in (("send", report.send_W), ("recv", report.recv_W)):
-        nz = torch.nonzero(v).reshape(-1).tolist()
+        nz = np.flatnonzero(v).tolist()
         if not nz:
             add(f"{what}: nobody")
             continue
@@ -585,7 +734,7 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
             groups.setdefault(int(v[r]), []).append(r)
         add(
             f"{what}: {len(nz)} ranks, max {_fmt_bytes(int(vals.max()))}, "
-            f"mean {_fmt_bytes(float(vals.double().mean()))}, min {_fmt_bytes(int(vals.min()))}, "
+            f"mean {_fmt_bytes(float(vals.mean()))}, min {_fmt_bytes(int(vals.min()))}, "
             f"imbalance max/mean {f[what + '_imbalance']:.4f}"
         )
         for val, ranks in sorted(groups.items(), key=lambda kv: -kv[0])[:top]:
@@ -593,9 +742,9 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         if len(groups) > top:
             add(f"  ... {len(groups) - top} more distinct volumes")
     if f["bytes_local"]:
-        nz = torch.nonzero(report.local_W).reshape(-1).tolist()
+        nz = np.flatnonzero(report.local_W).tolist()
         add(f"local copies: ranks {_ranges(nz)}, {_fmt_bytes(f['bytes_local'])} in all")
-    add(f"teacher TP replica balance (planner): max/mean {f['replica_imbalance']:.4f}")
+    add(f"teacher TP replica balance: max/mean {f['replica_imbalance']:.4f}")
     add("")
     add("== bytes compared (ratio = bytes / this plan's total) ==")
     tot = f["bytes_total"]
@@ -613,7 +762,7 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     add(
         f"host path: D2H {_fmt_bytes(f['host_d2h_bytes'])} on teacher ranks, "
         f"H2D {_fmt_bytes(f['host_h2d_bytes'])} on student ranks "
-        f"({'SP slices' if req.student_sp else 'every TP rank loads its whole shard'}); "
+        f"({'SP slices' if req.keeps_sp_slice else 'every TP rank loads its whole shard'}); "
         f"{f['host_hops_per_token']} hops per token (D2H, network, H2D) vs "
         f"{f['bridge_hops_per_token']} (GPU->GPU)"
     )
@@ -621,13 +770,14 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         f"student TP all-gather after the crossing: {_fmt_bytes(f['student_allgather_bytes'])} "
         + (
             "(none: the student keeps SP slices)"
-            if req.student_sp or s.tp == 1
+            if req.keeps_sp_slice or s.tp == 1
             else "(ring, inside each TP group)"
         )
     )
     add("")
+    per = "per micro-batch the slowest rank's max(send, recv) / link, added over micro-batches"
     add(
-        f"== time (model: per rank max(send, recv) / link; step = max over ranks; "
+        f"== time (model: {per if m > 1 else 'the slowest rank max(send, recv) / link'}; "
         f"link {req.link_gbps:g} Gb/s per rank, NVLink {req.nvlink_gbps:g} Gb/s, "
         f"PCIe {req.pcie_gbps:g} Gb/s) =="
     )
@@ -650,17 +800,23 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shard_key(k: Any) -> str:
+    return f"dp{k[0]}_cp{k[1]}" if isinstance(k, tuple) else f"rank{k}"
+
+
 def report_to_dict(report: PlanReport) -> dict[str, Any]:
     """Every number of ``report`` as JSON-ready data (the matrix as its nonzero entries)."""
     req = report.request
-    m = report.matrix_WW
-    nz = torch.nonzero(m)
 
     def mesh(x: Mesh, sp: bool) -> dict[str, Any]:
-        return {"tp": x.tp, "cp": x.cp, "dp": x.dp, "pp": x.pp, "offset": x.rank_offset, "sp": sp}
-
-    def key(k: tuple[int, int]) -> str:
-        return f"dp{k[0]}_cp{k[1]}"
+        return {
+            "tp": x.tp,
+            "pp": x.pp,
+            "cp": x.cp,
+            "dp": x.dp,
+            "rank_offset": x.rank_offset,
+            "sp": sp,
+        }
 
     return {
         "teacher": mesh(req.teacher, req.teacher_sp),
@@ -669,93 +825,198 @@ def report_to_dict(report: PlanReport) -> dict[str, Any]:
             "kind": "padded" if req.padded_seq_len is not None else "packed",
             "lengths": list(req.lengths),
             "seq_len": req.padded_seq_len,
-            "teacher_micro_batch": req.teacher_micro_batch,
-            "student_micro_batch": req.student_micro_batch,
+            "micro_batches": req.micro_batches,
         },
         "hidden_size": req.hidden_size,
         "vocab_size": req.vocab_size,
         "dtype_bytes": req.dtype_bytes,
         "world_size": report.world_size,
-        "matrix": [[int(i), int(j), int(m[i, j])] for i, j in nz.tolist()],
+        "matrix": report.entries_E3.tolist(),
         "send_bytes": report.send_W.tolist(),
         "recv_bytes": report.recv_W.tolist(),
         "local_bytes": report.local_W.tolist(),
-        "student_allgather_bytes_per_rank": report.allgather_W.tolist(),
-        "host_d2h_bytes_per_rank": report.d2h_W.tolist(),
-        "host_h2d_bytes_per_rank": report.h2d_W.tolist(),
-        "teacher_rows": {key(k): v for k, v in sorted(report.teacher_rows.items())},
-        "student_rows": {key(k): v for k, v in sorted(report.student_rows.items())},
-        "tokens_per_student_group": {
-            key(k): n for k, n in zip(req.student.shards(), report.tokens_per_group, strict=True)
+        "send_bytes_per_micro_batch": report.send_MW.tolist(),
+        "recv_bytes_per_micro_batch": report.recv_MW.tolist(),
+        "student_allgather_bytes_per_rank": report.allgather_MW.sum(0).tolist(),
+        "host_d2h_bytes_per_rank": report.d2h_MW.sum(0).tolist(),
+        "host_h2d_bytes_per_rank": report.h2d_MW.sum(0).tolist(),
+        "teacher_rows": {_shard_key(k): list(v) for k, v in sorted(report.teacher_rows.items())},
+        "student_rows": {
+            _shard_key(k): list(v)
+            for k, v in sorted(report.student_rows.items(), key=lambda kv: str(kv[0]))
         },
-        "plan_summary": report.plan.summary(),
+        "tokens_per_student_group": {
+            _shard_key(k): n
+            for k, n in zip(req.student.shards(), report.tokens_per_group, strict=True)
+        },
         "figures": dict(report.figures),
     }
 
 
 def render_heatmap(report: PlanReport, path: Path) -> Path:
-    """Write a PNG heatmap of the transfer matrix (empty cells blank; mesh extents drawn)."""
-    import matplotlib
+    """Write a PNG of the transfer matrix with each rank's send / receive volume beside it.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    What the text cannot show at a glance: where the bytes go (the matrix of sends, local
+    copies marked apart, on a log colour scale when the values span decades), how each rank's
+    volume compares with the others' (bars per source rank on the right, per destination rank
+    below, local copies stacked on the sends, the mean dashed), and which ranks form the
+    teacher's TP groups and the student's destinations (alternating bands on the edges).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.figure import Figure
 
-    req = report.request
-    peak = int(report.matrix_WW.max()) if report.world_size else 0
-    unit, scale = (
-        next(
-            (u, k)
-            for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-            if peak >= k
-        )
-        if peak
-        else ("B", 1)
-    )
-    m = report.matrix_WW.double().numpy() / scale
-    data = np.ma.masked_equal(m, 0.0)
+    req, f = report.request, report.figures
     w = report.world_size
-    size = min(14.0, max(5.0, 4.0 + w / 12))
-    fig, ax = plt.subplots(figsize=(size + 1.5, size))
+    e = report.entries_E3
+    send_W, recv_W, local_W = report.send_W, report.recv_W, report.local_W
+    local_src = np.zeros(w, dtype=_I64)  # local copies by the serving rank (= the receiver)
+    loc = e[e[:, 0] == e[:, 1]]
+    np.add.at(local_src, loc[:, 0], loc[:, 2])
+    peak = int(max((send_W + local_src).max(initial=0), (recv_W + local_W).max(initial=0)))
+    unit, scale = next(
+        ((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak >= k),
+        ("B", 1),
+    )
+    bins = max(1, -(-w // 512))  # large jobs: ranks summed in bins, so the image stays small
+    nb = -(-w // bins)
+    cross = e[e[:, 0] != e[:, 1]]
+    img = np.zeros((nb, nb), dtype=np.float64)
+    np.add.at(img, (cross[:, 0] // bins, cross[:, 1] // bins), cross[:, 2] / scale)
+    nz = img[img > 0]
+    log = _spans_decades(nz)
+    norm = (
+        LogNorm(vmin=float(nz.min()), vmax=float(nz.max()))
+        if log
+        else Normalize(vmin=0.0, vmax=float(nz.max()) if nz.size else 1.0)
+    )
+    size = min(13.0, max(7.0, 6.0 + w / 16))
+    fig = Figure(figsize=(size + 2.4, size + 0.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(2, 2, width_ratios=(4.0, 1.3), height_ratios=(4.0, 1.3))
+    ax = fig.add_subplot(gs[0, 0])
+    ax_s = fig.add_subplot(gs[0, 1], sharey=ax)
+    ax_r = fig.add_subplot(gs[1, 0], sharex=ax)
+    ax_i = fig.add_subplot(gs[1, 1])
     im = ax.imshow(
-        data,
+        np.ma.masked_equal(img, 0.0),
         cmap="viridis",
+        norm=norm,
         interpolation="nearest",
-        origin="upper",
-        vmin=0.0,
-        vmax=max(float(m.max()), 1e-9),
+        extent=(-0.5, nb * bins - 0.5, nb * bins - 0.5, -0.5),
+        aspect="auto",
     )
-    fig.colorbar(im, ax=ax, label=f"{unit} per (source, destination)")
-    # mesh extents: teacher on the left / top edges, student on the right / bottom edges
-    for mesh, color, label, edge in (
-        (req.teacher, "tab:red", "teacher", (0.0, 0.012)),
-        (req.student, "tab:blue", "student", (0.988, 1.0)),
-    ):
-        lo, hi = mesh.rank_offset - 0.5, mesh.rank_offset + mesh.size - 0.5
-        ax.axhspan(lo, hi, xmin=edge[0], xmax=edge[1], color=color, alpha=0.9)
-        ax.axvspan(lo, hi, ymin=1.0 - edge[1], ymax=1.0 - edge[0], color=color, alpha=0.9)
-        for x in (lo, hi):
-            ax.axhline(x, color=color, lw=0.6, alpha=0.4)
-            ax.axvline(x, color=color, lw=0.6, alpha=0.4)
-        ax.plot([], [], color=color, lw=4, label=f"{label} ranks {_ranges(list(mesh.ranks))}")
-    ax.set_xlabel("destination global rank")
-    ax.set_ylabel("source global rank")
-    t, s = req.teacher, req.student
-    f = report.figures
-    ax.set_title(
-        f"teacher TP{t.tp} CP{t.cp} DP{t.dp} PP{t.pp} -> student TP{s.tp} CP{s.cp} DP{s.dp} PP{s.pp}\n"
-        f"{_fmt_bytes(f['bytes_cross'])} across ranks, {_fmt_bytes(f['bytes_local'])} local; "
-        f"send imbalance {f['send_imbalance']:.3f}",
-        fontsize=10,
-    )
-    ax.legend(loc="lower left", fontsize=8)
+    handles = []
+    if loc.shape[0]:
+        handles.append(
+            ax.scatter(
+                loc[:, 0],
+                loc[:, 1],
+                marker="s",
+                s=max(4.0, min(90.0, 2400.0 / w)),
+                facecolors="none",
+                edgecolors="tab:orange",
+                linewidths=1.4,
+                label=f"local copy: {_fmt_bytes(f['bytes_local'])} in all, not sent",
+            )
+        )
+    # the teacher's source groups (rows) and the student's destinations (columns), alternating
+    sources, dests = report.step.topology.sources, report.step.topology.dests
+    for k, g in enumerate(sources):
+        lo, hi = min(g.ranks) - 0.5, max(g.ranks) + 0.5
+        ax.axhspan(lo, hi, xmin=0.0, xmax=0.015, color=("tab:red", "lightcoral")[k % 2])
+        if len(sources) <= 64:
+            ax.axhline(lo, color="tab:red", lw=0.4, alpha=0.3)
+    for k, d in enumerate(dests):
+        lo, hi = min(d.ranks) - 0.5, max(d.ranks) + 0.5
+        ax.axvspan(lo, hi, ymin=0.0, ymax=0.015, color=("tab:blue", "lightskyblue")[k % 2])
+        if len(dests) <= 64:
+            ax.axvline(lo, color="tab:blue", lw=0.4, alpha=0.3)
+    dest = "student rank (its own SP slice)" if req.keeps_sp_slice else "student TP group"
+    handles += [
+        ax.plot([], [], color="tab:red", lw=4, label="teacher TP group (replicas; left edge)")[0],
+        ax.plot([], [], color="tab:blue", lw=4, label=f"{dest} (destination; bottom edge)")[0],
+    ]
+    b_note = f" (bins of {bins})" if bins > 1 else ""
+    ax.set_ylabel("source global rank" + b_note)
     ax.set_xlim(-0.5, w - 0.5)
     ax.set_ylim(w - 0.5, -0.5)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    t, s = req.teacher, req.student
+    minimum = "the minimum" if f["bytes_total"] == f["bytes_minimum"] else "NOT the minimum"
+    fig.suptitle(
+        f"mopd plan: teacher TP{t.tp} CP{t.cp} DP{t.dp} PP{t.pp} -> student TP{s.tp} CP{s.cp} "
+        f"DP{s.dp} PP{s.pp}, {req.micro_batches} micro-batch(es)\n"
+        f"{_fmt_bytes(f['bytes_cross'])} across ranks + {_fmt_bytes(f['bytes_local'])} local "
+        f"copies = {minimum} (each token once); send max/mean {f['send_imbalance']:.3f}, "
+        f"recv max/mean {f['recv_imbalance']:.3f}",
+        fontsize=9,
+    )
+
+    edges = np.arange(w + 1) - 0.5
+    sent, got = send_W / scale, recv_W / scale
+    ax_s.stairs(sent, edges, orientation="horizontal", fill=True, color="#4472c4", label="sent")
+    ax_r.stairs(got, edges, fill=True, color="#4472c4", label="received")
+    if loc.shape[0]:
+        ax_s.stairs(
+            sent + local_src / scale,
+            edges,
+            baseline=sent,
+            orientation="horizontal",
+            fill=True,
+            color="tab:orange",
+            label="local copy",
+        )
+        ax_r.stairs(
+            got + local_W / scale,
+            edges,
+            baseline=got,
+            fill=True,
+            color="tab:orange",
+            label="local copy",
+        )
+    for axis, v, line, who in (
+        (ax_s, sent, ax_s.axvline, "senders"),
+        (ax_r, got, ax_r.axhline, "receivers"),
+    ):
+        if (v > 0).any():
+            line(float(v[v > 0].mean()), color="black", lw=0.8, ls="--", label=f"mean of {who}")
+        axis.legend(fontsize=7, loc="lower right" if axis is ax_s else "upper left")
+        axis.grid(alpha=0.3)
+    bar_log = _spans_decades(np.concatenate([send_W + local_src, recv_W + local_W]))
+    if bar_log:
+        ax_s.set_xscale("log")
+        ax_r.set_yscale("log")
+    ax_s.set_xlabel(f"{unit} per source rank{', log' if bar_log else ''}")
+    ax_s.tick_params(labelleft=False)
+    ax_r.set_ylabel(f"{unit} per destination{', log' if bar_log else ''}", fontsize=8)
+    ax_r.set_xlabel("destination global rank" + b_note)
+
+    ax_i.axis("off")
+    ax_i.legend(handles=handles, loc="upper left", fontsize=7, frameon=False)
+    cax = ax_i.inset_axes((0.05, 0.42, 0.9, 0.08))
+    fig.colorbar(im, cax=cax, orientation="horizontal")
+    cax.set_title(f"{unit} per (source, destination){', log scale' if log else ''}", fontsize=7)
+    cax.tick_params(labelsize=7)
+    ax_i.text(
+        0.0,
+        0.2,
+        f"modelled: crossing {_fmt_time(f['time_cross_s'])} at {req.link_gbps:g} Gb/s "
+        f"+ TP all-gather {_fmt_time(f['time_student_allgather_s'])}\n"
+        f"logits {f['logits_full_ratio']:.1f}x the bytes; host path "
+        f"{f['host_bytes_ratio']:.1f}x the bytes, {f['host_time_ratio']:.2f}x the time",
+        fontsize=7,
+        va="top",
+        wrap=True,
+        transform=ax_i.transAxes,
+    )
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
+
+
+def _spans_decades(v: np.ndarray) -> bool:
+    """True when the positive values differ by 10x or more (a log scale then reads better)."""
+    nz = v[v > 0]
+    return bool(nz.size) and float(nz.max()) >= 10 * float(nz.min())
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -783,42 +1044,44 @@ def _positive_float(text: str) -> float:
 
 def _lengths(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"lengths must be positive integers, got {text!r}")
-    return values
-
-
-def _mesh_arg(text: str) -> MeshSpec:
-    try:
-        return parse_mesh(text)
+        return parse_int_list(text, what="length")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _out_file(text: str) -> Path:
+    """A file to write: its folder must exist (nothing is created but the file), ``-``: stdout."""
+    if text == "-":
+        return Path("-")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {parent} does not exist")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mopd plan`` argument parser."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="mopd plan",
         description=(
-            "Show the bridge's transfer plan for a teacher mesh, a student mesh and a batch: the "
-            "bytes each global rank sends to each other, balance, bytes against logits and the "
-            "host path, and time at a link bandwidth. No GPU or process group needed."
+            "Show what the bridge moves for a teacher mesh, a student mesh and a batch: the "
+            "bytes each global rank sends to each other (every rank's own plan, as the live "
+            "bridge makes it), balance, bytes against logits and the host path, and time at a "
+            "link bandwidth. No GPU or process group needed."
         ),
+        epilog=f"MESH: comma-separated KEY=VALUE with the keys of mopd.bridge.Mesh, e.g. "
+        f"{MESH_EXAMPLE}; missing sizes are 1.",
     )
-    p.add_argument(
-        "--teacher", type=_mesh_arg, required=True, metavar="tp=8,pp=2,dp=1,cp=1[,offset=0]"
-    )
+    p.add_argument("--teacher", type=mesh_type, required=True, metavar="MESH")
     p.add_argument(
         "--student",
-        type=_mesh_arg,
+        type=mesh_type,
         required=True,
-        metavar="tp=4,cp=2,dp=2[,offset=N]",
-        help="default offset: right after the teacher's ranks (disjoint meshes)",
+        metavar="MESH",
+        help="default rank_offset: right after the teacher's ranks (disjoint meshes)",
     )
     p.add_argument("--colocated", action="store_true", help="both meshes on global ranks 0..N-1")
     batch = p.add_mutually_exclusive_group(required=True)
@@ -833,20 +1096,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=_positive_int, metavar="S", help="padded batch: tokens per sample"
     )
     p.add_argument(
+        "--micro-batches",
+        type=_positive_int,
+        default=1,
+        metavar="M",
+        help="micro-batches per step, the same on both sides (1)",
+    )
+    p.add_argument(
         "--hidden-size", type=_positive_int, default=4096, help="teacher hidden size (4096)"
     )
     p.add_argument("--vocab-size", type=_positive_int, default=151936, help="for logits (151936)")
     p.add_argument(
         "--dtype-bytes", type=_positive_int, default=2, help="bytes per element (2: bf16)"
     )
-    p.add_argument("--teacher-micro-batch", type=_positive_int, default=None, metavar="N")
-    p.add_argument("--student-micro-batch", type=_positive_int, default=None, metavar="N")
     p.add_argument(
         "--sequence-parallel",
         choices=("teacher", "student", "both"),
         default=None,
         help="teacher: pads sequences to a multiple of tp (capture undoes SP); student: each TP "
-        "rank keeps its SP slice (no all-gather after the crossing)",
+        "rank keeps its SP slice (keep_sp_shard: no all-gather after the crossing)",
     )
     p.add_argument("--link-gbps", type=_positive_float, default=400.0, help="per rank, Gb/s (400)")
     p.add_argument(
@@ -859,12 +1127,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--pcie-gbps", type=_positive_float, default=400.0, help="host path D2H/H2D, Gb/s (400)"
     )
     p.add_argument("--top", type=_positive_int, default=8, help="matrix rows / volumes listed (8)")
-    p.add_argument("--png", type=Path, default=Path("plan.png"), help="heatmap (plan.png)")
-    p.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every number")
+    p.add_argument(
+        "--png",
+        type=_out_file,
+        default=Path("plan.png"),
+        metavar="PATH",
+        help="the picture: matrix, per-rank volumes (default ./plan.png; its folder must exist)",
+    )
+    p.add_argument("--no-png", action="store_true", help="do not draw the picture")
+    p.add_argument(
+        "--json",
+        type=_out_file,
+        default=None,
+        metavar="PATH",
+        help="write every number as JSON ('-': to stdout, instead of the text)",
+    )
     p.add_argument(
         "--markdown",
-        type=Path,
+        type=_out_file,
         default=None,
         metavar="PATH",
         help="write the summary with the environment",
@@ -875,24 +1155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _request(args: argparse.Namespace) -> PlanRequest:
     """Meshes, placement and batch from parsed flags (``ValueError`` with the values on misuse)."""
     t_spec, s_spec = args.teacher, args.student
-    if args.colocated:
-        given = [
-            n for n, x in (("teacher", t_spec), ("student", s_spec)) if x.offset not in (None, 0)
-        ]
-        if given:
-            raise ValueError(f"--colocated puts both meshes at offset 0; drop offset= from {given}")
-        if t_spec.size != s_spec.size:
-            raise ValueError(
-                f"--colocated needs meshes of one world size (every GPU holds a teacher and a student "
-                f"shard), got teacher {t_spec.size} ranks and student {s_spec.size}; give explicit "
-                f"offset= values instead to model a partial overlap"
-            )
-        t_off, s_off = 0, 0
-    else:
-        t_off = t_spec.offset or 0
-        s_off = s_spec.offset if s_spec.offset is not None else t_off + t_spec.size
-    teacher = t_spec.mesh(rank_offset=t_off, name="teacher")
-    student = s_spec.mesh(rank_offset=s_off, name="student")
+    assert isinstance(t_spec, MeshSpec) and isinstance(s_spec, MeshSpec)
     if args.batch is not None:
         if args.seq_len is None:
             raise ValueError("--batch needs --seq-len")
@@ -901,9 +1164,32 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     else:
         if args.seq_len is not None:
             raise ValueError(
-                "--seq-len applies to padded batches (--batch); packed lengths come from --packed-lengths"
+                "--seq-len applies to padded batches (--batch); packed lengths come from "
+                "--packed-lengths"
             )
         lengths, seq_len = args.packed_lengths, None
+    if args.colocated:
+        given = [
+            n
+            for n, x in (("teacher", t_spec), ("student", s_spec))
+            if x.rank_offset not in (None, 0)
+        ]
+        if given:
+            raise ValueError(
+                f"--colocated puts both meshes at rank_offset 0; drop rank_offset= from {given}"
+            )
+        if t_spec.size != s_spec.size:
+            raise ValueError(
+                f"--colocated needs meshes of one world size (every GPU holds a teacher and a "
+                f"student shard), got teacher {t_spec.size} ranks and student {s_spec.size}; "
+                "give explicit rank_offset= values instead to model a partial overlap"
+            )
+        t_off, s_off = 0, 0
+    else:
+        t_off = t_spec.rank_offset or 0
+        s_off = s_spec.rank_offset if s_spec.rank_offset is not None else t_off + t_spec.size
+    teacher = t_spec.mesh(name="teacher", rank_offset=t_off)
+    student = s_spec.mesh(name="student", rank_offset=s_off)
     sp = args.sequence_parallel
     student_sp = sp in ("student", "both")
     nvlink = args.nvlink_gbps if args.nvlink_gbps is not None else 3600.0
@@ -921,8 +1207,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         hidden_size=args.hidden_size,
         vocab_size=args.vocab_size,
         dtype_bytes=args.dtype_bytes,
-        teacher_micro_batch=args.teacher_micro_batch,
-        student_micro_batch=args.student_micro_batch,
+        micro_batches=args.micro_batches,
         teacher_sp=sp in ("teacher", "both"),
         student_sp=student_sp,
         link_gbps=args.link_gbps,
@@ -939,16 +1224,17 @@ def _markdown(text: str, argv: Sequence[str], png: Path | None) -> str:
     return (
         "# mopd plan\n\n"
         f"Command: `mopd plan {' '.join(argv)}`\n\n"
-        "Computed by the bridge's own planner (`mopd.bridge.plan_token_exchange`) on the CPU; "
-        "times are the stated model, not measurements.\n\n"
+        "Every rank's own plan (`mopd.bridge.plan.plan_rank`, as the live bridge runs it) on a "
+        "simulated step, on the CPU; times are the stated model, not measurements.\n\n"
         f"```\n{text}```\n{pic}\n## Environment\n{env}\n"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``mopd plan``: print the plan's figures, draw the heatmap, write JSON; returns the exit status.
+    """``mopd plan``: print the plan's figures, draw the picture, write JSON; returns the exit status.
 
-    Bad flags or values print a message naming them to stderr and return 2.
+    Bad flags or values print one line naming them to stderr and return 2, before anything
+    heavy is imported and before any file is written.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -962,20 +1248,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"mopd plan: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    to_stdout = args.json is not None and str(args.json) == "-"
     text = format_report(report, top=args.top)
-    sys.stdout.write(text)
+    if to_stdout:
+        sys.stdout.write(json.dumps(report_to_dict(report), indent=1) + "\n")
+    else:
+        sys.stdout.write(text)
+    log = sys.stderr if to_stdout else sys.stdout
     png = None
     if not args.no_png:
         png = render_heatmap(report, args.png)
-        print(f"heatmap: {png}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+        print(f"picture: {png}", file=log)
+    if args.json is not None and not to_stdout:
         args.json.write_text(json.dumps(report_to_dict(report), indent=1) + "\n")
-        print(f"json: {args.json}")
+        print(f"json: {args.json}", file=log)
     if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(_markdown(text, argv, png))
-        print(f"markdown: {args.markdown}")
+        md = _markdown(text, argv, png)
+        if str(args.markdown) == "-":
+            sys.stdout.write(md)
+        else:
+            args.markdown.write_text(md)
+            print(f"markdown: {args.markdown}", file=log)
     return 0
 
 

@@ -1,8 +1,9 @@
 """One PNG bar chart per benchmark CSV, drawn headless (matplotlib Agg).
 
-Why this file exists: ``mopd bench <name>`` records its figures as CSV under
-``profiling/results/`` (see :mod:`mopd.profiling.results`); a picture of the headline column next
-to each CSV makes a run readable at a glance. The CSVs come from different benchmarks written by
+Why this file exists: ``mopd bench <name>`` records its figures as CSV (see
+:mod:`mopd.profiling.results`); a picture of the headline column next to each CSV makes a run
+readable at a glance. Benchmarks that need a particular picture draw their own (``mopd bench``
+then leaves their CSVs alone); for the rest, the CSVs come from different benchmarks written by
 different people, so the columns are chosen by rule, not by name:
 
 - label: the first column that is not entirely numeric (made unique with the other text columns
@@ -10,6 +11,10 @@ different people, so the columns are chosen by rule, not by name:
 - value: the first all-numeric column whose header names a throughput, a time or a share, in this
   order of preference: ``GB/s`` (or ``TB/s``, ``TFLOP/s``), ``ms`` (or ``us``, ``ns``, ``s``), ``%``
   (or ``pct``, ``ratio``); failing that, the first all-numeric column. ``value_column`` overrides.
+
+The value axis is logarithmic when the positive values span more than a decade, and a CSV
+recorded on a CPU (``-cpu-`` in its name, as :func:`~mopd.profiling.results.record` tags it)
+says in its title that its figures are functional, not performance.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["choose_columns", "plot_csv", "read_csv"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["choose_columns", "draw_csv", "plot_csv", "read_csv", "spans_decades"]
 
 # Header patterns, most preferred first. Matched case-insensitively against the whole header.
 _VALUE_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
@@ -109,6 +118,60 @@ def _labels(
     return labels
 
 
+def spans_decades(values: Sequence[float]) -> bool:
+    """True when the finite positive values differ by more than 10x (a log axis reads better)."""
+    pos = [v for v in values if math.isfinite(v) and v > 0]
+    return bool(pos) and max(pos) > 10 * min(pos)
+
+
+def _is_cpu_run(csv_path: Path) -> bool:
+    return "-cpu-" in csv_path.name
+
+
+def draw_csv(csv_path: str | Path, *, value_column: str | None = None) -> Figure:
+    """The bar chart of :func:`plot_csv`, as a figure (not saved)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    csv_path = Path(csv_path)
+    header, rows = read_csv(csv_path)
+    label_col, value_col = choose_columns(header, rows, value_column)
+    labels = _labels(header, rows, label_col, value_col)
+    values = [_as_float(row.get(value_col, "")) for row in rows]
+    finite = [v if v is not None and math.isfinite(v) else math.nan for v in values]
+    log = spans_decades(finite)
+    # no bar where there is no value (or, on a log axis, nothing positive to draw)
+    heights = [0.0 if math.isnan(v) or (log and v <= 0) else v for v in finite]
+
+    fig = Figure(figsize=(8.0, max(2.5, 0.45 * len(rows) + 1.4)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    positions = list(range(len(rows)))
+    bars = ax.barh(positions, heights, color="#4472c4")
+    ax.set_yticks(positions, labels)
+    ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(value_col + (" (log scale)" if log else ""))
+    if label_col is not None:
+        ax.set_ylabel(label_col)
+    title = csv_path.stem
+    if _is_cpu_run(csv_path):
+        from mopd.profiling.results import CPU_CAVEAT
+
+        title += f"\n{CPU_CAVEAT}"
+    ax.set_title(title, fontsize=10)
+    ax.bar_label(
+        bars,
+        labels=[f"{v:.4g}" if not math.isnan(v) else "n/a" for v in finite],
+        padding=3,
+        fontsize=8,
+    )
+    ax.margins(x=0.15)
+    ax.grid(axis="x", alpha=0.3, which="both" if log else "major")
+    return fig
+
+
 def plot_csv(
     csv_path: str | Path, png_path: str | Path, *, value_column: str | None = None
 ) -> Path:
@@ -117,35 +180,8 @@ def plot_csv(
     Rows keep the CSV's order top to bottom; each bar is annotated with its value. Empty or NaN
     cells draw no bar. Raises ``ValueError`` when the CSV has no rows or no numeric column.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    csv_path, png_path = Path(csv_path), Path(png_path)
-    header, rows = read_csv(csv_path)
-    label_col, value_col = choose_columns(header, rows, value_column)
-    labels = _labels(header, rows, label_col, value_col)
-    values = [_as_float(row.get(value_col, "")) for row in rows]
-    heights = [v if v is not None and math.isfinite(v) else 0.0 for v in values]
-
-    fig = Figure(figsize=(8.0, max(2.5, 0.45 * len(rows) + 1.2)), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    positions = list(range(len(rows)))
-    bars = ax.barh(positions, heights, color="#4472c4")
-    ax.set_yticks(positions, labels)
-    ax.invert_yaxis()
-    ax.set_xlabel(value_col)
-    if label_col is not None:
-        ax.set_ylabel(label_col)
-    ax.set_title(csv_path.stem)
-    ax.bar_label(
-        bars,
-        labels=[f"{v:.4g}" if v is not None and math.isfinite(v) else "n/a" for v in values],
-        padding=3,
-        fontsize=8,
-    )
-    ax.margins(x=0.15)
-    ax.grid(axis="x", alpha=0.3)
+    png_path = Path(png_path)
+    fig = draw_csv(csv_path, value_column=value_column)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=110)
     return png_path

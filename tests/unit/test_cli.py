@@ -1,4 +1,5 @@
-"""The ``mopd`` console script (profiling/cli.py) and the CSV plotter (profiling/plots.py)."""
+"""The ``mopd`` console script (profiling/cli.py), the CSV plotter (profiling/plots.py) and where
+results go (profiling/results.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import subprocess
 import sys
 import textwrap
 import types
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from mopd.profiling import cli
-from mopd.profiling.plots import choose_columns, plot_csv, read_csv
+from mopd.profiling import cli, results
+from mopd.profiling.plots import choose_columns, draw_csv, plot_csv, read_csv
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -31,18 +35,59 @@ def test_console_script_help_lists_subcommands() -> None:
         assert sub in proc.stdout
 
 
-def test_bench_unknown_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_from_the_installed_metadata(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "nosuch"])
-    assert exc.value.code == 2
-    assert "invalid choice: 'nosuch'" in capsys.readouterr().err
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"mopd (mopd-bridge) {metadata.version('mopd-bridge')}\n"
 
 
-def test_no_subcommand_and_leading_junk_exit_2() -> None:
-    for argv in ([], ["--zz", "demo"]):
-        with pytest.raises(SystemExit) as exc:
-            cli.main(argv)
-        assert exc.value.code == 2, argv
+def test_python_dash_m_mopd_is_the_same_command(tmp_path: Path) -> None:
+    """``python -m mopd`` from a folder that is not the checkout (the installed namespace)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mopd", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"mopd (mopd-bridge) {metadata.version('mopd-bridge')}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "nosuch"], "mopd bench: error: argument name: invalid choice: 'nosuch'"),
+        ([], "mopd: error: the following arguments are required: {demo,plan,bench}"),
+        (["--zz", "demo"], "mopd: error: unrecognized arguments before 'demo': --zz"),
+        (["frobnicate"], "mopd: error: argument {demo,plan,bench}: invalid choice: 'frobnicate'"),
+    ],
+)
+def test_misuse_is_one_line_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_misuse_answers_before_heavy_imports() -> None:
+    code = (
+        "import sys\n"
+        "from mopd.profiling import cli\n"
+        "try:\n"
+        "    cli.main(['bench', 'nosuch'])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, sorted(m for m in ('torch', 'numpy', 'matplotlib', 'megatron')"
+        " if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert proc.stdout.strip() == "2 []", (proc.stdout, proc.stderr)
 
 
 def test_demo_gets_every_argument(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,11 +124,15 @@ out = Path(os.environ["FAKE_BENCH_DIR"])
 if "--fail" in sys.argv:
     sys.exit(3)
 rows = int(sys.argv[sys.argv.index("--rows") + 1])
+if "--results-dir" in sys.argv:
+    assert Path(sys.argv[sys.argv.index("--results-dir") + 1]) == out
 with (out / "fake-new.csv").open("w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["op", "bytes", "GB/s", "pct_of_copy_%"])
     for i in range(rows):
         w.writerow([f"op{i}", 1 << (20 + i), 100.0 * (i + 1), 10.0 * (i + 1)])
+if "--own" in sys.argv:
+    (out / "fake-new-errors.png").write_bytes(b"own plot")
 print("ARGS", sys.argv[1:])
 """
 
@@ -110,10 +159,44 @@ def test_bench_runs_module_and_plots_new_csv(
     rc = cli.main(["bench", "--results-dir", str(fake_bench), "kernels", "--rows", "3", "--help"])
     assert rc == 0
     out = capfd.readouterr().out
-    assert "ARGS ['--rows', '3', '--help']" in out
+    # the results folder reaches the benchmark; its own arguments follow untouched
+    assert f"ARGS ['--results-dir', '{fake_bench}', '--rows', '3', '--help']" in out
     png = fake_bench / "fake-new.png"
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000
     assert not old.with_suffix(".png").exists()  # untouched CSVs are not re-plotted
+
+
+def test_bench_keeps_a_plot_the_benchmark_drew(
+    fake_bench: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", "--results-dir", str(fake_bench), "kl", "--rows", "2", "--own"]) == 0
+    out = capfd.readouterr().out
+    own = fake_bench / "fake-new-errors.png"
+    assert own.read_bytes() == b"own plot"  # not redrawn
+    assert not (fake_bench / "fake-new.png").exists()
+    assert f"plot {own} (the benchmark's)" in out
+
+
+def test_bench_results_dir_after_name_is_the_benchmarks(
+    fake_bench: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    rc = cli.main(["bench", "ranges", "--rows", "1", "--results-dir", str(fake_bench)])
+    assert rc == 0
+    assert (fake_bench / "fake-new.png").exists()  # plotted where the benchmark wrote
+    capfd.readouterr()
+    rc = cli.main(["bench", "--results-dir", str(fake_bench), "ranges", "--results-dir", "x"])
+    assert rc == 2
+    err = capfd.readouterr().err
+    assert "--results-dir given twice" in err and err.count("\n") == 1
+
+
+def test_a_benchmarks_usage_error_is_its_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "ranges", "--iters", "0"]) == 2
+    err = capfd.readouterr().err
+    assert err == (
+        "bench_ranges: error: --iters and --repeat must be >= 1, got 0, 5 "
+        "(see bench_ranges --help)\n"
+    )
 
 
 def test_bench_failure_propagates_without_plot(fake_bench: Path) -> None:
@@ -128,6 +211,50 @@ def test_bench_module_absent_exits_2(
     monkeypatch.setattr(cli, "bench_module", lambda name: "mopd_no_such_bench_module")
     assert cli.main(["bench", "capture"]) == 2
     assert "mopd_no_such_bench_module is not installed" in capsys.readouterr().err
+
+
+def test_results_go_to_the_checkout_or_mopd_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # this test runs from a checkout: profiling/results/ of it
+    assert results.default_results_dir() == ROOT / "profiling" / "results"
+    # an installed package used elsewhere: ./mopd-results
+    monkeypatch.setattr(results, "checkout_root", lambda: None)
+    assert results.default_results_dir() == Path("mopd-results")
+    assert not results._is_checkout(tmp_path)
+    (tmp_path / "profiling").mkdir()
+    (tmp_path / "profiling" / "results.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "mopd-bridge"\n')
+    assert results._is_checkout(tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert not results._is_checkout(tmp_path)
+
+
+def test_help_says_where_results_go(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "profiling/results/ inside a checkout of mopd-bridge, ./mopd-results/ elsewhere" in out
+    assert "functional" in out  # CPU figures
+
+
+def test_progress_is_quiet_off_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with results.Progress(total=2, desc="x") as bar:  # pytest's stderr is not a terminal
+        bar.start("a")
+        bar.step()
+        assert not bar.shown
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with results.Progress(total=2, desc="bench", quiet=True) as bar:  # --json
+        assert not bar.shown
+    with results.Progress(total=2, desc="bench") as bar:
+        assert bar.shown
+        bar.start("case one")
+        bar.step()
+    captured = capsys.readouterr()
+    assert captured.out == "" and "bench" in captured.err and "case one" in captured.err
 
 
 def test_plot_csv_writes_png(tmp_path: Path) -> None:
@@ -168,6 +295,21 @@ def test_column_choice() -> None:
         choose_columns(header, rows, value_column="dtype")
     with pytest.raises(ValueError, match="no numeric column"):
         choose_columns(["a", "b"], [{"a": "x", "b": "y"}])
+
+
+def test_log_scale_when_values_span_decades(tmp_path: Path) -> None:
+    wide = _write(tmp_path / "ranges.csv", "case,time_ns\nfloor,17\nspan off,140\nrecord,4538\n")
+    narrow = _write(tmp_path / "k.csv", "kernel,GB/s\ncopy,4244\nindex_copy,1395\n")
+    assert draw_csv(wide).axes[0].get_xscale() == "log"
+    assert draw_csv(narrow).axes[0].get_xscale() == "linear"
+    assert "log scale" in draw_csv(wide).axes[0].get_xlabel()
+
+
+def test_cpu_runs_say_their_figures_are_functional(tmp_path: Path) -> None:
+    cpu = _write(tmp_path / "kl-cpu-2026-12-01.csv", "impl,ms\nours,1.5\ntorch,130\n")
+    gpu = _write(tmp_path / "kl-nvidia_h200-2026-12-01.csv", "impl,ms\nours,1.5\ntorch,130\n")
+    assert "functional figures" in draw_csv(cpu).axes[0].get_title()
+    assert "functional" not in draw_csv(gpu).axes[0].get_title()
 
 
 def test_repeated_labels_are_widened_and_blanks_tolerated(tmp_path: Path) -> None:

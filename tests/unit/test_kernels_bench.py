@@ -1,8 +1,10 @@
 """Tier 1: the kernel benchmark's harness runs on CPU (``--quick``) and survives a broken kernel.
 
 The figures of a quick CPU run mean nothing; what is checked is that every peer and every
-kernel row is produced, outputs are checked bit for bit, results are recorded where asked, and
-a kernel that raises becomes an ERROR row instead of losing the peers' figures.
+kernel row is produced, outputs are checked bit for bit, results are recorded where asked, a
+kernel that raises becomes an ERROR row instead of losing the peers' figures, a run cut short
+keeps its rows, the table is printed once and labelled functional, and progress goes to stderr
+on a terminal only.
 """
 
 from __future__ import annotations
@@ -25,7 +27,41 @@ def test_quick_run_records_every_row(tmp_path: Path, capsys: pytest.CaptureFixtu
     for op in ("gather", "scatter", "copy_runs", "views at element 1"):
         assert op in text
     assert "False" not in text  # every bit_exact check held
-    assert "QUICK CPU RUN" in next(tmp_path.glob("kernels-*.md")).read_text()
+    md = next(tmp_path.glob("kernels-*.md")).read_text()
+    assert "QUICK CPU RUN" in md and "functional figures" in md
+    assert out.count("| op |") == 1 and "% of copy" not in out  # one table, no per-row lines
+    assert out.startswith("CPU run: functional figures")
+
+
+def test_progress_names_each_case_on_stderr_of_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert bench_kernels.main(["--quick", "--gib", "0.001", "--no-record"]) == 0
+    captured = capsys.readouterr()
+    assert "kernels" in captured.err and "gather | random | twin (torch)" in captured.err
+    assert "twin (torch):" not in captured.out  # stdout keeps only the table and summary
+    assert bench_kernels.main(["--quick", "--gib", "0.001", "--no-record", "--no-progress"]) == 0
+    assert "gather | random" not in capsys.readouterr().err
+
+
+def test_a_run_cut_short_keeps_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # what SIGTERM from a time limit becomes
+
+    monkeypatch.setattr(bench_kernels, "copy_runs", interrupted)
+    rc = bench_kernels.main(["--quick", "--gib", "0.001", "--results-dir", str(tmp_path)])
+    assert rc == 130
+    out = capsys.readouterr().out
+    assert "CUT SHORT after" in out and "torch.index_select" in out
+    (csv_path,) = tmp_path.glob("kernels-*.csv")
+    text = csv_path.read_text()
+    assert "gather" in text and "scatter" in text and "copy_runs" not in text
+    assert "CUT SHORT" in csv_path.with_suffix(".md").read_text()
 
 
 def test_broken_kernel_becomes_error_row(

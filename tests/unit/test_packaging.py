@@ -46,6 +46,7 @@ def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"mopd", next(t for t in tops if t.endswith(".dist-info"))}
     assert "mopd/__init__.py" not in names  # a namespace, shared with nothing generic
+    assert "mopd/__main__.py" in names  # python -m mopd
     for sub in SUBPACKAGES:
         assert f"mopd/{sub}/__init__.py" in names
         assert f"mopd/{sub}/py.typed" in names
@@ -142,3 +143,54 @@ def test_installed_wheel_runs_the_demo_outside_the_checkout(wheel: Path, tmp_pat
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "verification: OK" in proc.stdout
+
+
+def test_installed_wheel_runs_python_dash_m_mopd(wheel: Path, tmp_path: Path):
+    """``python -m mopd`` and ``--version`` from the wheel alone, away from the checkout."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    want = wheel.name.split("-")[1]  # mopd_bridge-<version>-py3-none-any.whl
+    res = subprocess.run(
+        [sys.executable, "-m", "mopd", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"mopd (mopd-bridge) {want}\n"
+    code = (
+        "import mopd, mopd.__main__ as m, mopd.profiling.cli as c;"
+        "print(m.__file__); print(c.__file__); print(getattr(mopd, '__file__', None))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    main_file, cli_file, ns_file = res.stdout.split("\n")[:3]
+    assert main_file.startswith(str(target)) and cli_file.startswith(str(target)), res.stdout
+    assert ns_file == "None"  # still a namespace package
+    res = subprocess.run(
+        [sys.executable, "-m", "mopd", "bench", "nosuch"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr

@@ -1,34 +1,32 @@
-"""Tier 1: ``mopd plan`` (profiling/plan_inspector.py) against the planner's own counts.
+"""Tier 1: ``mopd plan`` (profiling/plan_inspector.py) against figures derived apart from it.
 
 Each case runs ``main()`` as a user would, reads the JSON and the printed summary, and checks
-them against figures this file derives on its own: the layouts are rebuilt here from the bridge's
-layout functions, planned with ``plan_token_exchange``, and the expected token counts come from
-plain arithmetic on the batch (CP zigzag counted by hand), not from the inspector.
+them against what this file derives on its own: expected token counts from plain arithmetic on
+the batch (CP zigzag counted by hand), the matrix from the per-token oracle
+(``tests/support/plan_oracle.py``) on the same step, and every destination row filled with the
+right key by running the union of the rank plans with a mailbox (``tests/support/plan_sim.py``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-import torch
 
-from mopd.bridge import (
-    Mesh,
-    StudentBatch,
-    TeacherBatch,
-    concat_layouts,
-    packed_layout,
-    padded_layout,
-    plan_token_exchange,
-)
 from mopd.profiling import cli
-from mopd.profiling.plan_inspector import main, parse_mesh
+from mopd.profiling.plan_inspector import PlanReport, PlanRequest, inspect_plan, main
+from tests.support.plan_oracle import oracle_plans
+from tests.support.plan_sim import deliver, expected_slice, key_sources
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(
@@ -41,9 +39,9 @@ def _run(
     return captured.out, json.loads(out_json.read_text())
 
 
-def _dense(data: dict[str, Any]) -> torch.Tensor:
+def _dense(data: dict[str, Any]) -> np.ndarray:
     w = data["world_size"]
-    m = torch.zeros((w, w), dtype=torch.int64)
+    m = np.zeros((w, w), dtype=np.int64)
     for i, j, b in data["matrix"]:
         assert m[i, j] == 0, "matrix entries listed twice"
         m[i, j] = b
@@ -64,35 +62,33 @@ def _zigzag_count(padded_len: int, real_len: int, cp: int, cp_rank: int) -> int:
 
 def _check_consistent(
     data: dict[str, Any], out: str, *, tokens: int, tokens_per_group: dict[str, int]
-) -> torch.Tensor:
-    """Invariants every inspected plan must satisfy; returns the dense matrix."""
+) -> np.ndarray:
+    """Invariants every inspected step must satisfy; returns the dense matrix."""
     f = data["figures"]
     m = _dense(data)
     row = data["hidden_size"] * data["dtype_bytes"]
     assert data["tokens_per_student_group"] == tokens_per_group
     assert sum(tokens_per_group.values()) == tokens  # every token in exactly one student group
-    # the matrix holds each needed token once per student (dp, cp) group, times H times bytes
-    assert int(m.sum()) == f["bytes_total"] == tokens * row
-    diag = torch.diagonal(m)
-    send = m.sum(dim=1) - diag
-    recv = m.sum(dim=0) - diag
+    # bytes across + local equal the minimum: each needed token once per student group, H x bytes
+    assert int(m.sum()) == f["bytes_total"] == f["bytes_minimum"] == tokens * row
+    diag = np.diagonal(m)
+    send = m.sum(axis=1) - diag
+    recv = m.sum(axis=0) - diag
     assert data["send_bytes"] == send.tolist()
     assert data["recv_bytes"] == recv.tolist()
     assert data["local_bytes"] == diag.tolist()
     assert f["bytes_cross"] == int(send.sum()) == int(recv.sum())
     assert f["bytes_local"] == int(diag.sum())
-    assert data["plan_summary"]["bytes_cross"] == f["bytes_cross"]
-    assert data["plan_summary"]["bytes_local"] == f["bytes_local"]
+    assert np.sum(data["send_bytes_per_micro_batch"], axis=0).tolist() == send.tolist()
     # imbalance: max / mean over ranks that send (receive) anything
     for what, v in (("send", send), ("recv", recv)):
-        nz = v[v > 0].double()
-        want = float(nz.max() / nz.mean()) if nz.numel() else 0.0
+        nz = v[v > 0].astype(np.float64)
+        want = float(nz.max() / nz.mean()) if nz.size else 0.0
         assert f[f"{what}_imbalance"] == pytest.approx(want, rel=1e-12)
-    # time model: per rank max(send, recv) / link, step = max over ranks
+    # time model: per micro-batch the slowest rank's max(send, recv) / link, added up
     gbps = f["link_gbps"]
-    want_t = (
-        max(max(a, b) for a, b in zip(send.tolist(), recv.tolist(), strict=True)) * 8 / (gbps * 1e9)
-    )
+    per_mb = np.maximum(data["send_bytes_per_micro_batch"], data["recv_bytes_per_micro_batch"])
+    want_t = sum(int(v.max()) for v in per_mb) * 8 / (gbps * 1e9)
     assert f["time_cross_s"] == pytest.approx(want_t, rel=1e-12)
     # logits: vocab * bytes per token to every student rank that needs it
     tp_s = data["student"]["tp"]
@@ -106,33 +102,53 @@ def _check_consistent(
     assert f["host_h2d_bytes"] == tokens * row * h2d_copies
     assert f["host_pcie_bytes"] == f["host_d2h_bytes"] + f["host_h2d_bytes"]
     # the printed summary carries the same totals
-    printed = re.search(r"bytes: .* local copies \((\d+) B\)", out)
+    printed = re.search(r"bytes: .* local copies \((\d+) B, = the minimum", out)
     assert printed is not None and int(printed.group(1)) == f["bytes_total"]
     assert f"imbalance max/mean {f['send_imbalance']:.4f}" in out
     return m
 
 
-def _padded_plan(teacher: Mesh, student: Mesh, b: int, s: int, hidden: int) -> torch.Tensor:
-    """The planner's own matrix for a padded batch, layouts built here (contiguous DP blocks)."""
+def _check_plans(report: PlanReport) -> None:
+    """Independently of the inspector's arithmetic: the oracle's matrix is the report's, and the
+    rank plans, run with a mailbox, put every wanted key in its row (each token crosses once)."""
+    step, req = report.step, report.request
+    rb = req.row_bytes
+    w = report.world_size
+    want = np.zeros((w, w), dtype=np.int64)
+    for catalog in step.catalogs:
+        for r, plan in oracle_plans(catalog, ranks=step.topology.members).items():
+            for t in plan.sends:
+                want[r, t.dst_rank] += t.count * rb
+            for t in plan.locals:
+                want[r, r] += t.count * rb
+    assert np.array_equal(report.dense(), want)
+    filled = 0
+    for i, plans in enumerate(step.plans):
+        sources = key_sources([req.teacher], [step.teacher_layouts[i]], step.topology.members)
+        got = deliver(plans, sources)
+        for r, plan in plans.items():
+            if plan.dest is None:
+                continue
+            c = req.student.coord(r)
+            assert c is not None
+            key = r if req.keeps_sp_slice else (c.dp_rank, c.cp_rank)
+            expect = expected_slice(plan, step.student_layouts[i][key], 0)
+            assert np.array_equal(got[r][0], expect), (i, r)
+            a = plan.dest.row_offset
+            filled += int((plan.owner_N[a : a + plan.dest.slice_rows] >= 0).sum())
+    # the slices of a group partition its rows: every wanted token crossed exactly once
+    assert filled == report.figures["tokens_needed"] == req.num_tokens
 
-    def layouts(mesh: Mesh) -> dict[tuple[int, int], Any]:
-        per = b // mesh.dp
-        return {
-            (d, c): padded_layout(
-                list(range(d * per, (d + 1) * per)), s, cp_size=mesh.cp, cp_rank=c
-            )
-            for d, c in mesh.shards()
-        }
 
-    plan = plan_token_exchange(
-        [TeacherBatch(mesh=teacher, layouts=layouts(teacher), hidden_size=hidden, itemsize=2)],
-        StudentBatch(mesh=student, layouts=layouts(student)),
-    )
-    w = max(teacher.rank_offset + teacher.size, student.rank_offset + student.size)
-    return plan.transfer_matrix(w)
+def _request(**kw: Any) -> PlanRequest:
+    from mopd.bridge import Mesh
+
+    kw["teacher"] = Mesh(name="teacher", **kw.pop("teacher"))
+    kw["student"] = Mesh(name="student", **kw.pop("student"))
+    return PlanRequest(**kw)
 
 
-# --- the issue's example ------------------------------------------------------------------
+# --- the README's example -------------------------------------------------------------------
 
 
 def test_teacher_tp8_pp2_to_student_tp4_cp2_dp2_disjoint(
@@ -152,25 +168,46 @@ def test_teacher_tp8_pp2_to_student_tp4_cp2_dp2_disjoint(
     )  # fmt: skip
     groups = {f"dp{d}_cp{c}": (b // 2) * (s // 2) for d in range(2) for c in range(2)}
     m = _check_consistent(data, out, tokens=b * s, tokens_per_group=groups)
-    teacher = Mesh(tp=8, pp=2, name="t")
-    student = Mesh(tp=4, cp=2, dp=2, rank_offset=16, name="s")
-    assert torch.equal(m, _padded_plan(teacher, student, b, s, hidden))
+    assert data["student"]["rank_offset"] == 16  # right after the teacher's 16 ranks
     # only the teacher's last stage sends, only student ranks receive, nothing stays local
-    senders = torch.nonzero(m.sum(dim=1)).reshape(-1).tolist()
-    receivers = torch.nonzero(m.sum(dim=0)).reshape(-1).tolist()
+    senders = np.flatnonzero(m.sum(axis=1)).tolist()
+    receivers = np.flatnonzero(m.sum(axis=0)).tolist()
     assert senders == list(range(8, 16)) and receivers == list(range(16, 32))
     assert data["figures"]["bytes_local"] == 0
-    # every token is sent once: B*S rows of H*2 bytes, over 8 replicas, evenly (design: within 10%)
+    # every token is sent once, spread evenly over the 8 replicas (design: within 10%)
     assert data["figures"]["send_imbalance"] <= 1.1
     assert data["figures"]["replica_imbalance"] <= 1.1
     # the all-gather inside each student TP group: (tp-1) slices per rank
     slice_rows = (b // 2) * (s // 2) // 4
     assert data["student_allgather_bytes_per_rank"][16:32] == [3 * slice_rows * hidden * 2] * 16
+    assert "picture:" in out
     assert png.read_bytes()[:8] == PNG_MAGIC
     import matplotlib.image
 
     img = matplotlib.image.imread(png)
-    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200
+    assert img.ndim == 3 and img.shape[0] > 400 and img.shape[1] > 400
+    assert img.std() > 0.05  # more than a blank canvas
+
+
+def test_full_size_example_stays_interactive() -> None:
+    """The README's command at its real size: 16 x 8192 tokens, H=8192, 32 ranks."""
+    req = _request(
+        teacher={"tp": 8, "pp": 2},
+        student={"tp": 4, "cp": 2, "dp": 2, "rank_offset": 16},
+        lengths=(8192,) * 16,
+        padded_seq_len=8192,
+        hidden_size=8192,
+        vocab_size=152064,
+    )
+    t0 = time.perf_counter()
+    report = inspect_plan(req)
+    elapsed = time.perf_counter() - t0
+    f = report.figures
+    assert f["bytes_cross"] == 16 * 8192 * 8192 * 2 == 2 * 2**30
+    assert f["messages"] == 8 * 16  # each of 8 replicas serves a chunk of each of 16 slices
+    assert report.send_W[8:16].tolist() == [256 * 2**20] * 8
+    assert f["time_cross_s"] == pytest.approx(256 * 2**20 * 8 / 400e9)
+    assert elapsed < 30, f"{elapsed:.1f} s for 131072 tokens on 32 ranks"  # ~1 s when idle
 
 
 def test_realistic_example_at_128_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,16 +226,20 @@ def test_realistic_example_at_128_ranks(tmp_path: Path, capsys: pytest.CaptureFi
     assert data["world_size"] == 128
     groups = {f"dp{d}_cp{c}": (b // 8) * (s // 2) for d in range(8) for c in range(2)}
     m = _check_consistent(data, out, tokens=b * s, tokens_per_group=groups)
-    teacher = Mesh(tp=8, pp=2, dp=4, name="t")
-    student = Mesh(tp=4, cp=2, dp=8, rank_offset=64, name="s")
-    assert torch.equal(m, _padded_plan(teacher, student, b, s, hidden))
-    assert torch.nonzero(m.sum(dim=1)).reshape(-1).tolist() == list(teacher.last_stage_ranks())
+    assert np.flatnonzero(m.sum(axis=1)).tolist() == list(range(32, 64))  # last stage sends
+    # student DP rank d holds samples of teacher DP rank d // 2: each of that group's 8
+    # replicas serves a chunk of each of its 2 x 2 x 4 = 16 student slots, and nobody else's
+    assert (m[32:64, 64:] > 0).sum(axis=1).tolist() == [16] * 32
+    for t_dp in range(4):
+        served = np.flatnonzero(m[32 + 8 * t_dp : 40 + 8 * t_dp].sum(axis=0)).tolist()
+        assert served == list(range(64 + 16 * t_dp, 80 + 16 * t_dp))
     # big meshes print the top rows compactly, then a count of the rest
     assert "... 29 more source ranks" in out
     assert "transfer matrix" in out and "src\\dst" not in out
+    assert not (tmp_path / "plan.png").exists() and not Path("plan.png").exists()
 
 
-# --- placements and batch kinds -------------------------------------------------------------
+# --- placements, batch kinds, micro-batches -------------------------------------------------
 
 
 def test_colocated_diagonal_is_local_copies(
@@ -215,70 +256,67 @@ def test_colocated_diagonal_is_local_copies(
     )  # fmt: skip
     groups = {f"dp{d}_cp{c}": (b // 2) * (s // 2) for d in range(2) for c in range(2)}
     m = _check_consistent(data, out, tokens=b * s, tokens_per_group=groups)
-    teacher = Mesh(tp=4, pp=2, name="t")
-    student = Mesh(tp=2, cp=2, dp=2, name="s")
-    assert torch.equal(m, _padded_plan(teacher, student, b, s, hidden))
     # student ranks 4..7 are teacher replicas (last stage 4..7): served locally, receive nothing
-    diag = torch.diagonal(m)
-    assert torch.nonzero(diag).reshape(-1).tolist() == [4, 5, 6, 7]
+    diag = np.diagonal(m)
+    assert np.flatnonzero(diag).tolist() == [4, 5, 6, 7]
     assert data["recv_bytes"][4:8] == [0, 0, 0, 0]
     slice_bytes = (b // 2) * (s // 2) // 2 * hidden * 2
     assert diag[4:8].tolist() == [slice_bytes] * 4
     assert data["figures"]["local_copies"] == 4
+    assert data["figures"]["bytes_cross"] == data["figures"]["bytes_local"]  # half and half
     assert "colocated" in out and "local copies: ranks 4-7" in out
     assert "src\\dst" in out  # a small mesh prints the dense matrix
 
 
 def test_packed_cp_sp_micro_batches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    lengths = [37, 5, 64, 100, 1, 23]
+    lengths = [37, 5, 64, 100, 1, 23, 70, 2, 9, 51, 13, 40]
     hidden = 96
     out, data = _run(
         [
             "--teacher", "tp=2,cp=2,dp=2,pp=2", "--student", "tp=2,cp=3,dp=3",
             "--packed-lengths", ",".join(map(str, lengths)), "--hidden-size", str(hidden),
-            "--dtype-bytes", "4", "--sequence-parallel", "both",
-            "--teacher-micro-batch", "1", "--student-micro-batch", "2", "--no-png",
+            "--dtype-bytes", "4", "--sequence-parallel", "both", "--micro-batches", "2",
+            "--no-png",
         ],
         tmp_path,
         capsys,
     )  # fmt: skip
-    # student: dp rank d holds samples [2d, 2d+2), each padded to a multiple of 2*cp*tp = 12
+    # micro-batch i: samples [6i, 6i+6); student dp rank d holds [6i+2d, 6i+2d+2), each sample
+    # padded to a multiple of 2*cp*tp = 12 (SP), CP zigzag over 3 ranks
     groups = {}
     for d in range(3):
         for c in range(3):
-            mine = lengths[2 * d : 2 * d + 2]
+            mine = [lengths[6 * i + 2 * d + k] for i in range(2) for k in range(2)]
             groups[f"dp{d}_cp{c}"] = sum(_zigzag_count(-(-n // 12) * 12, n, 3, c) for n in mine)
-    m = _check_consistent(data, out, tokens=sum(lengths), tokens_per_group=groups)
+    _check_consistent(data, out, tokens=sum(lengths), tokens_per_group=groups)
     assert data["figures"]["student_allgather_bytes"] == 0  # the student keeps its SP slices
     assert data["figures"]["host_h2d_bytes"] == sum(lengths) * hidden * 4
+    assert data["batch"]["micro_batches"] == 2 and data["figures"]["micro_batches"] == 2
+    # the teacher's (dp=0, cp=0) buffer of micro-batch 0: samples 0-2 padded to 8 (2*cp*tp), /cp
+    assert data["teacher_rows"]["dp0_cp0"][0] == sum(-(-n // 8) * 8 for n in lengths[:3]) // 2
+    # every student rank is its own destination: rows of its own SP slice
+    assert sorted(data["student_rows"]) == sorted(f"rank{r}" for r in range(16, 34))
 
-    # the planner's own matrix, layouts built here the same way
-    teacher = Mesh(tp=2, cp=2, dp=2, pp=2, name="t")
-    student = Mesh(tp=2, cp=3, dp=3, rank_offset=16, name="s")
 
-    def side(mesh: Mesh, mb: int, mult: int) -> dict[tuple[int, int], Any]:
-        per = len(lengths) // mesh.dp
-        out_l = {}
-        for d, c in mesh.shards():
-            parts = []
-            for i in range(d * per, (d + 1) * per, mb):
-                ids = list(range(i, i + mb))
-                lens = [lengths[k] for k in ids]
-                cu = [0]
-                for n in lens:
-                    cu.append(cu[-1] + -(-n // mult) * mult)
-                parts.append(
-                    packed_layout(ids, lens, cu_seqlens_padded=cu, cp_size=mesh.cp, cp_rank=c)
-                )
-            out_l[(d, c)] = concat_layouts(parts)
-        return out_l
-
-    plan = plan_token_exchange(
-        [TeacherBatch(mesh=teacher, layouts=side(teacher, 1, 8), hidden_size=hidden, itemsize=4)],
-        StudentBatch(mesh=student, layouts=side(student, 2, 12)),
-    )
-    assert torch.equal(m, plan.transfer_matrix(34))
-    assert data["teacher_rows"]["dp0_cp0"] == sum(-(-n // 8) * 8 for n in lengths[:3]) // 2
+def test_plans_deliver_every_token_once_and_match_the_oracle() -> None:
+    """Padded SBH teacher, BSH student, 3 micro-batches, partial overlap of the meshes."""
+    for student_sp in (False, True):
+        req = _request(
+            teacher={"tp": 2, "cp": 2, "dp": 1, "pp": 2},
+            student={"tp": 2, "cp": 1, "dp": 3, "rank_offset": 4},
+            lengths=(20,) * 6,
+            padded_seq_len=20,
+            hidden_size=16,
+            vocab_size=100,
+            micro_batches=2,
+            student_sp=student_sp,
+        )
+        report = inspect_plan(req)
+        _check_plans(report)
+        f = report.figures
+        assert f["bytes_total"] == f["bytes_minimum"] == 6 * 20 * 16 * 2
+        # ranks 4..7 are both teacher last stage and student: some rows stay local
+        assert f["bytes_local"] > 0 and f["bytes_cross"] > 0
 
 
 def test_cli_dispatches_plan_help_and_markdown(
@@ -289,16 +327,25 @@ def test_cli_dispatches_plan_help_and_markdown(
     assert cli.main(["plan", *argv, "--png", str(png), "--markdown", str(md)]) == 0
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == PNG_MAGIC
-    assert "heatmap:" in out
+    assert f"picture: {png}" in out and f"markdown: {md}" in out
     text = md.read_text()
     # 2 samples x 8 tokens x 4096 x 2 bytes, disjoint: all of it crosses
-    assert "bytes: 128.00 KiB total = 128.00 KiB across ranks + 0 B local copies (131072 B)" in text
+    assert "bytes: 128.00 KiB total = 128.00 KiB across ranks + 0 B local copies (131072 B" in text
     assert "## Environment" in text and "![transfer matrix](p.png)" in text
     assert main(["--help"]) == 0
-    assert "--packed-lengths" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--packed-lengths" in help_text and "rank_offset=16" in help_text
 
 
-def test_ignored_settings_warn(tmp_path: Path) -> None:
+def test_json_to_stdout_replaces_the_text(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--teacher", "tp=2", "--student", "tp=2", "--batch", "2", "--seq-len", "8"]
+    assert main([*argv, "--no-png", "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)  # nothing but the JSON on stdout
+    assert data["figures"]["bytes_total"] == 2 * 8 * 4096 * 2
+
+
+def test_ignored_settings_warn() -> None:
     base = ["--teacher", "tp=2", "--batch", "2", "--seq-len", "8", "--no-png"]
     with pytest.warns(UserWarning, match="student sequence parallelism ignored: student tp=1"):
         assert main([*base, "--student", "tp=1", "--sequence-parallel", "student"]) == 0
@@ -309,49 +356,74 @@ def test_ignored_settings_warn(tmp_path: Path) -> None:
 # --- bad input ----------------------------------------------------------------------------
 
 
+_OK = ["--student", "tp=2", "--batch", "2", "--seq-len", "8"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--teacher", "tp=8,zz=2", "--student", "tp=2", "--batch", "2", "--seq-len", "8"],
-         "unknown mesh key 'zz'"),
-        (["--teacher", "tp=8,tp=2", "--student", "tp=2", "--batch", "2", "--seq-len", "8"],
-         "mesh key 'tp' given twice"),
-        (["--teacher", "tp=0", "--student", "tp=2", "--batch", "2", "--seq-len", "8"],
-         "tp must be a positive int, got 0"),
-        (["--teacher", "tp=x", "--student", "tp=2", "--batch", "2", "--seq-len", "8"],
-         "mesh tp='x'"),
+        (["--teacher", "tp=8,zz=2", *_OK], "unknown key 'zz'"),
+        (["--teacher", "tp=8,tp=2", *_OK], "tp= given twice"),
+        (["--teacher", "tp=0", *_OK], "tp=0 must be >= 1"),
+        (["--teacher", "tp=x", *_OK], "tp='x' is not an integer"),
+        (["--teacher", "tp=2,abc", *_OK], "'abc' is not KEY=VALUE"),
+        (["--teacher", "tp=2,offset=4", *_OK], "offset= is now rank_offset="),
         (["--teacher", "tp=8", "--student", "tp=2"], "one of the arguments --batch --packed-lengths"),
         (["--teacher", "tp=8", "--student", "tp=2", "--batch", "2"], "--batch needs --seq-len"),
         (["--teacher", "tp=8", "--student", "tp=2", "--packed-lengths", "3,4", "--seq-len", "8"],
          "--seq-len applies to padded batches"),
         (["--teacher", "tp=8,pp=2", "--student", "tp=4,dp=2", "--colocated", "--batch", "2",
           "--seq-len", "8"], "teacher 16 ranks and student 8"),
-        (["--teacher", "tp=2", "--student", "tp=2,offset=2", "--colocated", "--batch", "2",
-          "--seq-len", "8"], "drop offset= from ['student']"),
+        (["--teacher", "tp=2", "--student", "tp=2,rank_offset=2", "--colocated", "--batch", "2",
+          "--seq-len", "8"], "drop rank_offset= from ['student']"),
         (["--teacher", "tp=2", "--student", "tp=2,dp=3", "--batch", "4", "--seq-len", "8"],
-         "batch of 4 samples does not split over the student's dp=3"),
+         "a micro-batch of 4 samples (4 samples / 1 micro-batches) does not split over the "
+         "student's dp=3"),
         (["--teacher", "tp=2", "--student", "tp=2", "--batch", "4", "--seq-len", "8",
-          "--student-micro-batch", "3"], "student micro-batch 3 does not divide the 4 samples"),
+          "--micro-batches", "3"], "--micro-batches 3 does not divide the batch of 4 samples"),
         (["--teacher", "tp=2", "--student", "tp=2", "--batch", "2", "--seq-len", "8",
           "--link-gbps", "0"], "0.0 must be > 0"),
         (["--teacher", "tp=2", "--student", "tp=2", "--packed-lengths", "3,0"],
-         "lengths must be positive integers"),
+         "length 0 in '3,0' must be >= 1"),
+        (["--teacher", "tp=2", "--student", "tp=2", "--packed-lengths", "3,x"],
+         "length 'x' in '3,x' is not an integer"),
+        (["--teacher", "tp=2", *_OK, "--json", "/nonexistent/dir/x.json"],
+         "folder /nonexistent/dir does not exist"),
     ],
 )  # fmt: skip
-def test_bad_flags_exit_2(
+def test_bad_flags_exit_2_in_one_line(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     png = tmp_path / "never.png"
     assert main([*argv, "--png", str(png)]) == 2
-    err = capsys.readouterr().err
-    assert message in err, err
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert captured.err.count("\n") == 1, captured.err  # one line, no usage block
+    assert captured.err.startswith("mopd plan: error: ")
+    assert captured.out == ""
     assert not png.exists()
 
 
-def test_parse_mesh_defaults_and_offset() -> None:
-    spec = parse_mesh(" TP=4, cp=2 ,offset=16")
-    assert (spec.tp, spec.cp, spec.dp, spec.pp, spec.offset, spec.size) == (4, 2, 1, 1, 16, 8)
-    with pytest.raises(ValueError, match="is not KEY=VALUE"):
-        parse_mesh("tp8")
-    with pytest.raises(ValueError, match="empty mesh"):
-        parse_mesh(" , ")
+def test_png_in_a_missing_folder_is_refused_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "no" / "such" / "x.png"
+    assert main(["--teacher", "tp=2", *_OK, "--png", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"--png: {target}: folder {target.parent} does not exist" in err
+    assert not (tmp_path / "no").exists()
+
+
+def test_bad_flags_fail_before_torch_is_imported() -> None:
+    code = (
+        "import sys\n"
+        "from mopd.profiling import cli\n"
+        "rc = cli.main(['plan', '--teacher', 'tp=2,abc', '--student', 'tp=2', '--batch', '2',"
+        " '--seq-len', '8'])\n"
+        "print(rc, 'torch' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert res.stdout.split()[:2] == ["2", "False"], (res.stdout, res.stderr)
+    assert res.stderr.count("\n") == 1 and "'abc' is not KEY=VALUE" in res.stderr

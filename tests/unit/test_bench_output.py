@@ -1,0 +1,107 @@
+"""Tier 1: what ``mopd bench ranges`` and ``mopd bench capture`` record and draw.
+
+The ranges plot exists to show the near-zero cost of the OFF rows beside peers that cost tens
+of times more: it must be on a log axis. A capture run on a CPU must say, in its table, notes
+and plot, that its figures are functional (there, the reused-buffer "gather" is a copy timed on
+shared cores, and a ratio such as "87x slower" means nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mopd.profiling import bench_capture, bench_ranges
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_ranges_records_csv_md_and_its_own_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        bench_ranges.main(["--iters", "200", "--repeat", "1", "--results-dir", str(tmp_path)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("| case |") == 1  # the table is printed once
+    (csv_path,) = tmp_path.glob("ranges-*.csv")
+    assert " OFF" in csv_path.read_text()
+    assert csv_path.with_suffix(".md").exists()
+    # named after the CSV: mopd bench keeps it instead of drawing its generic bar chart
+    assert csv_path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_ranges_plot_axis_is_logarithmic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    scales = []
+    save = Figure.savefig
+
+    def record_scale(self, *a, **k):  # type: ignore[no-untyped-def]
+        scales.append(self.axes[0].get_xscale())
+        return save(self, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", record_scale)
+    rows = [
+        {"case": "empty call (floor)", "time_ns": 17.0, "x_vs_nullcontext": 0.1},
+        {"case": "contextlib.nullcontext() fresh", "time_ns": 200.0, "x_vs_nullcontext": 1.0},
+        {"case": "ranges.span('pack') OFF", "time_ns": 210.0, "x_vs_nullcontext": 1.05},
+        {"case": "record_function alone", "time_ns": 4500.0, "x_vs_nullcontext": 22.5},
+    ]
+    bench_ranges.plot(rows, tmp_path / "r.png", "ranges")
+    assert scales == ["log"]
+
+
+def test_ranges_bad_flags_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_ranges.main(["--iters", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--iters and --repeat must be >= 1" in err
+
+
+def test_capture_plot_carries_the_cpu_caveat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.figure import Figure
+
+    titles = []
+    save = Figure.savefig
+
+    def record_title(self, *a, **k):  # type: ignore[no-untyped-def]
+        titles.append(self.axes[0].get_title())
+        return save(self, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", record_title)
+    rows = [
+        {"path": "reused buffer (mopd)", "shape": "[256,2,512] bf16", "ms/step": 26.0},
+        {"path": "all_gather + cat (naive)", "shape": "[256,2,512] bf16", "ms/step": 0.3},
+    ]
+    bench_capture.plot(rows, tmp_path / "c.png", "capture", cpu=True)
+    bench_capture.plot(rows, tmp_path / "g.png", "capture", cpu=False)
+    assert "functional figures" in titles[0] and "not performance" in titles[0]
+    assert "functional" not in titles[1]
+
+
+def test_capture_quick_cpu_run_is_labelled_functional(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29577")
+    res = subprocess.run(
+        [sys.executable, "-m", "mopd.profiling.bench_capture", "--quick", "--iters", "2",
+         "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("| path |") == 1
+    (csv_path,) = tmp_path.glob("capture-cpu-*.csv")
+    assert "functional (CPU)" in csv_path.read_text()
+    assert "CPU run: functional figures" in csv_path.with_suffix(".md").read_text()
+    assert csv_path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
