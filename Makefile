@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= megatron,test
-SOURCES := pyproject.toml $(shell find capture bridge kernels profiling -type f \( -name '*.py' -o -name '*.cu' -o -name '*.sh' -o -name 'py.typed' \) -not -path '*/results/*' 2>/dev/null)
+SOURCES := pyproject.toml $(shell find capture bridge kernels profiling common mcore mopd -type f \( -name '*.py' -o -name '*.cu' -o -name '*.sh' -o -name 'py.typed' \) -not -path '*/results/*' 2>/dev/null)
 
 .PHONY: install dev demo test lint clean
 

@@ -65,6 +65,7 @@ from mopd.bridge.metadata import (
     gather_step_matrix,
 )
 from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
 from mopd.common import dist as cdist
 from mopd.profiling import ranges
@@ -666,6 +667,13 @@ class BridgeStep:
         if got is None:
             got = self._owner_dev[micro_batch] = sched.owner_N.to(self._bridge.device)
         return got
+
+    def schedule(self, micro_batch: int) -> RankSchedule | None:
+        """This rank's schedule for ``micro_batch`` (``None``: nothing to do there): its sends,
+        receives, local copies and figures (:meth:`~mopd.bridge.schedule.RankSchedule.counts`)."""
+        if isinstance(micro_batch, bool) or not 0 <= micro_batch < self.num_micro_batches:
+            raise ValueError(f"micro-batch {micro_batch!r} outside [0, {self.num_micro_batches})")
+        return self._slots[micro_batch].schedule
 
     def traffic(self) -> list[tuple[int, int, int, int, int]]:
         """What this rank moves in the step: ``(micro_batch, owner, src_rank, dst_rank, bytes)``

@@ -2,8 +2,8 @@
 
 Why this file exists: ``mopd`` is a namespace shared by the subpackages (there is no
 ``mopd/__init__.py``), and this folder holds only this module, installed as ``mopd.__main__``
-(``py-modules`` in pyproject.toml), so that ``python -m mopd`` works where the console script is
-not on ``PATH``.
+(the ``mopd`` package in pyproject.toml, still without ``__init__.py``), so that ``python -m
+mopd`` works where the console script is not on ``PATH``.
 """
 
 from __future__ import annotations

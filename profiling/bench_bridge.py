@@ -155,7 +155,8 @@ def _sync(device: torch.device) -> None:
 
 def _schedules(step: BridgeStep) -> list[Any]:
     """This rank's schedule of every micro-batch (the executor's, as the step runs them)."""
-    return [s.schedule for s in step._slots if s.schedule is not None]
+    scheds = [step.schedule(i) for i in range(step.num_micro_batches)]
+    return [s for s in scheds if s is not None]
 
 
 def bench_case(

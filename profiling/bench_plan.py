@@ -25,8 +25,8 @@ rank and in all, and a latency estimate for a flat ring and for a two-level (nod
 Run: ``python -m mopd.profiling.bench_plan [--ranks N ...] [--json] [--results-dir DIR]``
 (or ``mopd bench plan``). ``--json`` prints one JSON object per rank count; otherwise a table.
 Records ``plan-scale-<machine>-<date>.{csv,md}`` and a log-log figure
-``plan-scale-<machine>-<date>-vs-ranks.png`` under ``profiling/results/`` (not with
-``--no-record``).
+``plan-scale-<machine>-<date>-vs-ranks.png`` in the results folder (``--results-dir``; by default ``profiling/results/`` inside a
+checkout, ``./mopd-results/`` elsewhere; not with ``--no-record``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
 from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
 from mopd.bridge.topology import Topology
+from mopd.profiling.mesh_arg import OneLineParser
 from mopd.profiling.results import environment, format_table, record
 
 __all__ = [
@@ -519,7 +520,7 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS))
     parser.add_argument("--tokens-per-rank", type=int, default=4096)
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")

@@ -35,62 +35,15 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-__all__ = ["DemoConfig", "MeshArg", "main", "parse_mesh"]
+from mopd.profiling.mesh_arg import MeshSpec, OneLineParser, parse_int_list, parse_mesh
+
+__all__ = ["DemoConfig", "main"]
 
 _ARGV_ENV = "MOPD_DEMO_ARGV"
 _T0_ENV = "MOPD_DEMO_T0"
 _DEFAULT_TEACHERS = ("tp=2,dp=2,rank_offset=0", "tp=4,rank_offset=4")
-_MESH_KEYS = ("tp", "cp", "dp", "pp", "rank_offset")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeshArg:
-    """A mesh as given on the command line: ``tp=2,cp=1,dp=2,pp=1,rank_offset=0``."""
-
-    tp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp: int = 1
-    rank_offset: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "cp", "dp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"mesh {name} must be >= 1, got {getattr(self, name)}")
-        if self.rank_offset < 0:
-            raise ValueError(f"mesh rank_offset must be >= 0, got {self.rank_offset}")
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    def __str__(self) -> str:
-        return ",".join(f"{k}={getattr(self, k)}" for k in _MESH_KEYS)
-
-
-def parse_mesh(text: str) -> MeshArg:
-    """``"tp=2,dp=2,rank_offset=0"`` -> :class:`MeshArg`; missing keys default (1 and offset 0)."""
-    values: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, raw = part.partition("=")
-        if not sep or key not in _MESH_KEYS:
-            raise ValueError(
-                f"mesh {text!r}: expected comma-separated {'=, '.join(_MESH_KEYS)}=, got {part!r}"
-            )
-        try:
-            values[key] = int(raw)
-        except ValueError:
-            raise ValueError(f"mesh {text!r}: {key} must be an integer, got {raw!r}") from None
-    return MeshArg(**values)
-
-
-def _ints(text: str, what: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(h) for h in text.split(",") if h.strip())
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,9 +63,9 @@ class DemoConfig:
     """
 
     nproc: int
-    teachers: tuple[MeshArg, ...]
+    teachers: tuple[MeshSpec, ...]
     teacher_hidden: tuple[int, ...]
-    student: MeshArg
+    student: MeshSpec
     student_hidden: int
     heads: int = 4
     layers: int = 2
@@ -157,6 +110,8 @@ class DemoConfig:
             for i, (m, h) in enumerate(zip(self.teachers, self.teacher_hidden, strict=True))
         ]
         models.append(("student", self.student, self.student_hidden))
+        if any(m.rank_offset is None for _, m, _ in models):
+            raise ValueError("every mesh needs its rank_offset (the parser defaults it to 0)")
         covered: set[int] = set()
         for label, m, h in models:
             end = m.rank_offset + m.size
@@ -236,7 +191,7 @@ class DemoConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="mopd demo",
         description="A verified multi-teacher MOPD training run through megatron-core's schedule.",
         epilog="MESH: comma-separated tp=, cp=, dp=, pp= and rank_offset= (the mesh's first "
@@ -289,15 +244,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mesh(text: str, what: str) -> MeshSpec:
+    try:
+        spec = parse_mesh(text)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return spec if spec.rank_offset is not None else replace(spec, rank_offset=0)
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
     p = _parser()
     args = p.parse_args(argv)
     try:
         cfg = DemoConfig(
             nproc=args.nproc,
-            teachers=tuple(parse_mesh(t) for t in (args.teacher or _DEFAULT_TEACHERS)),
-            teacher_hidden=_ints(args.teacher_hidden, "--teacher-hidden"),
-            student=parse_mesh(args.student),
+            teachers=tuple(_mesh(t, "--teacher") for t in (args.teacher or _DEFAULT_TEACHERS)),
+            teacher_hidden=parse_int_list(args.teacher_hidden, what="--teacher-hidden size"),
+            student=_mesh(args.student, "--student"),
             student_hidden=args.student_hidden,
             heads=args.heads,
             layers=args.layers,
