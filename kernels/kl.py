@@ -59,6 +59,7 @@ Host syncs: none on the plain path (no mask, one teacher); a mask or a teacher i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,13 +126,52 @@ def _call(args: KLArgs) -> torch.Tensor:
     return KLFunction.apply(job, want_grad, x_TX, weight_VH)
 
 
+#: The teachers' LM-head shards: one tensor, a sequence of them, or of resharded shards (objects
+#: with ``weight_VH``, ``vocab_start`` and ``vocab_size``, as ``mopd.bridge.lm_head.LMHeadShard``).
+TeacherWeights = Any
+
+
+def _heads(
+    teacher_weight: TeacherWeights, vocab_start: int | None, vocab_size: int | None
+) -> tuple[torch.Tensor | list[torch.Tensor], int, int]:
+    """``(weights, vocab_start, vocab_size)``: tensors out of resharded shards, the vocab range
+    from them when not given (and checked against them when given)."""
+    items = [teacher_weight] if not isinstance(teacher_weight, Sequence) else list(teacher_weight)
+    shards = [w for w in items if hasattr(w, "weight_VH")]
+    if not shards:
+        if vocab_start is None or vocab_size is None:
+            raise ValueError(
+                "vocab_start and vocab_size are needed with plain weight tensors (resharded "
+                "LMHeadShard objects carry them)"
+            )
+        return teacher_weight, vocab_start, vocab_size
+    if len(shards) != len(items):
+        raise ValueError("teacher_weight mixes LMHeadShard objects and plain tensors")
+    starts = {int(w.vocab_start) for w in shards}
+    sizes = {int(w.vocab_size) for w in shards}
+    if len(starts) != 1 or len(sizes) != 1:
+        raise ValueError(
+            f"the teachers' LM-head shards cover different vocab ranges: starts {sorted(starts)}, "
+            f"vocab sizes {sorted(sizes)}"
+        )
+    start, size = starts.pop(), sizes.pop()
+    for name, given, have in (
+        ("vocab_start", vocab_start, start),
+        ("vocab_size", vocab_size, size),
+    ):
+        if given is not None and given != have:
+            raise ValueError(f"{name}={given} but the LM-head shards say {have}")
+    weights = [w.weight_VH for w in shards]
+    return (weights[0] if not isinstance(teacher_weight, Sequence) else weights), start, size
+
+
 def vocab_parallel_kl(
     student_logits_TV: torch.Tensor,
     teacher_hidden: torch.Tensor | Sequence[torch.Tensor],
-    teacher_weight: torch.Tensor | Sequence[torch.Tensor],
+    teacher_weight: TeacherWeights,
     *,
-    vocab_start: int,
-    vocab_size: int,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     loss_mask_T: torch.Tensor | None = None,
     teacher_index_T: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
@@ -146,9 +186,13 @@ def vocab_parallel_kl(
             (row t is token t) or ``[T_k, H_k]`` (only the tokens with ``teacher_index == k``,
             in token order). No gradient flows to them.
         teacher_weight: one ``[V_local, H_k]`` LM-head shard per teacher, the same vocab range
-            as the student's shard. No gradient flows to them.
-        vocab_start: first global vocab id of this rank's shard (``rank_in_group * V_local``).
-        vocab_size: the real vocabulary; ids ``>= vocab_size`` are padding, excluded on both sides.
+            as the student's shard, or the resharded shards themselves
+            (:class:`~mopd.bridge.lm_head.LMHeadShard`, which carry ``vocab_start`` and
+            ``vocab_size``). No gradient flows to them.
+        vocab_start: first global vocab id of this rank's shard (``rank_in_group * V_local``);
+            taken from the shards when they are ``LMHeadShard``s.
+        vocab_size: the real vocabulary; ids ``>= vocab_size`` are padding, excluded on both
+            sides; taken from the shards when they are ``LMHeadShard``s.
         loss_mask_T: ``[T]`` bool or float weights (``None``: all tokens, weight 1).
         teacher_index_T: ``[T]`` int64/int32 teacher of each token (required with > 1 teacher).
         group: the student's TP group (``None``: no TP, this rank holds the whole vocabulary).
@@ -179,6 +223,7 @@ def vocab_parallel_kl(
             f"KLConfig.weight_grad_accumulation={config.weight_grad_accumulation!r} is ignored by "
             "vocab_parallel_kl (it applies to fused_vocab_parallel_kl's weight gradient only)"
         )
+    teacher_weight, vocab_start, vocab_size = _heads(teacher_weight, vocab_start, vocab_size)
     return _call(
         KLArgs(
             student_TX=student_logits_TV,
@@ -199,10 +244,10 @@ def fused_vocab_parallel_kl(
     student_hidden_TH: torch.Tensor,
     student_weight_VH: torch.Tensor,
     teacher_hidden: torch.Tensor | Sequence[torch.Tensor],
-    teacher_weight: torch.Tensor | Sequence[torch.Tensor],
+    teacher_weight: TeacherWeights,
     *,
-    vocab_start: int,
-    vocab_size: int,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     loss_mask_T: torch.Tensor | None = None,
     teacher_index_T: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
@@ -227,6 +272,7 @@ def fused_vocab_parallel_kl(
         raise ValueError(
             f"student_weight_VH must be a torch.Tensor, got {type(student_weight_VH).__name__}"
         )
+    teacher_weight, vocab_start, vocab_size = _heads(teacher_weight, vocab_start, vocab_size)
     return _call(
         KLArgs(
             student_TX=student_hidden_TH,

@@ -84,9 +84,7 @@ def kl_loss_func(
             kl_sum = vocab_parallel_kl(
                 logits_TV,
                 [rows[o] for o in range(len(lm_heads))],
-                [h.weight_VH for h in lm_heads],
-                vocab_start=lm_heads[0].vocab_start,
-                vocab_size=lm_heads[0].vocab_size,
+                list(lm_heads),  # the resharded shards carry their vocab range
                 loss_mask_T=owner >= 0,
                 teacher_index_T=owner.clamp(min=0) if len(lm_heads) > 1 else None,
                 group=tp_group,

@@ -604,3 +604,27 @@ def test_logits_path_warns_once_that_a_fused_only_setting_is_ignored(
     hits = [w for w in caught if message in str(w.message)]
     assert len(hits) == 1, [str(w.message) for w in caught]
     assert hits[0].filename == __file__  # points at the caller
+
+
+def test_resharded_lm_head_shards_are_taken_directly() -> None:
+    """The loss takes ``LMHeadShard``s as teacher weights (their vocab range with them), the same
+    loss as with the tensors and an explicit range; a range that contradicts them is refused."""
+    from mopd.bridge.lm_head import LMHeadShard
+
+    g = torch.Generator().manual_seed(3)
+    T, H, V = 6, 8, 20
+    s = torch.randn(T, V, generator=g)
+    h = torch.randn(T, H, generator=g)
+    w = torch.randn(V + 4, H, generator=g)  # padded vocabulary: 4 rows past the real 20
+    shard = LMHeadShard(
+        weight_VH=w, valid_V=torch.arange(V + 4) < V, num_padding=4, vocab_start=0, vocab_size=V
+    )
+    s_pad = torch.cat([s, torch.zeros(T, 4)], dim=1)
+    want = vocab_parallel_kl(s_pad, h, w, vocab_start=0, vocab_size=V)
+    got = vocab_parallel_kl(s_pad, h, shard)
+    assert torch.equal(got, want)
+    assert torch.equal(vocab_parallel_kl(s_pad, [h], [shard]), want)
+    with pytest.raises(ValueError, match="vocab_size=21 but the LM-head shards say 20"):
+        vocab_parallel_kl(s_pad, h, shard, vocab_size=21)
+    with pytest.raises(ValueError, match="vocab_start and vocab_size are needed"):
+        vocab_parallel_kl(s_pad, h, w)
