@@ -4,11 +4,14 @@ Each case breaks one thing on one or some ranks only, through ``exchange`` or ``
 every rank must raise a ``ValueError`` with the identical message (checked by gathering the
 messages), before any row moves (no rank's executor posted or packed anything), and the same
 bridge must then run a good exchange bit-exactly (no rank was left inside a collective, the
-bridge is still usable). Cases: a token needed but held by nobody, a token held twice, sequence lengths CP
-cannot split, TP replicas with different layouts or dtypes, ranks built with different settings, a
-student TP group missing, micro-batch counts that differ between ranks or between one rank's own
-sections, layouts given where none belong (or missing), a teacher dtype unknown at planning, a
-layout callable that fails; meshes larger than the world and live groups in the wrong order.
+bridge is still usable). Cases: a token needed but held by nobody, a token held twice, a teacher
+buffer given to ``exchange`` with the wrong hidden size, rows, dtype or device on one rank (or
+not contiguous, not a tensor, for a teacher the rank does not hold, missing), sequence lengths
+CP cannot split, TP replicas with different layouts or dtypes, ranks built with different
+settings, a student TP group missing, micro-batch counts that differ between ranks or between
+one rank's own sections, layouts given where none belong (or missing), a teacher dtype unknown
+at planning, a layout callable that fails; meshes larger than the world and live groups in the
+wrong order.
 
 Misuse of a planned step is known to the misusing rank only: a ``send`` out of order or twice,
 and a ``receive`` on a colocated rank before its own ``send``, raise a ``BridgeStateError`` there
@@ -151,11 +154,80 @@ def test_token_held_twice():
 # --- teacher buffers ------------------------------------------------------------------------------
 
 
+def test_hidden_size_mismatch_on_one_rank():
+    b = make_bridge()
+    kw = args(
+        buffer_fn=lambda r, buf: (
+            key_pattern(padded_layout([0, 1], 4), H + 2, F32) if r == 1 else buf
+        )
+    )
+    same_error_everywhere(
+        b,
+        lambda: b.exchange(**kw),
+        r"rejected on global rank\(s\) \[1\]: global rank 1: teacher 0 micro-batch 0: buffer of "
+        r"\(8, 10\) has 8 rows of 10, the plan wants 8 rows of 8",
+    )
+    good_exchange(b)
+
+
+def test_buffer_rows_do_not_match_the_layout():
+    b = make_bridge()
+    kw = args(buffer_fn=lambda r, buf: buf[:6].clone() if r == 0 else buf)
+    same_error_everywhere(
+        b, lambda: b.exchange(**kw), r"\[0\]: .*has 6 rows of 8, the plan wants 8 rows of 8"
+    )
+    good_exchange(b)
+
+
+def test_buffer_dtype_differs_from_the_declared_one():
+    b = make_bridge(dtype=F32)
+    kw = args(buffer_fn=lambda r, buf: buf.to(torch.bfloat16) if r == 0 else buf)
+    same_error_everywhere(
+        b,
+        lambda: b.exchange(**kw),
+        r"\[0\]: .*buffer is torch\.bfloat16 on cpu, the plan wants torch\.float32 on cpu",
+    )
+    good_exchange(b)
+
+
 def test_tp_replicas_with_different_dtypes():
     b = make_bridge()  # dtype read off the buffers
     kw = args(buffer_fn=lambda r, buf: buf.to(torch.bfloat16) if r == 1 else buf)
     same_error_everywhere(
         b, lambda: b.exchange(**kw), r"global rank 1: .*differ from its TP replica global rank 0"
+    )
+    good_exchange(b)
+
+
+def test_device_mismatch():
+    b = make_bridge()
+    kw = args(buffer_fn=lambda r, buf: buf.to("meta") if r == 1 else buf)
+    same_error_everywhere(
+        b, lambda: b.exchange(**kw), r"\[1\]: .*on meta, the plan wants torch\.float32 on cpu"
+    )
+    good_exchange(b)
+
+
+def test_a_buffer_that_is_not_contiguous_or_not_a_tensor():
+    b = make_bridge()
+    kw = args(buffer_fn=lambda r, buf: buf.t().contiguous().t() if r == 0 else [1.0])
+    same_error_everywhere(
+        b, lambda: b.exchange(**kw), r"\[0, 1\]: .*must be contiguous.*must be a torch\.Tensor"
+    )
+
+
+def test_a_buffer_for_a_teacher_the_rank_does_not_hold():
+    b = make_bridge()
+    rank = dist.get_rank()
+    kw = args()
+    if rank == 3:  # a student rank passes teacher rows
+        kw["hidden"] = {0: torch.zeros(8, H)}
+    same_error_everywhere(b, lambda: b.exchange(**kw), r"\[3\]: .*holds no rows of teacher 0")
+    kw = args()
+    if rank == 0:  # a teacher rank passes its layout but no rows
+        del kw["hidden"]
+    same_error_everywhere(
+        b, lambda: b.exchange(**kw), r"\[0\]: .*a layout but no buffer in hidden\[0\]"
     )
     good_exchange(b)
 
