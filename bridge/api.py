@@ -683,8 +683,9 @@ class BridgeStep:
 
     def owner(self, micro_batch: int) -> torch.Tensor | None:
         """``[N]`` int64 on the bridge's device: which teacher fills each row this rank receives
-        for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing."""
-        self._check_index(micro_batch)
+        for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing. Still
+        readable after :meth:`finish` (like the rows it describes)."""
+        self._check_index(micro_batch, finished_ok=True)
         sched = self._slots[micro_batch].schedule
         if sched is None or sched.owner_N is None:
             return None
@@ -712,10 +713,10 @@ class BridgeStep:
 
     # --- the data phase ------------------------------------------------------------------------
 
-    def _check_index(self, i: int) -> None:
+    def _check_index(self, i: int, *, finished_ok: bool = False) -> None:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_micro_batches:
             raise ValueError(f"micro-batch {i!r} outside [0, {self.num_micro_batches})")
-        if self.finished:
+        if self.finished and not finished_ok:
             raise BridgeStateError("this step is finished; plan the next one with plan_step")
 
     def _owners_needed(self, i: int) -> set[int]:

@@ -202,19 +202,20 @@ def run_case(case: int, repeat: int = 1, hook=None) -> dict:
     out: dict = {"bridge": bridge, "step": step, "stats": []}
     for _ in range(repeat):
         handle = bridge.exchange(hidden=hidden, layouts=layouts, student_layout=stu_layout)
-        owner_N = handle.owner_N
         got = handle.wait()
         out["handle"] = handle
         stats = bridge.executor.memory_stats()
         out["stats"].append((bridge.executor.schedules_built, stats["staging_allocations"]))
         if stu_layout is None:
-            assert got == {} and owner_N is None
+            assert got == {} and handle.owner_N is None
             continue
         full = step.student_layouts[(sc.dp_rank, sc.cp_rank)]
         want_owner = torch.tensor(
             [route[s] if s >= 0 else -1 for s in full.sample_id_R[rows].tolist()]
         )
-        assert torch.equal(owner_N, want_owner), f"{name}: owner_N"
+        # read after wait(): the mask describes the rows wait() returned, still valid
+        assert torch.equal(handle.owner_N, want_owner), f"{name}: owner_N"
+        assert torch.equal(handle.step.owner(0), want_owner)
         for o in range(len(teachers)):
             want = expected_rows(full, refs[o], hidden_of(o), dtype)[rows]
             assert got[o].shape == want.shape, f"{name}: teacher {o} shape"
