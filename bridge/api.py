@@ -201,6 +201,25 @@ def _flat(t: Any, what: str) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
+def _check_buffer(
+    o: int, i: int, t: Any, lay: TokenLayout, hidden: int, dtype: Any, device: torch.device
+) -> torch.Tensor:
+    """Teacher ``o``'s buffer of micro-batch ``i`` as flat ``[R, H]`` rows; a ValueError when it
+    does not match the layout, the hidden size, the dtype or the device."""
+    f = _flat(t, f"teacher {o} hidden buffer")
+    if f.shape[0] != lay.num_rows or f.shape[1] != hidden:
+        raise ValueError(
+            f"teacher {o} micro-batch {i}: buffer of {tuple(t.shape)} has "
+            f"{f.shape[0]} rows of {f.shape[1]}, the plan wants {lay.num_rows} rows of {hidden}"
+        )
+    if f.dtype != dtype or f.device != device:
+        raise ValueError(
+            f"teacher {o} micro-batch {i}: buffer is {f.dtype} on {f.device}, "
+            f"the plan wants {dtype} on {device}"
+        )
+    return f
+
+
 class HiddenStateBridge:
     """Moves captured teacher hidden states into the student's layout (see the module doc).
 
@@ -314,7 +333,7 @@ class HiddenStateBridge:
         teacher_layouts: Mapping[int, Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]]]
         | None = None,
         student_layouts: Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]] | None = None,
-        _dtypes: Mapping[int, torch.dtype] | None = None,
+        _buffers: Mapping[Any, Any] | None = None,
     ) -> BridgeStep:
         """Exchange a step's metadata, agree on it, and plan this rank's micro-batches.
 
@@ -362,7 +381,7 @@ class HiddenStateBridge:
         error = ""
         with ranges.span("metadata"):
             try:
-                n_slots = self._local_sections(teacher_layouts, student_layouts, _dtypes, sections)
+                n_slots = self._local_sections(teacher_layouts, student_layouts, _buffers, sections)
             except ValueError as exc:
                 error = f"global rank {self.rank}: {exc}"
                 sections = [None] * (n + 1)
@@ -412,18 +431,15 @@ class HiddenStateBridge:
 
         ``hidden`` / ``layouts``: on teacher last-stage ranks, ``teacher index -> `` the
         captured buffer and its layout; ``student_layout``: on student last-stage ranks. The
-        rows are taken at the call. Every rank then calls ``.wait()`` on the handle.
+        buffers are checked with the layouts (a bad one raises the same ``ValueError`` on every
+        rank, before data moves); the rows are taken at the call. Every rank then calls
+        ``.wait()`` on the handle.
         """
         hidden_d = dict(hidden or {})
-        dtypes = {
-            o: t.dtype
-            for o, t in hidden_d.items()
-            if isinstance(t, torch.Tensor) and isinstance(o, int)
-        }
         step = self.plan_step(
             teacher_layouts={o: [x] for o, x in (layouts or {}).items()} if layouts else None,
             student_layouts=[student_layout] if student_layout is not None else None,
-            _dtypes=dtypes,
+            _buffers=hidden_d,  # checked with the layouts: a bad buffer fails on every rank
         )
         if hidden_d or step._sources_needed(0):
             step.send(0, hidden_d)
@@ -435,9 +451,10 @@ class HiddenStateBridge:
         self,
         teacher_layouts: Any,
         student_layouts: Any,
-        dtypes: Mapping[int, torch.dtype] | None,
+        buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
     ) -> int:
+        """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here)."""
         n = len(self.teachers)
         given = {} if teacher_layouts is None else teacher_layouts
         if not isinstance(given, Mapping):
@@ -445,7 +462,7 @@ class HiddenStateBridge:
                 "teacher_layouts must be a mapping teacher index -> layouts, got "
                 f"{type(given).__name__}"
             )
-        for o in given:
+        for o in [*given, *(buffers or {})]:
             if not (isinstance(o, int) and 0 <= o < n):
                 raise ValueError(f"teacher index {o!r} outside [0, {n})")
         counts: set[int] = set()
@@ -458,10 +475,19 @@ class HiddenStateBridge:
                     f"teacher {o} ({spec.mesh}): this rank {want} teacher_layouts[{o}]"
                 )
             if not holds:
+                if buffers is not None and o in buffers:
+                    raise ValueError(f"this rank holds no rows of teacher {o} (not its last stage)")
                 continue
             assert c is not None
             lays = _layout_list(given[o], f"teacher_layouts[{o}]")
-            dtype = spec.dtype if spec.dtype is not None else (dtypes or {}).get(o)
+            dtype = spec.dtype
+            if buffers is not None:
+                if o not in buffers:
+                    raise ValueError(f"teacher {o}: a layout but no buffer in hidden[{o}]")
+                t = buffers[o]
+                if dtype is None and isinstance(t, torch.Tensor):
+                    dtype = t.dtype
+                _check_buffer(o, 0, t, lays[0], spec.hidden_size, dtype, self.device)
             if dtype is None:
                 raise ValueError(
                     f"teacher {o}: its dtype is unknown; give TeacherSpec(dtype=...) to plan a "
@@ -658,8 +684,9 @@ class BridgeStep:
 
     def owner(self, micro_batch: int) -> torch.Tensor | None:
         """``[N]`` int64 on the bridge's device: which teacher fills each row this rank receives
-        for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing."""
-        self._check_index(micro_batch)
+        for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing. Still
+        readable after :meth:`finish` (like the rows it describes)."""
+        self._check_index(micro_batch, finished_ok=True)
         sched = self._slots[micro_batch].schedule
         if sched is None or sched.owner_N is None:
             return None
@@ -712,10 +739,10 @@ class BridgeStep:
 
     # --- the data phase ------------------------------------------------------------------------
 
-    def _check_index(self, i: int) -> None:
+    def _check_index(self, i: int, *, finished_ok: bool = False) -> None:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_micro_batches:
             raise ValueError(f"micro-batch {i!r} outside [0, {self.num_micro_batches})")
-        if self.finished:
+        if self.finished and not finished_ok:
             raise BridgeStateError("this step is finished; plan the next one with plan_step")
 
     def _owners_needed(self, i: int) -> set[int]:
@@ -776,20 +803,15 @@ class BridgeStep:
                 raise BridgeStateError(
                     f"teacher {o}'s rows of micro-batch {micro_batch} were already sent"
                 )
-            f = _flat(t, f"teacher {o} hidden buffer")
-            lay = sec.layouts[micro_batch]
-            h = self._specs[o][0]
-            if f.shape[0] != lay.num_rows or f.shape[1] != h:
-                raise ValueError(
-                    f"teacher {o} micro-batch {micro_batch}: buffer of {tuple(t.shape)} has "
-                    f"{f.shape[0]} rows of {f.shape[1]}, the plan wants {lay.num_rows} rows of {h}"
-                )
-            if f.dtype != sec.dtype or f.device != b.device:
-                raise ValueError(
-                    f"teacher {o} micro-batch {micro_batch}: buffer is {f.dtype} on {f.device}, "
-                    f"the plan wants {sec.dtype} on {b.device}"
-                )
-            flat[o] = f
+            flat[o] = _check_buffer(
+                o,
+                micro_batch,
+                t,
+                sec.layouts[micro_batch],
+                self._specs[o][0],
+                sec.dtype,
+                b.device,
+            )
         need = self._owners_needed(micro_batch)
         if micro_batch < self._cursor and need & set(flat):
             raise BridgeStateError(f"micro-batch {micro_batch} was already posted")

@@ -1,17 +1,28 @@
 """Tier 3 (GPU): a schedule's index tensors reach the device in one asynchronous copy, and are
-safe to read from a stream other than the one that uploaded them."""
+safe to read from a stream other than the one that uploaded them.
+
+Also: every index a real rank schedule's data path reads (a ``plan_rank`` plan of a simulated
+step, built with ``RankSchedule.build``) comes from that one upload, equal to the host values;
+``copy_runs`` with and without its row count gives the same bytes. No process group is needed.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mopd.bridge.schedule import DeviceIndices
+from mopd.bridge import Mesh
+from mopd.bridge.plan import plan_rank
+from mopd.bridge.schedule import DeviceIndices, RankSchedule
 from mopd.kernels import copy_runs
+from mopd.profiling.synthetic import SideFormat, synthetic_step
+from tests.support.plan_sim import simulate
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tier 3)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="tier 3 needs a CUDA device; none here"
+    ),
 ]
 
 DEVICE = torch.device("cuda", 0)
@@ -110,3 +121,31 @@ def test_copy_runs_with_and_without_the_row_count_agree() -> None:
     for a, d, n in ((0, 10, 50), (100, 200, 600), (3000, 900, 96)):
         want[d : d + n] = s[a : a + n]
     assert torch.equal(outs[0].cpu(), want)
+
+
+def test_a_real_schedule_uploads_every_index_its_data_path_reads_once() -> None:
+    teachers, student = [Mesh(tp=2, dp=2)], Mesh(tp=2, dp=2)
+    step = synthetic_step(
+        teachers=teachers,
+        student=student,
+        num_samples=8,
+        max_len=64,
+        teacher_formats=[SideFormat(kind="thd", micro_batch=2)],
+        student_format=SideFormat(kind="sbh", micro_batch=3, pad_multiple=1),
+        seed=2,
+    )
+    sim = simulate(teachers, student, step.teacher_layouts, step.student_layouts)
+    read = 0
+    for r in sim.topology.members:
+        plan = plan_rank(sim.catalog, r, local_copy=r % 2 == 0)
+        nominal = sim.catalog.dests[plan.dest.group].slice_rows if plan.dest is not None else 0
+        s = RankSchedule.build(plan, slice_rows=nominal, num_owners=1, row_bytes=[2])
+        host = s.data_path_indices(integrity=True)
+        dev = DeviceIndices(host, DEVICE)
+        assert dev.uploads == (1 if host else 0)
+        for t in host:
+            got = dev(t)
+            assert got.device == DEVICE and torch.equal(got.cpu(), t)
+            read += 1
+        assert dev.late_uploads == 0
+    assert read, "no schedule reads an index: the case proves nothing"

@@ -3,12 +3,16 @@
 Each case builds a teacher and a student GPTModel on their own process groups (explicit
 ``ProcessGroupCollection``s over :class:`~mopd.bridge.Mesh` grids), runs the teacher forward
 under :class:`mopd.capture.OutputLayerInputCapture` (SP undone, CP not), bridges the captured
-hidden states into the student's layout, reshards the teacher's LM head into the student's vocab
-partition, and checks on every student rank that ``bridged_h @ W_shard^T`` (vocab shards
-gathered over the student TP group) equals the teacher's own logits for the same
-``(sample, position)``, looked up by key in an all-gather of every teacher row. The student
-forward runs on the same layout, and the layout's row order is checked against the order the
-student's attention uses (megatron's zigzag CP / THD packing).
+hidden states into the student's layout with ``exchange`` (the capture buffer overwritten right
+after the call, the bridge's outputs poisoned), reshards the teacher's LM head into the
+student's vocab partition (``reshard_lm_head`` with the sizes given and ``lm_head_from_models``
+reading them off the models must give the same rows), and checks on every student rank that
+``bridged_h @ W_shard^T`` (vocab shards gathered over the student TP group) equals the teacher's
+own logits for the same ``(sample, position)``, looked up by key in an all-gather of every
+teacher row; padding rows come out zero. The student forward runs on the same layout while the
+rows are in flight, and the layout's row order is checked against the order the student's
+attention uses (megatron's zigzag CP / THD packing). Also: the mesh read back from megatron's
+``parallel_state`` and from each model's ``ProcessGroupCollection``.
 
 Cases: teacher TP2+SP x DP2 -> student CP2 x DP2 packed (colocated); teacher CP2 x DP2 padded
 (zigzag captured as is) -> student TP2 x DP2 ``[S, B]`` (colocated, SP slices all-gathered);
@@ -29,19 +33,19 @@ from mopd.bridge import (
     HiddenStateBridge,
     Mesh,
     TeacherSpec,
-    VocabSpec,
     create_bridge_groups,
-    encode_keys,
+    megatron_process_groups,
     mesh_from_parallel_state,
     mesh_from_pg_collection,
     packed_layout,
     padded_layout,
-    reshard_lm_head,
 )
+from mopd.bridge.layout import encode_keys
+from mopd.bridge.lm_head import VocabSpec, lm_head_from_models, reshard_lm_head
 from mopd.capture import OutputLayerInputCapture
 from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
-from mopd.profiling.megatron_groups import model_process_groups
 from tests.support import megatron_cpu as mc
+from tests.support.bridges import poison_outputs
 from tests.support.dist import COLLECTIVE_TIMEOUT
 
 TORCHRUN_NPROC = 4
@@ -61,7 +65,7 @@ POOL: list[GroupPool] = []
 
 def pool() -> GroupPool:
     if not POOL:
-        POOL.append(GroupPool(timeout=COLLECTIVE_TIMEOUT))
+        POOL.append(GroupPool(timeout_s=COLLECTIVE_TIMEOUT.total_seconds()))
     return POOL[0]
 
 
@@ -138,8 +142,8 @@ def test_megatron_teacher_to_student_logits_match(case):
     t_mesh, _, s_mesh, s_kind = CASES[case]
     rank = dist.get_rank()
     mc.init_parallel(tp=1)  # only the global buffers and the RNG tracker read parallel_state
-    t_pg = model_process_groups(t_mesh, pool())
-    s_pg = model_process_groups(s_mesh, pool())
+    t_pg = megatron_process_groups(t_mesh, pool())
+    s_pg = megatron_process_groups(s_mesh, pool())
     # the meshes, read back from the live groups the models are built on
     for mesh, pg in ((t_mesh, t_pg), (s_mesh, s_pg)):
         if pg is not None:
@@ -151,7 +155,7 @@ def test_megatron_teacher_to_student_logits_match(case):
     hidden, layouts = {}, {}
     ref_keys = torch.empty(0, dtype=torch.int64)
     ref_logits = torch.empty((0, V))
-    weight = None
+    teacher, weight = None, None
     if t_pg is not None:
         tc = t_mesh.coord(rank)
         teacher = build(t_mesh, t_pg, H_T, sp=t_mesh.tp > 1, cpu_attn=t_mesh.cp > 1, seed=11)
@@ -168,8 +172,11 @@ def test_megatron_teacher_to_student_logits_match(case):
         if tc.tp_rank == 0:
             ref_keys = encode_keys(layout.sample_id_R, layout.position_R, S)
             ref_logits = full_BSV.transpose(0, 1).reshape(-1, V)
+    student = None
+    if s_pg is not None:
+        student = build(s_mesh, s_pg, H_S, sp=False, cpu_attn=True, seed=12)
 
-    # --- bridge + LM head ---------------------------------------------------------------------
+    # --- LM head: given the sizes, and read off the models; the same rows -------------------
     head = reshard_lm_head(
         weight,
         teacher=t_mesh,
@@ -179,6 +186,15 @@ def test_megatron_teacher_to_student_logits_match(case):
         groups=groups,
         timeout_s=60,
     )
+    from_models = lm_head_from_models(
+        teacher, student, teacher=t_mesh, student=s_mesh, groups=groups, timeout_s=60
+    )
+    assert (head is None) == (from_models is None) == (s_pg is None)
+    if head is not None:
+        assert torch.equal(head.weight_VH, from_models.weight_VH)
+        assert head.vocab_start == from_models.vocab_start and head.vocab_size == V
+
+    # --- bridge: the captured rows into the student's layout ----------------------------------
     s_layout, s_args, s_kw = None, None, None
     if s_pg is not None:
         sc = s_mesh.coord(rank)
@@ -191,9 +207,11 @@ def test_megatron_teacher_to_student_logits_match(case):
         groups=groups,
         config=BridgeConfig(timeout_s=60),
     )
+    poison_outputs(bridge)
     handle = bridge.exchange(hidden=hidden, layouts=layouts, student_layout=s_layout)
-    if s_pg is not None:  # the student forward overlaps the transfer
-        student = build(s_mesh, s_pg, H_S, sp=False, cpu_attn=True, seed=12)
+    for t in hidden.values():
+        t.fill_(float("nan"))  # the rows were taken at the call: the capture buffer is free
+    if student is not None:  # the student forward overlaps the transfer
         with torch.no_grad():
             s_logits = student(*s_args, **s_kw)
         assert s_logits.shape[-1] == V // s_mesh.tp

@@ -1,4 +1,4 @@
-"""Tier 2: the stand-in CP / THD core attention (tests/support/cpu_attention.py), 4 ranks, gloo.
+"""Tier 2: the stand-in CP / THD core attention (:mod:`mopd.mcore.cpu`), 4 ranks, gloo.
 
 A student GPTModel built on explicit process groups (``pg_collection``) with context parallelism
 (zigzag) and THD-packed sequences must give the same logits, row by row (mapped by the key
@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import GroupPool, Mesh, packed_layout
+from mopd.bridge import GroupPool, Mesh, megatron_process_groups, packed_layout
 from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
-from mopd.profiling.megatron_groups import model_process_groups
 from tests.support import megatron_cpu as mc
 from tests.support.dist import COLLECTIVE_TIMEOUT
 
@@ -45,9 +44,9 @@ def _models(mesh: Mesh, tp: int, cp: int) -> tuple[Any, Any, Any]:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     mc.init_parallel(tp=1)
-    pool = GroupPool(timeout=COLLECTIVE_TIMEOUT)
-    ref_pg = model_process_groups(Mesh(tp=1, dp=dist.get_world_size()), pool)
-    pg = model_process_groups(mesh, pool)
+    pool = GroupPool(timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
+    ref_pg = megatron_process_groups(Mesh(tp=1, dp=dist.get_world_size()), pool)
+    pg = megatron_process_groups(mesh, pool)
     assert isinstance(ref_pg, ProcessGroupCollection) and isinstance(pg, ProcessGroupCollection)
     torch.manual_seed(7)
     ref = mc.build_gpt(

@@ -1,30 +1,47 @@
 """Tier 1: rank schedules, their one-copy index upload, and the executor's data path in one process.
 
-Every rank's schedule of a plan is run through the executor's own pack / unpack / local-copy /
-zero-fill functions, with a mailbox standing in for the transport (sends and receives between two
-ranks pair in posting order, as on NCCL and gloo). The student buffers, poisoned first, must hold
-exactly the teacher rows of their keys, and every index the data path reads must have come from
-the schedule's single upload (:class:`mopd.bridge.schedule.DeviceIndices`).
+Every rank's plan of a simulated micro-batch (:mod:`tests.support.plan_sim`, then
+:func:`mopd.bridge.plan.plan_rank`) is built into a :class:`~mopd.bridge.schedule.RankSchedule`
+and run through the executor itself (``Executor.take`` / ``post`` / ``complete`` / ``release``:
+its pack, view copy, unpack, local-copy and zero-fill code, its staging pool), with a mailbox
+standing in for the transport: sends and receives between two ranks pair in posting order, as on
+NCCL and gloo, and a receive reads the sender's buffer only when it is waited on (the laziest
+transport allowed). Every buffer the executor allocates starts as NaN bits, and each teacher's
+buffer is overwritten as soon as its rows were given, so the student buffers (each rank's slice
+assembled as the TP all-gather would) must hold exactly the teacher rows of their keys, zeros
+elsewhere (the padding of uneven slices included), and every index the data path reads must have
+come from the schedule's single upload (:class:`mopd.bridge.schedule.DeviceIndices`).
 """
 
 from __future__ import annotations
 
-import datetime
+import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mopd.bridge import Mesh, StudentBatch, TeacherBatch, plan_token_exchange
-from mopd.bridge.executor import Executor, _local, _pack, _unpack
+from mopd.bridge import Mesh, TokenLayout
+from mopd.bridge import executor as executor_mod
+from mopd.bridge.executor import Executor, Slot
+from mopd.bridge.plan import RankPlan, plan_rank
 from mopd.bridge.schedule import DeviceIndices, RankSchedule
-from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.profiling.synthetic import SideFormat, SyntheticStep, key_pattern, synthetic_step
+from tests.support.bridges import poison
+from tests.support.plan_sim import simulate
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPE = torch.float32
-POISON = -1  # int32 bits of every output row before the exchange (a NaN in float32)
+CPU = torch.device("cpu")
 
 
 def hidden_of(owner: int) -> int:
@@ -35,100 +52,245 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def run_data_path(teachers, student, step, *, local_copy=True):
-    """Plan, then run every rank's schedule through the executor's data-path functions.
+# --- the mailbox transport --------------------------------------------------------------------
 
-    Returns ``(outputs, schedules, indices, modes)``: ``outputs[(shard, owner)]`` is the student
-    group's full ``[N, H_owner]`` buffer (each TP rank writes its slice, which is what the TP
-    all-gather would assemble), ``indices[rank]`` the rank's :class:`DeviceIndices`, ``modes``
-    a count of the side and local-copy modes seen.
-    """
-    plan = plan_token_exchange(
-        [
-            TeacherBatch(mesh=m, layouts=lay, hidden_size=hidden_of(o), itemsize=DTYPE.itemsize)
-            for o, (m, lay) in enumerate(zip(teachers, step.teacher_layouts, strict=True))
-        ],
-        StudentBatch(mesh=student, layouts=step.student_layouts),
-        local_copy=local_copy,
+
+@dataclass
+class _Op:
+    op: Any
+    tensor: torch.Tensor
+    peer: int
+    group: Any = None
+
+
+class _Work:
+    def __init__(self, on_wait: Any = None) -> None:
+        self._on_wait = on_wait
+        self.done = on_wait is None
+
+    def wait(self, *args: Any) -> bool:
+        if not self.done:
+            self._on_wait()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class Mailbox:
+    """``batch_isend_irecv`` between the ranks of one process: a send leaves a reference to its
+    buffer; the matching receive (same pair, posting order) copies from it when waited on."""
+
+    def __init__(self) -> None:
+        self.rank = -1  # the rank posting now
+        self.box: dict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
+        self.posted_bytes: Counter[int] = Counter()
+
+    def batch_isend_irecv(self, ops: list[_Op]) -> list[_Work]:
+        works = []
+        for op in ops:
+            if op.op is dist.isend:
+                self.box[(self.rank, op.peer)].append(op.tensor)
+                self.posted_bytes[self.rank] += op.tensor.numel() * op.tensor.element_size()
+                works.append(_Work())
+            else:
+                works.append(_Work(self._receiver(op.peer, self.rank, op.tensor)))
+        return works
+
+    def _receiver(self, src: int, dst: int, buf: torch.Tensor) -> Any:
+        def receive() -> None:
+            got = self.box[(src, dst)].popleft()
+            assert got.shape == buf.shape and got.dtype == buf.dtype, (got.shape, buf.shape)
+            buf.copy_(got)
+
+        return receive
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        real_empty = torch.empty
+
+        def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return poison(real_empty(*args, **kwargs))
+
+        def no_gather(output: Any, input_: Any, **_: Any) -> None:
+            pass  # the test assembles each destination group's slices itself
+
+        with (
+            mock.patch.object(dist, "P2POp", _Op),
+            mock.patch.object(dist, "batch_isend_irecv", self.batch_isend_irecv),
+            mock.patch.object(executor_mod, "all_gather_flat", no_gather),
+            mock.patch.object(torch, "empty", empty),
+        ):
+            yield
+
+
+# --- one micro-batch through every rank's executor ----------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Run:
+    plans: dict[int, RankPlan]
+    schedules: dict[int, RankSchedule]
+    slots: dict[int, Slot]
+    outputs: dict[int, dict[int, torch.Tensor]]  # destination group -> owner -> [padded, H]
+    dest_layouts: dict[int, TokenLayout]  # destination group -> its full layout
+    modes: Counter[str]
+    posted_bytes: Counter[int]
+
+
+def rank_layouts(student: Mesh, shards: dict[tuple[int, int], TokenLayout]) -> dict:
+    """Per last-stage student rank, its TP rank's contiguous (uneven) part of its shard's rows:
+    what each rank passes with ``keep_sp_shard``."""
+    out = {}
+    for r in student.last_stage_ranks():
+        c = student.coord(r)
+        assert c is not None
+        lay = shards[(c.dp_rank, c.cp_rank)]
+        part = torch.from_numpy(np.array_split(np.arange(lay.num_rows), student.tp)[c.tp_rank])
+        out[r] = TokenLayout(
+            sample_id_R=lay.sample_id_R[part].contiguous(),
+            position_R=lay.position_R[part].contiguous(),
+        )
+    return out
+
+
+def schedule_modes(s: RankSchedule) -> Counter[str]:
+    modes: Counter[str] = Counter()
+    for op in s.sends:
+        modes[f"send:{op.side.mode}"] += 1
+    for op in s.recvs:
+        modes[f"recv:{op.side.mode}"] += 1
+    for side in s.pack_sides.values():
+        modes[f"pack:{side.mode}"] += 1
+    for side in s.unpack_sides.values():
+        modes[f"unpack:{side.mode}"] += 1
+    for lop in s.locals:
+        modes[f"local:{lop.mode}"] += 1
+    return modes
+
+
+def run_data_path(
+    teachers: list[Mesh],
+    student: Mesh,
+    step: SyntheticStep,
+    *,
+    local_copy: bool = True,
+    per_rank: bool = False,
+) -> Run:
+    """Plan every rank, then run its schedule through its own :class:`Executor`: every rank
+    takes and posts (its teacher buffers overwritten right after), then every rank completes
+    and releases; each destination group's buffer is its ranks' slices side by side."""
+    n = len(teachers)
+    s_rank_layouts = rank_layouts(student, step.student_layouts) if per_rank else None
+    sim = simulate(
+        teachers,
+        student,
+        step.teacher_layouts,
+        step.student_layouts,
+        per_rank_dests=per_rank,
+        student_rank_layouts=s_rank_layouts,
     )
-    ranks = sorted({r for m in (*teachers, student) for r in m.ranks})
+    cat = sim.catalog
+    members = sim.topology.members
+    row_bytes = [hidden_of(o) * DTYPE.itemsize for o in range(n)]
+    plans = {r: plan_rank(cat, r, local_copy=local_copy) for r in members}
+    schedules = {
+        r: RankSchedule.build(
+            p,
+            slice_rows=cat.dests[p.dest.group].slice_rows if p.dest is not None else 0,
+            num_owners=n,
+            row_bytes=row_bytes,
+        )
+        for r, p in plans.items()
+    }
+    specs = {o: (hidden_of(o), DTYPE) for o in range(n)}
     sources: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
     for o, m in enumerate(teachers):
-        for r in m.ranks:
-            if m.is_last_stage(r):
-                c = m.coord(r)
-                lay = step.teacher_layouts[o][(c.dp_rank, c.cp_rank)]
-                sources[r][o] = key_pattern(lay, hidden_of(o), DTYPE, salt=o)
-    outputs = {
-        (shard, o): torch.full((lay.num_rows, hidden_of(o)), POISON, dtype=torch.int32).view(DTYPE)
-        for shard, lay in step.student_layouts.items()
-        for o in range(len(teachers))
-    }
-    schedules = {r: RankSchedule.build(plan, r) for r in ranks}
-    cpu = torch.device("cpu")
-    indices = {r: DeviceIndices(s.data_path_indices(), cpu) for r, s in schedules.items()}
+        for r in m.last_stage_ranks():
+            c = m.coord(r)
+            assert c is not None
+            lay = step.teacher_layouts[o][(c.dp_rank, c.cp_rank)]
+            sources[r][o] = key_pattern(lay, hidden_of(o), DTYPE, salt=o)
+    mail = Mailbox()
+    executors = {r: Executor(rank=r, timeout_s=5.0) for r in members}
+    slots = {r: Slot(index=0, schedule=schedules[r]) for r in members}
     modes: Counter[str] = Counter()
-    mailbox: dict[tuple[int, int], deque] = defaultdict(deque)
-
-    def staging(rows: int, hidden: int) -> torch.Tensor:
-        return torch.full((rows, hidden), POISON, dtype=torch.int32).view(DTYPE)
-
-    for r, s in schedules.items():  # every rank packs (one launch per owner), then posts
-        send_stage = {o: staging(n, hidden_of(o)) for o, n in s.send_stage_rows.items()}
-        for o, side in s.pack_sides.items():
-            modes[f"pack:{side.mode}"] += 1
-            _pack(sources[r][o], side, send_stage[o], indices[r])
-        for op in s.sends:
-            modes[f"send:{op.side.mode}"] += 1
-            src = sources[r][op.owner]
-            if op.side.mode == "view":
-                buf = src[op.side.first : op.side.first + op.count]
-            else:
-                buf = send_stage[op.owner][op.stage_off : op.stage_off + op.count]
-            mailbox[(r, op.peer)].append((op.owner, buf.clone()))
-    for r, s in schedules.items():  # then every rank receives, unpacks and copies locally
-        if s.dest_index < 0:
+    with mail.installed():
+        for r in members:  # take (the rows given), overwrite the caller's buffers, post
+            s = schedules[r]
+            modes += schedule_modes(s)
+            need = {op.owner for op in s.sends} | {x.owner for x in s.locals}
+            if need:
+                executors[r].take(
+                    slots[r], {o: sources[r][o] for o in need}, output_specs=specs, device=CPU
+                )
+            for t in sources[r].values():
+                poison(t)
+            mail.rank = r
+            executors[r].post(slots[r], output_specs=specs, device=CPU, group=None)
+        deadline = time.monotonic() + 5.0
+        for r in members:
+            executors[r].complete(slots[r], tp_group=object(), deadline=deadline)
+        for r in members:
+            executors[r].release(slots[r], deadline=deadline)
+    assert not any(mail.box.values()), "a send had no matching receive"
+    outputs: dict[int, dict[int, torch.Tensor]] = {}
+    dest_layouts: dict[int, TokenLayout] = {}
+    for r, p in plans.items():
+        s = schedules[r]
+        if p.dest is None:
             continue
-        c = student.coord(r)
-        shard = (c.dp_rank, c.cp_rank)
-        targets = {
-            o: outputs[(shard, o)][s.row_offset : s.row_offset + s.slice_rows]
-            for o in range(len(teachers))
-        }
-        executor = Executor(rank=r, timeout=datetime.timedelta(seconds=1))
-        for owner, rows in s.fill.items():
-            if rows.numel():
-                executor._zero_rows(targets[owner], rows, indices[r])
-        recv_stage = {o: staging(n, hidden_of(o)) for o, n in s.recv_stage_rows.items()}
-        for op in s.recvs:
-            modes[f"recv:{op.side.mode}"] += 1
-            owner, got = mailbox[(op.peer, r)].popleft()
-            assert owner == op.owner and got.shape[0] == op.count
-            if op.side.mode == "view":
-                targets[op.owner][op.side.first : op.side.first + op.count] = got
-            else:
-                recv_stage[op.owner][op.stage_off : op.stage_off + op.count] = got
-        for o, side in s.unpack_sides.items():  # after every receive: one launch per owner
-            modes[f"unpack:{side.mode}"] += 1
-            _unpack(recv_stage[o], side, targets[o], indices[r])
-        for lop in s.locals:
-            modes[f"local:{lop.mode}"] += 1
-            _local(sources[r][lop.owner], lop, targets[lop.owner], indices[r])
-    assert not any(mailbox.values()), "a send had no matching receive"
-    return outputs, schedules, indices, modes
+        d = p.dest.group
+        if d not in outputs:
+            outputs[d] = {
+                o: torch.full((p.dest.padded_rows, hidden_of(o)), -7, dtype=torch.int32).view(DTYPE)
+                for o in range(n)
+            }
+        lo = s.slice_rows * p.dest.slot
+        for o in range(n):
+            outputs[d][o][lo : lo + s.slice_rows] = slots[r].outputs[o][lo : lo + s.slice_rows]
+        if s_rank_layouts is not None:
+            dest_layouts[d] = s_rank_layouts[r]
+        else:
+            c = student.coord(r)
+            assert c is not None
+            dest_layouts[d] = step.student_layouts[(c.dp_rank, c.cp_rank)]
+    return Run(
+        plans=plans,
+        schedules=schedules,
+        slots=slots,
+        outputs=outputs,
+        dest_layouts=dest_layouts,
+        modes=modes,
+        posted_bytes=mail.posted_bytes,
+    )
 
 
-def assert_delivered(outputs, teachers, step):
-    """Each student row holds its owner's teacher row bit for bit; other rows are zero."""
+def assert_delivered(run: Run, step: SyntheticStep, n_owners: int) -> None:
+    """Each destination row holds its owner's teacher row bit for bit; other rows are zero
+    (padding of the last, short slice included); ``owner_N`` names the routed teacher."""
     route = dict(zip(step.sample_ids.tolist(), step.route.tolist(), strict=True))
-    for shard, lay in step.student_layouts.items():
+    assert run.outputs or not step.student_layouts
+    for d, lay in run.dest_layouts.items():
         owner_N = torch.tensor([route[s] if s >= 0 else -1 for s in lay.sample_id_R.tolist()])
-        for o in range(len(teachers)):
-            got = outputs[(shard, o)]
+        plan = next(p for p in run.plans.values() if p.dest is not None and p.dest.group == d)
+        assert plan.owner_N is not None and torch.equal(torch.from_numpy(plan.owner_N), owner_N)
+        for o in range(n_owners):
+            got = run.outputs[d][o]
             want = key_pattern(lay, hidden_of(o), DTYPE, salt=o)
             mine = owner_N == o
-            assert torch.equal(bits(got[mine]), bits(want[mine])), f"shard {shard} owner {o}"
-            assert bool((bits(got[~mine]) == 0).all()), f"shard {shard} owner {o}: not zeroed"
+            n = lay.num_rows
+            assert torch.equal(bits(got[:n][mine]), bits(want[mine])), f"dest {d} owner {o}"
+            assert bool((bits(got[:n][~mine]) == 0).all()), f"dest {d} owner {o}: not zeroed"
+            assert bool((bits(got[n:]) == 0).all()), f"dest {d} owner {o}: padding not zeroed"
+
+
+def assert_one_upload(run: Run) -> None:
+    for r, slot in run.slots.items():
+        if slot.dev is not None:
+            assert slot.dev.late_uploads == 0, f"rank {r} read an index its schedule did not upload"
+            assert slot.dev.uploads <= 1
 
 
 @st.composite
@@ -159,58 +321,105 @@ def scenarios(draw):
         max_len=draw(st.sampled_from([4, 24, 80])),
         teacher_formats=[draw(fmt) for _ in teachers],
         student_format=SideFormat(
-            kind=s_fmt.kind, micro_batch=s_fmt.micro_batch, pad_multiple=student.tp
+            kind=s_fmt.kind,
+            micro_batch=s_fmt.micro_batch,
+            pad_multiple=draw(st.sampled_from([1, student.tp])),  # 1: uneven slices
         ),
         seed=draw(st.integers(0, 2**16)),
     )
     return teachers, student, step
 
 
-@given(scenarios(), st.booleans())
+@given(scenarios(), st.booleans(), st.booleans())
 @SETTINGS
-def test_data_path_delivers_every_row_from_one_index_upload_per_schedule(scenario, local_copy):
+def test_data_path_delivers_every_row_from_one_index_upload_per_schedule(
+    scenario, local_copy, per_rank
+):
     teachers, student, step = scenario
-    outputs, _, indices, _ = run_data_path(teachers, student, step, local_copy=local_copy)
-    assert_delivered(outputs, teachers, step)
-    for r, dev in indices.items():
-        assert dev.late_uploads == 0, f"rank {r} read an index its schedule did not upload"
-        assert dev.uploads <= 1
+    run = run_data_path(teachers, student, step, local_copy=local_copy, per_rank=per_rank)
+    assert_delivered(run, step, len(teachers))
+    assert_one_upload(run)
+    for r, s in run.schedules.items():  # what was posted is what the schedule says it sends
+        assert run.posted_bytes[r] == s.counts()["send_bytes"], f"rank {r}"
+
+
+FIXED = [
+    # separate meshes, long padded sequences: runs and views
+    ([Mesh(tp=2, cp=2, dp=1)], Mesh(tp=1, cp=1, dp=2, rank_offset=4), "thd", "sbh", 80),
+    # separate meshes, long packed sequences of alternating teacher shards: staged runs
+    ([Mesh(dp=2)], Mesh(rank_offset=2), "thd", "thd", 80),
+    # short sequences, SBH on both sides with different micro-batches: per-row sides
+    ([Mesh(tp=1, dp=2)], Mesh(tp=2, dp=1, rank_offset=2), "sbh", "bsh", 4),
+    # colocated, different layouts: local copies of every kind
+    ([Mesh(tp=2, cp=2, dp=2)], Mesh(tp=2, cp=2, dp=2), "thd", "sbh", 24),
+    ([Mesh(tp=2, dp=2)], Mesh(tp=2, dp=2), "thd", "thd", 80),
+    ([Mesh(tp=2, dp=2)], Mesh(tp=2, dp=2), "sbh", "thd", 4),
+    ([Mesh(tp=1, dp=2)], Mesh(tp=1, dp=2), "thd", "sbh", 40),
+]
 
 
 def test_fixed_cases_cover_every_pack_unpack_and_local_mode():
-    """The data path above is exercised in every mode (views, runs, per-row; local kinds)."""
+    """The data path above is exercised in every mode (views, runs, per-row; local kinds), with
+    even and uneven student slices."""
     seen: Counter[str] = Counter()
-    cases = [
-        # separate meshes, long padded sequences: runs and views
-        ([Mesh(tp=2, cp=2, dp=1)], Mesh(tp=1, cp=1, dp=2, rank_offset=4), "thd", "sbh", 80),
-        # short sequences, SBH on both sides with different micro-batches: per-row sides
-        ([Mesh(tp=1, dp=2)], Mesh(tp=2, dp=1, rank_offset=2), "sbh", "bsh", 4),
-        # colocated, different layouts: local copies of every kind
-        ([Mesh(tp=2, cp=2, dp=2)], Mesh(tp=2, cp=2, dp=2), "thd", "sbh", 24),
-        ([Mesh(tp=2, dp=2)], Mesh(tp=2, dp=2), "thd", "thd", 80),
-        ([Mesh(tp=2, dp=2)], Mesh(tp=2, dp=2), "sbh", "thd", 4),
-        ([Mesh(tp=1, dp=2)], Mesh(tp=1, dp=2), "thd", "sbh", 40),
-    ]
+    uneven = 0
     for seed in range(4):
-        for teachers, student, t_kind, s_kind, max_len in cases:
+        for teachers, student, t_kind, s_kind, max_len in FIXED:
             step = synthetic_step(
                 teachers=teachers,
                 student=student,
                 num_samples=6,
                 max_len=max_len,
                 teacher_formats=[SideFormat(kind=t_kind, micro_batch=2)] * len(teachers),
-                student_format=SideFormat(kind=s_kind, micro_batch=3, pad_multiple=student.tp),
+                student_format=SideFormat(
+                    kind=s_kind, micro_batch=3, pad_multiple=student.tp if seed % 2 else 1
+                ),
                 seed=seed,
             )
-            outputs, _, indices, modes = run_data_path(teachers, student, step)
-            assert_delivered(outputs, teachers, step)
-            assert all(d.late_uploads == 0 for d in indices.values())
-            seen += modes
+            run = run_data_path(teachers, student, step)
+            assert_delivered(run, step, len(teachers))
+            assert_one_upload(run)
+            seen += run.modes
+            uneven += sum(
+                p.dest.slice_rows < s.slice_rows
+                for p, s in zip(run.plans.values(), run.schedules.values(), strict=True)
+                if p.dest is not None
+            )
     wanted = [f"{side}:{m}" for side in ("send", "recv") for m in ("view", "runs", "index")]
     wanted += [f"{side}:{m}" for side in ("pack", "unpack") for m in ("runs", "index")]
     wanted += ["local:runs", "local:gather", "local:scatter"]
     missing = [m for m in wanted if not seen[m]]
     assert not missing, f"modes never exercised: {missing} (seen {dict(seen)})"
+    assert uneven, "no destination slice was short: uneven slices never exercised"
+
+
+def test_a_broken_data_path_is_caught():
+    """The check above can fail: a schedule whose unpack skips a row leaves poison (NaN bits)
+    in the output, and the comparison reports it."""
+    teachers, student = [Mesh(tp=1, dp=2)], Mesh(tp=2, dp=1, rank_offset=2)
+    step = synthetic_step(
+        teachers=teachers,
+        student=student,
+        num_samples=6,
+        max_len=4,
+        teacher_formats=[SideFormat(kind="sbh", micro_batch=2)],
+        student_format=SideFormat(kind="bsh", micro_batch=3, pad_multiple=2),
+        seed=0,
+    )
+    real = executor_mod._unpack
+
+    def lossy(stage_RH, side, out_NH, dev):
+        real(stage_RH, side, out_NH, dev)
+        first = int(side.run_row[0]) if side.mode == "runs" else int(side.rows[0])
+        poison(out_NH[first])  # the first row this unpack writes never lands
+
+    with mock.patch.object(executor_mod, "_unpack", lossy):
+        run = run_data_path(teachers, student, step)
+    assert sum(v for k, v in run.modes.items() if k.startswith("unpack:")), (
+        "no unpack: proves nothing"
+    )
+    with pytest.raises(AssertionError, match="dest"):
+        assert_delivered(run, step, len(teachers))
 
 
 def test_one_pack_and_one_unpack_per_owner_cover_its_staging_buffer():
@@ -225,9 +434,10 @@ def test_one_pack_and_one_unpack_per_owner_cover_its_staging_buffer():
         student_format=SideFormat(kind="bsh", micro_batch=3, pad_multiple=2),
         seed=3,
     )
-    _, schedules, _, _ = run_data_path(teachers, student, step)
+    run = run_data_path(teachers, student, step)
+    assert_delivered(run, step, len(teachers))
     staged_any = False
-    for s in schedules.values():
+    for s in run.schedules.values():
         for ops, sides, stage_rows in (
             (s.sends, s.pack_sides, s.send_stage_rows),
             (s.recvs, s.unpack_sides, s.recv_stage_rows),
@@ -280,13 +490,16 @@ def test_integrity_indices_cover_what_the_checks_read():
         student_format=SideFormat(kind="sbh", micro_batch=3, pad_multiple=2),
         seed=1,
     )
-    _, schedules, _, _ = run_data_path(teachers, student, step)
-    for s in schedules.values():
+    run = run_data_path(teachers, student, step)
+    checked = 0
+    for s in run.schedules.values():
         uploaded = {id(t) for t in s.data_path_indices(integrity=True)}
         read = [*s.send_src_rel, *s.local_src_rel]
         read += [op.side.rows for op in s.recvs] + [x.dst.rows for x in s.locals]
         assert all(id(t) in uploaded for t in read)
+        checked += len(read)
         for op, rel in zip(s.sends, s.send_src_rel, strict=True):
             assert torch.equal(rel + s.src_span[op.owner][0], op.side.rows)
         plain = {id(t) for t in s.data_path_indices()}  # without integrity: no check arrays
         assert not {id(t) for t in (*s.send_src_rel, *s.local_src_rel)} & plain
+    assert checked, "no schedule reads any check array: the case proves nothing"

@@ -1,139 +1,209 @@
-"""Tier 1: how the executor waits (host wait on gloo, stream wait on NCCL, one deadline per call),
-how it decides CUDA vs CPU from a group, and its warning about exchanges nobody waits on.
+"""Tier 1: how the bridge waits (host wait on gloo, stream wait on NCCL, one deadline per call),
+and how it decides CUDA vs CPU from a group.
 
 Fake work objects stand in for ``torch.distributed`` works: they record how they were waited on,
-which is the point (an NCCL ``Work.wait(timeout)`` spins the host; ``Work.wait()`` does not).
+which is the point (an NCCL ``Work.wait(timeout)`` spins the host; ``Work.wait()`` does not). The
+step's own ``receive`` / ``finish`` run against a recording executor: every micro-batch they
+complete (earlier ones first, in order) and every send they wait for shares the one deadline set
+at the call, so a call never waits longer than ``BridgeConfig.timeout_s`` in all.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from mopd.bridge import groups as groups_mod
-from mopd.bridge.executor import Executor, _Flight
-from mopd.bridge.groups import group_moves_cuda, wait_work
-from mopd.bridge.mesh import Mesh
-from mopd.bridge.planner import StudentBatch, TeacherBatch, plan_token_exchange
-from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
+from mopd.bridge.api import BridgeStep
+from mopd.bridge.errors import BridgeStateError, BridgeTimeoutError
+from mopd.bridge.executor import Executor, Slot
+from mopd.common import dist as cdist
 
-TIMEOUT = datetime.timedelta(seconds=30)
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
 
 
 class FakeWork:
-    """Records each ``wait`` call's arguments; optionally sleeps in it."""
+    """Records each ``wait`` call's arguments; optionally sleeps in it or raises."""
 
-    def __init__(self, sleep_s: float = 0.0) -> None:
+    def __init__(self, sleep_s: float = 0.0, fail: str = "") -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.sleep_s = sleep_s
+        self.fail = fail
 
     def wait(self, *args: Any) -> bool:
         self.calls.append(args)
         time.sleep(self.sleep_s)
+        if self.fail:
+            raise RuntimeError(self.fail)
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return not self.fail and bool(self.calls)
 
 
-def test_wait_work_never_passes_a_timeout_for_cuda_tensors():
+def test_wait_never_passes_a_timeout_for_cuda_tensors():
     w = FakeWork()
-    wait_work(w, device=torch.device("cuda", 0), timeout=TIMEOUT)
+    cdist.wait(w, device=CUDA, timeout_s=30.0)
     assert w.calls == [()]
     w = FakeWork()
-    wait_work(w, device=torch.device("cpu"), timeout=TIMEOUT)
-    assert w.calls == [(TIMEOUT,)]
+    cdist.wait(w, device=CPU, timeout_s=30.0)
+    assert w.calls == [(datetime.timedelta(seconds=30),)]
+    w = FakeWork()
+    cdist.wait(w, device=CPU, timeout_s=None)
+    assert w.calls == [()]
+    cdist.wait(None, device=CPU, timeout_s=1.0)  # nothing to wait for
 
 
-def _flight(work: FakeWork, device: torch.device, finished: list[float]) -> _Flight:
-    return _Flight(
-        works=[work],
-        descs=["fake"],
-        finish=finished.append,
+def _issued_slot(works: list[FakeWork], device: torch.device) -> Slot:
+    """A slot whose sends are in flight (a schedule object is all ``release`` looks at)."""
+    return Slot(
+        index=0,
+        schedule=SimpleNamespace(),  # type: ignore[arg-type]
+        issued=True,
+        send_works=list(works),
+        send_descs=[f"send {i}" for i in range(len(works))],
         device=device,
-        staged=[],
-        outputs=[],
     )
 
 
-def test_executor_waits_on_cuda_transfers_without_a_host_timeout():
-    ex = Executor(rank=0, timeout=TIMEOUT)
+def test_release_waits_on_cuda_sends_without_a_host_timeout():
+    ex = Executor(rank=0, timeout_s=30.0)
     works = [FakeWork(), FakeWork()]
-    finished: list[float] = []
-    flights = [_flight(w, torch.device("cuda", 0), finished) for w in works]
-    ex._flights.extend(flights)
-    ex._complete_through(flights[1])
+    slot = _issued_slot(works, CUDA)
+    ex.release(slot, deadline=time.monotonic() + 30.0)
     assert [w.calls for w in works] == [[()], [()]]
-    assert len(finished) == 2 and all(f.done for f in flights)
+    assert slot.released
+    ex.release(slot, deadline=time.monotonic() + 30.0)  # idempotent: no second wait
+    assert [len(w.calls) for w in works] == [1, 1]
 
 
-def test_one_deadline_covers_every_flight_a_wait_completes():
-    """Two flights each taking 0.3 s under a 1 s timeout: the second gets what is left (~0.7 s)."""
-    ex = Executor(rank=0, timeout=datetime.timedelta(seconds=1.0))
+def test_release_on_gloo_waits_on_the_host_with_what_is_left_of_the_deadline():
+    """Two sends each taking 0.3 s under a 1 s deadline: the second gets what is left (~0.7 s),
+    not a fresh full timeout."""
+    ex = Executor(rank=0, timeout_s=1.0)
     works = [FakeWork(sleep_s=0.3), FakeWork(sleep_s=0.3)]
-    finished: list[float] = []
-    flights = [_flight(w, torch.device("cpu"), finished) for w in works]
-    ex._flights.extend(flights)
-    t0 = time.monotonic()
-    ex._complete_through(flights[1])
+    ex.release(_issued_slot(works, CPU), deadline=time.monotonic() + 1.0)
     (first,), (second,) = works[0].calls[0], works[1].calls[0]
-    assert first.total_seconds() <= 1.0
-    assert second.total_seconds() <= 0.75, second  # not a fresh full timeout
-    # both flights finish (TP all-gather, verdict) against the same deadline, set at the call
-    assert finished[0] == finished[1]
-    assert t0 + 1.0 <= finished[0] <= t0 + 1.0 + 0.2
+    assert 0.9 <= first.total_seconds() <= 1.0
+    assert second.total_seconds() <= 0.75, second
+
+
+def test_a_failed_wait_names_what_was_pending_and_retires_the_executor():
+    ex = Executor(rank=3, timeout_s=1.0)
+    works = [FakeWork(), FakeWork(fail="Operation timed out!"), FakeWork()]
+    slot = _issued_slot(works, CPU)
+    slot.send_descs = ["send to global rank 1", "send to global rank 2", "send to global rank 5"]
+    with pytest.raises(BridgeTimeoutError, match="global rank 3") as info:
+        ex.release(slot, deadline=time.monotonic() + 1.0)
+    msg = str(info.value)
+    assert "send to global rank 2" in msg and "send to global rank 5" in msg
+    assert "send to global rank 1" not in msg  # completed before the failure
+    assert "timeout_s=1" in msg and "Operation timed out!" in msg
+    with pytest.raises(BridgeStateError, match="cannot be used after a failed exchange"):
+        ex.check_usable()
+
+
+def test_sends_done_polls_without_waiting():
+    ex = Executor(rank=0, timeout_s=1.0)
+    w = FakeWork()
+    slot = _issued_slot([w], CPU)
+    assert not ex.sends_done(slot)  # not completed yet
+    assert w.calls == []  # a poll, not a wait
+    w.calls.append(())
+    assert ex.sends_done(slot)
+
+
+class RecordingExecutor:
+    """Stands in for the step's executor: records what it is asked to complete and release."""
+
+    def __init__(self, sleep_s: float) -> None:
+        self.sleep_s = sleep_s
+        self.completed: list[tuple[int, float]] = []
+        self.released: list[tuple[int, float]] = []
+
+    def check_usable(self) -> None:
+        pass
+
+    def complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
+        time.sleep(self.sleep_s)
+        slot.received = True
+        self.completed.append((slot.index, deadline))
+
+    def sends_done(self, slot: Slot) -> bool:
+        return False
+
+    def release(self, slot: Slot, *, deadline: float) -> None:
+        slot.released = True
+        self.released.append((slot.index, deadline))
+
+
+def _step(n: int, timeout_s: float, sleep_s: float) -> tuple[BridgeStep, RecordingExecutor]:
+    """A planned step of ``n`` micro-batches, all issued, none received (nothing to send)."""
+    ex = RecordingExecutor(sleep_s)
+    step = BridgeStep.__new__(BridgeStep)
+    step._bridge = SimpleNamespace(  # type: ignore[assignment]
+        config=SimpleNamespace(timeout_s=timeout_s, integrity=False),
+        executor=ex,
+        groups=SimpleNamespace(student_tp=None),
+    )
+    step.num_micro_batches = n
+    step.finished = False
+    step._slots = [Slot(index=i, schedule=None, issued=True) for i in range(n)]
+    step._cursor = n
+    step._received = 0
+    return step, ex
+
+
+def test_receive_completes_earlier_micro_batches_first_against_one_deadline():
+    step, ex = _step(4, timeout_s=10.0, sleep_s=0.05)
+    t0 = time.monotonic()
+    assert step.receive(2) == {}  # schedule None: a rank that receives nothing
+    assert [i for i, _ in ex.completed] == [0, 1, 2]
+    deadlines = {d for _, d in ex.completed}
+    assert len(deadlines) == 1, "each earlier micro-batch got a fresh deadline"
+    (deadline,) = deadlines
+    assert t0 + 10.0 <= deadline <= t0 + 10.0 + 0.05  # set at the call, before any wait
+    step.receive(0)  # already completed: nothing more to wait for
+    step.receive(1)
+    assert [i for i, _ in ex.completed] == [0, 1, 2]
+    step.receive(3)
+    assert [i for i, _ in ex.completed] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"micro-batch 4 outside \[0, 4\)"):
+        step.receive(4)
+
+
+def test_finish_completes_and_releases_against_one_deadline():
+    step, ex = _step(3, timeout_s=5.0, sleep_s=0.05)
+    step.receive(0)
+    t0 = time.monotonic()
+    step.finish()
+    assert [i for i, _ in ex.completed] == [0, 1, 2]
+    assert [i for i, _ in ex.released] == [0, 1, 2]
+    at_finish = {d for _, d in ex.completed[1:]} | {d for _, d in ex.released}
+    assert len(at_finish) == 1
+    assert t0 + 5.0 <= at_finish.pop() <= t0 + 5.0 + 0.05
+    assert step.finished
+    step.finish()  # idempotent
+    assert len(ex.released) == 3
+    with pytest.raises(BridgeStateError, match="this step is finished"):
+        step.receive(0)
 
 
 def test_group_backend_is_read_from_the_backend_config(monkeypatch):
     """``get_backend`` may say 'undefined' for a default group made without a backend."""
-    monkeypatch.setattr(groups_mod.dist, "get_backend", lambda group=None: "undefined")
-    monkeypatch.setattr(
-        groups_mod.dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl"
-    )
-    assert group_moves_cuda(object())
-    monkeypatch.setattr(groups_mod.dist, "get_backend_config", lambda group=None: "cpu:gloo")
-    assert not group_moves_cuda(object())
-    monkeypatch.setattr(groups_mod.dist, "get_backend_config", lambda group=None: "NCCL")
-    assert group_moves_cuda(object())
-
-
-def _local_plan(seed: int):
-    mesh = Mesh()
-    step = synthetic_step(
-        teachers=[mesh],
-        student=mesh,
-        num_samples=3,
-        max_len=5,
-        student_format=SideFormat(kind="sbh", micro_batch=2),
-        seed=seed,
-    )
-    t_lay, s_lay = step.teacher_layouts[0][(0, 0)], step.student_layouts[(0, 0)]
-    plan = plan_token_exchange(
-        [TeacherBatch(mesh=mesh, layouts={(0, 0): t_lay}, hidden_size=4, itemsize=4)],
-        StudentBatch(mesh=mesh, layouts={(0, 0): s_lay}),
-    )
-    return plan, t_lay, s_lay
-
-
-def test_warns_once_when_more_exchanges_are_in_flight_than_cached_plans():
-    plan, t_lay, s_lay = _local_plan(1)
-    src = key_pattern(t_lay, 4, torch.float32)
-    ex = Executor(rank=0, timeout=TIMEOUT, max_schedules=2)
-    outs = [torch.empty((s_lay.num_rows, 4)) for _ in range(5)]
-    handles = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for out in outs[:2]:
-            handles.append(ex.start(plan, sources={0: src}, outputs={0: out}, group=None))
-    with pytest.warns(UserWarning, match=r"3 bridge exchanges are in flight.*call \.wait\(\)"):
-        handles.append(ex.start(plan, sources={0: src}, outputs={0: outs[2]}, group=None))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only
-        handles.append(ex.start(plan, sources={0: src}, outputs={0: outs[3]}, group=None))
-    handles[-1].wait()  # completes every earlier flight too
-    assert all(h.done for h in handles) and ex.memory_stats()["in_flight"] == 0
+    monkeypatch.setattr(cdist.dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(cdist.dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert cdist.moves_cuda(object())
+    monkeypatch.setattr(cdist.dist, "get_backend_config", lambda group=None: "cpu:gloo")
+    assert not cdist.moves_cuda(object())
+    assert cdist.group_device(object()) == CPU
+    monkeypatch.setattr(cdist.dist, "get_backend_config", lambda group=None: "NCCL")
+    assert cdist.moves_cuda(object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cdist.group_device(object()) == CPU  # NCCL without a device here: CPU tensors
+    assert cdist.group_device(None) == CPU
