@@ -580,26 +580,22 @@ class HiddenStateBridge:
                     f"{source.ranks[0]}'s {matrix.section_head(leader, o)[:3]}"
                 )
                 continue
-            for i in range(n_slots):
-                f = matrix.slot_fields(np.asarray([me, leader]), o, i)
-                if f[0, 0] != f[1, 0] or f[0, 5] != f[1, 5]:
-                    problems.append(
-                        f"teacher {o} TP replicas {list(source.ranks)} ({source.label}) hold "
-                        f"different token layouts in micro-batch {i}"
-                    )
-                    break
+            i = _first_differing_slot(matrix, me, leader, o, n_slots)
+            if i is not None:
+                problems.append(
+                    f"teacher {o} TP replicas {list(source.ranks)} ({source.label}) hold "
+                    f"different token layouts in micro-batch {i}"
+                )
         for d, dest in enumerate(topo.dests):
             if self.rank not in dest.ranks or self.rank == dest.ranks[0]:
                 continue
-            leader, s = int(topo.dest_leader[d]), topo.student_section
-            for i in range(n_slots):
-                f = matrix.slot_fields(np.asarray([me, leader]), s, i)
-                if f[0, 0] != f[1, 0] or f[0, 5] != f[1, 5]:
-                    problems.append(
-                        f"student TP ranks {list(dest.ranks)} ({dest.label}) want different "
-                        f"token layouts in micro-batch {i}"
-                    )
-                    break
+            leader = int(topo.dest_leader[d])
+            i = _first_differing_slot(matrix, me, leader, topo.student_section, n_slots)
+            if i is not None:
+                problems.append(
+                    f"student TP ranks {list(dest.ranks)} ({dest.label}) want different "
+                    f"token layouts in micro-batch {i}"
+                )
         # every teacher's leaders agree on (dtype, hidden, device): students size buffers by them
         for o, spec in enumerate(self.teachers):
             groups = np.flatnonzero(topo.source_section == o)
@@ -627,6 +623,18 @@ class HiddenStateBridge:
                 catalog = topo.catalog(matrix, i)
                 problems += [f"micro-batch {i}: {p}" for p in check_rank(catalog, self.rank)]
         return problems
+
+
+def _first_differing_slot(
+    matrix: StepMatrix, me: int, leader: int, section: int, n_slots: int
+) -> int | None:
+    """The first micro-batch where member ``me``'s layout (rows, digest) differs from its
+    replica leader's, or ``None``."""
+    for i in range(n_slots):
+        f = matrix.slot_fields(np.asarray([me, leader]), section, i)
+        if f[0, 0] != f[1, 0] or f[0, 5] != f[1, 5]:
+            return i
+    return None
 
 
 class BridgeStep:
