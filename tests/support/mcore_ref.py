@@ -107,21 +107,28 @@ def compare_grads(
     tp_rank: int,
     tp_size: int,
     rtol: float,
+    worst: list[float] | None = None,
 ) -> list[str]:
     """Each parameter's ``main_grad`` against the reference's shard: problems found (``[]``: none).
 
     The error is the norm of the difference over the norm of the reference (parameters whose
-    reference gradient is zero compare absolutely against ``rtol``).
+    reference gradient is zero compare absolutely against ``rtol``). ``worst``: appended with
+    the largest relative error seen (for reporting).
     """
     problems = []
+    largest = 0.0
     for name, p in model.named_parameters():
         got = getattr(p, "main_grad", None)
         got = p.grad if got is None else got
         want = shard_of(ref[names[name]], p, tp_rank, tp_size).to(got.dtype)
         err = float((got - want).norm())
         scale = float(want.norm())
+        if scale > 0:
+            largest = max(largest, err / scale)
         if err > rtol * max(scale, 1e-12) and err > rtol * 1e-3:
             problems.append(f"{names[name]}: |main_grad - ref| = {err:.3e}, |ref| = {scale:.3e}")
+    if worst is not None:
+        worst.append(largest)
     return problems
 
 

@@ -199,6 +199,7 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
     teacher.eval()
     tc, sc = tmesh.coord(rank), smesh.coord(rank)
     problems: list[str] = []
+    worst_loss, worst_grad = 0.0, []
     for per_token in (True, False):
         student, names, scfg = _sharded(
             smesh, spg, full_s, hidden=32, sp=s_sp, thd=thd, per_token=per_token
@@ -246,6 +247,7 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
             what = f"{case} per_token={per_token} M={m}"
             if smesh.is_last_stage(rank):
                 assert loss is not None
+                worst_loss = max(worst_loss, abs(loss - ref_loss) / abs(ref_loss))
                 if abs(loss - ref_loss) > 1e-5 * abs(ref_loss):
                     problems.append(f"{what}: loss {loss:.8f} vs direct {ref_loss:.8f}")
             problems += [
@@ -257,9 +259,11 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
                     tp_rank=sc.tp_rank,
                     tp_size=smesh.tp,
                     rtol=1e-4,
+                    worst=worst_grad,
                 )
             ]
     del tc
+    print(f"{case}: largest relative loss error {worst_loss:.2e}, gradient {max(worst_grad):.2e}")
     assert not problems, "\n".join(problems[:20])
 
 
