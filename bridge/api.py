@@ -379,15 +379,16 @@ class HiddenStateBridge:
                     timeout=cdist.timeout(self.config.timeout_s),
                 )
             except Exception as exc:
-                self._executor.mark_failed(exc)
-                raise comm_failure(
+                err = comm_failure(
                     exc,
                     rank=self.rank,
                     what="the bridge's metadata all-gather over global ranks "
                     f"{list(self.topology.members)}",
                     timeout_s=self.config.timeout_s,
                     elapsed_s=time.monotonic() - t0,
-                ) from exc
+                )
+                self._executor.mark_failed(err)
+                raise err from exc
         matrix = StepMatrix(m, sizes, n_sections=n + 1)
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
         with ranges.span("verdict"):

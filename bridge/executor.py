@@ -558,14 +558,15 @@ class Executor:
                         completed = False
                     if not completed and d and d not in pending:
                         pending.append(d)
-                self.mark_failed(exc)
-                raise comm_failure(
+                err = comm_failure(
                     exc,
                     rank=self.rank,
                     what="the bridge exchange (incomplete: " + "; ".join(pending) + ")",
                     timeout_s=self.timeout_s,
                     elapsed_s=time.monotonic() - t0,
-                ) from exc
+                )
+                self.mark_failed(err)
+                raise err from exc
 
     def _timed(self, fn: Callable[[], None], what: str) -> None:
         t0 = time.monotonic()
@@ -574,14 +575,15 @@ class Executor:
         except BridgeError:
             raise
         except Exception as exc:
-            self.mark_failed(exc)
-            raise comm_failure(
+            err = comm_failure(
                 exc,
                 rank=self.rank,
                 what=what,
                 timeout_s=self.timeout_s,
                 elapsed_s=time.monotonic() - t0,
-            ) from exc
+            )
+            self.mark_failed(err)
+            raise err from exc
 
     def complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
         """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc)."""

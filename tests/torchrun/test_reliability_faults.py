@@ -180,6 +180,7 @@ def test_bridge_called_on_some_ranks_only_times_out_on_the_callers():
         assert "called on some ranks only" in msg
         assert T_S * 0.9 <= elapsed <= T_S + SLACK_S, elapsed
         refused(seen[r]["refusal"])
+        assert "(BridgeTimeoutError: global rank" in seen[r]["refusal"]["plan"][1]
 
 
 def test_teacher_raising_before_its_first_send_leaves_the_students_waiting_on_it():
@@ -264,6 +265,7 @@ def test_a_failed_step_fails_the_next_plan_step_clearly_on_every_rank():
     for r in (2, 3):
         kind, msg, elapsed = seen[r]["next"]
         assert kind == "BridgeStateError" and elapsed < 1.0, seen[r]
+        assert "cannot be used after a failed exchange (BridgeTimeoutError:" in msg
     for r in (0, 1):
         kind, msg, elapsed = seen[r]["next"]
         assert kind in TIMEOUTS, seen[r]
