@@ -586,7 +586,11 @@ class Executor:
             raise err from exc
 
     def complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
-        """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc)."""
+        """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc).
+
+        Any failure here refuses further work: this rank's TP peers may be waiting in the slot's
+        all-gather, and receives it posted may still land in its staging buffers.
+        """
         self.check_usable()
         slot.received = True
         sched = slot.schedule
@@ -610,6 +614,7 @@ class Executor:
         if group_size > 1:
             if tp_group is None:
                 raise AssertionError("a destination group of several ranks needs its TP group")
+            peers = dist.get_process_group_ranks(tp_group)
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
                     self._timed(
@@ -619,7 +624,8 @@ class Executor:
                             group=tp_group,
                             timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
                         ),
-                        "the student TP all-gather after the crossing",
+                        f"the student TP all-gather after the crossing (micro-batch {slot.index}, "
+                        f"over global ranks {peers})",
                     )
             if self.integrity:
                 self._check_gather(slot, sched, slice_sums, tp_group, group_size, deadline)
@@ -694,6 +700,7 @@ class Executor:
         rows = sched.slice_rows
         mine = torch.cat([slice_sums[o] for o in owners])
         every = torch.empty(group_size * mine.numel(), dtype=torch.int64, device=mine.device)
+        ranks = dist.get_process_group_ranks(tp_group)
         self._timed(
             lambda: all_gather_flat(
                 every,
@@ -701,10 +708,10 @@ class Executor:
                 group=tp_group,
                 timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
             ),
-            "the checksums of the student TP all-gather (integrity)",
+            f"the checksums of the student TP all-gather (integrity, micro-batch {slot.index}, "
+            f"over global ranks {ranks})",
         )
         expected = every.view(group_size, len(owners), rows)
-        ranks = dist.get_process_group_ranks(tp_group)
         peers = [j for j in range(group_size) if j != sched.dest.slot]
         if self.debug_hook is not None:
             self.debug_hook(
@@ -763,6 +770,7 @@ class Executor:
         device = cdist.group_device(group)
         n = dist.get_world_size(group)
         every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+        ranks = dist.get_process_group_ranks(group)
         self._timed(
             lambda: all_gather_flat(
                 every,
@@ -770,9 +778,8 @@ class Executor:
                 group=group,
                 timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
             ),
-            "the integrity verdict (all-gather over the bridge group)",
+            f"the integrity verdict (all-gather over global ranks {ranks})",
         )
-        ranks = dist.get_process_group_ranks(group)
         rows = every.cpu().view(n, -1)
         reports = [(ranks[j], *decode_mismatches(rows[j])) for j in range(n)]
         if any(count for _, count, _ in reports):

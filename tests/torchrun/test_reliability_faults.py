@@ -19,7 +19,7 @@ breaks one rank, and compares what every rank saw (error type, message, elapsed)
   saw the failure, and the others (the rank that raised, the teacher that sent) time out in its
   metadata all-gather instead of hanging;
 - a student rank raises inside ``receive`` (rows arrived, before the TP all-gather) -> its TP
-  peer times out in the all-gather, which the error names;
+  peer times out in the all-gather, which the error names with its ranks;
 - a rank never calls ``finish()`` -> harmless without integrity (the others finish, the rank is
   warned at its next ``plan_step``, that step is exact); with integrity on ``finish()`` is a
   collective, so the others time out in the verdict, which the error names;
@@ -287,7 +287,10 @@ def test_student_rank_raising_inside_receive_leaves_its_tp_peer_in_the_all_gathe
     assert [s["kind"] for s in seen[:3]] == ["ok", "ok", "Injected"], seen
     s = seen[3]
     assert s["kind"] in TIMEOUTS and s["where"] == "receive 0", s
-    assert s["msg"].startswith("global rank 3: the student TP all-gather after the crossing")
+    assert s["msg"].startswith(
+        "global rank 3: the student TP all-gather after the crossing (micro-batch 0, over "
+        "global ranks [2, 3])"
+    ), s["msg"]
     assert s["elapsed"] <= T_S + SLACK_S, s
     refused(seen[3]["refusal"])
 
@@ -334,7 +337,7 @@ def test_a_rank_that_never_calls_finish_with_integrity():
         s = seen[r]
         assert s["kind"] == "BridgeTimeoutError" and s["where"] == "finish", s
         assert s["msg"].startswith(
-            f"global rank {r}: the integrity verdict (all-gather over the bridge group) "
+            f"global rank {r}: the integrity verdict (all-gather over global ranks [0, 1, 2, 3]) "
             "did not complete within BridgeConfig.timeout_s=3 s"
         ), s["msg"]
         assert T_S * 0.9 <= s["elapsed"] <= T_S + SLACK_S, s
