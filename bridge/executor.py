@@ -592,6 +592,13 @@ class Executor:
         all-gather, and receives it posted may still land in its staging buffers.
         """
         self.check_usable()
+        try:
+            self._complete(slot, tp_group=tp_group, deadline=deadline)
+        except BaseException as exc:
+            self._fail_slot(slot, exc)
+            raise
+
+    def _complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
         slot.received = True
         sched = slot.schedule
         if sched is None or sched.dest is None:

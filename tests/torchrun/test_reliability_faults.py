@@ -19,7 +19,8 @@ breaks one rank, and compares what every rank saw (error type, message, elapsed)
   saw the failure, and the others (the rank that raised, the teacher that sent) time out in its
   metadata all-gather instead of hanging;
 - a student rank raises inside ``receive`` (rows arrived, before the TP all-gather) -> its TP
-  peer times out in the all-gather, which the error names with its ranks;
+  peer times out in the all-gather, which the error names with its ranks; the raising rank's
+  bridge refuses further use;
 - a rank never calls ``finish()`` -> harmless without integrity (the others finish, the rank is
   warned at its next ``plan_step``, that step is exact); with integrity on ``finish()`` is a
   collective, so the others time out in the verdict, which the error names;
@@ -283,7 +284,7 @@ def test_student_rank_raising_inside_receive_leaves_its_tp_peer_in_the_all_gathe
             raise Injected("rank 2 fails after its rows arrived")
 
     b = bridge(hook)
-    seen = seen_by_all(outcome(lambda: run_step(plan(b, m=1), m=1)), b if rank() == 3 else None)
+    seen = seen_by_all(outcome(lambda: run_step(plan(b, m=1), m=1)), b if is_student() else None)
     assert [s["kind"] for s in seen[:3]] == ["ok", "ok", "Injected"], seen
     s = seen[3]
     assert s["kind"] in TIMEOUTS and s["where"] == "receive 0", s
@@ -292,7 +293,8 @@ def test_student_rank_raising_inside_receive_leaves_its_tp_peer_in_the_all_gathe
         "global ranks [2, 3])"
     ), s["msg"]
     assert s["elapsed"] <= T_S + SLACK_S, s
-    refused(seen[3]["refusal"])
+    for r in (2, 3):  # the raising rank's bridge refuses further use too
+        refused(seen[r]["refusal"])
 
 
 def test_a_rank_that_never_calls_finish_without_integrity():
