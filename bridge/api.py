@@ -338,7 +338,9 @@ class HiddenStateBridge:
             This rank's :class:`BridgeStep`.
         Raises:
             ValueError: bad input on any rank (the same text on every rank, before data moves).
-            BridgeTimeoutError, BridgeCommError: the metadata all-gather failed.
+            BridgeTimeoutError, BridgeCommError: the metadata all-gather or the verdict on the
+                input failed. After those, and after any other error past the metadata
+                all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
         """
         if self.groups.bridge is None:
@@ -391,12 +393,35 @@ class HiddenStateBridge:
                 raise err from exc
         matrix = StepMatrix(m, sizes, n_sections=n + 1)
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
-        with ranges.span("verdict"):
-            problems = self._checks(matrix, n_slots)
-            cdist.same_verdict(
-                problems, group=meta_group, timeout_s=self.config.timeout_s, what="bridge input"
-            )
-        step = BridgeStep(self, matrix, n_slots, sections)
+        agreed = False
+        try:
+            with ranges.span("verdict"):
+                problems = self._checks(matrix, n_slots)
+                t0 = time.monotonic()
+                try:
+                    cdist.same_verdict(
+                        problems,
+                        group=meta_group,
+                        timeout_s=self.config.timeout_s,
+                        what="bridge input",
+                    )
+                except ValueError:
+                    agreed = True  # the same verdict on every rank: nobody is left waiting
+                    raise
+                except Exception as exc:
+                    raise comm_failure(
+                        exc,
+                        rank=self.rank,
+                        what="the bridge's input verdict over global ranks "
+                        f"{list(self.topology.members)}",
+                        timeout_s=self.config.timeout_s,
+                        elapsed_s=time.monotonic() - t0,
+                    ) from exc
+            step = BridgeStep(self, matrix, n_slots, sections)
+        except BaseException as exc:
+            if not agreed:  # the others may be in the verdict or in this step: refuse from now
+                self._executor.mark_failed(exc)
+            raise
         self._open_steps.append(step)
         self.steps += 1
         return step

@@ -10,6 +10,8 @@ breaks one rank, and compares what every rank saw (error type, message, elapsed)
 - the bridge planned on some ranks only -> the callers get ``BridgeTimeoutError`` from the
   metadata all-gather, naming the group's ranks and the timeout; later calls are refused at once
   (``BridgeStateError``);
+- a rank raises after the metadata all-gather, while checking the step -> the others time out
+  in the input verdict, naming it; every rank refuses further use, the raising one too;
 - a teacher rank raises before its first ``send`` -> the students time out in ``receive(0)``,
   naming that rank and micro-batch 0 (and not the teacher that did send);
 - a teacher rank raises between ``send(i)`` and ``send(i + 1)`` -> the students got micro-batch
@@ -182,6 +184,32 @@ def test_bridge_called_on_some_ranks_only_times_out_on_the_callers():
         assert T_S * 0.9 <= elapsed <= T_S + SLACK_S, elapsed
         refused(seen[r]["refusal"])
         assert "(BridgeTimeoutError: global rank" in seen[r]["refusal"]["plan"][1]
+
+
+def test_rank_raising_while_checking_the_step_leaves_the_others_in_the_verdict(monkeypatch):
+    """Rank 3 raises after the metadata all-gather, while checking its share of the step: the
+    others time out in the verdict that follows it, naming it; every rank refuses from then on
+    (the raising one too: its peers may be inside a collective of that step)."""
+    b = bridge()
+    if rank() == 3:
+
+        def broken(*args: Any) -> list[str]:
+            raise Injected("rank 3 fails while checking the step")
+
+        monkeypatch.setattr(HiddenStateBridge, "_checks", broken)
+    seen = seen_by_all(outcome(lambda: plan(b)), b)
+    assert seen[3]["kind"] == "Injected", seen[3]
+    for r in (0, 1, 2):
+        s = seen[r]
+        assert s["kind"] == "BridgeTimeoutError", s
+        assert s["msg"].startswith(
+            f"global rank {r}: the bridge's input verdict over global ranks [0, 1, 2, 3] did not "
+            "complete within BridgeConfig.timeout_s=3 s"
+        ), s["msg"]
+        assert T_S * 0.9 <= s["elapsed"] <= T_S + SLACK_S, s
+    for s in seen:
+        refused(s["refusal"])
+    assert "(Injected: rank 3 fails while checking the step)" in seen[3]["refusal"]["plan"][1]
 
 
 def test_teacher_raising_before_its_first_send_leaves_the_students_waiting_on_it():
