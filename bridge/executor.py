@@ -681,8 +681,7 @@ class Executor:
                     (op.owner, peer, dst_rows, src_rows, CROSSING),
                 )
             )
-        for owner, rows in sched.fill.items():
-            inside = rows[rows < sched.dest.slice_rows] if sched.dest is not None else rows
+        for owner, inside in sched.fill_checked.items():
             if inside.numel():
                 slot.findings.append(
                     (

@@ -205,6 +205,12 @@ def test_clean_steps_pass_the_check_and_are_exact(name):
     for seed in range(2):
         got = case.schedule(seed)
         assert case.all_exact(seed, got), f"{name} step {seed}"
+    # the checks read only indices the schedule uploaded up front (one copy per schedule)
+    devs = case.bridge.executor._devs.values()
+    assert all(d.late_uploads == 0 and d.uploads <= 1 for d in devs), (
+        name,
+        [(d.uploads, d.late_uploads) for d in devs],
+    )
 
 
 def test_bit_flipped_in_a_packed_send_buffer_is_caught_on_every_rank():
