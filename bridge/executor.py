@@ -747,14 +747,14 @@ class Executor:
         Collective over ``group`` (the gloo metadata group): every rank calls it once per step.
         """
         found: list[BlockMismatch] = []
-        flags = [f for s in slots for f in s.findings]
+        flags = [(s, f) for s in slots for f in s.findings]
         if flags:
-            counts = torch.stack([b.sum() for b, _ in flags]).tolist()  # the one host sync
-            for (b, (owner, peer, dst_rows, src_rows, stage)), n in zip(flags, counts, strict=True):
+            counts = torch.stack([b.sum() for _, (b, _) in flags]).tolist()  # the one host sync
+            for (slot, (b, info)), n in zip(flags, counts, strict=True):
                 if not n:
                     continue
+                owner, peer, dst_rows, src_rows, stage = info
                 idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
-                slot = next(s for s in slots if any(f[0] is b for f in s.findings))
                 off = 0
                 if slot.schedule is not None and slot.schedule.dest is not None:
                     off = slot.schedule.slice_rows * slot.schedule.dest.slot
@@ -768,6 +768,7 @@ class Executor:
                         dst_rows=tuple((dst_rows[idx] + off).tolist()),
                         src_rows=tuple(src_rows[idx].tolist()) if src_rows.numel() else (),
                         stage=stage,
+                        micro_batch=slot.index,
                     )
                 )
         for s in slots:

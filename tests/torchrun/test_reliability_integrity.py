@@ -4,11 +4,12 @@ Integrity mode (``BridgeConfig(integrity=True)``): clean steps of several micro-
 disjoint, colocated and two-teacher meshes stay bit-exact and raise nothing. Bytes changed on
 the way, through the executor's test hook, are caught at ``finish()`` with a
 ``BridgeIntegrityError`` that is *the same text on every rank* and names the teacher, the
-source and destination global ranks and the rows (checked against where the
+micro-batch, the source and destination global ranks and the rows (checked against where the
 token really sits in both layouts): a bit flipped in a packed send buffer (staging) or in a
 receive buffer (in flight), a row changed after its local copy, a bit flipped in a slice the
 student TP all-gather brought, and a padding row written behind the bridge's back.
-The same flip with
+Corruptions in several micro-batches of one step are reported together, once, at ``finish()``
+(``receive`` does not judge: the verdict is one collective per step). The same flip with
 integrity off goes unnoticed (the rows really differ), and the same bridge delivers exact rows
 again in the next step.
 
@@ -235,7 +236,7 @@ def test_bit_flipped_in_a_packed_send_buffer_is_caught_on_every_rank():
     )[0][peer]
     assert msg.startswith(
         "bridge integrity check failed: 1 corrupted block(s) received on global rank(s) "
-        f"[{peer}]: teacher {owner}: global rank 0 -> global rank {peer}: 1 of "
+        f"[{peer}]: teacher {owner}, micro-batch 1: global rank 0 -> global rank {peer}: 1 of "
         f"{count} rows differ (destination rows [{dst_row}], source rows [{src_row}])"
     ), msg
     # the group is healthy: the same bridge delivers exact rows in the next step (hook idle)
@@ -253,7 +254,7 @@ def test_bit_flipped_in_a_receive_buffer_is_caught():
     msg = integrity_error(lambda: case.schedule(0))
     assert msg.startswith(
         "bridge integrity check failed: 1 corrupted block(s) received on global rank(s) [3]: "
-        "teacher 0: global rank 1 -> global rank 3: 1 of "
+        "teacher 0, micro-batch 2: global rank 1 -> global rank 3: 1 of "
     ), msg
 
 
@@ -273,7 +274,7 @@ def test_bit_flipped_in_the_student_tp_all_gather_is_caught():
     n = (stu.num_rows + 1) // 2  # rows per student TP slice
     assert msg.startswith(
         "bridge integrity check failed: 1 corrupted block(s) received on global rank(s) [3]: "
-        f"teacher 0: student TP all-gather, global rank 2 -> global rank 3: 1 of "
+        f"teacher 0, micro-batch 0: student TP all-gather, global rank 2 -> global rank 3: 1 of "
         f"{n} rows differ from the sender's slice (destination rows [1], rows of the sender's "
         "slice [1])"
     ), msg
@@ -313,7 +314,7 @@ def test_row_changed_after_its_local_copy_is_caught():
     v = victim[0]
     assert msg.startswith(
         f"bridge integrity check failed: 1 corrupted block(s) received on global rank(s) [{v}]: "
-        f"teacher 0: global rank {v} -> global rank {v}: 1 of"
+        f"teacher 0, micro-batch 0: global rank {v} -> global rank {v}: 1 of"
     ), msg
 
 
@@ -335,9 +336,33 @@ def test_padding_row_written_behind_the_bridge_is_caught():
     msg = integrity_error(lambda: case.schedule(0))
     assert msg.startswith(
         f"bridge integrity check failed: 1 corrupted block(s) received on global rank(s) "
-        f"[{victim}]: teacher 0 on global rank {victim}: 1 of "
+        f"[{victim}]: teacher 0, micro-batch 1 on global rank {victim}: 1 of "
     ), msg
     assert "rows that no transfer writes are not zero" in msg
+
+
+def test_corruptions_in_several_micro_batches_are_reported_together_at_finish():
+    """Micro-batch 0 is corrupted in rank 0's staging, micro-batch 2 in rank 3's receive buffer:
+    every ``receive`` returns (the wrong rows included), and ``finish()`` raises once, on every
+    rank, listing both blocks with their micro-batches."""
+
+    def hook(point: str, blocks: list) -> None:
+        r, i = dist.get_rank(), case.micro_batch
+        if (point, r, i) in (("packed", 0, 0), ("received", 3, 2)):
+            flip(blocks[0][2] if point == "packed" else blocks[-1][2])
+
+    case = Case("disjoint", hook=hook)
+    msg = integrity_error(
+        lambda: case.schedule(0, before_finish=lambda: everyone("received every batch"))
+    )
+    got = case.got
+    assert msg.startswith("bridge integrity check failed: 2 corrupted block(s) received on "), msg
+    assert msg.count("teacher 0, micro-batch 0: global rank 0 -> global rank") == 1, msg
+    assert msg.count("teacher 0, micro-batch 2: global rank 1 -> global rank 3: 1 of") == 1, msg
+    wrong = everyone([i for i in range(M) if not case.exact(0, i, got.get(i, {}))])
+    assert sorted({i for w in wrong for i in w}) == [0, 2], wrong  # receive gave the bad rows
+    case.bridge.executor.debug_hook = None
+    assert case.all_exact(1, case.schedule(1))  # and the bridge works again
 
 
 # --- steps in flight -------------------------------------------------------------------------
