@@ -452,6 +452,9 @@ class HiddenStateBridge:
         )
         if hidden_d or step._sources_needed(0):
             step.send(0, hidden_d)
+        # posted here on every rank (receive-only ranks too), so exchanges in flight on one
+        # group pair in the order they were started, whatever order they are waited in
+        step._issue_through(0, why="exchange()")
         return ExchangeHandle(step)
 
     # --- local phase (errors are gathered, not raised) -----------------------------------------

@@ -14,7 +14,8 @@ integrity off goes unnoticed (the rows really differ), and the same bridge deliv
 again in the next step.
 
 Steps in flight: two bridges on one group with their steps interleaved micro-batch by
-micro-batch and finished in reverse order: exact, integrity off and on.
+micro-batch and finished in reverse order, and two exchanges of one bridge (or of two bridges)
+started before either is waited on and waited in reverse order: exact, integrity off and on.
 """
 
 from __future__ import annotations
@@ -417,3 +418,50 @@ def test_two_bridges_on_one_group_interleaved_micro_batch_by_micro_batch(integri
         for (o, i), rows in got.items():
             want = key_pattern(STU_LAYOUTS[o], hidden_of(o), DTYPE, salt=salt(o, i))
             assert torch.equal(bits(rows), bits(want)), f"teacher {o} micro-batch {i}"
+
+
+@pytest.mark.parametrize("integrity", [False, True])
+def test_two_bridges_exchanges_started_before_either_is_waited(integrity):
+    """``exchange()`` starts its micro-batch on every rank at the call, so two exchanges on one
+    group pair in start order whatever order they are waited in (here the reverse)."""
+    rank = dist.get_rank()
+    bridges, student, teachers = two_bridges(integrity)
+    handles = []
+    for o, (b, m) in enumerate(zip(bridges, teachers, strict=True)):
+        kw: dict[str, Any] = {}
+        if m.is_last_stage(rank):
+            lay = teacher_side(o, rank)
+            kw = {"hidden": {0: key_pattern(lay, hidden_of(o), DTYPE, salt=o)}, "layouts": {0: lay}}
+        else:
+            kw = {"student_layout": STU_LAYOUTS[o]}
+        handles.append(b.exchange(**kw))
+    res = outcome(lambda: [h.wait() for h in reversed(handles)][::-1])
+    seen = everyone(res[:2])
+    assert all(s[0] == "ok" for s in seen), seen
+    if student.is_last_stage(rank):
+        for o in range(2):
+            want = key_pattern(STU_LAYOUTS[o], hidden_of(o), DTYPE, salt=o)
+            assert torch.equal(bits(res[3][o][0]), bits(want)), f"teacher {o}"
+
+
+@pytest.mark.filterwarnings("ignore:global rank .. a step is planned while 1 earlier step")
+def test_one_bridge_with_two_exchanges_in_flight():
+    """Two exchanges of one bridge with different layouts, waited in reverse order: exact."""
+    a = Case("disjoint")
+    rank = dist.get_rank()
+
+    def kwargs(seed: int) -> dict[str, Any]:
+        lay, stu = a.teacher_layout(0, seed, 0), a.student_layout(seed, 0)
+        if lay is not None:
+            return {"hidden": {0: key_pattern(lay, 8, DTYPE, salt=0)}, "layouts": {0: lay}}
+        return {"student_layout": stu}
+
+    ha = a.bridge.exchange(**kwargs(3))
+    hb = a.bridge.exchange(**kwargs(4))
+    res = outcome(lambda: (hb.wait(), ha.wait()))
+    seen = everyone(res[:2])
+    assert all(s[0] == "ok" for s in seen), seen
+    assert ha.done and hb.done
+    if a.student.is_last_stage(rank):
+        got_b, got_a = res[3]
+        assert a.exact(3, 0, got_a) and a.exact(4, 0, got_b)
