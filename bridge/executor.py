@@ -318,7 +318,8 @@ class Executor:
         d = self._devs.get(key)
         if d is None:
             d = DeviceIndices(sched.data_path_indices(integrity=self.integrity), device)
-            self._devs[key] = d
+            if sched.digest in self._schedules:  # an evicted one's live with its slot only
+                self._devs[key] = d
         return d
 
     # --- issue ---------------------------------------------------------------------------------
