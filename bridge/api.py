@@ -817,6 +817,7 @@ class BridgeStep:
         """
         self._check_index(micro_batch)
         b = self._bridge
+        b.executor.check_usable()
         self._issue_through(micro_batch, why=f"receive({micro_batch})")
         deadline = time.monotonic() + b.config.timeout_s
         while self._received <= micro_batch:

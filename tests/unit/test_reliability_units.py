@@ -437,6 +437,8 @@ def test_a_failed_executor_refuses_every_call(one_rank_world):
     with pytest.raises(BridgeStateError, match=refusal):
         step.send(0, {0: rows(t[0], 0)})
     with pytest.raises(BridgeStateError, match=refusal):
+        step.receive(0)
+    with pytest.raises(BridgeStateError, match=refusal):
         step.finish()
     with pytest.raises(BridgeStateError, match=refusal):
         b.exchange(hidden={0: rows(t[0], 0)}, layouts={0: t[0]}, student_layout=s[0])
