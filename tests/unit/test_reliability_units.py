@@ -84,9 +84,12 @@ def test_bridge_config_rejects_bad_values(kwargs, match):
         BridgeConfig(**kwargs)
 
 
-@pytest.mark.parametrize("bad", [0, -1.5, True, "5"])
+@pytest.mark.parametrize("bad", [0, -1.5, True, "5", float("inf"), float("nan")])
 def test_group_pool_rejects_bad_timeouts(bad):
-    with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds, got"):
+    """At construction, not as an OverflowError inside the first (collective) group creation."""
+    with pytest.raises(
+        ValueError, match=r"timeout_s must be a positive finite number of seconds, got"
+    ):
         GroupPool(timeout_s=bad)
 
 
