@@ -38,7 +38,7 @@ def fresh_bridge(
     hidden_sizes: Sequence[int],
     *,
     timeout_s: float,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     hook: DebugHook | None = None,
     pool: GroupPool | None = None,
     **config: Any,
@@ -46,7 +46,8 @@ def fresh_bridge(
     """A bridge on new gloo groups (transport timeout ``timeout_s``), its test hook set.
 
     Collective over the world (group creation): every rank calls it in the same order.
-    ``pool`` reuses existing groups instead (cases that break nothing).
+    ``pool`` reuses existing groups instead (cases that break nothing); ``dtype=None`` leaves
+    the teachers' dtype to be read off the buffers (``exchange()`` only).
     """
     pool = pool or GroupPool(backend="gloo", timeout_s=timeout_s)
     groups = create_bridge_groups(pool, list(teachers), student)
