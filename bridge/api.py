@@ -314,6 +314,7 @@ class HiddenStateBridge:
         | None = None,
         student_layouts: Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]] | None = None,
         _dtypes: Mapping[int, torch.dtype] | None = None,
+        _check: Callable[[Sequence[Section | None]], None] | None = None,
     ) -> BridgeStep:
         """Exchange a step's metadata, agree on it, and plan this rank's micro-batches.
 
@@ -363,7 +364,9 @@ class HiddenStateBridge:
         error = ""
         with ranges.span("metadata"):
             try:
-                n_slots = self._local_sections(teacher_layouts, student_layouts, _dtypes, sections)
+                n_slots = self._local_sections(
+                    teacher_layouts, student_layouts, _dtypes, sections, _check
+                )
             except ValueError as exc:
                 error = f"global rank {self.rank}: {exc}"
                 sections = [None] * (n + 1)
@@ -437,18 +440,49 @@ class HiddenStateBridge:
 
         ``hidden`` / ``layouts``: on teacher last-stage ranks, ``teacher index -> `` the
         captured buffer and its layout; ``student_layout``: on student last-stage ranks. The
-        rows are taken at the call. Every rank then calls ``.wait()`` on the handle.
+        rows are taken at the call. Every rank then calls ``.wait()`` on the handle. A bad
+        buffer is judged with the layouts: the same ``ValueError`` on every rank.
         """
-        hidden_d = dict(hidden or {})
+        hidden_d = dict(hidden) if isinstance(hidden, Mapping) else {}
         dtypes = {
             o: t.dtype
             for o, t in hidden_d.items()
             if isinstance(t, torch.Tensor) and isinstance(o, int)
         }
+
+        def check(sections: Sequence[Section | None]) -> None:
+            # the buffers against this rank's sections, inside the guarded phase
+            if hidden is not None and not isinstance(hidden, Mapping):
+                raise ValueError(
+                    f"hidden must be a mapping teacher index -> tensor, got {type(hidden).__name__}"
+                )
+            for o, t in hidden_d.items():
+                sec = sections[o] if isinstance(o, int) and 0 <= o < len(self.teachers) else None
+                if sec is None:
+                    raise ValueError(f"hidden[{o!r}] given without layouts[{o!r}] on this rank")
+                f = _flat(t, f"teacher {o} hidden buffer")
+                rows, h = sec.layouts[0].num_rows, self.teachers[o].hidden_size
+                if f.shape[0] != rows or f.shape[1] != h:
+                    raise ValueError(
+                        f"teacher {o}: hidden buffer of {tuple(t.shape)} has {f.shape[0]} rows of "
+                        f"{f.shape[1]}, its layout describes {rows} rows of {h}"
+                    )
+                if f.dtype != sec.dtype or f.device != self.device:
+                    raise ValueError(
+                        f"teacher {o}: hidden buffer is {f.dtype} on {f.device}, the plan wants "
+                        f"{sec.dtype} on {self.device}"
+                    )
+            for o, sec in enumerate(sections[: len(self.teachers)]):
+                if sec is not None and o not in hidden_d:
+                    raise ValueError(f"layouts[{o}] given without hidden[{o}] on this rank")
+
         step = self.plan_step(
-            teacher_layouts={o: [x] for o, x in (layouts or {}).items()} if layouts else None,
+            teacher_layouts={o: [x] for o, x in layouts.items()}
+            if isinstance(layouts, Mapping) and layouts
+            else (layouts or None),
             student_layouts=[student_layout] if student_layout is not None else None,
             _dtypes=dtypes,
+            _check=check,
         )
         if hidden_d or step._sources_needed(0):
             step.send(0, hidden_d)
@@ -465,6 +499,7 @@ class HiddenStateBridge:
         student_layouts: Any,
         dtypes: Mapping[int, torch.dtype] | None,
         sections: list[Section | None],
+        check: Callable[[Sequence[Section | None]], None] | None = None,
     ) -> int:
         n = len(self.teachers)
         given = {} if teacher_layouts is None else teacher_layouts
@@ -523,6 +558,8 @@ class HiddenStateBridge:
             raise ValueError(
                 f"this rank's layouts give different micro-batch counts {sorted(counts)}"
             )
+        if check is not None:
+            check(sections)
         return counts.pop() if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------

@@ -7,8 +7,9 @@ all-gathered and compared), quickly (well inside the timeout: nobody waited on a
 and before any data moved (no micro-batch posted, no staging allocated, no step created). A good
 step at the end proves no rank was left inside a collective.
 
-Most cases go through :meth:`HiddenStateBridge.exchange` (one micro-batch in one call); the
-step API's own cases go through :meth:`HiddenStateBridge.plan_step` (layouts of several micro-batches, their
+Most cases go through :meth:`HiddenStateBridge.exchange` (one micro-batch: buffers and layouts
+in one call, so a bad buffer is judged with the layouts, on every rank); the step API's own
+cases go through :meth:`HiddenStateBridge.plan_step` (layouts of several micro-batches, their
 counts, their pairing across the two sides, a dtype needed before the teacher ran).
 
 Meshes: the teacher is ``tp2`` on global ranks 0-1, the student ``tp2`` on 2-3, unless a case
@@ -127,6 +128,70 @@ def exact_exchange(b: HiddenStateBridge, kw: dict[str, Any], want_samples=(0, 1)
 # --- wrong buffers ---------------------------------------------------------------------------
 
 
+def test_non_contiguous_hidden_buffer_on_one_rank():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        h = kw["hidden"][0]  # [S, B, H] -> a transposed [B, S, H] view of other memory
+        kw["hidden"] = {0: h.transpose(0, 1).contiguous().transpose(0, 1)}
+        assert not kw["hidden"][0].is_contiguous()
+    msg = fails_alike(b, lambda: b.exchange(**kw), "must be contiguous")
+    assert msg.startswith(
+        "bridge input rejected on global rank(s) [1]: global rank 1: teacher 0 hidden buffer"
+    ), msg
+
+
+def test_hidden_buffer_that_is_not_a_tensor():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["hidden"] = {0: kw["hidden"][0].numpy()}
+    fails_alike(b, lambda: b.exchange(**kw), "must be a torch.Tensor, got ndarray")
+
+
+def test_one_dimensional_hidden_buffer():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {0: kw["hidden"][0].reshape(-1)}
+    fails_alike(b, lambda: b.exchange(**kw), r"hidden dim last \(>= 2-D\), got shape \(64,\)")
+
+
+def test_hidden_rows_disagree_with_the_layout():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["hidden"] = {0: kw["hidden"][0][:3]}
+    fails_alike(b, lambda: b.exchange(**kw), r"has 6 rows of 8, its layout describes 8 rows of 8")
+
+
+def test_hidden_size_differs_on_one_rank():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {0: kw["hidden"][0][:, :, : H - 2].contiguous()}
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: .* rows of 6, its layout describes")
+
+
+def test_hidden_dtype_differs_from_the_teacher_spec():
+    b = make_bridge()
+    kw = kwargs(dtype=torch.bfloat16 if rank() == 0 else torch.float32)
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"global rank 0: teacher 0: hidden buffer is torch.bfloat16 on cpu, the plan wants "
+        r"torch.float32 on cpu",
+    )
+
+
+def test_hidden_buffer_on_the_wrong_device():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {0: torch.empty((4, 2, H), device="meta")}
+    fails_alike(b, lambda: b.exchange(**kw), r"the plan wants torch.float32 on cpu")
+
+
 def test_unsupported_dtype():
     b = make_bridge(dtype=None)
     kw = kwargs(dtype=torch.complex64)
@@ -142,6 +207,22 @@ def test_teacher_replicas_hold_different_dtypes():
         r"teacher 0 on global rank 1: \(dtype, hidden, device\) codes \(1, 8, 0\) differ from "
         r"its TP replica global rank 0's \(0, 8, 0\)",
     )
+
+
+def test_hidden_that_is_not_a_mapping():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["hidden"] = [kw["hidden"][0]]
+    fails_alike(b, lambda: b.exchange(**kw), "global rank 0: hidden must be a mapping")
+
+
+def test_layouts_without_their_hidden_buffer():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {}
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: layouts\[0\] given without hidden")
 
 
 # --- wrong call pattern ----------------------------------------------------------------------
