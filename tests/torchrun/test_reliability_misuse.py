@@ -195,7 +195,11 @@ def test_hidden_buffer_on_the_wrong_device():
 def test_unsupported_dtype():
     b = make_bridge(dtype=None)
     kw = kwargs(dtype=torch.complex64)
-    fails_alike(b, lambda: b.exchange(**kw), r"unsupported dtype|complex64")
+    msg = fails_alike(b, lambda: b.exchange(**kw), r"teacher 0 on global rank 0: unsupported dtype")
+    assert msg == (
+        "bridge input rejected (found by global rank 0): teacher 0 on global rank 0: "
+        "unsupported dtype"
+    ), msg
 
 
 def test_teacher_replicas_hold_different_dtypes():
