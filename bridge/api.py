@@ -358,7 +358,9 @@ class HiddenStateBridge:
             This rank's :class:`BridgeStep`.
         Raises:
             ValueError: bad input on any rank (the same text on every rank, before data moves).
-            BridgeTimeoutError, BridgeCommError: the metadata all-gather failed.
+            BridgeTimeoutError, BridgeCommError: the metadata all-gather or the verdict on the
+                input failed. After those, and after any other error past the metadata
+                all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
         """
         if self.groups.bridge is None:
@@ -399,23 +401,47 @@ class HiddenStateBridge:
                     timeout=cdist.timeout(self.config.timeout_s),
                 )
             except Exception as exc:
-                self._executor.mark_failed(exc)
-                raise comm_failure(
+                err = comm_failure(
                     exc,
                     rank=self.rank,
                     what="the bridge's metadata all-gather over global ranks "
                     f"{list(self.topology.members)}",
                     timeout_s=self.config.timeout_s,
                     elapsed_s=time.monotonic() - t0,
-                ) from exc
+                )
+                self._executor.mark_failed(err)
+                raise err from exc
         matrix = StepMatrix(m, sizes, n_sections=n + 1)
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
-        with ranges.span("verdict"):
-            problems = self._checks(matrix, n_slots)
-            cdist.same_verdict(
-                problems, group=meta_group, timeout_s=self.config.timeout_s, what="bridge input"
-            )
-        step = BridgeStep(self, matrix, n_slots, sections)
+        agreed = False
+        try:
+            with ranges.span("verdict"):
+                problems = self._checks(matrix, n_slots)
+                t0 = time.monotonic()
+                try:
+                    cdist.same_verdict(
+                        problems,
+                        group=meta_group,
+                        timeout_s=self.config.timeout_s,
+                        what="bridge input",
+                    )
+                except ValueError:
+                    agreed = True  # the same verdict on every rank: nobody is left waiting
+                    raise
+                except Exception as exc:
+                    raise comm_failure(
+                        exc,
+                        rank=self.rank,
+                        what="the bridge's input verdict over global ranks "
+                        f"{list(self.topology.members)}",
+                        timeout_s=self.config.timeout_s,
+                        elapsed_s=time.monotonic() - t0,
+                    ) from exc
+            step = BridgeStep(self, matrix, n_slots, sections)
+        except BaseException as exc:
+            if not agreed:  # the others may be in the verdict or in this step: refuse from now
+                self._executor.mark_failed(exc)
+            raise
         self._open_steps.append(step)
         self.steps += 1
         return step
@@ -437,12 +463,17 @@ class HiddenStateBridge:
         """
         hidden_d = dict(hidden or {})
         step = self.plan_step(
-            teacher_layouts={o: [x] for o, x in (layouts or {}).items()} if layouts else None,
+            teacher_layouts={o: [x] for o, x in layouts.items()}
+            if isinstance(layouts, Mapping) and layouts
+            else (layouts or None),
             student_layouts=[student_layout] if student_layout is not None else None,
             _buffers=hidden_d,  # checked with the layouts: a bad buffer fails on every rank
         )
         if hidden_d or step._sources_needed(0):
             step.send(0, hidden_d)
+        # posted here on every rank (receive-only ranks too), so exchanges in flight on one
+        # group pair in the order they were started, whatever order they are waited in
+        step._issue_through(0, why="exchange()")
         return ExchangeHandle(step)
 
     # --- local phase (errors are gathered, not raised) -----------------------------------------
@@ -453,6 +484,7 @@ class HiddenStateBridge:
         student_layouts: Any,
         buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
+        check: Callable[[Sequence[Section | None]], None] | None = None,
     ) -> int:
         """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here)."""
         n = len(self.teachers)
@@ -521,6 +553,8 @@ class HiddenStateBridge:
             raise ValueError(
                 f"this rank's layouts give different micro-batch counts {sorted(counts)}"
             )
+        if check is not None:
+            check(sections)
         return counts.pop() if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
@@ -844,6 +878,7 @@ class BridgeStep:
         """
         self._check_index(micro_batch)
         b = self._bridge
+        b.executor.check_usable()
         self._issue_through(micro_batch, why=f"receive({micro_batch})")
         deadline = time.monotonic() + b.config.timeout_s
         while self._received <= micro_batch:

@@ -318,7 +318,8 @@ class Executor:
         d = self._devs.get(key)
         if d is None:
             d = DeviceIndices(sched.data_path_indices(integrity=self.integrity), device)
-            self._devs[key] = d
+            if sched.digest in self._schedules:  # an evicted one's live with its slot only
+                self._devs[key] = d
         return d
 
     # --- issue ---------------------------------------------------------------------------------
@@ -558,14 +559,15 @@ class Executor:
                         completed = False
                     if not completed and d and d not in pending:
                         pending.append(d)
-                self.mark_failed(exc)
-                raise comm_failure(
+                err = comm_failure(
                     exc,
                     rank=self.rank,
                     what="the bridge exchange (incomplete: " + "; ".join(pending) + ")",
                     timeout_s=self.timeout_s,
                     elapsed_s=time.monotonic() - t0,
-                ) from exc
+                )
+                self.mark_failed(err)
+                raise err from exc
 
     def _timed(self, fn: Callable[[], None], what: str) -> None:
         t0 = time.monotonic()
@@ -574,18 +576,30 @@ class Executor:
         except BridgeError:
             raise
         except Exception as exc:
-            self.mark_failed(exc)
-            raise comm_failure(
+            err = comm_failure(
                 exc,
                 rank=self.rank,
                 what=what,
                 timeout_s=self.timeout_s,
                 elapsed_s=time.monotonic() - t0,
-            ) from exc
+            )
+            self.mark_failed(err)
+            raise err from exc
 
     def complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
-        """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc)."""
+        """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc).
+
+        Any failure here refuses further work: this rank's TP peers may be waiting in the slot's
+        all-gather, and receives it posted may still land in its staging buffers.
+        """
         self.check_usable()
+        try:
+            self._complete(slot, tp_group=tp_group, deadline=deadline)
+        except BaseException as exc:
+            self._fail_slot(slot, exc)
+            raise
+
+    def _complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
         slot.received = True
         sched = slot.schedule
         if sched is None or sched.dest is None:
@@ -610,6 +624,7 @@ class Executor:
         if group_size > 1:
             if tp_group is None:
                 raise AssertionError("a destination group of several ranks needs its TP group")
+            peers = dist.get_process_group_ranks(tp_group)
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
                     self._timed(
@@ -619,7 +634,8 @@ class Executor:
                             group=tp_group,
                             timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
                         ),
-                        "the student TP all-gather after the crossing",
+                        f"the student TP all-gather after the crossing (micro-batch {slot.index}, "
+                        f"over global ranks {peers})",
                     )
             if self.integrity:
                 self._check_gather(slot, sched, slice_sums, tp_group, group_size, deadline)
@@ -670,8 +686,7 @@ class Executor:
                     (op.owner, peer, dst_rows, src_rows, CROSSING),
                 )
             )
-        for owner, rows in sched.fill.items():
-            inside = rows[rows < sched.dest.slice_rows] if sched.dest is not None else rows
+        for owner, inside in sched.fill_checked.items():
             if inside.numel():
                 slot.findings.append(
                     (
@@ -696,6 +711,7 @@ class Executor:
         rows = sched.slice_rows
         mine = torch.cat([slice_sums[o] for o in owners])
         every = torch.empty(group_size * mine.numel(), dtype=torch.int64, device=mine.device)
+        ranks = dist.get_process_group_ranks(tp_group)
         self._timed(
             lambda: all_gather_flat(
                 every,
@@ -703,10 +719,10 @@ class Executor:
                 group=tp_group,
                 timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
             ),
-            "the checksums of the student TP all-gather (integrity)",
+            f"the checksums of the student TP all-gather (integrity, micro-batch {slot.index}, "
+            f"over global ranks {ranks})",
         )
         expected = every.view(group_size, len(owners), rows)
-        ranks = dist.get_process_group_ranks(tp_group)
         peers = [j for j in range(group_size) if j != sched.dest.slot]
         if self.debug_hook is not None:
             self.debug_hook(
@@ -736,14 +752,14 @@ class Executor:
         Collective over ``group`` (the gloo metadata group): every rank calls it once per step.
         """
         found: list[BlockMismatch] = []
-        flags = [f for s in slots for f in s.findings]
+        flags = [(s, f) for s in slots for f in s.findings]
         if flags:
-            counts = torch.stack([b.sum() for b, _ in flags]).tolist()  # the one host sync
-            for (b, (owner, peer, dst_rows, src_rows, stage)), n in zip(flags, counts, strict=True):
+            counts = torch.stack([b.sum() for _, (b, _) in flags]).tolist()  # the one host sync
+            for (slot, (b, info)), n in zip(flags, counts, strict=True):
                 if not n:
                     continue
+                owner, peer, dst_rows, src_rows, stage = info
                 idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
-                slot = next(s for s in slots if any(f[0] is b for f in s.findings))
                 off = 0
                 if slot.schedule is not None and slot.schedule.dest is not None:
                     off = slot.schedule.slice_rows * slot.schedule.dest.slot
@@ -757,6 +773,7 @@ class Executor:
                         dst_rows=tuple((dst_rows[idx] + off).tolist()),
                         src_rows=tuple(src_rows[idx].tolist()) if src_rows.numel() else (),
                         stage=stage,
+                        micro_batch=slot.index,
                     )
                 )
         for s in slots:
@@ -765,6 +782,7 @@ class Executor:
         device = cdist.group_device(group)
         n = dist.get_world_size(group)
         every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+        ranks = dist.get_process_group_ranks(group)
         self._timed(
             lambda: all_gather_flat(
                 every,
@@ -772,9 +790,8 @@ class Executor:
                 group=group,
                 timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
             ),
-            "the integrity verdict (all-gather over the bridge group)",
+            f"the integrity verdict (all-gather over global ranks {ranks})",
         )
-        ranks = dist.get_process_group_ranks(group)
         rows = every.cpu().view(n, -1)
         reports = [(ranks[j], *decode_mismatches(rows[j])) for j in range(n)]
         if any(count for _, count, _ in reports):

@@ -77,9 +77,13 @@ class GroupPool:
 
     def __init__(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
         if timeout_s is not None and not (
-            isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and timeout_s > 0
+            isinstance(timeout_s, int | float)
+            and not isinstance(timeout_s, bool)
+            and 0 < timeout_s < float("inf")
         ):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+            raise ValueError(
+                f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}"
+            )
         self.backend = backend
         self.timeout_s = timeout_s
         self._groups: dict[tuple[str | None, tuple[int, ...]], Any] = {}

@@ -48,7 +48,7 @@ _I64 = torch.int64
 MAX_REPORTED = 4
 #: Rows listed per block.
 _ROWS_LISTED = 4
-_ENTRY = 6 + 2 * _ROWS_LISTED
+_ENTRY = 7 + 2 * _ROWS_LISTED
 #: :attr:`BlockMismatch.stage`: rows delivered by the crossing (sends, receives, local copies).
 CROSSING = 0
 #: :attr:`BlockMismatch.stage`: rows another student TP rank delivered through the TP all-gather.
@@ -96,6 +96,8 @@ class BlockMismatch:
         src_rows: the matching rows of the source's flat buffer (the peer's slice for
             ``TP_GATHER``; empty for zero-fill rows).
         stage: :data:`CROSSING` or :data:`TP_GATHER`.
+        micro_batch: the micro-batch of the step the block belongs to (the rows above count
+            in that micro-batch's buffers).
     """
 
     owner: int
@@ -106,17 +108,19 @@ class BlockMismatch:
     dst_rows: tuple[int, ...]
     src_rows: tuple[int, ...] = ()
     stage: int = CROSSING
+    micro_batch: int = 0
 
 
 def encode_mismatches(found: Sequence[BlockMismatch]) -> torch.Tensor:
-    """``[1 + MAX_REPORTED * 14]`` int64: the count, then up to :data:`MAX_REPORTED` entries."""
+    """``[1 + MAX_REPORTED * 15]`` int64: the count, then up to :data:`MAX_REPORTED` entries."""
     out = torch.full((1 + MAX_REPORTED * _ENTRY,), -1, dtype=_I64)
     out[0] = len(found)
     for i, m in enumerate(found[:MAX_REPORTED]):
         d = list(m.dst_rows[:_ROWS_LISTED]) + [-1] * (_ROWS_LISTED - len(m.dst_rows[:_ROWS_LISTED]))
         s = list(m.src_rows[:_ROWS_LISTED]) + [-1] * (_ROWS_LISTED - len(m.src_rows[:_ROWS_LISTED]))
         out[1 + i * _ENTRY : 1 + (i + 1) * _ENTRY] = torch.tensor(
-            [m.owner, m.src_rank, m.dst_rank, m.rows, m.bad, m.stage, *d, *s], dtype=_I64
+            [m.owner, m.src_rank, m.dst_rank, m.rows, m.bad, m.stage, m.micro_batch, *d, *s],
+            dtype=_I64,
         )
     return out
 
@@ -128,8 +132,8 @@ def decode_mismatches(vec: torch.Tensor) -> tuple[int, list[BlockMismatch]]:
     found = []
     for i in range(min(total, MAX_REPORTED)):
         e = v[1 + i * _ENTRY : 1 + (i + 1) * _ENTRY]
-        d = tuple(x for x in e[6 : 6 + _ROWS_LISTED] if x >= 0)
-        s = tuple(x for x in e[6 + _ROWS_LISTED :] if x >= 0)
+        d = tuple(x for x in e[7 : 7 + _ROWS_LISTED] if x >= 0)
+        s = tuple(x for x in e[7 + _ROWS_LISTED :] if x >= 0)
         found.append(
             BlockMismatch(
                 owner=e[0],
@@ -140,6 +144,7 @@ def decode_mismatches(vec: torch.Tensor) -> tuple[int, list[BlockMismatch]]:
                 dst_rows=d,
                 src_rows=s,
                 stage=e[5],
+                micro_batch=e[6],
             )
         )
     return total, found
@@ -161,21 +166,22 @@ def format_mismatches(per_rank: Sequence[tuple[int, int, list[BlockMismatch]]]) 
         total += count
         ranks.append(rank)
         for m in found:
+            where = f"teacher {m.owner}, micro-batch {m.micro_batch}"
             if m.stage == TP_GATHER:
                 parts.append(
-                    f"teacher {m.owner}: student TP all-gather, global rank {m.src_rank} -> "
+                    f"{where}: student TP all-gather, global rank {m.src_rank} -> "
                     f"global rank {m.dst_rank}: {m.bad} of {m.rows} rows differ from the sender's "
                     f"slice (destination rows {_rows(m.dst_rows, m.bad)}, rows of the sender's "
                     f"slice {_rows(m.src_rows, m.bad)})"
                 )
             elif m.src_rank < 0:
                 parts.append(
-                    f"teacher {m.owner} on global rank {m.dst_rank}: {m.bad} of {m.rows} rows that "
+                    f"{where} on global rank {m.dst_rank}: {m.bad} of {m.rows} rows that "
                     f"no transfer writes are not zero (destination rows {_rows(m.dst_rows, m.bad)})"
                 )
             else:
                 parts.append(
-                    f"teacher {m.owner}: global rank {m.src_rank} -> global rank {m.dst_rank}: "
+                    f"{where}: global rank {m.src_rank} -> global rank {m.dst_rank}: "
                     f"{m.bad} of {m.rows} rows differ (destination rows "
                     f"{_rows(m.dst_rows, m.bad)}, source rows {_rows(m.src_rows, m.bad)})"
                 )
@@ -185,6 +191,7 @@ def format_mismatches(per_rank: Sequence[tuple[int, int, list[BlockMismatch]]]) 
         f"bridge integrity check failed: {total} corrupted block(s) received on global rank(s) "
         f"{ranks}: " + "; ".join(parts) + ". The rows' bytes changed between the sender's "
         "checksum of its source rows and the receiver's checksum of its output rows (transport, "
-        "staging buffers, a layout kernel or the student TP all-gather); destination rows count in the student shard's full "
-        "buffer, source rows in the teacher's flat buffer."
+        "staging buffers, a layout kernel or the student TP all-gather); destination rows count in "
+        "the student shard's full buffer of that micro-batch, source rows in the teacher's flat "
+        "buffer of it."
     )

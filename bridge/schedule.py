@@ -245,6 +245,17 @@ class RankSchedule:
     def local_src_rel(self) -> tuple[torch.Tensor, ...]:
         return tuple(x.src.rows - self.src_span[x.owner][0] for x in self.locals)
 
+    @functools.cached_property
+    def fill_checked(self) -> dict[int, torch.Tensor]:
+        """``owner -> `` the :attr:`fill` rows inside this rank's real slice (integrity checks
+        that they are zero); the same tensor as in :attr:`fill` when all of them are."""
+        n = self.dest.slice_rows if self.dest is not None else self.slice_rows
+        out = {}
+        for owner, rows in self.fill.items():
+            inside = rows < n
+            out[owner] = rows if bool(inside.all()) else rows[inside]
+        return out
+
     @staticmethod
     def build(
         plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]
@@ -348,6 +359,7 @@ class RankSchedule:
         if integrity:
             out += [*self.send_src_rel, *self.local_src_rel]
             out += [op.side.rows for op in self.recvs] + [x.dst.rows for x in self.locals]
+            out += [rows for rows in self.fill_checked.values() if rows.numel()]
         return out
 
 

@@ -1,11 +1,16 @@
 """Tier 2 (4 ranks, gloo): wrong uses of the bridge fail on every rank alike, before data moves.
 
-The misuse matrix of issue 7 (docs/reliability.md lists every case, with the existing ones in
-tests/torchrun/test_bridge_validation.py and the unit tiers). Each case here breaks one thing on
-one rank (or every rank) and checks that every rank raises the same ``ValueError`` (messages are
-all-gathered and compared), quickly (well inside the timeout: nobody waited on an absent peer),
-and before any send or receive was posted (the executor's exchange counter is still 0). A good
-exchange at the end proves no rank was left inside a collective.
+The misuse matrix (docs/reliability.md lists every case, with the ones in
+tests/torchrun/test_bridge_validation.py and the unit tiers). Each case breaks one thing on one
+rank (or every rank) and checks that every rank raises the same ``ValueError`` (messages are
+all-gathered and compared), quickly (well inside the timeout: nobody waited on an absent peer)
+and before any data moved (no micro-batch posted, no staging allocated, no step created). A good
+step at the end proves no rank was left inside a collective.
+
+Most cases go through :meth:`HiddenStateBridge.exchange` (one micro-batch: buffers and layouts
+in one call, so a bad buffer is judged with the layouts, on every rank); the step API's own
+cases go through :meth:`HiddenStateBridge.plan_step` (layouts of several micro-batches, their
+counts, their pairing across the two sides, a dtype needed before the teacher ran).
 
 Meshes: the teacher is ``tp2`` on global ranks 0-1, the student ``tp2`` on 2-3, unless a case
 says otherwise.
@@ -28,31 +33,42 @@ from mopd.bridge import (
     HiddenStateBridge,
     Mesh,
     TeacherSpec,
-    VocabSpec,
     create_bridge_groups,
     padded_layout,
-    reshard_lm_head,
 )
 from mopd.bridge import api as api_mod
 from mopd.bridge import executor as executor_mod
+from mopd.bridge.lm_head import VocabSpec, reshard_lm_head
 from mopd.profiling.synthetic import key_pattern
-from tests.support import bridges
+from tests.support.reliability import everyone, fresh_bridge
 
 TORCHRUN_NPROC = 4
-TORCHRUN_TIMEOUT = 240
+TORCHRUN_TIMEOUT = 300
 
 TEACHER = Mesh(tp=2)  # global ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # global ranks 2, 3
 POOL = GroupPool(backend="gloo")
 H = 8
-TIMEOUT_S = 20.0  # generous: a case that waits on a peer would show up in the elapsed time
-FAST_S = 10.0  # every case must fail faster than this (it waits on nobody)
+TIMEOUT_S = 8.0  # a case that waits on a peer would show up in the elapsed time
+FAST_S = 4.0  # every case must fail faster than this (it waits on nobody)
 
 
-def make_bridge(teachers=(TEACHER,), student=STUDENT, **config) -> HiddenStateBridge:
-    return bridges.make_bridge(
-        POOL, teachers, student, [H] * len(teachers), timeout_s=TIMEOUT_S, **config
+def make_bridge(
+    teachers=(TEACHER,), student=STUDENT, dtype: torch.dtype | None = torch.float32, **config
+) -> HiddenStateBridge:
+    return fresh_bridge(
+        teachers,
+        student,
+        [H] * len(teachers),
+        timeout_s=TIMEOUT_S,
+        pool=POOL,
+        dtype=dtype,
+        **config,
     )
+
+
+def rank() -> int:
+    return dist.get_rank()
 
 
 def kwargs(
@@ -63,41 +79,50 @@ def kwargs(
     dtype=torch.float32,
     teacher: Mesh = TEACHER,
     student: Mesh = STUDENT,
-    outputs: bool = True,
 ) -> dict[str, Any]:
-    rank = dist.get_rank()
+    """This rank's ``exchange()`` arguments for one padded ``[S, B]`` micro-batch."""
     kw: dict[str, Any] = {}
-    if teacher.is_last_stage(rank):
+    if teacher.is_last_stage(rank()):
         lay = padded_layout(list(t_samples), seq)
         kw["hidden"] = {0: key_pattern(lay, H, dtype).view(seq, len(t_samples), H)}
         kw["layouts"] = {0: lay}
-    if student.is_last_stage(rank):
-        lay = padded_layout(list(s_samples), seq)
-        kw["student_layout"] = lay
-        if outputs:
-            kw["outputs"] = {0: torch.full((lay.num_rows, H), float("nan"), dtype=dtype)}
+    if student.is_last_stage(rank()):
+        kw["student_layout"] = padded_layout(list(s_samples), seq)
     return kw
 
 
-def fails_alike(
-    bridge: HiddenStateBridge, call: Callable[[], Any], match: str, *, exchanges: int = 0
-) -> str:
-    """``call`` raises the same ``ValueError`` on every rank, fast, with nothing posted
-    (the bridge had started ``exchanges`` before)."""
+def plan_kwargs(m: int = 2, *, s_shift: int = 0) -> dict[str, Any]:
+    """This rank's ``plan_step()`` arguments: ``m`` micro-batches of two samples each."""
+    t = [padded_layout([2 * i, 2 * i + 1], 4) for i in range(m)]
+    s = [padded_layout([2 * (i + s_shift), 2 * (i + s_shift) + 1], 4) for i in range(m)]
+    return {
+        "teacher_layouts": {0: t} if TEACHER.is_last_stage(rank()) else None,
+        "student_layouts": s if STUDENT.is_last_stage(rank()) else None,
+    }
+
+
+def fails_alike(bridge: HiddenStateBridge, call: Callable[[], Any], match: str) -> str:
+    """``call`` raises the same ``ValueError`` on every rank, fast, before data moves."""
+    ex = bridge.executor
+    before = (ex.slots_issued, ex.memory_stats()["staging_allocations"], bridge.steps)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=match) as info:
         call()
     elapsed = time.monotonic() - t0
     assert elapsed < FAST_S, f"took {elapsed:.1f} s: a rank waited on a peer"
-    assert bridge.executor.exchanges == exchanges, "data moved before the error"
-    msgs: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(msgs, str(info.value))
+    after = (ex.slots_issued, ex.memory_stats()["staging_allocations"], bridge.steps)
+    assert after == before, f"data moved (or a step was made) before the error: {before} {after}"
+    assert ex.failure is None, "bad input must not break the bridge"
+    msgs = everyone(str(info.value))
     assert all(m == msgs[0] for m in msgs), msgs
     return str(msgs[0])
 
 
-def rank() -> int:
-    return dist.get_rank()
+def exact_exchange(b: HiddenStateBridge, kw: dict[str, Any], want_samples=(0, 1)) -> None:
+    got = b.exchange(**kw).wait()
+    if STUDENT.is_last_stage(rank()):
+        want = key_pattern(padded_layout(list(want_samples), 4), H, torch.float32)
+        assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
 
 
 # --- wrong buffers ---------------------------------------------------------------------------
@@ -111,29 +136,9 @@ def test_non_contiguous_hidden_buffer_on_one_rank():
         kw["hidden"] = {0: h.transpose(0, 1).contiguous().transpose(0, 1)}
         assert not kw["hidden"][0].is_contiguous()
     msg = fails_alike(b, lambda: b.exchange(**kw), "must be contiguous")
-    assert "global rank 1: teacher 0 hidden buffer" in msg
-
-
-def test_non_contiguous_output_buffer():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 3:
-        kw["outputs"] = {0: torch.zeros((H, 8)).t()}  # [8, H] view, column-major
-    msg = fails_alike(b, lambda: b.exchange(**kw), "must be contiguous")
-    assert "global rank 3: output buffer for teacher 0" in msg
-
-
-def test_output_buffer_on_the_wrong_device():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 2:
-        kw["outputs"] = {0: torch.empty((8, H), device="meta")}
-    fails_alike(
-        b,
-        lambda: b.exchange(**kw),
-        r"output buffer for teacher 0 on global rank 2 is torch.float32 on other, "
-        r"expected torch.float32 on cpu",
-    )
+    assert msg.startswith(
+        "bridge input rejected on global rank(s) [1]: global rank 1: teacher 0 hidden buffer"
+    ), msg
 
 
 def test_hidden_buffer_that_is_not_a_tensor():
@@ -157,33 +162,71 @@ def test_hidden_rows_disagree_with_the_layout():
     kw = kwargs()
     if rank() == 0:
         kw["hidden"] = {0: kw["hidden"][0][:3]}
-    fails_alike(b, lambda: b.exchange(**kw), "has 6 rows .* but its layout describes 8")
+    fails_alike(b, lambda: b.exchange(**kw), r"has 6 rows of 8, its layout describes 8 rows of 8")
 
 
-def test_output_aliasing_the_hidden_buffer_on_a_colocated_rank():
-    mesh = Mesh(dp=4)
-    b = make_bridge(teachers=(mesh,), student=mesh)
-    lay = padded_layout([rank()], 4)
-    h = key_pattern(lay, H, torch.float32)
-    out = h if rank() == 1 else torch.empty_like(h)
-    msg = fails_alike(
+def test_hidden_size_differs_on_one_rank():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {0: kw["hidden"][0][:, :, : H - 2].contiguous()}
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: .* rows of 6, its layout describes")
+
+
+def test_hidden_dtype_differs_from_the_teacher_spec():
+    b = make_bridge()
+    kw = kwargs(dtype=torch.bfloat16 if rank() == 0 else torch.float32)
+    fails_alike(
         b,
-        lambda: b.exchange(hidden={0: h}, layouts={0: lay}, student_layout=lay, outputs={0: out}),
-        r"outputs\[0\] shares memory with hidden\[0\] on this rank",
+        lambda: b.exchange(**kw),
+        r"global rank 0: teacher 0: hidden buffer is torch.bfloat16 on cpu, the plan wants "
+        r"torch.float32 on cpu",
     )
-    assert msg.startswith("bridge input rejected on global rank(s) [1]")
+
+
+def test_hidden_buffer_on_the_wrong_device():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {0: torch.empty((4, 2, H), device="meta")}
+    fails_alike(b, lambda: b.exchange(**kw), r"the plan wants torch.float32 on cpu")
 
 
 def test_unsupported_dtype():
-    b = make_bridge()
-    kw = kwargs(dtype=torch.complex64, outputs=False)
-    fails_alike(b, lambda: b.exchange(**kw), "teacher 0 on global rank 0: unsupported dtype")
+    b = make_bridge(dtype=None)
+    kw = kwargs(dtype=torch.complex64)
+    msg = fails_alike(b, lambda: b.exchange(**kw), r"teacher 0 on global rank 0: unsupported dtype")
+    assert msg == (
+        "bridge input rejected (found by global rank 0): teacher 0 on global rank 0: "
+        "unsupported dtype"
+    ), msg
 
 
 def test_teacher_replicas_hold_different_dtypes():
+    b = make_bridge(dtype=None)
+    kw = kwargs(dtype=torch.bfloat16 if rank() == 1 else torch.float32)
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"teacher 0 on global rank 1: \(dtype, hidden, device\) codes \(1, 8, 0\) differ from "
+        r"its TP replica global rank 0's \(0, 8, 0\)",
+    )
+
+
+def test_hidden_that_is_not_a_mapping():
     b = make_bridge()
-    kw = kwargs(dtype=torch.bfloat16 if rank() == 1 else torch.float32, outputs=False)
-    fails_alike(b, lambda: b.exchange(**kw), r"teacher 0: ranks hold different dtypes")
+    kw = kwargs()
+    if rank() == 0:
+        kw["hidden"] = [kw["hidden"][0]]
+    fails_alike(b, lambda: b.exchange(**kw), "global rank 0: hidden must be a mapping")
+
+
+def test_layouts_without_their_hidden_buffer():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+        kw["hidden"] = {}
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: layouts\[0\] given without hidden")
 
 
 # --- wrong call pattern ----------------------------------------------------------------------
@@ -195,9 +238,7 @@ def test_hidden_passed_on_a_student_only_rank():
     if rank() == 2:
         kw["hidden"] = {0: torch.zeros(8, H)}
         kw["layouts"] = {0: padded_layout([0, 1], 4)}
-    fails_alike(
-        b, lambda: b.exchange(**kw), r"this rank must not pass hidden\[0\] and layouts\[0\]"
-    )
+    fails_alike(b, lambda: b.exchange(**kw), r"this rank must not pass teacher_layouts\[0\]")
 
 
 def test_teacher_rank_passes_nothing():
@@ -216,33 +257,114 @@ def test_teacher_index_out_of_range():
     fails_alike(b, lambda: b.exchange(**kw), r"teacher index 1 outside \[0, 1\)")
 
 
-def test_outputs_on_a_rank_without_a_student_shard():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 0:
-        kw["outputs"] = {0: torch.zeros(8, H)}
-    fails_alike(b, lambda: b.exchange(**kw), "outputs given on a rank without a student shard")
-
-
 def test_student_rank_without_a_student_layout():
     b = make_bridge()
     kw = kwargs()
     if rank() == 3:
         kw = {}
-    fails_alike(b, lambda: b.exchange(**kw), "this rank must pass student_layout")
+    fails_alike(b, lambda: b.exchange(**kw), "this rank must pass student_layouts")
 
 
-def test_outputs_missing_for_one_of_two_teachers():
-    teachers = (Mesh(), Mesh(rank_offset=1))
-    b = make_bridge(teachers=teachers)
-    lay = padded_layout([rank()], 4)
-    kw: dict[str, Any] = {}
-    if rank() < 2:
-        kw = {"hidden": {rank(): key_pattern(lay, H, torch.float32)}, "layouts": {rank(): lay}}
-    else:
-        stu = padded_layout([0, 1], 2)
-        kw = {"student_layout": stu, "outputs": {0: torch.zeros(4, H)}}
-    fails_alike(b, lambda: b.exchange(**kw), r"one buffer per teacher \[0, 1\], got \[0\]")
+def test_student_layout_on_a_teacher_only_rank():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["student_layout"] = padded_layout([0, 1], 4)
+    fails_alike(b, lambda: b.exchange(**kw), "global rank 0: student .* must not pass student")
+
+
+# --- the step API: several micro-batches ------------------------------------------------------
+
+
+def test_ranks_give_different_micro_batch_counts():
+    b = make_bridge()
+    kw = plan_kwargs(3 if rank() == 3 else 2)
+    fails_alike(
+        b,
+        lambda: b.plan_step(**kw),
+        r"ranks give different micro-batch counts: 2 on global ranks \[0, 1, 2\], 3 on global "
+        r"ranks \[3\]",
+    )
+
+
+def test_one_rank_gives_different_micro_batch_counts_for_its_two_sections():
+    """Colocated on ranks 0-1 (2-3 are outside these meshes): rank 0 gives its teacher two
+    micro-batches and its student one."""
+    mesh = Mesh(dp=2)
+    b = make_bridge(teachers=(mesh,), student=mesh)
+    if rank() >= 2:
+        with pytest.raises(ValueError, match=r"global rank . is in no mesh of this bridge"):
+            b.plan_step()
+        everyone("outside")
+        return
+    lay = [padded_layout([rank()], 4)] * 2
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        b.plan_step(teacher_layouts={0: lay}, student_layouts=lay[:1] if rank() == 0 else lay)
+    elapsed = time.monotonic() - t0
+    msgs = everyone(str(info.value))
+    assert msgs[0] == msgs[1] and elapsed < FAST_S, (msgs, elapsed)
+    assert msgs[0] == (
+        "bridge input rejected on global rank(s) [0]: global rank 0: this rank's layouts give "
+        "different micro-batch counts [1, 2]"
+    ), msgs[0]
+
+
+def test_a_token_the_teacher_holds_in_another_micro_batch():
+    """Micro-batch i pairs with micro-batch i: the student wants in micro-batch 0 the tokens the
+    teacher gives in micro-batch 1 (and the other way round)."""
+    b = make_bridge()
+    kw = plan_kwargs(2)
+    if STUDENT.is_last_stage(rank()):
+        kw["student_layouts"] = kw["student_layouts"][::-1]
+    msg = fails_alike(b, lambda: b.plan_step(**kw), r"micro-batch 0: .*no teacher holds it")
+    assert msg.startswith("bridge input rejected (found by global rank"), msg
+
+
+def test_plan_step_before_the_teacher_ran_needs_its_dtype():
+    b = make_bridge(dtype=None)
+    fails_alike(
+        b,
+        lambda: b.plan_step(**plan_kwargs(2)),
+        r"teacher 0: its dtype is unknown; give TeacherSpec\(dtype=...\)",
+    )
+
+
+def test_teacher_layouts_that_are_not_a_mapping():
+    b = make_bridge()
+    kw = plan_kwargs(2)
+    if rank() == 1:
+        kw["teacher_layouts"] = kw["teacher_layouts"][0]
+    fails_alike(b, lambda: b.plan_step(**kw), "global rank 1: teacher_layouts must be a mapping")
+
+
+def test_a_single_layout_where_one_per_micro_batch_belongs():
+    b = make_bridge()
+    kw = plan_kwargs(2)
+    if rank() == 2:
+        kw["student_layouts"] = kw["student_layouts"][0]
+    fails_alike(
+        b,
+        lambda: b.plan_step(**kw),
+        r"global rank 2: student_layouts must be a non-empty sequence with one layout per "
+        r"micro-batch, got TokenLayout",
+    )
+
+
+def test_a_callable_giving_the_micro_batches_raising():
+    b = make_bridge()
+    kw = plan_kwargs(2)
+    if rank() == 3:
+
+        def broken() -> Any:
+            raise RuntimeError("data loader died")
+
+        kw["student_layouts"] = broken
+    fails_alike(
+        b,
+        lambda: b.plan_step(**kw),
+        r"global rank 3: student_layouts: the callable raised RuntimeError: data loader died",
+    )
 
 
 # --- layouts that disagree across ranks ------------------------------------------------------
@@ -254,13 +376,70 @@ def test_student_tp_ranks_want_different_layouts():
     fails_alike(b, lambda: b.exchange(**kw), r"student TP ranks \[2, 3\] .* want different")
 
 
-def test_student_rows_do_not_split_over_its_tp_group():
+def test_teacher_tp_replicas_hold_different_layouts_in_one_micro_batch():
     b = make_bridge()
-    kw = kwargs(seq=4)
-    if rank() >= 2:
+    kw = plan_kwargs(2)
+    if rank() == 1:
+        kw["teacher_layouts"] = {0: [kw["teacher_layouts"][0][0], padded_layout([3, 2], 4)]}
+    fails_alike(
+        b,
+        lambda: b.plan_step(**kw),
+        r"teacher 0 TP replicas \[0, 1\] .* hold different token layouts in micro-batch 1",
+    )
+
+
+def test_student_rows_need_not_split_evenly_over_its_tp_group():
+    """3 rows over tp=2: slices of 2 and 1 rows (the buffer is padded for the all-gather)."""
+    b = make_bridge()
+    kw = kwargs()
+    if STUDENT.is_last_stage(rank()):
         kw["student_layout"] = padded_layout([0], 3)
-        kw["outputs"] = {0: torch.zeros(3, H)}
-    fails_alike(b, lambda: b.exchange(**kw), r"3 rows do not split into tp=2 equal slices")
+    got = b.exchange(**kw).wait()
+    if STUDENT.is_last_stage(rank()):
+        want = key_pattern(padded_layout([0], 3), H, torch.float32)
+        assert got[0].shape == (3, H)
+        assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
+
+
+# --- not layouts -----------------------------------------------------------------------------
+
+
+def test_a_list_where_a_layout_belongs():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 0:
+        kw["layouts"] = {0: [1, 2]}
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"global rank 0: teacher_layouts\[0\]\[0\] must be a TokenLayout or a zero-argument "
+        r"callable returning one, got list",
+    )
+
+
+def test_a_tensor_as_the_student_layout():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 2:
+        kw["student_layout"] = torch.zeros(3)
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 2: student_layouts\[0\] must be a")
+
+
+def test_a_layout_callable_raising_something_other_than_value_error():
+    b = make_bridge()
+    kw = kwargs()
+    if rank() == 1:
+
+        def broken() -> Any:
+            raise TypeError("unsupported operand")
+
+        kw["layouts"] = {0: broken}
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"global rank 1: teacher_layouts\[0\]\[0\]: the layout callable raised TypeError: "
+        r"unsupported operand",
+    )
 
 
 # --- wrong groups and ranks ------------------------------------------------------------------
@@ -280,31 +459,13 @@ def test_a_rank_outside_every_mesh_calls_the_bridge():
     if rank() == 3:
         with pytest.raises(ValueError, match="global rank 3 is in no mesh of this bridge"):
             b.exchange()
+        everyone(None)
         return
     got = b.exchange(**kwargs(teacher=teacher, student=student)).wait()
+    everyone(None)
     if student.is_last_stage(rank()):
         want = key_pattern(padded_layout([0, 1], 4), H, torch.float32)
         assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
-
-
-def test_starting_one_prepared_exchange_twice_before_waiting():
-    """On every rank: the second start completes the first where they share outputs, then runs."""
-    b = make_bridge()
-    prepared = b.prepare(**kwargs())
-    first = b.start(prepared)
-    second = b.start(prepared)  # every rank: nothing raises, nobody is left with stray sends
-    holds_outputs = STUDENT.is_last_stage(rank())
-    # ranks whose outputs the second exchange reuses completed the first one at its start
-    assert first.flight.done == holds_outputs
-    got = second.wait()
-    assert first.wait() is not None and first.flight.done
-    if holds_outputs:
-        want = key_pattern(padded_layout([0, 1], 4), H, torch.float32)
-        assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
-    b.exchange(**kwargs()).wait()  # and the bridge goes on
-
-
-# --- review fixes: student TP group, non-layout inputs, metadata group, plan cache hits ---------
 
 
 def test_student_tp_group_missing_on_one_rank():
@@ -346,56 +507,14 @@ def test_keep_sp_shard_needs_no_student_tp_group():
         groups=dataclasses.replace(b.groups, student_tp=None),
         config=b.config,
     )
-    got = b.exchange(**kwargs(outputs=False)).wait()
-    if STUDENT.is_last_stage(rank()):
+    kw = kwargs()
+    if STUDENT.is_last_stage(rank()):  # each rank its own slice's layout
         j = STUDENT.coord(rank()).tp_rank
+        kw["student_layout"] = padded_layout([0, 1], 4, sp_size=2, sp_rank=j)
+    got = b.exchange(**kw).wait()
+    if STUDENT.is_last_stage(rank()):
         want = key_pattern(padded_layout([0, 1], 4), H, torch.float32)[4 * j : 4 * (j + 1)]
         assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
-
-
-def test_a_list_where_a_layout_belongs():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 0:
-        kw["layouts"] = {0: [1, 2]}
-    fails_alike(
-        b,
-        lambda: b.exchange(**kw),
-        r"global rank 0: layouts\[0\] must be a TokenLayout or a zero-argument callable "
-        r"returning one, got list",
-    )
-
-
-def test_a_tensor_as_the_student_layout():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 2:
-        kw["student_layout"] = torch.zeros(3)
-    fails_alike(b, lambda: b.exchange(**kw), "global rank 2: student_layout must be a TokenLayout")
-
-
-def test_a_layout_callable_raising_something_other_than_value_error():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 1:
-
-        def broken() -> Any:
-            raise TypeError("unsupported operand")
-
-        kw["layouts"] = {0: broken}
-    fails_alike(
-        b,
-        lambda: b.exchange(**kw),
-        r"global rank 1: layouts\[0\]: the layout callable raised TypeError: unsupported operand",
-    )
-
-
-def test_hidden_that_is_not_a_mapping():
-    b = make_bridge()
-    kw = kwargs()
-    if rank() == 0:
-        kw["hidden"] = [kw["hidden"][0]]
-    fails_alike(b, lambda: b.exchange(**kw), "global rank 0: hidden must be a mapping")
 
 
 def test_lm_head_weight_that_is_not_a_tensor():
@@ -404,9 +523,7 @@ def test_lm_head_weight_that_is_not_a_tensor():
     if TEACHER.is_last_stage(rank()):
         weight = torch.zeros(4, H) if rank() == 0 else torch.zeros(4, H).numpy()
     t0 = time.monotonic()
-    with pytest.raises(
-        ValueError, match=r"weight shard must be a torch\.Tensor, got ndarray"
-    ) as info:
+    with pytest.raises(ValueError, match=r"the teacher's weight shard is a ndarray") as info:
         reshard_lm_head(
             weight,
             teacher=TEACHER,
@@ -417,8 +534,7 @@ def test_lm_head_weight_that_is_not_a_tensor():
             timeout_s=TIMEOUT_S,
         )
     assert time.monotonic() - t0 < FAST_S
-    msgs: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(msgs, str(info.value))
+    msgs = everyone(str(info.value))
     assert all(m == msgs[0] for m in msgs), msgs
 
 
@@ -432,8 +548,8 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
     # a gloo pool reuses its bridge group: no extra group, no collective
     gloo = create_bridge_groups(POOL, [TEACHER], STUDENT)
     assert gloo.meta is gloo.bridge
-    seen: list[tuple[str, Any]] = []
-    real_gather = api_mod.gather_record_matrix
+    seen: list[tuple[str, Any, Any]] = []
+    real_gather = api_mod.gather_step_matrix
     real_flat = executor_mod.all_gather_flat
 
     def gather(record, *, group, device, **kw):
@@ -444,7 +560,7 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
         seen.append(("all-gather", group, output.device))
         return real_flat(output, input_, group=group, timeout=timeout)
 
-    monkeypatch.setattr(api_mod, "gather_record_matrix", gather)
+    monkeypatch.setattr(api_mod, "gather_step_matrix", gather)
     monkeypatch.setattr(executor_mod, "all_gather_flat", flat)
     b = HiddenStateBridge(
         teachers=[TeacherSpec(mesh=TEACHER, hidden_size=H)],
@@ -461,55 +577,6 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
         assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
 
 
-def test_a_plan_cache_hit_skips_decoding_and_validation(monkeypatch):
-    decoded: list[int] = []
-    real = api_mod.decode_records
-
-    def decode(matrix, sizes, members):
-        decoded.append(len(members))
-        return real(matrix, sizes, members)
-
-    monkeypatch.setattr(api_mod, "decode_records", decode)
-    b = make_bridge()
-    want = {s: key_pattern(padded_layout(list(s), 4), H, torch.float32) for s in [(0, 1), (1, 0)]}
-
-    def check(got: dict, s_samples) -> None:
-        if STUDENT.is_last_stage(rank()):
-            assert torch.equal(got[0].view(torch.int32), want[s_samples].view(torch.int32))
-
-    for _ in range(3):  # same layouts and buffers: one validation, then hits
-        check(b.exchange(**kwargs()).wait(), (0, 1))
-    assert b.validations == 1 and len(decoded) == 1
-    check(b.exchange(**kwargs(s_samples=(1, 0))).wait(), (1, 0))  # new layouts: a miss
-    assert b.validations == 2
-    for _ in range(2):  # allocated outputs on a hit: the cached hidden size and dtype
-        got = b.exchange(**kwargs(outputs=False)).wait()
-        check(got, (0, 1))
-        if STUDENT.is_last_stage(rank()):
-            assert got[0].dtype == torch.float32 and got[0].shape == (8, H)
-    assert b.validations == 3 and len(decoded) == 3
-    kw = kwargs()  # an error after hits: new metadata, so validated (and rejected) everywhere
-    if rank() == 1:
-        kw["hidden"] = {0: kw["hidden"][0][:, :, : H - 2].contiguous()}
-    fails_alike(
-        b,
-        lambda: b.exchange(**kw),
-        "global rank 1: hidden size 6, expected 8",
-        exchanges=b.executor.exchanges,
-    )
-    check(b.exchange(**kwargs()).wait(), (0, 1))  # and the cached plan still serves
-    assert b.validations == 4
-
-
-def test_a_good_exchange_after_every_misuse():
-    b = make_bridge()
-    kw = kwargs(s_samples=(1, 0))
-    got = b.exchange(**kw).wait()
-    if STUDENT.is_last_stage(rank()):
-        want = key_pattern(padded_layout([1, 0], 4), H, torch.float32)
-        assert torch.equal(got[0].view(torch.int32), want.view(torch.int32))
-
-
 def test_nccl_bridge_groups_are_set_up_at_creation(monkeypatch):
     """An NCCL bridge group: every member, and only members, pass one barrier on it at creation
     (NCCL builds a communicator in a group's first collective, which needs every member; the
@@ -517,7 +584,7 @@ def test_nccl_bridge_groups_are_set_up_at_creation(monkeypatch):
     from mopd.bridge import groups as groups_mod
 
     calls: list[tuple[Any, Any]] = []
-    monkeypatch.setattr(groups_mod, "group_moves_cuda", lambda group: True)
+    monkeypatch.setattr(groups_mod.cdist, "moves_cuda", lambda group: True)
     monkeypatch.setattr(groups_mod.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(groups_mod.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
@@ -532,3 +599,19 @@ def test_nccl_bridge_groups_are_set_up_at_creation(monkeypatch):
         assert calls == [] and groups.bridge is None
     else:
         assert calls == [(groups.bridge, [0])]
+
+
+def test_a_good_step_after_every_misuse():
+    b = make_bridge()
+    exact_exchange(b, kwargs(s_samples=(1, 0)), want_samples=(1, 0))
+    step = b.plan_step(**plan_kwargs(2))
+    got = {}
+    for i in range(2):
+        if TEACHER.is_last_stage(rank()):
+            step.send(i, {0: key_pattern(padded_layout([2 * i, 2 * i + 1], 4), H, torch.float32)})
+        if STUDENT.is_last_stage(rank()):
+            got[i] = step.receive(i)[0]
+    step.finish()
+    for i, rows in got.items():
+        want = key_pattern(padded_layout([2 * i, 2 * i + 1], 4), H, torch.float32)
+        assert torch.equal(rows.view(torch.int32), want.view(torch.int32))

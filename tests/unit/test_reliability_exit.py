@@ -1,21 +1,26 @@
-"""Tier 1 driving real 3-rank torchrun jobs: a rank that exits mid-exchange leaves clear errors.
+"""Tier 1 driving real 3-rank torchrun jobs: a rank that exits during a step leaves clear errors.
 
 Why a unit test: a rank that calls ``os._exit`` takes the pytest under torchrun down with it (and
 the harness's per-test agreement), so the job runs this file as a plain script under
-``torch.distributed.run`` and the survivors write what they saw (error type, message, elapsed)
-as JSON into a directory given by ``MOPD_FAULT_DIR``; the test reads those files. Meshes: the
-teacher is ``tp2`` on global ranks 0-1, the student ``tp1`` on rank 2; rank 1 exits.
+``torch.distributed.run`` and the survivors write what they saw (error type, message, elapsed,
+where they stopped, the micro-batches they received exact) as JSON into a directory given by
+``MOPD_FAULT_DIR``; the test reads those files. Meshes: the teacher is ``tp2`` on global ranks
+0-1, the student ``tp1`` on rank 2 (each teacher rank sends half of every micro-batch); steps of
+``M`` micro-batches; rank 1 exits.
 
-- ``exit-before-send``: rank 1 exits after the metadata phase, before posting its sends -> the
-  student (rank 2) gets ``BridgeCommError`` (connection closed) or ``BridgeTimeoutError`` naming
-  rank 1, within the timeout; rank 0 (it only sends to rank 2) completes.
-- ``exit-before-call``: rank 1 exits before calling the bridge -> ranks 0 and 2 fail in the
-  metadata all-gather, within the timeout.
+- ``exit-before-call``: rank 1 exits before planning -> ranks 0 and 2 fail in the metadata
+  all-gather (``BridgeCommError``: connection closed, or ``BridgeTimeoutError``), naming it,
+  within the timeout.
+- ``exit-before-send``: rank 1 exits after planning, while posting its first micro-batch -> the
+  student fails in ``receive(0)`` naming rank 1 and micro-batch 0, within the timeout.
+- ``exit-between-sends``: rank 1 sends micro-batch 0 (the rows have left), then exits -> the
+  student got micro-batch 0 exact and fails in ``receive(1)`` naming rank 1 and micro-batch 1;
+  rank 0, whose last micro-batch is never received, fails at ``finish()`` naming that send.
+In every case the survivors' bridges then refuse a new step at once (``BridgeStateError``).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import subprocess
@@ -28,43 +33,73 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5.0
 SLACK_S = 8.0
+M = 3
+FAILED = ("BridgeCommError", "BridgeTimeoutError")
 
 
 def _worker(scenario: str, out_dir: Path) -> None:
     """One rank of the job (run under torchrun)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
-    from mopd.bridge import GroupPool, Mesh, padded_layout
+    from mopd.bridge import Mesh, padded_layout
     from mopd.profiling.synthetic import key_pattern
-    from tests.support.bridges import make_bridge
+    from tests.support.reliability import fresh_bridge
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     teacher, student = Mesh(tp=2), Mesh(rank_offset=2)
-    pool = GroupPool(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    posted = [0]
 
     def hook(point: str, blocks: list) -> None:
         if scenario == "exit-before-send" and point == "packed" and rank == 1:
             os._exit(0)
 
-    bridge = make_bridge(pool, [teacher], student, [8], debug_hook=hook, timeout_s=TIMEOUT_S)
-    lay = padded_layout([0, 1], 4)
-    kw = (
-        {"hidden": {0: key_pattern(lay, 8, torch.float32)}, "layouts": {0: lay}}
-        if rank < 2
-        else {"student_layout": lay}
-    )
+    bridge = fresh_bridge([teacher], student, [8], timeout_s=TIMEOUT_S, hook=hook)
+    lays = [padded_layout([2 * i, 2 * i + 1], 4) for i in range(M)]
+    seen: dict = {"where": "plan", "done": []}
     dist.barrier()
     if scenario == "exit-before-call" and rank == 1:
         os._exit(0)
     t0 = time.monotonic()
     try:
-        bridge.exchange(**kw).wait()
-        seen = {"kind": "ok", "message": ""}
+        step = bridge.plan_step(
+            teacher_layouts={0: lays} if rank < 2 else None,
+            student_layouts=lays if rank == 2 else None,
+        )
+        for i in range(M):
+            if rank < 2:
+                if scenario == "exit-between-sends" and rank == 1 and i == 1:
+                    # dies later in its schedule: micro-batch 0's rows have left (an exit
+                    # right after posting would lose them in flight too)
+                    for work in step._slots[0].send_works:
+                        work.wait(datetime.timedelta(seconds=TIMEOUT_S))
+                    os._exit(0)
+                seen["where"] = f"send {i}"
+                step.send(i, {0: key_pattern(lays[i], 8, torch.float32)})
+                posted[0] += 1
+            else:
+                seen["where"] = f"receive {i}"
+                got = step.receive(i)[0]
+                if torch.equal(got, key_pattern(lays[i], 8, torch.float32)):
+                    seen["done"].append(i)
+        seen["where"] = "finish"
+        step.finish()
+        seen.update(kind="ok", message="")
     except Exception as exc:  # the survivors report whatever they got
-        seen = {"kind": type(exc).__name__, "message": str(exc)}
+        seen.update(kind=type(exc).__name__, message=str(exc))
     seen["elapsed"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    try:
+        bridge.plan_step(
+            teacher_layouts={0: lays} if rank < 2 else None,
+            student_layouts=lays if rank == 2 else None,
+        )
+        seen["next"] = ["ok", "", 0.0]
+    except Exception as exc:
+        seen["next"] = [type(exc).__name__, str(exc), time.monotonic() - t1]
     (out_dir / f"rank{rank}.json").write_text(json.dumps(seen))
     os._exit(0)  # no teardown: the group has a dead member
 
@@ -95,31 +130,60 @@ def _launch(tmp_path: Path, scenario: str) -> dict[int, dict]:
             got[r] = json.loads(f.read_text())
     assert 1 not in got, "rank 1 exited, it cannot report"
     assert set(got) == {0, 2}, (res.returncode, res.stdout[-3000:], res.stderr[-3000:])
+    for r in (0, 2):  # and then the survivors' bridges refuse at once
+        if got[r]["kind"] != "ok":
+            kind, msg, elapsed = got[r]["next"]
+            assert kind == "BridgeStateError" and elapsed < 1.0, got[r]
+            assert "cannot be used after a failed exchange (Bridge" in msg, msg
     return got
-
-
-@pytest.mark.timeout(180)
-def test_rank_exiting_before_its_sends(tmp_path: Path):
-    got = _launch(tmp_path, "exit-before-send")
-    assert got[0]["kind"] == "ok", got[0]  # rank 0's receiver was there
-    kind, msg, elapsed = got[2]["kind"], got[2]["message"], got[2]["elapsed"]
-    assert kind in ("BridgeCommError", "BridgeTimeoutError"), got[2]
-    assert msg.startswith(
-        "global rank 2: the bridge exchange (incomplete: receive from global rank 1"
-    )
-    assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
 
 
 @pytest.mark.timeout(180)
 def test_rank_exiting_before_calling_the_bridge(tmp_path: Path):
     got = _launch(tmp_path, "exit-before-call")
     for r in (0, 2):
-        kind, msg, elapsed = got[r]["kind"], got[r]["message"], got[r]["elapsed"]
-        assert kind in ("BridgeCommError", "BridgeTimeoutError"), got[r]
-        assert msg.startswith(
+        s = got[r]
+        assert s["kind"] in FAILED and s["where"] == "plan", s
+        assert s["message"].startswith(
             f"global rank {r}: the bridge's metadata all-gather over global ranks [0, 1, 2]"
-        )
-        assert elapsed <= TIMEOUT_S + SLACK_S, elapsed
+        ), s["message"]
+        assert s["elapsed"] <= TIMEOUT_S + SLACK_S, s
+
+
+@pytest.mark.timeout(180)
+def test_rank_exiting_before_its_first_send(tmp_path: Path):
+    got = _launch(tmp_path, "exit-before-send")
+    s = got[2]
+    assert s["kind"] in FAILED and s["where"] == "receive 0", s
+    assert s["message"].startswith(
+        "global rank 2: the bridge exchange (incomplete: receive from global rank 1 "
+        "(micro-batch 0, teacher 0, 4 rows)"
+    ), s["message"]
+    assert "from global rank 0" not in s["message"]
+    assert s["elapsed"] <= TIMEOUT_S + SLACK_S, s
+    # rank 0 sent all; the student posted micro-batch 0 only, so 1 and 2 stay unmatched
+    assert got[0]["kind"] in FAILED and got[0]["where"] == "finish", got[0]
+    assert "(micro-batch 1, teacher 0, 4 rows)" in got[0]["message"], got[0]
+
+
+@pytest.mark.timeout(180)
+def test_rank_exiting_between_two_sends(tmp_path: Path):
+    got = _launch(tmp_path, "exit-between-sends")
+    s = got[2]
+    assert s["done"] == [0], s  # micro-batch 0 arrived exact before rank 1 died
+    assert s["kind"] in FAILED and s["where"] == "receive 1", s
+    assert s["message"].startswith(
+        "global rank 2: the bridge exchange (incomplete: receive from global rank 1 "
+        "(micro-batch 1, teacher 0, 4 rows)"
+    ), s["message"]
+    assert "micro-batch 0" not in s["message"] and "from global rank 0" not in s["message"]
+    assert s["elapsed"] <= TIMEOUT_S + SLACK_S, s
+    s = got[0]
+    assert s["kind"] in FAILED and s["where"] == "finish", s
+    assert s["message"].startswith(
+        "global rank 0: the bridge exchange (incomplete: send to global rank 2 (micro-batch 2, "
+    ), s["message"]
+    assert s["elapsed"] <= 2 * TIMEOUT_S + SLACK_S, s
 
 
 if __name__ == "__main__":

@@ -1,38 +1,48 @@
-"""Tier 1: the reliability pieces on their own (no process group).
+"""Tier 1: the reliability pieces on their own, and the step API's local misuse on one rank.
 
-Config and constructor misuse raise ``ValueError`` naming the values; :func:`row_checksum` equals
-an integer reference computed from the raw bytes and changes under every single-bit flip; the
-mismatch report round-trips and formats the same text; transport errors are classified; the
-executor's caches are bounded, its staging pool reuses buffers, a failed executor refuses work,
-and integrity mode on a one-rank colocated plan (local copies only, no communication) is exact
-when clean and names the block when a source row changes between checksum and copy.
+Without a process group: config and constructor misuse raise ``ValueError`` naming the values
+(``timeout_s`` is the one spelling: ``BridgeConfig(timeout_s=)``, ``GroupPool(timeout_s=)``);
+:func:`row_checksum` equals an integer reference computed from the raw bytes and changes under
+every single-bit flip; the mismatch report round-trips (micro-batch included) and formats the
+same text; transport errors are classified; the staging pool reuses buffers.
+
+On a one-rank gloo world (an in-process store; teacher and student colocated, so every row
+moves by local copy and nothing waits on a peer): steps of several micro-batches are exact with
+and without integrity; integrity names the micro-batch and rows of a row changed after its
+local copy and leaves the bridge usable; the schedule cache is bounded (least recently used
+dropped); a failed executor refuses every call of the step API; and the step API's local
+misuse (out of order, twice, out of range, after ``finish()``, a wrong buffer) raises the
+documented error at once, a rejected buffer changing nothing.
 """
 
 from __future__ import annotations
 
 import datetime
+import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mopd.bridge import (
     BridgeConfig,
     BridgeGroups,
+    BridgeStep,
+    GroupPool,
     HiddenStateBridge,
     Mesh,
-    StudentBatch,
-    TeacherBatch,
     TeacherSpec,
     padded_layout,
-    plan_token_exchange,
 )
-from mopd.bridge.api import (
+from mopd.bridge.errors import (
     BridgeCommError,
     BridgeIntegrityError,
     BridgeStateError,
     BridgeTimeoutError,
 )
-from mopd.bridge.executor import Executor, _StagePool, buffers_overlap, comm_failure
+from mopd.bridge.executor import _StagePool, comm_failure
 from mopd.bridge.integrity import (
     CROSSING,
     MAX_REPORTED,
@@ -44,9 +54,11 @@ from mopd.bridge.integrity import (
     row_checksum,
 )
 from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
+from tests.support.reliability import fresh_bridge
 
-TIMEOUT = datetime.timedelta(seconds=5)
-
+H = 8
+M = 3  # micro-batches per step
+T_S = 5.0
 
 # --- configuration misuse --------------------------------------------------------------------
 
@@ -57,12 +69,14 @@ TIMEOUT = datetime.timedelta(seconds=5)
         ({"timeout_s": 0}, r"timeout_s must be a positive finite number, got 0"),
         ({"timeout_s": -3.0}, r"got -3.0"),
         ({"timeout_s": float("inf")}, r"got inf"),
+        ({"timeout_s": float("nan")}, r"got nan"),
         ({"timeout_s": "5"}, r"got '5'"),
         ({"timeout_s": True}, r"got True"),
         ({"max_cached_plans": 0}, r"max_cached_plans must be an int >= 1, got 0"),
         ({"max_cached_plans": 2.5}, r"got 2.5"),
         ({"integrity": "yes"}, r"integrity must be a bool, got 'yes'"),
         ({"local_copy": 1}, r"local_copy must be a bool, got 1"),
+        ({"keep_sp_shard": None}, r"keep_sp_shard must be a bool, got None"),
     ],
 )
 def test_bridge_config_rejects_bad_values(kwargs, match):
@@ -70,29 +84,47 @@ def test_bridge_config_rejects_bad_values(kwargs, match):
         BridgeConfig(**kwargs)
 
 
+@pytest.mark.parametrize("bad", [0, -1.5, True, "5", float("inf"), float("nan")])
+def test_group_pool_rejects_bad_timeouts(bad):
+    """At construction, not as an OverflowError inside the first (collective) group creation."""
+    with pytest.raises(
+        ValueError, match=r"timeout_s must be a positive finite number of seconds, got"
+    ):
+        GroupPool(timeout_s=bad)
+
+
+def test_timeout_is_spelled_timeout_s():
+    """The old ``timedelta`` keyword is gone, not silently ignored."""
+    with pytest.raises(TypeError):
+        GroupPool(timeout=datetime.timedelta(seconds=5))  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        BridgeConfig(timeout=5)  # type: ignore[call-arg]
+    assert GroupPool(timeout_s=2.5).timeout_s == 2.5
+
+
 def test_bridge_config_defaults_keep_integrity_off():
     assert BridgeConfig().integrity is False
 
 
-def test_teacher_spec_and_bridge_constructor_misuse():
-    with pytest.raises(ValueError, match="hidden_size must be a positive int, got 0"):
+def test_teacher_spec_misuse():
+    with pytest.raises(ValueError, match="hidden_size must be >= 1, got 0"):
         TeacherSpec(mesh=Mesh(), hidden_size=0)
+    with pytest.raises(ValueError, match="hidden_size must be an int, got True"):
+        TeacherSpec(mesh=Mesh(), hidden_size=True)
+    with pytest.raises(ValueError, match=r"TeacherSpec\.mesh must be a Mesh, got tuple"):
+        TeacherSpec(mesh=(2, 1), hidden_size=8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dtype must be a torch\.dtype, got 'bf16'"):
+        TeacherSpec(mesh=Mesh(), hidden_size=8, dtype="bf16")  # type: ignore[arg-type]
+
+
+def test_bridge_constructor_misuse_before_any_group_is_used():
     groups = BridgeGroups(bridge=None, student_tp=None, members=(0, 1))
     with pytest.raises(ValueError, match="at least one teacher"):
-        HiddenStateBridge(teachers=[], student=Mesh(), groups=groups, rank=0)
+        HiddenStateBridge(teachers=[], student=Mesh(), groups=groups)
     with pytest.raises(
         ValueError, match=r"teachers must be TeacherSpec and student a Mesh, got \['Mesh'\]"
     ):
-        HiddenStateBridge(teachers=[Mesh()], student=Mesh(), groups=groups, rank=0)  # type: ignore[list-item]
-    with pytest.raises(
-        ValueError, match=r"created for global ranks \[0, 1\] but these meshes span \[0, 1, 2\]"
-    ):
-        HiddenStateBridge(
-            teachers=[TeacherSpec(mesh=Mesh(), hidden_size=4)],
-            student=Mesh(tp=2, rank_offset=1),
-            groups=groups,
-            rank=0,
-        )
+        HiddenStateBridge(teachers=[Mesh()], student=Mesh(), groups=groups)  # type: ignore[list-item]
 
 
 # --- checksums -------------------------------------------------------------------------------
@@ -107,8 +139,7 @@ def _reference(rows: torch.Tensor) -> list[int]:
     for r in raw.tolist():
         total = 0
         for i in range(0, row_bytes, word):
-            v = int.from_bytes(bytes(r[i : i + word]), "little", signed=True)
-            total += v
+            total += int.from_bytes(bytes(r[i : i + word]), "little", signed=True)
         total %= 2**64
         out.append(total - 2**64 if total >= 2**63 else total)
     return out
@@ -155,7 +186,14 @@ def test_misaligned_rows_give_the_same_checksum_as_an_aligned_copy():
 def test_mismatch_report_round_trips_and_formats_identically():
     found = [
         BlockMismatch(
-            owner=0, src_rank=1, dst_rank=3, rows=16, bad=2, dst_rows=(5, 9), src_rows=(0, 4)
+            owner=0,
+            src_rank=1,
+            dst_rank=3,
+            rows=16,
+            bad=2,
+            dst_rows=(5, 9),
+            src_rows=(0, 4),
+            micro_batch=2,
         ),
         BlockMismatch(owner=1, src_rank=-1, dst_rank=3, rows=9, bad=7, dst_rows=(1, 2, 3, 4)),
         BlockMismatch(
@@ -167,26 +205,29 @@ def test_mismatch_report_round_trips_and_formats_identically():
             dst_rows=(6,),
             src_rows=(6,),
             stage=TP_GATHER,
+            micro_batch=5,
         ),
     ]
     total, back = decode_mismatches(encode_mismatches(found))
     assert total == 3 and back == found
     assert [m.stage for m in back] == [CROSSING, CROSSING, TP_GATHER]
+    assert [m.micro_batch for m in back] == [2, 0, 5]
     text = format_mismatches([(2, 0, []), (3, total, back)])
     assert text == format_mismatches(
         [(2, 0, []), (3, *decode_mismatches(encode_mismatches(found)))]
     )
     assert (
-        "1 -> global rank 3: 2 of 16 rows differ (destination rows [5, 9], source rows [0, 4])"
-        in text
-    )
-    assert (
-        "teacher 1 on global rank 3: 7 of 9 rows that no transfer writes are not zero "
-        "(destination rows [1, 2, 3, 4, ...])"
+        "teacher 0, micro-batch 2: global rank 1 -> global rank 3: 2 of 16 rows differ "
+        "(destination rows [5, 9], source rows [0, 4])"
     ) in text
     assert (
-        "teacher 1: student TP all-gather, global rank 2 -> global rank 3: 1 of 8 rows differ "
-        "from the sender's slice (destination rows [6], rows of the sender's slice [6])"
+        "teacher 1, micro-batch 0 on global rank 3: 7 of 9 rows that no transfer writes are not "
+        "zero (destination rows [1, 2, 3, 4, ...])"
+    ) in text
+    assert (
+        "teacher 1, micro-batch 5: student TP all-gather, global rank 2 -> global rank 3: 1 of 8 "
+        "rows differ from the sender's slice (destination rows [6], rows of the sender's slice "
+        "[6])"
     ) in text
     assert text.startswith(
         "bridge integrity check failed: 3 corrupted block(s) received on global rank(s) [3]"
@@ -230,55 +271,7 @@ def test_transport_errors_are_classified_and_name_the_rank_and_timeout():
     )
     assert isinstance(dead, BridgeCommError) and not isinstance(dead, TimeoutError)
     assert "typically because a peer process died" in str(dead)
-
-
-def test_buffers_overlap():
-    a = torch.zeros(10, 4)
-    assert buffers_overlap(a[2:5], a[4:8]) and not buffers_overlap(a[:4], a[4:])
-    assert not buffers_overlap(a, torch.zeros(10, 4))
-    assert not buffers_overlap(torch.empty(4, device="meta"), torch.empty(4, device="meta"))
-    assert not buffers_overlap(a[:0], a)
-
-
-# --- executor --------------------------------------------------------------------------------
-
-
-def _plan(seed: int, hidden: int = 8):
-    mesh = Mesh()
-    step = synthetic_step(
-        teachers=[mesh],
-        student=mesh,
-        num_samples=4,
-        max_len=9,
-        teacher_formats=[SideFormat(kind="thd")],
-        student_format=SideFormat(kind="bsh", micro_batch=3),
-        seed=seed,
-    )
-    t_lay, s_lay = step.teacher_layouts[0][(0, 0)], step.student_layouts[(0, 0)]
-    plan = plan_token_exchange(
-        [TeacherBatch(mesh=mesh, layouts={(0, 0): t_lay}, hidden_size=hidden, itemsize=4)],
-        StudentBatch(mesh=mesh, layouts={(0, 0): s_lay}),
-    )
-    return plan, t_lay, s_lay
-
-
-def test_executor_bounds_its_schedules_and_refuses_work_after_a_failure():
-    with pytest.raises(ValueError, match="max_schedules must be >= 1, got 0"):
-        Executor(rank=0, timeout=TIMEOUT, max_schedules=0)
-    ex = Executor(rank=0, timeout=TIMEOUT, max_schedules=2)
-    plans = [_plan(s)[0] for s in range(4)]
-    for p in plans + plans[:1]:
-        ex.schedule(p)
-    assert len(ex._schedules) == 2 and list(ex._schedules) == [
-        plans[3].signature,
-        plans[0].signature,
-    ]
-    ex.mark_failed(BridgeTimeoutError("first cause"))
-    ex.mark_failed(BridgeTimeoutError("second cause"))
-    with pytest.raises(
-        BridgeStateError, match=r"after a failed exchange \(BridgeTimeoutError: first cause\)"
-    ):
-        ex.start(plans[0], sources={}, outputs={}, group=None)
+    assert all(isinstance(e, RuntimeError) for e in (t, nccl, late, dead))
 
 
 def test_stage_pool_reuses_and_grows():
@@ -295,39 +288,225 @@ def test_stage_pool_reuses_and_grows():
     assert pool.bytes == (5 + 1) * 4 * 4
 
 
+# --- one rank: the step API end to end, local copies only -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_world() -> Iterator[None]:
+    """A one-rank gloo world on an in-process store (torn down after the module)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a process group of several ranks is already initialized")
+        yield
+        return
+    dist.init_process_group(
+        "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    yield
+    dist.destroy_process_group()
+
+
+MESH = Mesh()
+
+
+def layouts(seed: int) -> tuple[list[Any], list[Any]]:
+    """``M`` micro-batches of one step: (teacher THD layouts, student ``[S, B]`` layouts)."""
+    t, s = [], []
+    for i in range(M):
+        step = synthetic_step(
+            teachers=[MESH],
+            student=MESH,
+            num_samples=4,
+            max_len=9,
+            teacher_formats=[SideFormat(kind="thd")],
+            student_format=SideFormat(kind="sbh", micro_batch=3),
+            seed=10 * seed + i,
+        )
+        t.append(step.teacher_layouts[0][(0, 0)])
+        s.append(step.student_layouts[(0, 0)])
+    return t, s
+
+
+def rows(lay: Any, i: int) -> torch.Tensor:
+    return key_pattern(lay, H, torch.float32, salt=i)
+
+
+def want(lay: Any, i: int) -> torch.Tensor:
+    w = rows(lay, i)
+    w[lay.sample_id_R < 0] = 0
+    return w
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def bridge(**config: Any) -> HiddenStateBridge:
+    return fresh_bridge([MESH], MESH, [H], timeout_s=T_S, **config)
+
+
+def plan(b: HiddenStateBridge, seed: int) -> tuple[BridgeStep, list[Any], list[Any]]:
+    t, s = layouts(seed)
+    return b.plan_step(teacher_layouts={0: t}, student_layouts=s), t, s
+
+
+def run(b: HiddenStateBridge, seed: int) -> bool:
+    """One step: every micro-batch sent and received in order, then finish(); all exact?"""
+    step, t, s = plan(b, seed)
+    ok = []
+    for i in range(M):
+        step.send(i, {0: rows(t[i], i)})
+        ok.append(torch.equal(bits(step.receive(i)[0]), bits(want(s[i], i))))
+    step.finish()
+    return all(ok)
+
+
 @pytest.mark.parametrize("integrity", [False, True])
-def test_one_rank_local_copies_are_exact_with_and_without_integrity(integrity):
-    plan, t_lay, s_lay = _plan(5)
-    src = key_pattern(t_lay, 8, torch.float32)
-    out = torch.full((s_lay.num_rows, 8), float("nan"))
-    ex = Executor(rank=0, timeout=TIMEOUT, integrity=integrity)
-    ex.start(plan, sources={0: src}, outputs={0: out}, group=None).wait()
-    want = key_pattern(s_lay, 8, torch.float32)
-    want[s_lay.sample_id_R < 0] = 0
-    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
-    assert ex.memory_stats()["in_flight"] == 0 and ex.memory_stats()["exchanges"] == 1
+def test_one_rank_steps_are_exact_with_and_without_integrity(one_rank_world, integrity):
+    b = bridge(integrity=integrity)
+    assert run(b, 0) and run(b, 1)
+    stats = b.executor.memory_stats()
+    assert stats["staging_buffers"] == 0  # local copies only: nothing staged
+    assert b.executor.failure is None
 
 
-def test_integrity_names_a_source_row_changed_before_its_local_copy():
-    plan, t_lay, s_lay = _plan(6)
-    src = key_pattern(t_lay, 8, torch.float32)
-    out = torch.empty((s_lay.num_rows, 8))
+def test_integrity_names_the_micro_batch_of_a_row_changed_after_its_local_copy(one_rank_world):
+    step_ref: list[BridgeStep] = []
 
     def hook(point: str, blocks: list) -> None:
-        if point == "posted":
-            row = int(ex.schedule(plan).locals[0].src.rows[2])
-            src.view(torch.int32)[row, 5] ^= 1 << 30
+        slot = step_ref[0]._slots[1]
+        if point == "received" and slot.received and not hit:
+            loc = slot.schedule.locals[0]
+            row = int(loc.dst.rows[2])
+            slot.outputs[0].view(torch.int32)[row, 5] ^= 1 << 30
+            hit.append((loc.src.count, row, int(loc.src.rows[2])))
 
-    ex = Executor(rank=0, timeout=TIMEOUT, integrity=True, debug_hook=hook)
-    loc = ex.schedule(plan).locals[0]
+    hit: list[tuple[int, int, int]] = []
+    b = bridge(integrity=True, hook=hook)
+    step, t, _ = plan(b, 0)
+    step_ref.append(step)
+    for i in range(M):
+        step.send(i, {0: rows(t[i], i)})
+        step.receive(i)
     with pytest.raises(BridgeIntegrityError) as info:
-        ex.start(plan, sources={0: src}, outputs={0: out}, group=None).wait()
-    msg = str(info.value)
-    assert msg.startswith(
-        "bridge integrity check failed: 1 corrupted block(s) received on global rank(s) [0]"
+        step.finish()
+    count, dst_row, src_row = hit[0]
+    assert str(info.value).startswith(
+        "bridge integrity check failed: 1 corrupted block(s) received on global rank(s) [0]: "
+        f"teacher 0, micro-batch 1: global rank 0 -> global rank 0: 1 of {count} rows differ "
+        f"(destination rows [{dst_row}], source rows [{src_row}])"
+    ), str(info.value)
+    assert b.executor.failure is None  # a caught corruption leaves the bridge usable
+    assert run(b, 1)
+
+
+def test_the_schedule_cache_is_bounded_least_recently_used_first(one_rank_world):
+    b = bridge(max_cached_plans=2)
+    ex = b.executor
+    t, s = layouts(0)  # three micro-batches with three different plans
+
+    def run_mbs(idx: list[int]) -> bool:
+        step = b.plan_step(
+            teacher_layouts={0: [t[k] for k in idx]}, student_layouts=[s[k] for k in idx]
+        )
+        ok = []
+        for i, k in enumerate(idx):
+            step.send(i, {0: rows(t[k], k)})
+            ok.append(torch.equal(bits(step.receive(i)[0]), bits(want(s[k], k))))
+        step.finish()
+        return all(ok)
+
+    built = []
+    for idx in ([0, 1, 2], [2, 1, 2], [0], [2], [1]):
+        assert run_mbs(idx), idx
+        built.append(ex.schedules_built)
+        assert len(ex._schedules) <= 2 and ex.memory_stats()["device_caches"] <= 2
+    # 0, 1, 2 built (0 dropped); 2, 1 hit; 0 built (1 dropped: used before 2); 2 hit; 1 built
+    assert built == [3, 3, 4, 4, 5], built
+
+
+def test_a_failed_executor_refuses_every_call(one_rank_world):
+    b = bridge()
+    step, t, s = plan(b, 0)
+    b.executor.mark_failed(BridgeTimeoutError("first cause"))
+    b.executor.mark_failed(BridgeTimeoutError("second cause"))
+    refusal = r"global rank 0: this bridge cannot be used after a failed exchange \(BridgeTimeoutError: first cause\)"
+    with pytest.raises(BridgeStateError, match=refusal):
+        b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    with pytest.raises(BridgeStateError, match=refusal):
+        step.send(0, {0: rows(t[0], 0)})
+    with pytest.raises(BridgeStateError, match=refusal):
+        step.receive(0)
+    with pytest.raises(BridgeStateError, match=refusal):
+        step.finish()
+    with pytest.raises(BridgeStateError, match=refusal):
+        b.exchange(hidden={0: rows(t[0], 0)}, layouts={0: t[0]}, student_layout=s[0])
+
+
+def test_step_misuse_on_one_rank_raises_at_once(one_rank_world):
+    b = bridge()
+    step, t, s = plan(b, 0)
+    with pytest.raises(ValueError, match=r"micro-batch 3 outside \[0, 3\)"):
+        step.receive(3)
+    with pytest.raises(ValueError, match=r"micro-batch True outside"):
+        step.send(True, {0: rows(t[0], 0)})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"teacher indices \[1\] outside \[0, 1\)"):
+        step.send(0, {1: rows(t[0], 0)})
+    with pytest.raises(ValueError, match="hidden must be a mapping teacher index -> tensor"):
+        step.send(0, [rows(t[0], 0)])  # type: ignore[arg-type]
+    n = t[0].num_rows
+    with pytest.raises(ValueError, match=rf"has {n - 1} rows of 8, the plan wants {n} rows of 8"):
+        step.send(0, {0: rows(t[0], 0)[1:]})
+    with pytest.raises(ValueError, match=r"buffer is torch.float64 on cpu, the plan wants"):
+        step.send(0, {0: rows(t[0], 0).double()})
+    with pytest.raises(ValueError, match="must be contiguous"):
+        step.send(0, {0: torch.zeros(H, n).t()})
+    with pytest.raises(BridgeStateError, match=r"finish\(\) needs micro-batch 0 posted first"):
+        step.finish()
+    with pytest.raises(BridgeStateError, match=r"receive\(0\) needs micro-batch 0 posted first"):
+        step.receive(0)
+    # out of order: micro-batch 1's rows are taken, but it cannot be posted before 0
+    with pytest.raises(BridgeStateError, match=r"send\(1\) needs micro-batch 0 posted first"):
+        step.send(1, {0: rows(t[1], 1)})
+    with pytest.raises(BridgeStateError, match="teacher 0's rows of micro-batch 1 were already"):
+        step.send(1, {0: rows(t[1], 1)})
+    # none of the rejected calls changed anything: the step runs to the end, exact
+    got = []
+    for i in range(M):
+        if i != 1:
+            step.send(i, {0: rows(t[i], i)})
+        got.append(torch.equal(bits(step.receive(i)[0]), bits(want(s[i], i))))
+    with pytest.raises(BridgeStateError, match="micro-batch 0 were already sent"):
+        step.send(0, {0: rows(t[0], 0)})
+    step.finish()
+    step.finish()  # idempotent
+    assert got == [True] * M
+    with pytest.raises(BridgeStateError, match="this step is finished; plan the next one"):
+        step.receive(0)
+    with pytest.raises(BridgeStateError, match="this step is finished"):
+        step.send(0, {0: rows(t[0], 0)})
+    assert b.executor.failure is None and run(b, 1)
+
+
+def test_a_step_as_a_context_manager_finishes_on_leaving_but_not_on_an_error(one_rank_world):
+    b = bridge()
+    t, s = layouts(0)
+    with b.plan_step(teacher_layouts={0: t}, student_layouts=s) as step:
+        for i in range(M):
+            step.send(i, {0: rows(t[i], i)})
+            step.receive(i)
+    assert step.finished
+    with pytest.raises(KeyError), b.plan_step(teacher_layouts={0: t}, student_layouts=s) as other:
+        other.send(0, {0: rows(t[0], 0)})
+        raise KeyError("the schedule failed")
+    assert not other.finished
+    with warnings.catch_warnings(record=True) as caught:  # the next step says so
+        warnings.simplefilter("always")
+        assert run(b, 1)
+    assert any(
+        "1 earlier step(s) of this bridge are not finished" in str(w.message) for w in caught
     )
-    assert (
-        f"teacher 0: global rank 0 -> global rank 0: 1 of {loc.src.rows.numel()} rows differ "
-        f"(destination rows [{int(loc.dst.rows[2])}], source rows [{int(loc.src.rows[2])}])"
-    ) in msg
-    assert ex.failure is None  # a caught corruption leaves the executor usable
