@@ -461,14 +461,14 @@ class HiddenStateBridge:
         rank, before data moves); the rows are taken at the call. Every rank then calls
         ``.wait()`` on the handle.
         """
-        hidden_d = dict(hidden or {})
         step = self.plan_step(
             teacher_layouts={o: [x] for o, x in layouts.items()}
             if isinstance(layouts, Mapping) and layouts
             else (layouts or None),
             student_layouts=[student_layout] if student_layout is not None else None,
-            _buffers=hidden_d,  # checked with the layouts: a bad buffer fails on every rank
+            _buffers={} if hidden is None else hidden,  # checked with the layouts, everywhere
         )
+        hidden_d = dict(hidden or {})
         if hidden_d or step._sources_needed(0):
             step.send(0, hidden_d)
         # posted here on every rank (receive-only ranks too), so exchanges in flight on one
@@ -484,7 +484,6 @@ class HiddenStateBridge:
         student_layouts: Any,
         buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
-        check: Callable[[Sequence[Section | None]], None] | None = None,
     ) -> int:
         """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here)."""
         n = len(self.teachers)
@@ -493,6 +492,10 @@ class HiddenStateBridge:
             raise ValueError(
                 "teacher_layouts must be a mapping teacher index -> layouts, got "
                 f"{type(given).__name__}"
+            )
+        if buffers is not None and not isinstance(buffers, Mapping):
+            raise ValueError(
+                f"hidden must be a mapping teacher index -> tensor, got {type(buffers).__name__}"
             )
         for o in [*given, *(buffers or {})]:
             if not (isinstance(o, int) and 0 <= o < n):
@@ -553,8 +556,6 @@ class HiddenStateBridge:
             raise ValueError(
                 f"this rank's layouts give different micro-batch counts {sorted(counts)}"
             )
-        if check is not None:
-            check(sections)
         return counts.pop() if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------

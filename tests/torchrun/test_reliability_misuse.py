@@ -162,7 +162,7 @@ def test_hidden_rows_disagree_with_the_layout():
     kw = kwargs()
     if rank() == 0:
         kw["hidden"] = {0: kw["hidden"][0][:3]}
-    fails_alike(b, lambda: b.exchange(**kw), r"has 6 rows of 8, its layout describes 8 rows of 8")
+    fails_alike(b, lambda: b.exchange(**kw), r"has 6 rows of 8, the plan wants 8 rows of 8")
 
 
 def test_hidden_size_differs_on_one_rank():
@@ -170,7 +170,7 @@ def test_hidden_size_differs_on_one_rank():
     kw = kwargs()
     if rank() == 1:
         kw["hidden"] = {0: kw["hidden"][0][:, :, : H - 2].contiguous()}
-    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: .* rows of 6, its layout describes")
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: .* rows of 6, the plan wants")
 
 
 def test_hidden_dtype_differs_from_the_teacher_spec():
@@ -179,8 +179,8 @@ def test_hidden_dtype_differs_from_the_teacher_spec():
     fails_alike(
         b,
         lambda: b.exchange(**kw),
-        r"global rank 0: teacher 0: hidden buffer is torch.bfloat16 on cpu, the plan wants "
-        r"torch.float32 on cpu",
+        r"global rank 0: teacher 0 micro-batch 0: buffer is torch.bfloat16 on cpu, the plan "
+        r"wants torch.float32 on cpu",
     )
 
 
@@ -226,7 +226,7 @@ def test_layouts_without_their_hidden_buffer():
     kw = kwargs()
     if rank() == 1:
         kw["hidden"] = {}
-    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: layouts\[0\] given without hidden")
+    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: teacher 0: a layout but no buffer in hidden\[0\]")
 
 
 # --- wrong call pattern ----------------------------------------------------------------------
