@@ -12,7 +12,8 @@ Per step: :meth:`HiddenStateBridge.plan_step` outside the training schedule (one
 collective for all micro-batches), then per micro-batch ``step.send(i, {0: h_SBH})`` on teacher
 ranks and ``step.receive(i)[0]`` on student ranks (point to point, safe inside Megatron's
 ``forward_step_func`` / ``loss_func``), and ``step.finish()`` after the schedule on every rank.
-:meth:`HiddenStateBridge.exchange` does one micro-batch in one call.
+:meth:`HiddenStateBridge.exchange` does one micro-batch in one call. The teachers' LM heads move
+into the student's vocab partition once (:func:`lm_head_from_models`, :func:`reshard_lm_head`).
 
 Internals live in their modules (:mod:`.plan`, :mod:`.metadata`, :mod:`.topology`,
 :mod:`.schedule`, :mod:`.executor`, :mod:`.integrity`).
@@ -30,6 +31,7 @@ from mopd.bridge.errors import (
 )
 from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
+from mopd.bridge.lm_head import LMHeadShard, VocabSpec, lm_head_from_models, reshard_lm_head
 from mopd.bridge.megatron_groups import megatron_process_groups
 from mopd.bridge.mesh import (
     Mesh,
@@ -51,16 +53,20 @@ __all__ = [
     "ExchangeHandle",
     "GroupPool",
     "HiddenStateBridge",
+    "LMHeadShard",
     "Mesh",
     "MeshCoord",
     "TeacherSpec",
     "TokenLayout",
+    "VocabSpec",
     "concat_layouts",
     "create_bridge_groups",
+    "lm_head_from_models",
     "megatron_process_groups",
     "mesh_from_groups",
     "mesh_from_parallel_state",
     "mesh_from_pg_collection",
     "packed_layout",
     "padded_layout",
+    "reshard_lm_head",
 ]
