@@ -608,8 +608,7 @@ class Executor:
         assert dev is not None
         with ranges.span("recv_wait", slot.index):
             self._wait_all(slot.recv_works, slot.recv_descs, slot.device, deadline)
-        if slot.recv_works is not slot.send_works:  # done: drop them (a coalesced work is shared)
-            slot.recv_works = []
+        slot.recv_works = []  # done: drop them (a coalesced work stays in send_works until released)
         if self.debug_hook is not None:
             self.debug_hook("received", slot.recv_blocks)
         targets = self._targets(slot, sched)
@@ -653,7 +652,9 @@ class Executor:
             with ranges.span("send_wait", slot.index):
                 self._wait_all(slot.send_works, slot.send_descs, slot.device, deadline)
         # completed work objects are dropped: one that outlives its process group at exit aborts
-        slot.send_works, slot.recv_works = [], []
+        # (a coalesced work also covers the receives: it goes once they are complete too)
+        if slot.send_works is not slot.recv_works or slot.received:
+            slot.send_works = []
         for key, t in slot.staged:
             if key[0] != "recv":
                 self._pool.release(key, t)

@@ -207,3 +207,20 @@ def test_group_backend_is_read_from_the_backend_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cdist.group_device(object()) == CPU  # NCCL without a device here: CPU tensors
     assert cdist.group_device(None) == CPU
+
+
+@pytest.mark.parametrize("coalesced", [False, True], ids=["separate", "coalesced"])
+def test_releasing_the_sends_keeps_the_receives_to_wait_for(coalesced: bool) -> None:
+    """A slot's sends may be released (its staging returned) before its receives complete, the
+    step does that as soon as they are done; the receives must still be waited for. A slot with
+    no sends counts as done at once, so this happens on every receive-only rank."""
+    ex = Executor(rank=0, timeout_s=5.0)
+    recv = FakeWork()
+    slot = _issued_slot([] if not coalesced else [recv], CPU)
+    slot.recv_works = slot.send_works if coalesced else [recv]
+    slot.recv_descs = ["receive"]
+    assert ex.sends_done(slot) or coalesced
+    ex.release(slot, deadline=time.monotonic() + 5.0)
+    assert slot.recv_works == [recv]  # still there to wait for
+    ex._wait_all(slot.recv_works, slot.recv_descs, slot.device, time.monotonic() + 5.0)
+    assert recv.calls, "the receive was never waited for"
