@@ -569,7 +569,9 @@ class Executor:
                 self.mark_failed(err)
                 raise err from exc
 
-    def _timed(self, fn: Callable[[], None], what: str) -> None:
+    def _timed(self, fn: Callable[[], None], what: str | Callable[[], str]) -> None:
+        """``fn()``; a failure becomes a named timeout / comm error (``what``: the phase, or a
+        function writing it, called only then) and refuses further work."""
         t0 = time.monotonic()
         try:
             fn()
@@ -579,7 +581,7 @@ class Executor:
             err = comm_failure(
                 exc,
                 rank=self.rank,
-                what=what,
+                what=what() if callable(what) else what,
                 timeout_s=self.timeout_s,
                 elapsed_s=time.monotonic() - t0,
             )
@@ -623,7 +625,6 @@ class Executor:
         if group_size > 1:
             if tp_group is None:
                 raise AssertionError("a destination group of several ranks needs its TP group")
-            peers = dist.get_process_group_ranks(tp_group)
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
                     self._timed(
@@ -633,8 +634,11 @@ class Executor:
                             group=tp_group,
                             timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
                         ),
-                        f"the student TP all-gather after the crossing (micro-batch {slot.index}, "
-                        f"over global ranks {peers})",
+                        lambda: (
+                            f"the student TP all-gather after the crossing (micro-batch "
+                            f"{slot.index}, over global ranks "
+                            f"{dist.get_process_group_ranks(tp_group)})"
+                        ),
                     )
             if self.integrity:
                 self._check_gather(slot, sched, slice_sums, tp_group, group_size, deadline)
