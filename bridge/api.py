@@ -155,17 +155,22 @@ class BridgeConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+def _called(arg: Any, what: str, *, noun: str = "callable") -> Any:
+    """``arg()`` when ``arg`` is a callable (not a layout), else ``arg``; whatever the callable
+    raises reaches the caller as a ValueError (the guarded phase gathers those)."""
+    if not callable(arg) or isinstance(arg, TokenLayout):
+        return arg
+    try:
+        return arg()
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"{what}: the {noun} raised {type(exc).__name__}: {exc}") from exc
+
+
 def _resolve_layout(arg: Any, what: str) -> TokenLayout:
     """``arg`` as a TokenLayout (calling it when it is a callable); any failure is a ValueError."""
-    if callable(arg) and not isinstance(arg, TokenLayout):
-        try:
-            arg = arg()
-        except ValueError:
-            raise
-        except Exception as exc:
-            raise ValueError(
-                f"{what}: the layout callable raised {type(exc).__name__}: {exc}"
-            ) from exc
+    arg = _called(arg, what, noun="layout callable")
     if not isinstance(arg, TokenLayout):
         raise ValueError(
             f"{what} must be a TokenLayout or a zero-argument callable returning one, "
@@ -176,13 +181,7 @@ def _resolve_layout(arg: Any, what: str) -> TokenLayout:
 
 def _layout_list(arg: Any, what: str) -> list[TokenLayout]:
     """One layout per micro-batch (a sequence, or a callable returning one)."""
-    if callable(arg) and not isinstance(arg, TokenLayout):
-        try:
-            arg = arg()
-        except ValueError:
-            raise
-        except Exception as exc:
-            raise ValueError(f"{what}: the callable raised {type(exc).__name__}: {exc}") from exc
+    arg = _called(arg, what)
     if isinstance(arg, TokenLayout) or not isinstance(arg, Sequence) or not arg:
         raise ValueError(
             f"{what} must be a non-empty sequence with one layout per micro-batch, got "
