@@ -226,7 +226,11 @@ def test_layouts_without_their_hidden_buffer():
     kw = kwargs()
     if rank() == 1:
         kw["hidden"] = {}
-    fails_alike(b, lambda: b.exchange(**kw), r"global rank 1: teacher 0: a layout but no buffer in hidden\[0\]")
+    fails_alike(
+        b,
+        lambda: b.exchange(**kw),
+        r"global rank 1: teacher 0: a layout but no buffer in hidden\[0\]",
+    )
 
 
 # --- wrong call pattern ----------------------------------------------------------------------
