@@ -41,6 +41,28 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return whl
 
 
+@pytest.fixture(scope="module")
+def site(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed (no dependencies) into a fresh folder, away from the checkout."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
+    return target
+
+
 def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
@@ -57,23 +79,7 @@ def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
     assert "mopd = mopd.profiling.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
-def test_installed_wheel_imports_away_from_the_checkout(wheel: Path, tmp_path: Path):
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        timeout=300,
-    )
+def test_installed_wheel_imports_away_from_the_checkout(site: Path, tmp_path: Path):
     code = (
         "import mopd.capture, mopd.bridge, mopd.kernels, mopd.profiling, sys;"
         "from mopd.capture import OutputLayerInputCapture, get_opd_full_capture_context;"
@@ -85,34 +91,18 @@ def test_installed_wheel_imports_away_from_the_checkout(wheel: Path, tmp_path: P
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
     )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().startswith(str(target))
+    assert res.stdout.strip().startswith(str(site))
 
 
-def test_installed_wheel_runs_the_demo_outside_the_checkout(wheel: Path, tmp_path: Path):
+def test_installed_wheel_runs_the_demo_outside_the_checkout(site: Path, tmp_path: Path):
     """The main job needs no checkout: the CPU support for megatron-core ships in the package
-    (``mopd.mcore.cpu``). Installed into a fresh target and run from a temporary directory, a
+    (``mopd.mcore.cpu``). Installed into a fresh folder and run from a temporary directory, a
     4-rank ``mopd demo --steps 1`` verifies its bridged rows."""
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        timeout=300,
-    )
     env = {
-        "PYTHONPATH": str(target),
+        "PYTHONPATH": str(site),
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
         "OMP_NUM_THREADS": "1",
         "HOME": str(tmp_path),
@@ -130,7 +120,7 @@ def test_installed_wheel_runs_the_demo_outside_the_checkout(wheel: Path, tmp_pat
         env=env,
     )
     assert where.returncode == 0, where.stderr
-    assert all(p.startswith(str(target)) for p in where.stdout.split()), where.stdout
+    assert all(p.startswith(str(site)) for p in where.stdout.split()), where.stdout
     argv = ["--steps", "1", "--nproc", "4", "--teacher", "tp=2", "--teacher", "tp=2,rank_offset=2"]
     argv += ["--student", "tp=2,cp=2", "--timeout", "200"]
     proc = subprocess.run(
@@ -145,25 +135,9 @@ def test_installed_wheel_runs_the_demo_outside_the_checkout(wheel: Path, tmp_pat
     assert "verification: OK" in proc.stdout
 
 
-def test_installed_wheel_runs_python_dash_m_mopd(wheel: Path, tmp_path: Path):
+def test_installed_wheel_runs_python_dash_m_mopd(wheel: Path, site: Path, tmp_path: Path):
     """``python -m mopd`` and ``--version`` from the wheel alone, away from the checkout."""
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        timeout=300,
-    )
-    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
     want = wheel.name.split("-")[1]  # mopd_bridge-<version>-py3-none-any.whl
     res = subprocess.run(
         [sys.executable, "-m", "mopd", "--version"],
@@ -183,7 +157,7 @@ def test_installed_wheel_runs_python_dash_m_mopd(wheel: Path, tmp_path: Path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env
     )
     main_file, cli_file, ns_file = res.stdout.split("\n")[:3]
-    assert main_file.startswith(str(target)) and cli_file.startswith(str(target)), res.stdout
+    assert main_file.startswith(str(site)) and cli_file.startswith(str(site)), res.stdout
     assert ns_file == "None"  # still a namespace package
     res = subprocess.run(
         [sys.executable, "-m", "mopd", "bench", "nosuch"],
