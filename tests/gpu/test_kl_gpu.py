@@ -32,7 +32,12 @@ from mopd.kernels import kl_matmul
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 from mopd.kernels.kl_rowwise import resolve_backend, row_grad, row_stats
-from tests.support.kl_reference import distillation_case, reference_kl, relative_error
+from tests.support.kl_reference import (
+    case_kl_kwargs,
+    case_reference,
+    distillation_case,
+    relative_error,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -171,20 +176,6 @@ def _big_case(std: float, n_teachers: int) -> dict[str, Any]:
     }
 
 
-def _big_kwargs(c: dict[str, Any], kind: str, **config: Any) -> dict[str, Any]:
-    return dict(
-        vocab_start=0, vocab_size=V_BIG, loss_mask_T=c["mask_T"], teacher_index_T=c["index_T"],
-        config=KLConfig(kind=kind, mix_weight=0.3 if kind == "mixed" else None, **config),  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
-def _big_reference(c: dict[str, Any], kind: str, s64: torch.Tensor) -> torch.Tensor:
-    return reference_kl(
-        s64, c["hidden"], c["weight"], vocab_size=V_BIG, kind=kind, mix_weight=0.3,
-        loss_mask_T=c["mask_T"], teacher_index_T=c["index_T"],
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("std", [3.0, 12.0])
 @pytest.mark.parametrize("n_teachers", [1, 2])
 @pytest.mark.parametrize("kind", ["reverse", "forward", "mixed"])
@@ -192,11 +183,11 @@ def test_bf16_fused_large_vocab_matches_float64(kind: str, n_teachers: int, std:
     c = _big_case(std, n_teachers)
     h = c["h_s"].clone().requires_grad_(True)
     w = c["w_s"].clone().requires_grad_(True)
-    out = fused_vocab_parallel_kl(h, w, c["hidden"], c["weight"], **_big_kwargs(c, kind))
+    out = fused_vocab_parallel_kl(h, w, c["hidden"], c["weight"], **case_kl_kwargs(c, kind))
     grads = torch.autograd.grad(out, (h, w))
     h64 = c["h_s"].double().requires_grad_(True)
     w64 = c["w_s"].double().requires_grad_(True)
-    ref = _big_reference(c, kind, h64 @ w64.T)
+    ref = case_reference(c, kind, h64 @ w64.T)
     grads64 = torch.autograd.grad(ref, (h64, w64))
     loss, want = float(out.detach()), float(ref.detach())
     assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
@@ -214,11 +205,11 @@ def test_bf16_logits_large_vocab_matches_float64(
     c = _big_case(std, n_teachers)
     s = c["logits"].clone().requires_grad_(True)
     out = vocab_parallel_kl(
-        s, c["hidden"], c["weight"], group=nccl_world, **_big_kwargs(c, kind, chunk_tokens=100)
+        s, c["hidden"], c["weight"], group=nccl_world, **case_kl_kwargs(c, kind, chunk_tokens=100)
     )
     (grad,) = torch.autograd.grad(out, s)
     s64 = c["logits"].double().requires_grad_(True)
-    ref = _big_reference(c, kind, s64)
+    ref = case_reference(c, kind, s64)
     (grad64,) = torch.autograd.grad(ref, s64)
     loss, want = float(out.detach()), float(ref.detach())
     assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)

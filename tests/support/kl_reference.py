@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["distillation_case", "reference_kl", "relative_error"]
+__all__ = [
+    "case_kl_kwargs",
+    "case_reference",
+    "distillation_case",
+    "reference_kl",
+    "relative_error",
+]
 
 
 def reference_kl(
@@ -100,7 +106,7 @@ def distillation_case(
 
     Returns:
         ``hidden``, ``weight`` (lists), ``index_T``, ``mask_T`` (``None`` with one teacher),
-        ``logits``, ``h_s``, ``w_s``.
+        ``logits``, ``h_s``, ``w_s``, ``vocab_size``.
     """
     g = torch.Generator().manual_seed(seed + int(std * 10) + n_teachers)
     hs = (H, H + 32)[:n_teachers]
@@ -119,7 +125,31 @@ def distillation_case(
         hidden[1] = hidden[1][index_T == 1]  # compact rows: only teacher 1's tokens
     return dict(
         hidden=hidden, weight=weight, index_T=index_T, mask_T=mask_T, logits=logits, h_s=h_s,
-        w_s=w_s,
+        w_s=w_s, vocab_size=V,
+    )  # fmt: skip
+
+
+MIX_WEIGHT = 0.3  # the mixed KL's weight in every case below
+
+
+def case_kl_kwargs(case: dict[str, Any], kind: str, **config: Any) -> dict[str, Any]:
+    """The keyword arguments of ``vocab_parallel_kl`` / ``fused_vocab_parallel_kl`` for a
+    :func:`distillation_case` on one rank holding the whole vocabulary (``config`` goes to
+    :class:`~mopd.kernels.kl.KLConfig`)."""
+    from mopd.kernels.kl import KLConfig
+
+    mix_weight = MIX_WEIGHT if kind == "mixed" else None
+    return dict(
+        vocab_start=0, vocab_size=case["vocab_size"], loss_mask_T=case["mask_T"],
+        teacher_index_T=case["index_T"], config=KLConfig(kind=kind, mix_weight=mix_weight, **config),
+    )  # fmt: skip
+
+
+def case_reference(case: dict[str, Any], kind: str, student_TV: torch.Tensor) -> torch.Tensor:
+    """:func:`reference_kl` of a :func:`distillation_case` against student logits ``[T, V]``."""
+    return reference_kl(
+        student_TV, case["hidden"], case["weight"], vocab_size=case["vocab_size"], kind=kind,
+        mix_weight=MIX_WEIGHT, loss_mask_T=case["mask_T"], teacher_index_T=case["index_T"],
     )  # fmt: skip
 
 

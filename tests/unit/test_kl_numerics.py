@@ -29,7 +29,13 @@ from hypothesis import strategies as st
 from mopd.kernels import kl_matmul, kl_prepare
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 from mopd.profiling import ranges
-from tests.support.kl_reference import distillation_case, reference_kl, relative_error
+from tests.support.kl_reference import (
+    case_kl_kwargs,
+    case_reference,
+    distillation_case,
+    reference_kl,
+    relative_error,
+)
 
 V_BIG = 151936
 T, H, NOISE = 96, 64, 0.25
@@ -46,30 +52,16 @@ def _case(std: float, n_teachers: int) -> dict[str, Any]:
     return distillation_case(std=std, n_teachers=n_teachers, T=T, H=H, V=V_BIG, noise=NOISE)
 
 
-def _kwargs(c: dict[str, Any], kind: str) -> dict[str, Any]:
-    return dict(
-        vocab_start=0, vocab_size=V_BIG, loss_mask_T=c["mask_T"], teacher_index_T=c["index_T"],
-        config=KLConfig(kind=kind, mix_weight=0.3 if kind == "mixed" else None),  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
-def _reference(c: dict[str, Any], kind: str, s64: torch.Tensor) -> torch.Tensor:
-    return reference_kl(
-        s64, c["hidden"], c["weight"], vocab_size=V_BIG, kind=kind, mix_weight=0.3,
-        loss_mask_T=c["mask_T"], teacher_index_T=c["index_T"],
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("std", [3.0, 12.0])
 @pytest.mark.parametrize("n_teachers", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_path_bf16_is_float64_accurate(kind: str, n_teachers: int, std: float) -> None:
     c = _case(std, n_teachers)
     s = c["logits"].clone().requires_grad_(True)
-    out = vocab_parallel_kl(s, c["hidden"], c["weight"], **_kwargs(c, kind))
+    out = vocab_parallel_kl(s, c["hidden"], c["weight"], **case_kl_kwargs(c, kind))
     (grad,) = torch.autograd.grad(out, s)
     s64 = c["logits"].double().requires_grad_(True)
-    ref = _reference(c, kind, s64)
+    ref = case_reference(c, kind, s64)
     (grad64,) = torch.autograd.grad(ref, s64)
     assert grad.dtype == torch.bfloat16
     loss, want = float(out.detach()), float(ref.detach())
@@ -84,11 +76,11 @@ def test_fused_path_bf16_is_float64_accurate(kind: str, n_teachers: int, std: fl
     c = _case(std, n_teachers)
     h = c["h_s"].clone().requires_grad_(True)
     w = c["w_s"].clone().requires_grad_(True)
-    out = fused_vocab_parallel_kl(h, w, c["hidden"], c["weight"], **_kwargs(c, kind))
+    out = fused_vocab_parallel_kl(h, w, c["hidden"], c["weight"], **case_kl_kwargs(c, kind))
     grads = torch.autograd.grad(out, (h, w))
     h64 = c["h_s"].double().requires_grad_(True)
     w64 = c["w_s"].double().requires_grad_(True)
-    ref = _reference(c, kind, h64 @ w64.T)
+    ref = case_reference(c, kind, h64 @ w64.T)
     grads64 = torch.autograd.grad(ref, (h64, w64))
     loss, want = float(out.detach()), float(ref.detach())
     assert abs(loss - want) <= LOSS_RTOL * abs(want), (loss, want)
@@ -102,7 +94,7 @@ def test_bf16_teacher_logits_would_miss_these_bounds() -> None:
     is off by far more than the bounds above: they test the fp32 teacher logits."""
     c = _case(12.0, 1)
     s64 = c["logits"].double().requires_grad_(True)
-    exact = _reference(c, "reverse", s64)
+    exact = case_reference(c, "reverse", s64)
     (g_exact,) = torch.autograd.grad(exact, s64)
     u_bf16 = (c["hidden"][0] @ c["weight"][0].T).double()  # bf16 matmul, bf16 output
     s64b = c["logits"].double().requires_grad_(True)
