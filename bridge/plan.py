@@ -213,6 +213,36 @@ class RunCatalog:
         """``[D + 1]`` int64: destination group ``d``'s slots are ``offsets[d] .. offsets[d + 1]``."""
         return self.index().slot_off_D1.copy()
 
+    def recording_reads(self) -> tuple[RunCatalog, set[int], set[int]]:
+        """A fresh catalog over the same contributions that notes which groups' runs are read.
+
+        Returns:
+            ``(catalog, source_ids, dest_ids)``: planning or checking with ``catalog`` adds
+            each source / destination group whose runs it decodes to the two sets (how the
+            plan benchmark and tests see that a rank reads only its peers).
+        """
+        source_ids: set[int] = set()
+        dest_ids: set[int] = set()
+
+        def source_runs(g: int) -> np.ndarray:
+            source_ids.add(g)
+            return self.source_runs(g)
+
+        def dest_runs(d: int) -> np.ndarray:
+            dest_ids.add(d)
+            return self.dest_runs(d)
+
+        catalog = RunCatalog(
+            sources=self.sources,
+            dests=self.dests,
+            source_runs=source_runs,
+            dest_runs=dest_runs,
+            source_range_G2=self.source_range_G2,
+            dest_range_D2=self.dest_range_D2,
+            group_index=self.group_index,
+        )
+        return catalog, source_ids, dest_ids
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Transfer:

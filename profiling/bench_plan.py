@@ -53,7 +53,7 @@ import torch
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
-from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
+from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.topology import Topology
 from mopd.profiling.mesh_arg import OneLineParser
 from mopd.profiling.results import environment, format_table, record
@@ -217,28 +217,10 @@ def _groups_read(step: Step, rank: int) -> int:
     """How many groups' runs ``rank`` reads to plan and check (not timed)."""
     m = StepMatrix(step.matrix_NW, step.sizes_N, n_sections=2)
     cat = step.topology.catalog(m, 0)
-    read: set[tuple[str, int]] = set()
-
-    def source_runs(g: int) -> np.ndarray:
-        read.add(("s", g))
-        return cat.source_runs(g)
-
-    def dest_runs(d: int) -> np.ndarray:
-        read.add(("d", d))
-        return cat.dest_runs(d)
-
-    counting = RunCatalog(
-        sources=cat.sources,
-        dests=cat.dests,
-        source_runs=source_runs,
-        dest_runs=dest_runs,
-        source_range_G2=cat.source_range_G2,
-        dest_range_D2=cat.dest_range_D2,
-        group_index=cat.group_index,
-    )
+    counting, source_ids, dest_ids = cat.recording_reads()
     plan_rank(counting, rank)
     check_rank(counting, rank)
-    return len(read)
+    return len(source_ids) + len(dest_ids)
 
 
 def representative_ranks(ranks: int) -> list[int]:

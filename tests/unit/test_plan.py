@@ -423,26 +423,7 @@ def _meets(range_X2: np.ndarray, lo: int, hi: int) -> set[int]:
 def _reads(sim: SimStep, rank: int, local_copy: bool) -> tuple[set[int], set[int], RankPlan]:
     """Source and destination groups whose runs ``rank`` reads to plan and check."""
     cat = sim.topology.catalog(sim.matrix, 0)
-    read_s: set[int] = set()
-    read_d: set[int] = set()
-
-    def source_runs(g: int) -> np.ndarray:
-        read_s.add(g)
-        return cat.source_runs(g)
-
-    def dest_runs(d: int) -> np.ndarray:
-        read_d.add(d)
-        return cat.dest_runs(d)
-
-    counting = RunCatalog(
-        sources=cat.sources,
-        dests=cat.dests,
-        source_runs=source_runs,
-        dest_runs=dest_runs,
-        source_range_G2=cat.source_range_G2,
-        dest_range_D2=cat.dest_range_D2,
-        group_index=cat.group_index,
-    )
+    counting, read_s, read_d = cat.recording_reads()
     plan = plan_rank(counting, rank, local_copy=local_copy)
     assert check_rank(counting, rank) == []
     return read_s, read_d, plan
