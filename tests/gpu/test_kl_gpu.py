@@ -171,7 +171,7 @@ V_BIG = 151936
 def _big_case(std: float, n_teachers: int) -> dict[str, Any]:
     c = distillation_case(std=std, n_teachers=n_teachers, T=256, H=512, V=V_BIG)
     return {
-        k: [x.to(DEV) for x in v] if isinstance(v, list) else None if v is None else v.to(DEV)
+        k: [x.to(DEV) for x in v] if isinstance(v, list) else v.to(DEV) if torch.is_tensor(v) else v
         for k, v in c.items()
     }
 
