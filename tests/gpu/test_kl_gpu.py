@@ -33,9 +33,8 @@ from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 from mopd.kernels.kl_rowwise import resolve_backend, row_grad, row_stats
 from tests.support.kl_reference import (
-    case_kl_kwargs,
-    case_reference,
     distillation_case,
+    kl_vs_float64,
     relative_error,
 )
 
@@ -180,16 +179,7 @@ def _big_case(std: float, n_teachers: int) -> dict[str, Any]:
 @pytest.mark.parametrize("n_teachers", [1, 2])
 @pytest.mark.parametrize("kind", ["reverse", "forward", "mixed"])
 def test_bf16_fused_large_vocab_matches_float64(kind: str, n_teachers: int, std: float) -> None:
-    c = _big_case(std, n_teachers)
-    h = c["h_s"].clone().requires_grad_(True)
-    w = c["w_s"].clone().requires_grad_(True)
-    out = fused_vocab_parallel_kl(h, w, c["hidden"], c["weight"], **case_kl_kwargs(c, kind))
-    grads = torch.autograd.grad(out, (h, w))
-    h64 = c["h_s"].double().requires_grad_(True)
-    w64 = c["w_s"].double().requires_grad_(True)
-    ref = case_reference(c, kind, h64 @ w64.T)
-    grads64 = torch.autograd.grad(ref, (h64, w64))
-    loss, want = float(out.detach()), float(ref.detach())
+    loss, want, grads, grads64 = kl_vs_float64(_big_case(std, n_teachers), kind, fused=True)
     assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
     for got, want_g in zip(grads, grads64, strict=True):
         assert got.dtype == torch.bfloat16
@@ -203,15 +193,9 @@ def test_bf16_logits_large_vocab_matches_float64(
     kind: str, n_teachers: int, std: float, nccl_world: dist.ProcessGroup
 ) -> None:
     c = _big_case(std, n_teachers)
-    s = c["logits"].clone().requires_grad_(True)
-    out = vocab_parallel_kl(
-        s, c["hidden"], c["weight"], group=nccl_world, **case_kl_kwargs(c, kind, chunk_tokens=100)
+    loss, want, (grad,), (grad64,) = kl_vs_float64(
+        c, kind, fused=False, group=nccl_world, chunk_tokens=100
     )
-    (grad,) = torch.autograd.grad(out, s)
-    s64 = c["logits"].double().requires_grad_(True)
-    ref = case_reference(c, kind, s64)
-    (grad64,) = torch.autograd.grad(ref, s64)
-    loss, want = float(out.detach()), float(ref.detach())
     assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
     assert grad.dtype == torch.bfloat16
     assert relative_error(grad, grad64) <= 5e-3

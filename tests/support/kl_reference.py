@@ -153,6 +153,40 @@ def case_reference(case: dict[str, Any], kind: str, student_TV: torch.Tensor) ->
     )  # fmt: skip
 
 
+def kl_vs_float64(
+    case: dict[str, Any], kind: str, *, fused: bool, group: Any = None, **config: Any
+) -> tuple[float, float, list[torch.Tensor], list[torch.Tensor]]:
+    """The library's KL on a :func:`distillation_case` beside the float64 reference, with grads.
+
+    ``fused=False`` runs ``vocab_parallel_kl`` on the case's student logits ``[T, V]``;
+    ``fused=True`` runs ``fused_vocab_parallel_kl`` on its student hidden ``[T, H]`` and LM head
+    ``[V, H]``. ``group`` and ``config`` (:class:`~mopd.kernels.kl.KLConfig` fields) go to the
+    call under test.
+
+    Returns:
+        ``(loss, reference_loss, grads, reference_grads)``: the gradients of the student logits
+        (one tensor), or of the student hidden and LM head (two), in the case's dtype and in
+        float64.
+    """
+    from mopd.kernels.kl import fused_vocab_parallel_kl, vocab_parallel_kl
+
+    kwargs = case_kl_kwargs(case, kind, **config)
+    if group is not None:
+        kwargs["group"] = group
+    inputs = (case["h_s"], case["w_s"]) if fused else (case["logits"],)
+    leaves = [x.clone().requires_grad_(True) for x in inputs]
+    leaves64 = [x.double().requires_grad_(True) for x in inputs]
+    if fused:
+        out = fused_vocab_parallel_kl(*leaves, case["hidden"], case["weight"], **kwargs)
+        ref = case_reference(case, kind, leaves64[0] @ leaves64[1].T)
+    else:
+        out = vocab_parallel_kl(*leaves, case["hidden"], case["weight"], **kwargs)
+        ref = case_reference(case, kind, leaves64[0])
+    grads = list(torch.autograd.grad(out, leaves))
+    grads64 = list(torch.autograd.grad(ref, leaves64))
+    return float(out.detach()), float(ref.detach()), grads, grads64
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``||got - want|| / ||want||`` (Frobenius, float64)."""
     want = want.double()

@@ -30,9 +30,9 @@ from mopd.kernels import kl_matmul, kl_prepare
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 from mopd.profiling import ranges
 from tests.support.kl_reference import (
-    case_kl_kwargs,
     case_reference,
     distillation_case,
+    kl_vs_float64,
     reference_kl,
     relative_error,
 )
@@ -41,10 +41,6 @@ V_BIG = 151936
 T, H, NOISE = 96, 64, 0.25
 LOSS_RTOL, GRAD_RTOL = 1e-5, 5e-3
 KINDS = ("reverse", "forward", "mixed")
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return relative_error(got, want)
 
 
 @functools.cache
@@ -56,37 +52,21 @@ def _case(std: float, n_teachers: int) -> dict[str, Any]:
 @pytest.mark.parametrize("n_teachers", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_path_bf16_is_float64_accurate(kind: str, n_teachers: int, std: float) -> None:
-    c = _case(std, n_teachers)
-    s = c["logits"].clone().requires_grad_(True)
-    out = vocab_parallel_kl(s, c["hidden"], c["weight"], **case_kl_kwargs(c, kind))
-    (grad,) = torch.autograd.grad(out, s)
-    s64 = c["logits"].double().requires_grad_(True)
-    ref = case_reference(c, kind, s64)
-    (grad64,) = torch.autograd.grad(ref, s64)
+    loss, want, (grad,), (grad64,) = kl_vs_float64(_case(std, n_teachers), kind, fused=False)
     assert grad.dtype == torch.bfloat16
-    loss, want = float(out.detach()), float(ref.detach())
     assert abs(loss - want) <= LOSS_RTOL * abs(want), (loss, want)
-    assert _rel(grad, grad64) <= GRAD_RTOL
+    assert relative_error(grad, grad64) <= GRAD_RTOL
 
 
 @pytest.mark.parametrize("std", [3.0, 12.0])
 @pytest.mark.parametrize("n_teachers", [1, 2])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fused_path_bf16_is_float64_accurate(kind: str, n_teachers: int, std: float) -> None:
-    c = _case(std, n_teachers)
-    h = c["h_s"].clone().requires_grad_(True)
-    w = c["w_s"].clone().requires_grad_(True)
-    out = fused_vocab_parallel_kl(h, w, c["hidden"], c["weight"], **case_kl_kwargs(c, kind))
-    grads = torch.autograd.grad(out, (h, w))
-    h64 = c["h_s"].double().requires_grad_(True)
-    w64 = c["w_s"].double().requires_grad_(True)
-    ref = case_reference(c, kind, h64 @ w64.T)
-    grads64 = torch.autograd.grad(ref, (h64, w64))
-    loss, want = float(out.detach()), float(ref.detach())
+    loss, want, grads, grads64 = kl_vs_float64(_case(std, n_teachers), kind, fused=True)
     assert abs(loss - want) <= LOSS_RTOL * abs(want), (loss, want)
-    for got, want in zip(grads, grads64, strict=True):
+    for got, want_g in zip(grads, grads64, strict=True):
         assert got.dtype == torch.bfloat16
-        assert _rel(got, want) <= GRAD_RTOL
+        assert relative_error(got, want_g) <= GRAD_RTOL
 
 
 def test_bf16_teacher_logits_would_miss_these_bounds() -> None:
@@ -104,7 +84,7 @@ def test_bf16_teacher_logits_would_miss_these_bounds() -> None:
     (g_rounded,) = torch.autograd.grad(rounded, s64b)
     got, want = float(rounded.detach()), float(exact.detach())
     assert abs(got - want) > 100 * LOSS_RTOL * abs(want), (got, want)
-    assert _rel(g_rounded, g_exact) > 10 * GRAD_RTOL
+    assert relative_error(g_rounded, g_exact) > 10 * GRAD_RTOL
 
 
 # ---- the fused weight gradient over many chunks -------------------------------------------------
@@ -125,7 +105,7 @@ def _many_chunks(mode: str) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     h64, w64 = h_s.double().requires_grad_(True), w_t.double().requires_grad_(True)
     ref = reference_kl(h64 @ w64.T, [h_t], [w_t], vocab_size=V_)
     gh64, gw64 = torch.autograd.grad(ref, (h64, w64))
-    return gh, gw, _rel(gh, gh64), _rel(gw, gw64)
+    return gh, gw, relative_error(gh, gh64), relative_error(gw, gw64)
 
 
 def test_weight_gradient_summed_in_fp32_rounds_once() -> None:
