@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from mopd.capture import OutputLayerInputCapture
-from mopd.capture.unwrap import find_output_layer
 from mopd.mcore.batch import MicroBatch
 from mopd.profiling import ranges
 
@@ -36,10 +35,10 @@ def default_forward(model: Any, mb: MicroBatch) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _skip_output_layer(model: Any) -> Iterator[None]:
-    """Make the model's ``output_layer`` return an empty ``[..., 0]`` output (its pre-hooks, the
-    capture's among them, still run): the teacher's logits are never computed."""
-    layer = find_output_layer(model)
+def _skip_output_layer(layer: torch.nn.Module | None) -> Iterator[None]:
+    """Make ``layer`` (a model's ``output_layer``, ``None`` off the last stage: nothing to do)
+    return an empty ``[..., 0]`` output (its pre-hooks, the capture's among them, still run): the
+    teacher's logits are never computed."""
     if layer is None:
         yield
         return
@@ -141,11 +140,7 @@ def run_teacher(
     kwargs: dict[str, Any] = {"pg_collection": pg_collection}
     if pp > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=config)
-    skip = (
-        contextlib.ExitStack()
-        if not skip_lm_head
-        else _skip_output_layer(chunks if len(chunks) > 1 else chunks[0])
-    )
+    skip = _skip_output_layer(capture.output_layer) if skip_lm_head else contextlib.nullcontext()
     with ranges.span("teacher"), torch.no_grad(), skip:
         fb(
             forward_step_func=forward_step,
