@@ -326,11 +326,7 @@ def lm_head_from_models(
     if s_head is not None:
         known[2] = s_head[0].shape[0] * student.tp
         known[0] = max(int(known[0]), s_head[1])
-    cdist.wait(
-        dist.all_reduce(known, op=dist.ReduceOp.MAX, group=meta, async_op=True),
-        device=torch.device("cpu"),
-        timeout_s=timeout_s,
-    )
+    cdist.all_reduce(known, op=dist.ReduceOp.MAX, group=meta, timeout_s=timeout_s)
     vocab_size, t_padded, s_padded, hidden = (int(x) for x in known.tolist())
     if min(vocab_size, t_padded, s_padded, hidden) < 1:
         raise ValueError(

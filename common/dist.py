@@ -11,7 +11,8 @@ each has one answer here:
   who found what and raises the same text, so none is left waiting in a later collective.
 
 Timeouts are ``timeout_s`` (seconds) everywhere in the library; :func:`wait` applies one to a
-work object the way each transport allows.
+work object the way each transport allows, and :func:`all_reduce` is the library's one timed
+all-reduce.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MESSAGE_BYTES", "group_device", "moves_cuda", "same_verdict", "timeout", "wait"]
+__all__ = [
+    "MESSAGE_BYTES",
+    "all_reduce",
+    "group_device",
+    "moves_cuda",
+    "same_verdict",
+    "timeout",
+    "wait",
+]
 
 #: Bytes of a problem's text carried to every rank by :func:`same_verdict`.
 MESSAGE_BYTES = 4000
@@ -61,7 +70,11 @@ def wait(work: Any, *, device: torch.device, timeout_s: float | None) -> None:
         work.wait(datetime.timedelta(seconds=timeout_s))
 
 
-def _all_reduce(t: torch.Tensor, op: Any, group: Any, timeout_s: float | None) -> None:
+def all_reduce(
+    t: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, group: Any, timeout_s: float | None
+) -> None:
+    """In-place all-reduce of ``t`` over ``group``, waited for as :func:`wait` does: a host wait
+    of at most ``timeout_s`` for CPU tensors, a stream wait for CUDA ones."""
     wait(
         dist.all_reduce(t, op=op, group=group, async_op=True),
         device=t.device,
@@ -85,7 +98,7 @@ def same_verdict(
         if problems:
             raise ValueError(f"{what} rejected: {problems[0]}")
         return
-    _all_reduce(flag, dist.ReduceOp.MAX, group, timeout_s)
+    all_reduce(flag, op=dist.ReduceOp.MAX, group=group, timeout_s=timeout_s)
     if not int(flag):
         return
     n = dist.get_world_size(group)

@@ -5,26 +5,23 @@ Why this file exists: the TP ranks of one KL call must agree on tokens, mask and
 raises there only, leaving the others waiting in the first all-reduce. In debug mode one extra
 MAX all-reduce (:func:`check_agreement`) carries every rank's signature and whether any rank's
 validation failed, and :func:`mopd.common.dist.same_verdict` makes every rank raise the same
-``ValueError`` instead of hanging. The timed
-all-reduce (:func:`all_reduce_in`) bounds each wait on CPU (gloo) groups.
+``ValueError`` instead of hanging.
 """
 
 from __future__ import annotations
 
-import datetime
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from mopd.common.dist import group_device, same_verdict
+from mopd.common.dist import all_reduce, group_device, same_verdict
 
 if TYPE_CHECKING:
     from mopd.kernels.kl_prepare import KLJob
 
 __all__ = [
     "SIGNATURE_LEN",
-    "all_reduce_in",
     "check_agreement",
     "collective_device",
     "group_position",
@@ -33,24 +30,6 @@ __all__ = [
 
 #: Entries of :func:`job_signature`.
 SIGNATURE_LEN = 7
-
-
-def all_reduce_in(
-    t: torch.Tensor,
-    op: dist.ReduceOp,
-    group: dist.ProcessGroup | None,
-    timeout_s: float | None,
-) -> None:
-    """In-place all-reduce of ``t`` over ``group``, waiting at most ``timeout_s`` (CPU tensors).
-
-    CUDA tensors (NCCL) rely on the group's own watchdog: a timed wait would block the host on
-    every call.
-    """
-    if t.is_cuda or timeout_s is None:
-        dist.all_reduce(t, op=op, group=group)
-        return
-    work = dist.all_reduce(t, op=op, group=group, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def group_position(group: dist.ProcessGroup | None) -> tuple[int, int] | None:
@@ -114,7 +93,7 @@ def check_agreement(
     vec[2 * n] = len(nonfinite)
     vec[2 * n + 1] = 1 if failure is not None else 0
     vec = vec.to(device)
-    all_reduce_in(vec, dist.ReduceOp.MAX, group, timeout_s)
+    all_reduce(vec, op=dist.ReduceOp.MAX, group=group, timeout_s=timeout_s)
     vec = vec.cpu()
     problems: list[str] = []
     if failure is not None:

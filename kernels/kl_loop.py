@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from mopd.kernels.kl_collectives import all_reduce_in
+from mopd.common.dist import all_reduce
 from mopd.kernels.kl_matmul import logit_dtype, matmul_into
 from mopd.kernels.kl_prepare import KLJob, TeacherSlot
 from mopd.kernels.kl_rowwise import rescale_sums, row_grad, row_stats
@@ -35,7 +35,7 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, job: KLJob) -> None:
     """In-place all-reduce over the TP group, waiting at most ``KLConfig.timeout_s``."""
     if job.group is None or job.tp_size == 1:
         return
-    all_reduce_in(t, op, job.group, job.config.timeout_s)
+    all_reduce(t, op=op, group=job.group, timeout_s=job.config.timeout_s)
 
 
 class StudentSide:

@@ -132,10 +132,8 @@ class Distiller:
             if t.model is not None:
                 hidden[o] = int(_config(t.model).hidden_size)
         meta = groups.meta if groups.meta is not None else groups.bridge
-        cdist.wait(
-            dist.all_reduce(hidden, op=dist.ReduceOp.MAX, group=meta, async_op=True),
-            device=torch.device("cpu"),
-            timeout_s=self.bridge_config.timeout_s,
+        cdist.all_reduce(
+            hidden, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
         )
         specs = []
         for o, t in enumerate(self.teachers):
@@ -348,11 +346,7 @@ class DistillationStep:
         for v in self._logged.values():
             total += v.to(device)
         if group is not None and group.size() > 1:
-            cdist.wait(
-                dist.all_reduce(total, group=group, async_op=True),
-                device=device,
-                timeout_s=self.distiller.bridge_config.timeout_s,
-            )
+            cdist.all_reduce(total, group=group, timeout_s=self.distiller.bridge_config.timeout_s)
         return float(total[0] / total[1].clamp(min=1))
 
     def __enter__(self) -> DistillationStep:
