@@ -64,7 +64,7 @@ from mopd.bridge.metadata import (
     encode_step_record,
     gather_step_matrix,
 )
-from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
 from mopd.common import dist as cdist
@@ -389,7 +389,7 @@ class HiddenStateBridge:
             record = encode_step_record(
                 config_sig=self.config_sig, n_slots=n_slots, error=error, sections=sections
             )
-            meta_group = self.groups.meta if self.groups.meta is not None else self.groups.bridge
+            meta_group = self.groups.metadata_group
             t0 = time.monotonic()
             try:
                 m, sizes = gather_step_matrix(
@@ -415,7 +415,8 @@ class HiddenStateBridge:
         agreed = False
         try:
             with ranges.span("verdict"):
-                problems = self._checks(matrix, n_slots)
+                catalogs = [self.topology.catalog(matrix, i) for i in range(n_slots)]
+                problems = self._checks(matrix, catalogs)
                 t0 = time.monotonic()
                 try:
                     cdist.same_verdict(
@@ -436,7 +437,7 @@ class HiddenStateBridge:
                         timeout_s=self.config.timeout_s,
                         elapsed_s=time.monotonic() - t0,
                     ) from exc
-            step = BridgeStep(self, matrix, n_slots, sections)
+            step = BridgeStep(self, matrix, catalogs, sections)
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
                 self._executor.mark_failed(exc)
@@ -468,7 +469,7 @@ class HiddenStateBridge:
             _buffers={} if hidden is None else hidden,  # checked with the layouts, everywhere
         )
         hidden_d = dict(hidden or {})
-        if hidden_d or step._sources_needed(0):
+        if hidden_d:
             step.send(0, hidden_d)
         # posted here on every rank (receive-only ranks too), so exchanges in flight on one
         # group pair in the order they were started, whatever order they are waited in
@@ -597,8 +598,10 @@ class HiddenStateBridge:
             )
         return known[0]
 
-    def _checks(self, matrix: StepMatrix, n_slots: int) -> list[str]:
-        """The problems this rank is responsible for finding (its share of the global checks)."""
+    def _checks(self, matrix: StepMatrix, catalogs: Sequence[RunCatalog]) -> list[str]:
+        """The problems this rank is responsible for finding (its share of the global checks);
+        ``catalogs``: the step's micro-batches, in order."""
+        n_slots = len(catalogs)
         me = self.topology.members.index(self.rank)
         topo = self.topology
         problems: list[str] = []
@@ -653,8 +656,7 @@ class HiddenStateBridge:
                     problems.append(f"teacher {o} on global rank {self.rank}: unsupported dtype")
         # the planner's checks: tokens held twice or by nobody
         with ranges.span("plan", "checks"):
-            for i in range(n_slots):
-                catalog = topo.catalog(matrix, i)
+            for i, catalog in enumerate(catalogs):
                 problems += [f"micro-batch {i}: {p}" for p in check_rank(catalog, self.rank)]
         return problems
 
@@ -682,12 +684,12 @@ class BridgeStep:
         self,
         bridge: HiddenStateBridge,
         matrix: StepMatrix,
-        n_slots: int,
+        catalogs: Sequence[RunCatalog],
         sections: Sequence[Section | None],
     ) -> None:
         self._bridge = bridge
-        self._matrix = matrix
-        self.num_micro_batches = n_slots
+        self._catalogs = list(catalogs)  # the ones plan_step checked: their decoded runs are kept
+        n_slots = self.num_micro_batches = len(self._catalogs)
         self._sections = list(sections)
         self.finished = False
         self._cursor = 0  # next micro-batch to issue
@@ -704,9 +706,9 @@ class BridgeStep:
         self._slots: list[Slot] = []
         self._given: list[set[int]] = [set() for _ in range(n_slots)]
         ex = bridge.executor
+        row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
-            for i in range(n_slots):
-                catalog = topo.catalog(matrix, i)
+            for i, catalog in enumerate(self._catalogs):
                 plan = plan_rank(catalog, bridge.rank, local_copy=bridge.config.local_copy)
                 sched = None
                 if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
@@ -717,7 +719,7 @@ class BridgeStep:
                         plan,
                         slice_rows=nominal,
                         num_owners=n,
-                        row_bytes=[h * d.itemsize for h, d in self._specs.values()],
+                        row_bytes=row_bytes,
                     )
                 self._slots.append(Slot(index=i, schedule=sched))
         self._owner_dev: dict[int, torch.Tensor] = {}
@@ -770,11 +772,10 @@ class BridgeStep:
     def global_tokens(self, micro_batch: int | None = None) -> int:
         """Real tokens the student wants in ``micro_batch`` over all its shards (each once), or
         in the whole step with ``None``. Read from the gathered metadata (no communication)."""
-        topo, m = self._bridge.topology, self._matrix
         slots = range(self.num_micro_batches) if micro_batch is None else [micro_batch]
         total = 0
         for i in slots:
-            catalog = topo.catalog(m, i)
+            catalog = self._catalogs[i]
             for d in range(len(catalog.dests)):
                 total += int(catalog.dest_runs(d)[:, 4].sum())
         return total
@@ -793,9 +794,6 @@ class BridgeStep:
         if sched is None:
             return set()
         return {op.owner for op in sched.sends} | {x.owner for x in sched.locals}
-
-    def _sources_needed(self, i: int) -> bool:
-        return bool(self._owners_needed(i))
 
     def _issue_through(self, i: int, *, why: str) -> None:
         """Post every micro-batch up to ``i`` in order (their rows must have been given)."""
@@ -923,7 +921,7 @@ class BridgeStep:
             b.executor.release(slot, deadline=deadline)
         self.finished = True
         if b.config.integrity:
-            meta = b.groups.meta if b.groups.meta is not None else b.groups.bridge
+            meta = b.groups.metadata_group
             with ranges.span("integrity"):
                 b.executor.verdict(self._slots, group=meta, deadline=deadline)
 

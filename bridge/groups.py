@@ -129,6 +129,12 @@ class BridgeGroups:
     members: tuple[int, ...]
     meta: Any | None = None
 
+    @property
+    def metadata_group(self) -> Any | None:
+        """The group the host-side metadata and verdicts go over: :attr:`meta`, else
+        :attr:`bridge`."""
+        return self.meta if self.meta is not None else self.bridge
+
 
 def _bridge_members(teachers: Sequence[Mesh], student: Mesh) -> tuple[int, ...]:
     ranks: set[int] = set(student.ranks)

@@ -175,7 +175,7 @@ def reshard_lm_head(
     """
     rank = dist.get_rank()
     device = cdist.group_device(groups.bridge)
-    meta = groups.meta if groups.meta is not None else groups.bridge
+    meta = groups.metadata_group
     problems: list[str] = []
     holds = teacher.is_last_stage(rank)
     tc = teacher.coord(rank)
@@ -305,7 +305,7 @@ def lm_head_from_models(
     sizes are agreed over the group (one small all-reduce).
     """
     rank = dist.get_rank()
-    meta = groups.meta if groups.meta is not None else groups.bridge
+    meta = groups.metadata_group
     t_head = (
         _head_of(teacher_model)
         if teacher_model is not None and teacher.is_last_stage(rank)

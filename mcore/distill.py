@@ -131,7 +131,7 @@ class Distiller:
         for o, t in enumerate(self.teachers):
             if t.model is not None:
                 hidden[o] = int(_config(t.model).hidden_size)
-        meta = groups.meta if groups.meta is not None else groups.bridge
+        meta = groups.metadata_group
         cdist.all_reduce(
             hidden, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
         )
