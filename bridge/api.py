@@ -390,27 +390,20 @@ class HiddenStateBridge:
                 config_sig=self.config_sig, n_slots=n_slots, error=error, sections=sections
             )
             meta_group = self.groups.metadata_group
-            t0 = time.monotonic()
-            try:
-                m, sizes = gather_step_matrix(
+            m, _sizes = self._executor.timed(
+                lambda: gather_step_matrix(
                     record,
                     group=meta_group,
                     n_members=len(self.topology.members),
                     device=cdist.group_device(meta_group),
-                    timeout=cdist.timeout(self.config.timeout_s),
-                )
-            except Exception as exc:
-                err = comm_failure(
-                    exc,
-                    rank=self.rank,
-                    what="the bridge's metadata all-gather over global ranks "
-                    f"{list(self.topology.members)}",
                     timeout_s=self.config.timeout_s,
-                    elapsed_s=time.monotonic() - t0,
-                )
-                self._executor.mark_failed(err)
-                raise err from exc
-        matrix = StepMatrix(m, sizes, n_sections=n + 1)
+                ),
+                lambda: (
+                    "the bridge's metadata all-gather over global ranks "
+                    f"{list(self.topology.members)}"
+                ),
+            )
+        matrix = StepMatrix(m)
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
         agreed = False
         try:
@@ -606,8 +599,10 @@ class HiddenStateBridge:
         topo = self.topology
         problems: list[str] = []
         # replicas against their leader: same rows, same layout, same dtype / hidden / device
-        for g, source in enumerate(topo.sources):
-            if self.rank not in source.ranks or self.rank == source.ranks[0]:
+        mine_g = topo.index.source_groups.get(self.rank, ())  # this rank's groups, ascending
+        for g in mine_g:
+            source = topo.sources[g]
+            if self.rank == source.ranks[0]:
                 continue
             leader, o = int(topo.source_leader[g]), int(topo.source_section[g])
             if matrix.section_head(me, o) != matrix.section_head(leader, o):
@@ -623,8 +618,9 @@ class HiddenStateBridge:
                     f"teacher {o} TP replicas {list(source.ranks)} ({source.label}) hold "
                     f"different token layouts in micro-batch {i}"
                 )
-        for d, dest in enumerate(topo.dests):
-            if self.rank not in dest.ranks or self.rank == dest.ranks[0]:
+        for d in topo.index.dest_groups.get(self.rank, ()):
+            dest = topo.dests[d]
+            if self.rank == dest.ranks[0]:
                 continue
             leader = int(topo.dest_leader[d])
             i = _first_differing_slot(matrix, me, leader, topo.student_section, n_slots)
@@ -634,26 +630,27 @@ class HiddenStateBridge:
                     f"token layouts in micro-batch {i}"
                 )
         # every teacher's leaders agree on (dtype, hidden, device): students size buffers by them
-        for o, spec in enumerate(self.teachers):
-            groups = np.flatnonzero(topo.source_section == o)
-            first = int(topo.source_leader[groups[0]])
-            for g in groups.tolist():
-                if topo.sources[g].ranks[0] != self.rank:
-                    continue
-                head = matrix.section_head(me, o)
-                if head[1] != spec.hidden_size:
-                    problems.append(
-                        f"teacher {o} on global rank {self.rank}: hidden size {head[1]}, "
-                        f"expected {spec.hidden_size}"
-                    )
-                if head[:3] != matrix.section_head(first, o)[:3]:
-                    problems.append(
-                        f"teacher {o}: global ranks {topo.members[first]} and {self.rank} hold "
-                        f"different dtypes or devices ({matrix.section_head(first, o)[:3]} vs "
-                        f"{head[:3]})"
-                    )
-                if code_dtype(head[0]) is None:
-                    problems.append(f"teacher {o} on global rank {self.rank}: unsupported dtype")
+        # (sources are teacher-major, so this goes teacher by teacher as before)
+        for g in mine_g:
+            if topo.sources[g].ranks[0] != self.rank:
+                continue
+            o = int(topo.source_section[g])
+            spec = self.teachers[o]
+            first = topo.first_leader(o)
+            head = matrix.section_head(me, o)
+            if head[1] != spec.hidden_size:
+                problems.append(
+                    f"teacher {o} on global rank {self.rank}: hidden size {head[1]}, "
+                    f"expected {spec.hidden_size}"
+                )
+            if head[:3] != matrix.section_head(first, o)[:3]:
+                problems.append(
+                    f"teacher {o}: global ranks {topo.members[first]} and {self.rank} hold "
+                    f"different dtypes or devices ({matrix.section_head(first, o)[:3]} vs "
+                    f"{head[:3]})"
+                )
+            if code_dtype(head[0]) is None:
+                problems.append(f"teacher {o} on global rank {self.rank}: unsupported dtype")
         # the planner's checks: tokens held twice or by nobody
         with ranges.span("plan", "checks"):
             for i, catalog in enumerate(catalogs):
@@ -699,7 +696,7 @@ class BridgeStep:
         # per owner (hidden, dtype) from the teacher's first leader: the students' buffers
         self._specs: dict[int, tuple[int, torch.dtype]] = {}
         for o, spec in enumerate(bridge.teachers):
-            first = int(topo.source_leader[np.flatnonzero(topo.source_section == o)[0]])
+            first = topo.first_leader(o)
             dtype = code_dtype(matrix.section_head(first, o)[0])
             assert dtype is not None
             self._specs[o] = (spec.hidden_size, dtype)

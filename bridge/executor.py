@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ from mopd.bridge.integrity import (
     row_checksum,
 )
 from mopd.bridge.plan import RankPlan
-from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side
+from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side, plan_digest
 from mopd.common import dist as cdist
 from mopd.kernels import copy_runs, gather_rows, scatter_rows
 from mopd.profiling import ranges
@@ -77,7 +77,13 @@ __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
 #: One integrity check: ``[R]`` bool "row differs" and (owner, peer, destination rows relative
 #: to the slice, source rows, stage) to report it.
+_T = TypeVar("_T")
 _Check = tuple[torch.Tensor, tuple[int, int, torch.Tensor, torch.Tensor, int]]
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()`` clock), at least 1 ms."""
+    return max(deadline - time.monotonic(), 1e-3)
 
 
 def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
@@ -268,15 +274,17 @@ class Executor:
         self, plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]
     ) -> RankSchedule:
         """This rank's schedule of ``plan`` (built once per plan content, LRU-bounded)."""
-        from mopd.bridge.schedule import plan_digest
-
         key = plan_digest(plan)
         s = self._schedules.get(key)
         if s is not None:
             self._schedules.move_to_end(key)
             return s
         s = RankSchedule.build(
-            plan, slice_rows=slice_rows, num_owners=num_owners, row_bytes=row_bytes
+            plan,
+            slice_rows=slice_rows,
+            num_owners=num_owners,
+            row_bytes=row_bytes,
+            digest=key,
         )
         self.schedules_built += 1
         self._schedules[key] = s
@@ -548,7 +556,7 @@ class Executor:
         t0 = time.monotonic()
         for i, w in enumerate(works):
             try:
-                cdist.wait(w, device=device, timeout_s=max(deadline - time.monotonic(), 1e-3))
+                cdist.wait(w, device=device, timeout_s=_left(deadline))
             except Exception as exc:
                 pending = []
                 tail = list(descs)[i:] if len(descs) == len(works) else [""] * (len(works) - i)
@@ -569,12 +577,12 @@ class Executor:
                 self.mark_failed(err)
                 raise err from exc
 
-    def _timed(self, fn: Callable[[], None], what: str | Callable[[], str]) -> None:
-        """``fn()``; a failure becomes a named timeout / comm error (``what``: the phase, or a
-        function writing it, called only then) and refuses further work."""
+    def timed(self, fn: Callable[[], _T], what: str | Callable[[], str]) -> _T:
+        """``fn()``'s value; a failure becomes a named timeout / comm error (``what``: the phase,
+        or a function writing it, called only then) and refuses further work."""
         t0 = time.monotonic()
         try:
-            fn()
+            return fn()
         except BridgeError:
             raise
         except Exception as exc:
@@ -627,12 +635,12 @@ class Executor:
                 raise AssertionError("a destination group of several ranks needs its TP group")
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
-                    self._timed(
+                    self.timed(
                         lambda owner=owner: all_gather_flat(
                             slot.outputs[owner],
                             targets[owner],
                             group=tp_group,
-                            timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
+                            timeout_s=_left(deadline),
                         ),
                         lambda: (
                             f"the student TP all-gather after the crossing (micro-batch "
@@ -717,12 +725,12 @@ class Executor:
         mine = torch.cat([slice_sums[o] for o in owners])
         every = torch.empty(group_size * mine.numel(), dtype=torch.int64, device=mine.device)
         ranks = dist.get_process_group_ranks(tp_group)
-        self._timed(
+        self.timed(
             lambda: all_gather_flat(
                 every,
                 mine,
                 group=tp_group,
-                timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
+                timeout_s=_left(deadline),
             ),
             f"the checksums of the student TP all-gather (integrity, micro-batch {slot.index}, "
             f"over global ranks {ranks})",
@@ -788,12 +796,12 @@ class Executor:
         n = dist.get_world_size(group)
         every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
         ranks = dist.get_process_group_ranks(group)
-        self._timed(
+        self.timed(
             lambda: all_gather_flat(
                 every,
                 mine.to(device),
                 group=group,
-                timeout=cdist.timeout(max(deadline - time.monotonic(), 1e-3)),
+                timeout_s=_left(deadline),
             ),
             f"the integrity verdict (all-gather over global ranks {ranks})",
         )

@@ -40,24 +40,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.mesh import Mesh
+from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
 
 __all__ = ["BridgeGroups", "GroupPool", "all_gather_flat", "create_bridge_groups"]
 
 
-def all_gather_flat(
-    output: Any, input_: Any, *, group: Any, timeout: datetime.timedelta | None
-) -> None:
+def all_gather_flat(output: Any, input_: Any, *, group: Any, timeout_s: float | None) -> None:
     """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
 
     Through :data:`mopd.capture.gather.all_gather_into` (in place when ``input_`` is this rank's
-    slice of ``output``). CPU tensors: a host wait of at most ``timeout``; CUDA tensors: a stream
-    wait (:func:`mopd.common.dist.wait`).
+    slice of ``output``). CPU tensors: a host wait of at most ``timeout_s``; CUDA tensors: a
+    stream wait (:func:`mopd.common.dist.wait`).
     """
     work = all_gather_into(output, input_, group=group, async_op=True)
-    timeout_s = None if timeout is None else timeout.total_seconds()
     cdist.wait(work, device=output.device, timeout_s=timeout_s)
 
 
@@ -136,17 +133,10 @@ class BridgeGroups:
         return self.meta if self.meta is not None else self.bridge
 
 
-def _bridge_members(teachers: Sequence[Mesh], student: Mesh) -> tuple[int, ...]:
-    ranks: set[int] = set(student.ranks)
-    for t in teachers:
-        ranks |= set(t.ranks)
-    return tuple(sorted(ranks))
-
-
 def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mesh) -> BridgeGroups:
     """Create the bridge's groups (collective over the default group, order in the module doc)
     and return this rank's."""
-    members = _bridge_members(teachers, student)
+    members = bridge_members(teachers, student)
     world = dist.get_world_size()
     if members[-1] >= world:
         raise ValueError(

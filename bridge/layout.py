@@ -23,7 +23,7 @@ Conventions (all tensors int64, on the CPU, describing a buffer seen as its flat
 - Padding rows have ``sample_id == position == -1``. Sample ids are global and link teacher and
   student, so both sides may batch, pack and order samples differently.
 - The LM head reshard reuses the same form with ``sample_id = 0`` and ``position = vocab row``
-  (:func:`vocab_layout`).
+  (:mod:`mopd.bridge.lm_head`).
 
 A layout travels between ranks as runs (:func:`layout_to_runs`): rows of one sample with
 consecutive positions and a constant row step, so a ``[S, B, H]`` batch is ``B`` runs per CP chunk.
@@ -48,7 +48,6 @@ __all__ = [
     "megatron_padded_length",
     "packed_layout",
     "padded_layout",
-    "vocab_layout",
 ]
 
 _I64 = torch.int64
@@ -226,10 +225,8 @@ def packed_layout(
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
     if cu_seqlens_padded is None:
-        pad_N = torch.tensor(
-            [megatron_padded_length(n, cp_size=cp_size, sp_size=sp_size) for n in len_N.tolist()],
-            dtype=_I64,
-        )
+        mult = megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)  # the rule's multiple
+        pad_N = (len_N + mult - 1) // mult * mult
     else:
         cu = torch.as_tensor(cu_seqlens_padded, dtype=_I64).reshape(-1)
         if cu.numel() != len_N.numel() + 1 or int(cu[0]) != 0:
@@ -280,25 +277,6 @@ def concat_layouts(layouts: Sequence[TokenLayout]) -> TokenLayout:
     return TokenLayout(
         sample_id_R=torch.cat([x.sample_id_R for x in layouts]),
         position_R=torch.cat([x.position_R for x in layouts]),
-    )
-
-
-def vocab_layout(
-    vocab_size: int, padded_vocab_size: int, tp_size: int, tp_rank: int
-) -> TokenLayout:
-    """Rows of a vocab-parallel weight shard: key ``(0, vocab_row)``; rows past ``vocab_size`` are padding."""
-    if padded_vocab_size < vocab_size or padded_vocab_size % tp_size:
-        raise ValueError(
-            f"padded vocab size {padded_vocab_size} must be >= vocab size {vocab_size} "
-            f"and divisible by tp = {tp_size}"
-        )
-    per = padded_vocab_size // tp_size
-    v_R = torch.arange(tp_rank * per, (tp_rank + 1) * per, dtype=_I64)
-    valid = v_R < vocab_size
-    minus = torch.full((), -1, dtype=_I64)
-    return TokenLayout(
-        sample_id_R=torch.where(valid, torch.zeros_like(v_R), minus),
-        position_R=torch.where(valid, v_R, minus),
     )
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.executor import Executor, Slot
-from mopd.bridge.groups import BridgeGroups
+from mopd.bridge.groups import BridgeGroups, all_gather_flat
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import code_dtype, dtype_code
 from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup, plan_rank
@@ -216,11 +216,7 @@ def reshard_lm_head(
     # what everyone needs to know: the weight's dtype (students allocate with it)
     codes = torch.full((len(groups.members),), -1, dtype=torch.int64)
     mine = torch.tensor([code], dtype=torch.int64)
-    cdist.wait(
-        dist.all_gather_into_tensor(codes, mine, group=meta, async_op=True),
-        device=torch.device("cpu"),
-        timeout_s=timeout_s,
-    )
+    all_gather_flat(codes, mine, group=meta, timeout_s=timeout_s)
     held = sorted({int(c) for c in codes.tolist() if c >= 0})
     if len(held) > 1 and code >= 0 and code != held[0]:
         problems.append(

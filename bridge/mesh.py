@@ -25,6 +25,7 @@ from typing import Any
 __all__ = [
     "Mesh",
     "MeshCoord",
+    "bridge_members",
     "mesh_from_groups",
     "mesh_from_parallel_state",
     "mesh_from_pg_collection",
@@ -258,6 +259,14 @@ def mesh_from_pg_collection(
         pp_group=getattr(pg_collection, "pp", None),
         name=name,
     )
+
+
+def bridge_members(teachers: Sequence[Mesh], student: Mesh) -> tuple[int, ...]:
+    """Every global rank of ``teachers`` and ``student``, sorted: the bridge group's members."""
+    ranks: set[int] = set(student.ranks)
+    for t in teachers:
+        ranks |= set(t.ranks)
+    return tuple(sorted(ranks))
 
 
 def meshes_overlap(meshes: Sequence[Mesh]) -> bool:

@@ -24,7 +24,6 @@ the rank has no such section. ``n_runs == -1``: a replica that sends only its di
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ __all__ = [
     "SLOT_FIELDS",
     "Section",
     "StepMatrix",
-    "code_device",
     "code_dtype",
     "device_code",
     "dtype_code",
@@ -89,10 +87,6 @@ def device_code(device: torch.device | str) -> int:
 
 def code_dtype(code: int) -> torch.dtype | None:
     return DTYPES[code] if 0 <= code < len(DTYPES) else None
-
-
-def code_device(code: int) -> str:
-    return _DEVICES[code] if 0 <= code < len(_DEVICES) else "other"
 
 
 def layout_digest(num_rows: int, runs_K5: np.ndarray) -> int:
@@ -186,7 +180,7 @@ def gather_step_matrix(
     group: Any,
     n_members: int,
     device: torch.device,
-    timeout: datetime.timedelta,
+    timeout_s: float | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """All-gather every member's record: ``([n, width] int64, sizes [n])``, the same everywhere.
 
@@ -196,13 +190,13 @@ def gather_step_matrix(
     """
     size = torch.tensor([record.numel()], dtype=torch.int64, device=device)
     sizes = torch.empty(n_members, dtype=torch.int64, device=device)
-    all_gather_flat(sizes, size, group=group, timeout=timeout)
+    all_gather_flat(sizes, size, group=group, timeout_s=timeout_s)
     sizes_n = sizes.cpu().numpy()
     width = int(sizes_n.max())
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
-    all_gather_flat(every, padded, group=group, timeout=timeout)
+    all_gather_flat(every, padded, group=group, timeout_s=timeout_s)
     return every.cpu().numpy().reshape(n_members, width), sizes_n
 
 
@@ -214,14 +208,8 @@ class StepMatrix:
     front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
     """
 
-    def __init__(self, matrix: np.ndarray, sizes: np.ndarray, n_sections: int) -> None:
+    def __init__(self, matrix: np.ndarray) -> None:
         self.matrix = matrix
-        self.sizes = sizes
-        self.n_sections = n_sections
-
-    @property
-    def n_members(self) -> int:
-        return int(self.matrix.shape[0])
 
     def magic_N(self) -> np.ndarray:
         return self.matrix[:, 0]
@@ -242,10 +230,6 @@ class StepMatrix:
             return ""
         words = self.matrix[j, at : at + (n + 7) // 8].astype("<i8")
         return words.tobytes()[:n].decode(errors="replace")
-
-    def section_offset_N(self, section: int) -> np.ndarray:
-        """``[n]`` offset of ``section`` in each record (0: absent)."""
-        return self.matrix[:, HEADER + section]
 
     def section_head(self, j: int, section: int) -> tuple[int, int, int, int]:
         """``(dtype_code, hidden, device_code, n_slots)`` of member ``j``'s section."""

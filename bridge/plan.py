@@ -373,11 +373,16 @@ def _overlaps(
     (``start_A`` and ``end_A`` increasing), ``B`` any; by ``b``, then ``a`` increasing."""
     lo = np.searchsorted(end_A, start_B, side="right")
     hi = np.searchsorted(start_A, end_B, side="left")
-    n = np.maximum(hi - lo, 0)
-    total = int(n.sum())
-    b = np.repeat(np.arange(start_B.size, dtype=_I64), n)
-    a = lo[b] + np.arange(total, dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
-    return b, a
+    b, t = _fan_out(np.maximum(hi - lo, 0))
+    return b, lo[b] + t
+
+
+def _fan_out(n_K: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(k, t)``: each index ``k`` repeated ``n_K[k]`` times, and beside it ``t = 0 ..
+    n_K[k] - 1`` (a segmented arange)."""
+    k = np.repeat(np.arange(n_K.size, dtype=_I64), n_K)
+    t = np.arange(k.size, dtype=_I64) - np.repeat(np.cumsum(n_K) - n_K, n_K)
+    return k, t
 
 
 def _ceil_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -422,6 +427,18 @@ class _Pieces:
             dst_step=self.dst_step[idx],
             length=self.length[idx],
         )
+
+    def sub(self, idx: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> _Pieces:
+        """Tokens ``lo .. hi - 1`` of pieces ``idx`` (``0 <= lo < hi <= length``), each a piece
+        (steps of one-token pieces set to 1)."""
+        out = self.take(idx)
+        out.src_row = out.src_row + lo * out.src_step
+        out.dst_row = out.dst_row + lo * out.dst_step
+        out.length = hi - lo
+        one = out.length == 1
+        out.src_step[one] = 1
+        out.dst_step[one] = 1
+        return out
 
     @staticmethod
     def concat(parts: Sequence[_Pieces]) -> _Pieces:
@@ -488,21 +505,15 @@ def _cut_slices(p: _Pieces, slice_rows_P: np.ndarray, slot0_P: np.ndarray) -> _P
     if p.size == 0 or bool((m == 1).all()):
         p.slot = slot0_P + q0
         return p
-    i = np.repeat(np.arange(p.size, dtype=_I64), m)
-    q = q0[i] + np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(m) - m, m)
+    i, t = _fan_out(m)
+    q = q0[i] + t
     r0, st, ni = p.dst_row[i], p.dst_step[i], n[i]
     lo = np.maximum(_ceil_div(q * ni - r0, st), 0)
     hi = np.minimum(_ceil_div((q + 1) * ni - r0, st), p.length[i])
     keep = hi > lo
     i, q, lo, hi = i[keep], q[keep], lo[keep], hi[keep]
-    out = p.take(i)
-    out.src_row = out.src_row + lo * out.src_step
-    out.dst_row = out.dst_row + lo * out.dst_step
-    out.length = hi - lo
+    out = p.sub(i, lo, hi)
     out.slot = slot0_P[i] + q
-    one = out.length == 1
-    out.src_step[one] = 1
-    out.dst_step[one] = 1
     return out
 
 
@@ -551,9 +562,7 @@ def _untangle(
     multi = np.bincount(cluster)[cluster] > 1
     q = p.take(multi)
     qc = cluster[multi]
-    length = q.length
-    i = np.repeat(np.arange(q.size, dtype=_I64), length)
-    t = np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(length) - length, length)
+    i, t = _fan_out(q.length)
     src_M, dst_M = q.src_row[i] + t * q.src_step[i], q.dst_row[i] + t * q.dst_step[i]
     o = np.lexsort((dst_M, qc[i]))
     i, src_M, dst_M = i[o], src_M[o], dst_M[o]
@@ -646,21 +655,14 @@ def _chunk(
     c1 = (off + p.length - 1) * k // n
     m = c1 - c0 + 1
     if bool((m > 1).any()):
-        i = np.repeat(np.arange(p.size, dtype=_I64), m)
-        c = c0[i] + np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(m) - m, m)
+        i, t = _fan_out(m)
+        c = c0[i] + t
         ki, ni, oi = k[i], n[i], off[i]
         lo = np.maximum(_ceil_div(c * ni, ki), oi) - oi
         hi = np.minimum(_ceil_div((c + 1) * ni, ki), oi + p.length[i]) - oi
         keep = hi > lo
         i, c, lo, hi = i[keep], c[keep], lo[keep], hi[keep]
-        q = p.take(i)
-        q.src_row = q.src_row + lo * q.src_step
-        q.dst_row = q.dst_row + lo * q.dst_step
-        q.length = hi - lo
-        one = q.length == 1
-        q.src_step[one] = 1
-        q.dst_step[one] = 1
-        p, block = q, block[i]
+        p, block = p.sub(i, lo, hi), block[i]
     else:
         c = c0
     g, s, kb = p.grp, p.slot, blk_k[block]
@@ -706,8 +708,7 @@ def _fill_owners(owner_N: np.ndarray, p: _Pieces, owner_G: np.ndarray) -> None:
         np.add.at(edge, p.dst_row + p.length, -(own + 1))
         owner_N[:] = np.cumsum(edge[:n]) - 1
         return
-    i = np.repeat(np.arange(p.size, dtype=_I64), p.length)
-    t = np.arange(i.size, dtype=_I64) - np.repeat(np.cumsum(p.length) - p.length, p.length)
+    i, t = _fan_out(p.length)
     owner_N[p.dst_row[i] + t * p.dst_step[i]] = own[i]
 
 

@@ -258,12 +258,18 @@ class RankSchedule:
 
     @staticmethod
     def build(
-        plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]
+        plan: RankPlan,
+        *,
+        slice_rows: int,
+        num_owners: int,
+        row_bytes: Sequence[int],
+        digest: str | None = None,
     ) -> RankSchedule:
         """The schedule of ``plan`` (pure, host tensors only).
 
         ``slice_rows``: rows of this rank's slice in the output buffer (the destination group's
         equal slice, :attr:`~mopd.bridge.plan.DestGroup.slice_rows`; 0 without a destination).
+        ``digest``: :func:`plan_digest` of ``plan`` when the caller has it already.
         """
         send_rows: dict[int, int] = {}
         recv_rows: dict[int, int] = {}
@@ -306,7 +312,7 @@ class RankSchedule:
                 fill[owner] = _t(np.flatnonzero(mine != owner))
         return RankSchedule(
             rank=plan.rank,
-            digest=plan_digest(plan),
+            digest=plan_digest(plan) if digest is None else digest,
             sends=sends,
             recvs=recvs,
             locals=locals_,

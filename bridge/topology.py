@@ -24,7 +24,7 @@ from typing import Generic, TypeVar, overload
 
 import numpy as np
 
-from mopd.bridge.mesh import Mesh
+from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.metadata import StepMatrix
 from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, SourceGroup
 
@@ -95,10 +95,7 @@ class Topology:
     @staticmethod
     def build(teachers: Sequence[Mesh], student: Mesh, *, per_rank_dests: bool = False) -> Topology:
         """The groups of ``teachers`` and ``student`` (pure, the same on every rank)."""
-        ranks: set[int] = set(student.ranks)
-        for t in teachers:
-            ranks |= set(t.ranks)
-        members = tuple(sorted(ranks))
+        members = bridge_members(teachers, student)
         index = {r: i for i, r in enumerate(members)}
         sources, section, leader = [], [], []
         for o, mesh in enumerate(teachers):
@@ -132,6 +129,10 @@ class Topology:
             dest_leader=np.asarray(dest_leader, dtype=_I64),
             student_section=len(teachers),
         )
+
+    def first_leader(self, section: int) -> int:
+        """Member index of the first rank of ``section``'s (a teacher's) first source group."""
+        return int(self.source_leader[np.flatnonzero(self.source_section == section)[0]])
 
     @cached_property
     def index(self) -> GroupIndex:

@@ -30,7 +30,6 @@ __all__ = [
     "group_device",
     "moves_cuda",
     "same_verdict",
-    "timeout",
     "wait",
 ]
 
@@ -48,11 +47,6 @@ def group_device(group: Any) -> torch.device:
     if group is not None and moves_cuda(group) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def timeout(timeout_s: float | None) -> datetime.timedelta | None:
-    """``timeout_s`` seconds as a ``timedelta`` (``None`` stays ``None``)."""
-    return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
 
 
 def wait(work: Any, *, device: torch.device, timeout_s: float | None) -> None:

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Case", "bench_case", "cases_for", "main", "plot"]
 
-_TIMEOUT = datetime.timedelta(seconds=120)
+_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,13 +235,13 @@ def bench_case(
             keys = torch.empty(0, dtype=torch.int64)
         n_all = torch.empty(world, dtype=torch.int64, device=device)
         all_gather_flat(
-            n_all, torch.tensor([src.shape[0]], device=device), group=None, timeout=_TIMEOUT
+            n_all, torch.tensor([src.shape[0]], device=device), group=None, timeout_s=_TIMEOUT_S
         )
         width = int(n_all.max())
         keys_pad = torch.full((width,), -1, dtype=torch.int64, device=device)
         keys_pad[: keys.numel()] = keys.to(device)
         keys_all = torch.empty(world * width, dtype=torch.int64, device=device)
-        all_gather_flat(keys_all, keys_pad, group=None, timeout=_TIMEOUT)
+        all_gather_flat(keys_all, keys_pad, group=None, timeout_s=_TIMEOUT_S)
         pick = out = None
         if s_mine is not None:
             kd = encode_keys(s_mine[i].sample_id_R, s_mine[i].position_R, 1 << 24).to(device)
@@ -263,7 +263,7 @@ def bench_case(
     def naive() -> None:
         for x in naive_mb:
             x["send"][: x["src"].shape[0]].copy_(x["src"])
-            all_gather_flat(x["recv"], x["send"], group=None, timeout=_TIMEOUT)
+            all_gather_flat(x["recv"], x["send"], group=None, timeout_s=_TIMEOUT_S)
             if x["pick"] is not None:
                 gather_rows(x["recv"], x["pick"], out_RH=x["out"], check_bounds=False)
 
@@ -280,8 +280,9 @@ def bench_case(
     step, outs = run_step(bridge)
     ok = True
     int_view = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[dtype.itemsize]
+    wants = [key_pattern(x, hidden, dtype).to(device).view(int_view) for x in s_mine or []]
     for i, (got, owner) in enumerate(outs):
-        want = key_pattern(s_mine[i], hidden, dtype).to(device).view(int_view)  # type: ignore[index]
+        want = wants[i]
         real = owner >= 0
         ok &= bool(torch.equal(got.view(int_view)[real], want[real]))
         ok &= bool(real.sum() == s_mine[i].num_tokens)  # type: ignore[index]
@@ -289,8 +290,7 @@ def bench_case(
     for i, x in enumerate(naive_mb):
         if x["out"] is not None:
             real = s_mine[i].sample_id_R.to(device) >= 0  # type: ignore[index]
-            want = key_pattern(s_mine[i], hidden, dtype).to(device).view(int_view)  # type: ignore[index]
-            ok &= bool(torch.equal(x["out"].view(int_view)[real], want[real]))
+            ok &= bool(torch.equal(x["out"].view(int_view)[real], wants[i][real]))
 
     counts = [s.counts() for s in _schedules(step)]
     per_rank = {
@@ -366,7 +366,7 @@ def plot(rows: Sequence[dict[str, Any]], png: Path, title: str, *, caveat: str |
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter
 
-    from mopd.profiling.plots import spans_decades
+    from mopd.profiling.plots import byte_unit, spans_decades
 
     labels = [
         f"{r['case']}{' + integrity' if r['integrity'] == 'on' else ''}\n"
@@ -374,10 +374,7 @@ def plot(rows: Sequence[dict[str, Any]], png: Path, title: str, *, caveat: str |
         for r in rows
     ]
     peak = max(float(r["all-gather bytes across ranks"]) for r in rows)
-    unit, scale = next(
-        ((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak >= k),
-        ("B", 1),
-    )
+    unit, scale = byte_unit(peak)
     fig = Figure(figsize=(12.0, 0.8 * len(rows) + 2.6), layout="constrained")
     FigureCanvasAgg(fig)
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2, sharey=None)
@@ -415,7 +412,7 @@ def plot(rows: Sequence[dict[str, Any]], png: Path, title: str, *, caveat: str |
     return png
 
 
-def _init(args: argparse.Namespace) -> torch.device:
+def _init() -> torch.device:
     import torch
     import torch.distributed as dist
 
@@ -453,7 +450,7 @@ def _run(args: argparse.Namespace) -> int:
     from mopd.bridge import GroupPool
     from mopd.profiling.results import CPU_CAVEAT, Progress, format_table, record
 
-    device = _init(args)
+    device = _init()
     rank, world = dist.get_rank(), dist.get_world_size()
     small = args.quick or device.type == "cpu"
     samples = args.samples or (16 if small else 32)

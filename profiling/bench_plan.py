@@ -208,14 +208,14 @@ def build_step(ranks: int, *, tokens_per_rank: int, max_len: int, seed: int = 0)
 
 def _plan_one(step: Step, rank: int) -> tuple[Any, list[str]]:
     """What one rank does per micro-batch once the matrix is there."""
-    m = StepMatrix(step.matrix_NW, step.sizes_N, n_sections=2)
+    m = StepMatrix(step.matrix_NW)
     catalog = step.topology.catalog(m, 0)
     return plan_rank(catalog, rank), check_rank(catalog, rank)
 
 
 def _groups_read(step: Step, rank: int) -> int:
     """How many groups' runs ``rank`` reads to plan and check (not timed)."""
-    m = StepMatrix(step.matrix_NW, step.sizes_N, n_sections=2)
+    m = StepMatrix(step.matrix_NW)
     cat = step.topology.catalog(m, 0)
     counting, source_ids, dest_ids = cat.recording_reads()
     plan_rank(counting, rank)

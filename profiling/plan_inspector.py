@@ -167,14 +167,9 @@ class PlanRequest:
         return self.student_sp and self.student.tp > 1
 
 
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
-
-
-def _pad_multiple(mesh: Mesh, *, sp: bool) -> int:
-    """Multiple each (padded) sequence length is rounded to on one side (Megatron's rule)."""
-    mult = 2 * mesh.cp if mesh.cp > 1 else 1
-    return mult * mesh.tp if sp and mesh.tp > 1 else mult
+def _pad_rule(mesh: Mesh, *, sp: bool) -> dict[str, int]:
+    """One side's keywords for :func:`~mopd.bridge.layout.megatron_padded_length`."""
+    return {"cp_size": mesh.cp, "sp_size": mesh.tp if sp else 1}
 
 
 def _micro_batch_ids(req: PlanRequest, i: int, mesh: Mesh, d: int) -> list[int]:
@@ -191,17 +186,17 @@ def _layout(
     mesh: Mesh,
     cp_rank: int,
     *,
-    mult: int,
+    pad: dict[str, int],
     order: str,
     sp: tuple[int, int] = (1, 0),
 ) -> TokenLayout:
-    from mopd.bridge.layout import packed_layout, padded_layout
+    from mopd.bridge.layout import megatron_padded_length, packed_layout, padded_layout
 
     lens = [req.lengths[s] for s in ids]
     if req.padded_seq_len is not None:
         return padded_layout(
             ids,
-            _round_up(req.padded_seq_len, mult),
+            megatron_padded_length(req.padded_seq_len, **pad),
             order=order,  # type: ignore[arg-type]
             lengths=lens,
             cp_size=mesh.cp,
@@ -211,7 +206,7 @@ def _layout(
         )
     cu = [0]
     for n in lens:
-        cu.append(cu[-1] + _round_up(n, mult))
+        cu.append(cu[-1] + megatron_padded_length(n, **pad))
     return packed_layout(
         ids,
         lens,
@@ -229,14 +224,14 @@ def build_layouts(
     """Per micro-batch, the teacher's captured layouts (``(dp, cp) ->``) and the student's
     wanted ones (``(dp, cp) ->``, or ``global rank ->`` when it keeps its SP slice)."""
     t, s = req.teacher, req.student
-    t_mult = _pad_multiple(t, sp=req.teacher_sp)
-    s_mult = _pad_multiple(s, sp=req.student_sp)
+    t_pad = _pad_rule(t, sp=req.teacher_sp)
+    s_pad = _pad_rule(s, sp=req.student_sp)
     teacher: list[dict[tuple[int, int], TokenLayout]] = []
     student: list[dict[Any, TokenLayout]] = []
     for i in range(req.micro_batches):
         teacher.append(
             {
-                (d, c): _layout(req, _micro_batch_ids(req, i, t, d), t, c, mult=t_mult, order="sbh")
+                (d, c): _layout(req, _micro_batch_ids(req, i, t, d), t, c, pad=t_pad, order="sbh")
                 for d, c in t.shards()
             }
         )
@@ -245,9 +240,9 @@ def build_layouts(
             ids = _micro_batch_ids(req, i, s, d)
             if req.keeps_sp_slice:
                 for j, r in enumerate(s.tp_group_ranks(dp_rank=d, cp_rank=c)):
-                    mine[r] = _layout(req, ids, s, c, mult=s_mult, order="sbh", sp=(s.tp, j))
+                    mine[r] = _layout(req, ids, s, c, pad=s_pad, order="sbh", sp=(s.tp, j))
             else:
-                mine[(d, c)] = _layout(req, ids, s, c, mult=s_mult, order="bsh")
+                mine[(d, c)] = _layout(req, ids, s, c, pad=s_pad, order="bsh")
         student.append(mine)
     return teacher, student
 
@@ -324,7 +319,7 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
     gathered = np.zeros((len(records), int(sizes.max())), dtype=_I64)
     for j, x in enumerate(records):
         gathered[j, : x.size] = x
-    matrix = StepMatrix(gathered, sizes, n_sections=2)
+    matrix = StepMatrix(gathered)
     catalogs, plans = [], []
     for i in range(m):
         catalog = topo.catalog(matrix, i)
@@ -631,6 +626,7 @@ def _rows_text(rows: Mapping[Any, tuple[int, ...]]) -> str:
 
 def format_report(report: PlanReport, *, top: int = 8) -> str:
     """The printed summary: setup, matrix, per-rank volumes, comparisons, times."""
+    from mopd.bridge.layout import megatron_padded_length
     from mopd.bridge.mesh import meshes_overlap
 
     req, f = report.request, report.figures
@@ -663,8 +659,9 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     )
     if req.padded_seq_len is not None:
         for side, mesh, sp in (("teacher", t, req.teacher_sp), ("student", s, req.student_sp)):
-            mult = _pad_multiple(mesh, sp=sp)
-            padded = _round_up(req.padded_seq_len, mult)
+            pad = _pad_rule(mesh, sp=sp)
+            padded = megatron_padded_length(req.padded_seq_len, **pad)
+            mult = megatron_padded_length(1, **pad)
             if padded != req.padded_seq_len:
                 add(
                     f"note: {side} sequences padded to {padded} (a multiple of {mult}); "
@@ -866,6 +863,8 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
     from matplotlib.colors import LogNorm, Normalize
     from matplotlib.figure import Figure
 
+    from mopd.profiling.plots import byte_unit, spans_decades
+
     req, f = report.request, report.figures
     w = report.world_size
     e = report.entries_E3
@@ -874,17 +873,14 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
     loc = e[e[:, 0] == e[:, 1]]
     np.add.at(local_src, loc[:, 0], loc[:, 2])
     peak = int(max((send_W + local_src).max(initial=0), (recv_W + local_W).max(initial=0)))
-    unit, scale = next(
-        ((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak >= k),
-        ("B", 1),
-    )
+    unit, scale = byte_unit(peak)
     bins = max(1, -(-w // 512))  # large jobs: ranks summed in bins, so the image stays small
     nb = -(-w // bins)
     cross = e[e[:, 0] != e[:, 1]]
     img = np.zeros((nb, nb), dtype=np.float64)
     np.add.at(img, (cross[:, 0] // bins, cross[:, 1] // bins), cross[:, 2] / scale)
     nz = img[img > 0]
-    log = _spans_decades(nz)
+    log = spans_decades(nz.tolist())
     norm = (
         LogNorm(vmin=float(nz.min()), vmax=float(nz.max()))
         if log
@@ -982,7 +978,7 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
             line(float(v[v > 0].mean()), color="black", lw=0.8, ls="--", label=f"mean of {who}")
         axis.legend(fontsize=7, loc="lower right" if axis is ax_s else "upper left")
         axis.grid(alpha=0.3)
-    bar_log = _spans_decades(np.concatenate([send_W + local_src, recv_W + local_W]))
+    bar_log = spans_decades(np.concatenate([send_W + local_src, recv_W + local_W]).tolist())
     if bar_log:
         ax_s.set_xscale("log")
         ax_r.set_yscale("log")
@@ -1011,15 +1007,6 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
     )
     fig.savefig(path, dpi=110)
     return path
-
-
-def _spans_decades(v: np.ndarray) -> bool:
-    """True when the positive values differ by 10x or more (a log scale then reads better)."""
-    nz = v[v > 0]
-    return bool(nz.size) and float(nz.max()) >= 10 * float(nz.min())
-
-
-# --- command line ---------------------------------------------------------------------------
 
 
 def _positive_int(text: str) -> int:

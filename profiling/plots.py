@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["choose_columns", "draw_csv", "plot_csv", "read_csv", "spans_decades"]
+__all__ = ["byte_unit", "choose_columns", "draw_csv", "plot_csv", "read_csv", "spans_decades"]
 
 # Header patterns, most preferred first. Matched case-insensitively against the whole header.
 _VALUE_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
@@ -116,6 +116,14 @@ def _labels(
     if len(set(labels)) < len(labels):
         labels = [f"{text} #{i}" for i, text in enumerate(labels)]
     return labels
+
+
+def byte_unit(peak: float) -> tuple[str, int]:
+    """``(unit, bytes per unit)`` for an axis whose largest value is ``peak`` bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if peak >= scale:
+            return unit, scale
+    return "B", 1
 
 
 def spans_decades(values: Sequence[float]) -> bool:

@@ -86,8 +86,7 @@ def simulate(
     matrix = np.zeros((len(records), width), dtype=np.int64)
     for j, x in enumerate(records):
         matrix[j, : x.numel()] = x.numpy()
-    sizes = np.asarray([x.numel() for x in records], dtype=np.int64)
-    m = StepMatrix(matrix, sizes, n_sections=len(teachers) + 1)
+    m = StepMatrix(matrix)
     return SimStep(topology=topo, matrix=m, catalog=topo.catalog(m, 0))
 
 

@@ -560,9 +560,9 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
         seen.append(("metadata", group, device))
         return real_gather(record, group=group, device=device, **kw)
 
-    def flat(output, input_, *, group, timeout):
+    def flat(output, input_, *, group, timeout_s):
         seen.append(("all-gather", group, output.device))
-        return real_flat(output, input_, group=group, timeout=timeout)
+        return real_flat(output, input_, group=group, timeout_s=timeout_s)
 
     monkeypatch.setattr(api_mod, "gather_step_matrix", gather)
     monkeypatch.setattr(executor_mod, "all_gather_flat", flat)
