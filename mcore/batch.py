@@ -87,6 +87,21 @@ class MicroBatch:
     def is_packed(self) -> bool:
         return self.packed_seq_params is not None
 
+    def padded_offsets(self) -> Sequence[int] | torch.Tensor:
+        """THD: the padded global offsets (``cu_seqlens_q_padded``, else the real ones)."""
+        psp = self.packed_seq_params
+        assert psp is not None, "padded_offsets is for packed micro-batches"
+        cu = psp.cu_seqlens_q_padded
+        return psp.cu_seqlens_q if cu is None else cu
+
+    def padded_seq_len(self, cp_size: int) -> int:
+        """Padded batches: the padded length ``S`` before CP (``seq_len``, else read from
+        ``tokens`` ``[B, S / cp]``)."""
+        if self.seq_len is not None:
+            return int(self.seq_len)
+        assert self.tokens is not None  # __post_init__ demands one of them
+        return int(self.tokens.shape[1]) * cp_size
+
 
 def split_samples(samples: Sequence[int], parts: int, index: int) -> list[int]:
     """Part ``index`` of ``parts`` contiguous near-equal parts of ``samples`` (a DP split of one
@@ -134,13 +149,12 @@ def micro_batch_layout(
     cp_size = size if cp_size is None else cp_size
     cp_rank = rank if cp_rank is None else cp_rank
     ids = _ints(mb.sample_ids)
-    if mb.packed_seq_params is not None:
+    if mb.is_packed:
         psp = mb.packed_seq_params
         if getattr(psp, "qkv_format", "thd") != "thd":
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {psp.qkv_format!r}")
         real = _ints(psp.cu_seqlens_q)
-        padded = psp.cu_seqlens_q_padded
-        padded = real if padded is None else _ints(padded)
+        padded = _ints(mb.padded_offsets())
         if len(real) != len(ids) + 1:
             raise ValueError(
                 f"{len(ids)} sample ids but cu_seqlens_q has {len(real)} offsets "
@@ -156,10 +170,7 @@ def micro_batch_layout(
             sp_size=sp_size,
             sp_rank=sp_rank,
         )
-    seq_len = mb.seq_len
-    if seq_len is None:
-        assert mb.tokens is not None
-        seq_len = int(mb.tokens.shape[1]) * cp_size
+    seq_len = mb.padded_seq_len(cp_size)
     lengths = None if mb.lengths is None else _ints(mb.lengths)
     return padded_layout(
         ids,

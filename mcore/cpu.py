@@ -280,8 +280,8 @@ class CPUCoreAttention(torch.nn.Module):
                     f"THD: cu_seqlens_q_padded ends at {int(cu[-1])} but the local rows "
                     f"({query.shape[0]}) times cp ({cp_size}) are {query.shape[0] * cp_size}"
                 )
-            seq_q, pos_q = packed_rows(cu, cp_size, cp_rank)
             keys = [packed_rows(cu, cp_size, r) for r in range(cp_size)]
+            seq_q, pos_q = keys[cp_rank]
             seq_k = torch.cat([s for s, _ in keys])
             pos_k = torch.cat([p for _, p in keys])
         else:
@@ -290,8 +290,9 @@ class CPUCoreAttention(torch.nn.Module):
                     "CPUCoreAttention under CP builds its own causal mask; pass attention_mask=None"
                 )
             s_full = query.shape[0] * cp_size
-            pos_q = zigzag_positions(s_full, cp_size, cp_rank)
-            pos_k = torch.cat([zigzag_positions(s_full, cp_size, r) for r in range(cp_size)])
+            parts = [zigzag_positions(s_full, cp_size, r) for r in range(cp_size)]
+            pos_q = parts[cp_rank]
+            pos_k = torch.cat(parts)
             seq_q = torch.zeros_like(pos_q)
             seq_k = torch.zeros_like(pos_k)
         if cp_size > 1:

@@ -38,7 +38,7 @@ from mopd.common import dist as cdist
 from mopd.kernels.kl import KLConfig
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
 from mopd.mcore.loss import kl_loss_func
-from mopd.mcore.teacher import Forward, default_forward, run_teacher
+from mopd.mcore.teacher import Forward, default_forward, model_config, run_teacher
 
 __all__ = ["DistillationStep", "Distiller", "MeshModel"]
 
@@ -73,12 +73,6 @@ class MeshModel:
 
     def last_stage(self, rank: int) -> bool:
         return self.mesh.is_last_stage(rank)
-
-
-def _config(model: Any) -> Any:
-    from megatron.core.utils import get_model_config
-
-    return get_model_config(model[0] if isinstance(model, list | tuple) else model)
 
 
 def _hidden_dtype(config: Any) -> torch.dtype:
@@ -130,14 +124,14 @@ class Distiller:
         hidden = torch.zeros(len(self.teachers), dtype=torch.int64)
         for o, t in enumerate(self.teachers):
             if t.model is not None:
-                hidden[o] = int(_config(t.model).hidden_size)
+                hidden[o] = int(model_config(t.model).hidden_size)
         meta = groups.metadata_group
         cdist.all_reduce(
             hidden, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
         )
         specs = []
         for o, t in enumerate(self.teachers):
-            dtype = _hidden_dtype(_config(t.model)) if t.model is not None else None
+            dtype = _hidden_dtype(model_config(t.model)) if t.model is not None else None
             specs.append(TeacherSpec(mesh=t.mesh, hidden_size=int(hidden[o]), dtype=dtype))
         self.bridge = HiddenStateBridge(
             teachers=specs, student=student.mesh, groups=groups, config=self.bridge_config
@@ -155,7 +149,7 @@ class Distiller:
             for t in self.teachers
         ]
         self.per_token = (
-            bool(getattr(_config(student.model), "calculate_per_token_loss", False))
+            bool(getattr(model_config(student.model), "calculate_per_token_loss", False))
             if student.model is not None
             else False
         )
@@ -217,7 +211,7 @@ class Distiller:
                 t.model,
                 mbs,
                 pg_collection=t.pg_collection,
-                on_hidden=step._teacher_rows(o, clone=not last and len(held) > 1),
+                on_hidden=step._teacher_rows(o, clone=not last),
                 forward=t.forward,
             )
         step._flush_teacher_rows()
@@ -299,7 +293,7 @@ class DistillationStep:
         def resolve(output: torch.Tensor, non_loss_data: bool = False) -> tuple[Any, ...]:
             i = self._loss_calls if micro_batch is None else micro_batch
             self._loss_calls += 1
-            heads = [h for h in d.lm_heads]
+            heads = d.lm_heads
             if any(h is None for h in heads):
                 raise ValueError("loss_func called on a rank off the student's last stage")
             fn = kl_loss_func(

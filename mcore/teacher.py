@@ -56,18 +56,14 @@ def _skip_output_layer(layer: torch.nn.Module | None) -> Iterator[None]:
 def pipeline_shape(mb: MicroBatch, *, cp_size: int) -> tuple[int, int]:
     """``(seq_length, micro_batch_size)`` as megatron's schedules want them for ``mb``: the
     global (pre-CP, pre-SP) sequence length, and the batch columns (1 for THD)."""
-    if mb.packed_seq_params is not None:
-        cu = mb.packed_seq_params.cu_seqlens_q_padded
-        cu = mb.packed_seq_params.cu_seqlens_q if cu is None else cu
-        return int(cu[-1]), 1
-    if mb.seq_len is not None:
-        cols = int(mb.tokens.shape[0]) if mb.tokens is not None else len(mb.sample_ids)
-        return int(mb.seq_len), cols
-    assert mb.tokens is not None
-    return int(mb.tokens.shape[1]) * cp_size, int(mb.tokens.shape[0])
+    if mb.is_packed:
+        return int(mb.padded_offsets()[-1]), 1
+    cols = int(mb.tokens.shape[0]) if mb.tokens is not None else len(mb.sample_ids)
+    return mb.padded_seq_len(cp_size), cols
 
 
-def _config(model: Any) -> Any:
+def model_config(model: Any) -> Any:
+    """The ``TransformerConfig`` of a (wrapped) model or of its first virtual-pipeline chunk."""
     from megatron.core.utils import get_model_config
 
     return get_model_config(model[0] if isinstance(model, list | tuple) else model)
@@ -106,7 +102,7 @@ def run_teacher(
         return
     forward = forward or default_forward
     chunks = list(model) if isinstance(model, list | tuple) else [model]
-    config = _config(model)
+    config = model_config(model)
     pp = pg_collection.pp.size()
     shapes = {tuple(mb.tokens.shape) for mb in micro_batches if mb.tokens is not None}
     if pp > 1 and len(shapes) > 1 and not getattr(config, "variable_seq_lengths", False):
