@@ -78,12 +78,12 @@ def check_agreement(
 
     One MAX all-reduce of ``[sig (7), -sig (7), non-finite count, failed flag]`` tells every rank
     whether some rank's validation failed (``failure``; ``signature`` is then ``None``), whether
-    an input holds NaN or inf, and whether the signatures differ (max != min). Each rank then
-    states what it found and :func:`mopd.common.dist.same_verdict` raises the same text
+    an input holds NaN or inf, and whether the signatures differ (max != min). Nothing wrong: that
+    is all. Otherwise each rank states what it found and :func:`mopd.common.dist.same_verdict` raises the same text
     everywhere: a failed rank's own message first, else the non-finite input, else the
     disagreement.
     """
-    tp_size, rank_in_group = position
+    _, rank_in_group = position
     n = SIGNATURE_LEN
     vec = torch.zeros(2 * n + 2, dtype=torch.int64)
     if signature is not None:
@@ -95,20 +95,20 @@ def check_agreement(
     vec = vec.to(device)
     all_reduce(vec, op=dist.ReduceOp.MAX, group=group, timeout_s=timeout_s)
     vec = vec.cpu()
+    hi, lo = vec[:n], -vec[n : 2 * n]
+    if not int(vec[2 * n + 1]) and not int(vec[2 * n]) and bool((hi == lo).all()):
+        return  # nothing wrong anywhere: every rank reads that from the same reduced vector
     problems: list[str] = []
     if failure is not None:
         problems.append(f"rank {rank_in_group} of the TP group: {failure}")
     elif not int(vec[2 * n + 1]):
         if nonfinite:
             problems.append(f"NaN or inf in {', '.join(nonfinite)} on rank {rank_in_group}")
-        elif not int(vec[2 * n]):
-            hi, lo = vec[:n], -vec[n : 2 * n]
-            if not bool((hi == lo).all()):
-                problems.append(
-                    "TP ranks disagree on (T, active tokens, teachers, V_local, chunk, mask, "
-                    f"teacher index): max {hi.tolist()} vs min {lo.tolist()}"
-                )
-    del tp_size
+        elif not int(vec[2 * n]) and not bool((hi == lo).all()):
+            problems.append(
+                "TP ranks disagree on (T, active tokens, teachers, V_local, chunk, mask, "
+                f"teacher index): max {hi.tolist()} vs min {lo.tolist()}"
+            )
     try:
         same_verdict(
             problems, group=group, timeout_s=timeout_s, what="KL arguments (KLConfig(debug=True))"

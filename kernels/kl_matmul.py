@@ -93,7 +93,7 @@ def _blocked(
     wide = out_MN.dtype
     M, K = a_MK.shape
     N = b_KN.shape[1]
-    size = torch.empty((), dtype=wide).element_size()
+    size = wide.itemsize
     if K >= M and K >= N:
         step = max(1, BLOCK_BYTES // max(1, (M + N) * size))
         if not accumulate:
