@@ -282,6 +282,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
             )
         if args.nnodes > 1 and not args.rdzv_endpoint:
             raise ValueError("a multi-node job needs --rdzv-endpoint HOST:PORT")
+        args.nproc_per_node = per_node  # resolved once; the launch reads it
     except ValueError as exc:
         p.error(str(exc))
     return args, cfg
@@ -292,7 +293,7 @@ def _resolve_backend(args: argparse.Namespace) -> str:
         return args.backend
     import torch
 
-    per_node = args.nproc_per_node or args.nproc // args.nnodes
+    per_node = args.nproc_per_node
     enough = torch.cuda.is_available() and torch.cuda.device_count() >= per_node
     return "nccl" if enough else "gloo"
 
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     from mopd.profiling.launch import run_torchrun
 
     backend = _resolve_backend(args)
-    per_node = args.nproc_per_node or args.nproc // args.nnodes
+    per_node = args.nproc_per_node
     if backend == "nccl":
         import torch
 

@@ -175,7 +175,7 @@ class _Job:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
+        from mopd.bridge import BridgeConfig, GroupPool, megatron_process_groups
         from mopd.mcore import Distiller, MeshModel
         from mopd.mcore.cpu import cpu_gpt_layer_spec
 
@@ -188,14 +188,8 @@ class _Job:
             distributed_timeout_minutes=max(1, int(self.timeout.total_seconds() // 60)),
         )
         model_parallel_cuda_manual_seed(cfg.seed)
-        self.teacher_meshes = [
-            Mesh(tp=t.tp, dp=t.dp, pp=t.pp, rank_offset=t.rank_offset, name=f"teacher{i}")
-            for i, t in enumerate(cfg.teachers)
-        ]
-        s = cfg.student
-        self.student_mesh = Mesh(
-            tp=s.tp, cp=s.cp, dp=s.dp, pp=s.pp, rank_offset=s.rank_offset, name="student"
-        )
+        self.teacher_meshes = [t.mesh(name=f"teacher{i}") for i, t in enumerate(cfg.teachers)]
+        self.student_mesh = cfg.student.mesh(name="student")
         pool = GroupPool(timeout_s=self.timeout.total_seconds())
         self.teacher_pgs = [megatron_process_groups(m, pool) for m in self.teacher_meshes]
         self.student_pg = megatron_process_groups(self.student_mesh, pool)
