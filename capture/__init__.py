@@ -1,7 +1,8 @@
 """mopd.capture: the teacher's pre-LM-head hidden states, captured on the GPU.
 
-The public API is NeMo-RL's ``nemo_rl.models.megatron.opd_full_capture`` (same names, same
-semantics), plus the helpers that real Megatron setups need.
+The public API is NeMo-RL's ``nemo_rl.models.megatron.opd_full_capture`` (same names; by default
+the same answers), plus what real Megatron setups need: unwrapping, the SP gather, and a
+zero-allocation path into a buffer the caller owns.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 Why this file exists: MOPD ships the teacher's hidden states (``H`` floats per token) instead of
 its logits (``V`` floats per token). The tensor to ship is exactly what Megatron feeds its
 ``output_layer``: the post-``final_layernorm`` hidden states ``[S_local, B, H]``, sequence-first.
-This module provides NeMo-RL's ``opd_full_capture`` API (same names, same semantics) and what
-real Megatron setups add to it: wrapped models and virtual-pipeline chunk lists, sequence
-parallelism undone into a reused buffer (or one the caller hands in), MTP, tied embeddings and
-clear errors on misuse.
+This module is a drop-in for NeMo-RL's ``nemo_rl.models.megatron.opd_full_capture`` (same names;
+by default the same answer in every case a NeMo-RL caller meets) plus what real Megatron setups
+add to it: virtual-pipeline chunk lists, any ``.module`` wrapper chain, the head called with a
+keyword input, the gather over the output layer's own TP group, and a zero-allocation path into a
+buffer the caller owns (``out=`` or ``buffer=``), which the bridge path uses.
 
 Typical use on the teacher::
 
@@ -15,18 +16,16 @@ Typical use on the teacher::
         teacher(input_ids, position_ids, attention_mask)
     hidden_SBH = capture.get_hidden_states() if capture is not None else None
 
-How the main call is identified under MTP: with ``mtp_num_layers = k`` Megatron runs the output
-layer ``k`` times for the MTP depths and then once for the main head, in that order, inside one
-forward pass. The hook keeps a (detached, zero-copy) reference to the input of the most recent
-call only, so the main head's input, the last one, is what ``get_hidden_states`` returns. More
-than ``k + 1`` calls inside one context means the context spanned several forward passes, which
-is an error.
+What is kept when the output layer runs more than once inside one context: the input of the last
+call, as in NeMo-RL. Under MTP (``mtp_num_layers = k``) Megatron runs the output layer ``k`` times
+for the MTP depths and then once for the main head, so the main head's input is what
+:meth:`OutputLayerInputCapture.get_hidden_states` returns; two forward passes in one context keep
+the second one's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,34 +33,20 @@ import torch
 import torch.distributed as dist
 
 from mopd.capture.gather import ReusableBuffer, gather_sequence_parallel
-from mopd.capture.unwrap import find_output_layer
+from mopd.capture.unwrap import find_output_layer, unwrap_model
 
 __all__ = ["CaptureMisuseError", "OutputLayerInputCapture", "get_opd_full_capture_context"]
 
-# output_layer -> the capture whose hook is registered on it right now. Only for the
-# two-captures-on-one-layer check; weak so that a dropped model is not kept alive.
-_ACTIVE_ON_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, OutputLayerInputCapture] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-# output_layer -> the buffer the SP gather writes into, shared by every capture of that layer (one
-# is active at a time), so that a capture made anew each step (get_opd_full_capture_context in a
-# training loop) still allocates nothing after the first step at a steady shape.
-_BUFFER_OF_LAYER: weakref.WeakKeyDictionary[torch.nn.Module, ReusableBuffer] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 class CaptureMisuseError(RuntimeError):
-    """A capture used against its lifecycle (re-entered, doubled on one layer, spanning forwards)."""
+    """A capture used against its lifecycle (its context re-entered while active)."""
 
 
 def _default_tp_group(layer: torch.nn.Module) -> dist.ProcessGroup | None:
     group = getattr(layer, "tp_group", None)
     if group is not None:
         return group
-    try:  # the seed's behaviour: megatron's global TP group, when megatron is initialized
+    try:  # NeMo-RL's fallback: megatron's global TP group, when megatron is initialized
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
@@ -71,6 +56,13 @@ def _default_tp_group(layer: torch.nn.Module) -> dist.ProcessGroup | None:
     return None
 
 
+def _unwrapped(model: Any) -> Any:
+    """NeMo-RL's ``capture.model``: the model without its wrappers (a list stays a list)."""
+    if model is None or isinstance(model, torch.nn.Module):
+        return None if model is None else unwrap_model(model)
+    return [unwrap_model(chunk) if isinstance(chunk, torch.nn.Module) else chunk for chunk in model]
+
+
 class OutputLayerInputCapture:
     """Captures the tensor fed into a Megatron model's ``output_layer`` during one forward pass.
 
@@ -78,32 +70,39 @@ class OutputLayerInputCapture:
         model: a GPTModel (or anything with an ``output_layer``), possibly wrapped in DDP /
             Float16Module / FSDP (``.module`` chains), a VLM with ``language_model.output_layer``,
             or a list of virtual-pipeline chunks (the chunk owning the output layer is used).
+            ``None`` is a rank without a model: the capture is unavailable.
         tp_group: the output layer's tensor-parallel group, used to undo sequence parallelism.
             Default: the layer's own ``tp_group``, else megatron's global TP group.
         sequence_parallel: whether the layer's input is sequence-sharded. Default: the layer's
-            ``sequence_parallel`` attribute.
-        out: an optional ``[S, B, H]`` buffer to write the hidden states into (for example the
-            bridge's send buffer). Without it, the capture owns a buffer (under SP) that is
-            allocated once per shape and reused.
+            ``sequence_parallel`` attribute, read when the layer runs.
+        out: an ``[S, B, H]`` tensor the hidden states are written into, every capture, SP or
+            not (the zero-allocation path; for example the bridge's send buffer).
+        buffer: a :class:`~mopd.capture.ReusableBuffer` the caller owns and recycles: under SP
+            the gather writes into it (allocated once per shape); without SP nothing is copied.
 
-    Lifetime and stream of what :meth:`get_hidden_states` returns: it is valid until the next
-    :meth:`capture_context` on the same output layer (the owned buffer is shared by that layer's
-    captures, so a capture made anew every step reuses it; the next step overwrites it). It is
-    written on the current CUDA stream of the call to :meth:`get_hidden_states`, which first waits
-    for the stream the forward ran on (the SP all-gather is ordered on that stream). Without SP
-    and without ``out`` it is the layer's input itself, detached, with no copy. It never holds the
-    autograd graph.
+    Lifetime of what :meth:`get_hidden_states` returns. By default (neither ``out`` nor
+    ``buffer``) it is NeMo-RL's answer: under SP a tensor allocated for this capture, which no
+    later capture touches; without SP the layer's input itself, detached, no copy. With ``out``
+    it is ``out``, and with ``buffer`` (under SP) the buffer's storage: valid until the next
+    :meth:`get_hidden_states` of any capture writing into the same ``out`` or ``buffer``, which
+    overwrites it. It is written on the current CUDA stream of the call, which first waits for
+    the stream the forward ran on. It never holds the autograd graph.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module | Sequence[torch.nn.Module],
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None,
         *,
         tp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool | None = None,
         out: torch.Tensor | None = None,
+        buffer: ReusableBuffer | None = None,
     ) -> None:
-        self._output_layer = find_output_layer(model)
+        if out is not None and buffer is not None:
+            raise ValueError("pass out= or buffer= (where the hidden states go), not both")
+        self._output_layer = None if model is None else find_output_layer(model)
+        #: NeMo-RL's attribute: the model with its wrappers removed (a list of chunks for a list).
+        self.model = _unwrapped(model)
         layer = self._output_layer
         self._tp_group = (
             tp_group if tp_group is not None or layer is None else _default_tp_group(layer)
@@ -116,23 +115,16 @@ class OutputLayerInputCapture:
                 "sequence_parallel=True but no tensor-parallel group is known for the output layer "
                 "(it has no tp_group and megatron's parallel_state is not initialized): pass tp_group="
             )
-        config = getattr(layer, "config", None)
-        self._mtp_num_layers = int(getattr(config, "mtp_num_layers", None) or 0)
         self._out = out
-        self._buffer = (
-            ReusableBuffer()
-            if layer is None
-            else _BUFFER_OF_LAYER.setdefault(layer, ReusableBuffer())
-        )
+        self._buffer = buffer
+        self._allocations = 0
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+        self._pending: Any = None
         self._pending_sp = self._sequence_parallel
         self._pending_stream: torch.cuda.Stream | None = None
-        self._handle: torch.utils.hooks.RemovableHandle | None = None
-        self._active = False
-        self._pending: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
-        self._calls = 0
 
-    # ---- the seed's API -------------------------------------------------------------------
+    # ---- NeMo-RL's API ---------------------------------------------------------------------
 
     @property
     def is_available(self) -> bool:
@@ -140,13 +132,13 @@ class OutputLayerInputCapture:
         return self._output_layer is not None
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        """Forward pre-hook: keep a detached reference to the output layer's input."""
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise ValueError(
-                f"output_layer was called without a positional tensor input (got {len(args)} args)"
-            )
-        self._calls += 1
-        self._pending = args[0].detach()
+        """Forward pre-hook: keep the output layer's first positional argument (the hidden states
+        ``[S_local, B, H]``), detached; a call without positional arguments is ignored."""
+        if not args:
+            return
+        x = args[0]
+        is_tensor = isinstance(x, torch.Tensor)
+        self._pending = x.detach() if is_tensor else x
         self._result = None
         # Megatron may switch the layer's SP flag per forward (e.g. dynamic-batching inference):
         # read it at the call unless the caller fixed it; remember the producing stream.
@@ -156,7 +148,7 @@ class OutputLayerInputCapture:
             else bool(getattr(module, "sequence_parallel", self._sequence_parallel))
         )
         self._pending_stream = (
-            torch.cuda.current_stream(args[0].device) if args[0].is_cuda else None
+            torch.cuda.current_stream(x.device) if is_tensor and x.is_cuda else None
         )
 
     def _pre_hook_with_kwargs(
@@ -169,65 +161,56 @@ class OutputLayerInputCapture:
         self._pre_hook(module, args)
 
     @contextlib.contextmanager
-    def capture_context(self) -> Iterator[OutputLayerInputCapture]:
-        """Register the pre-hook for one forward pass; removed on exit, also when it raises."""
-        if self._active:
-            raise CaptureMisuseError("this capture's context is already active (entered twice)")
-        layer = self._output_layer
-        if layer is not None:
-            other = _ACTIVE_ON_LAYER.get(layer)
-            if other is not None:
-                raise CaptureMisuseError(
-                    "another OutputLayerInputCapture is already active on this output_layer; "
-                    "use one capture per layer"
-                )
-        self._pending, self._result, self._calls = None, None, 0
-        self._active = True
-        if layer is not None:
-            self._handle = layer.register_forward_pre_hook(
-                self._pre_hook_with_kwargs, with_kwargs=True
-            )
-            _ACTIVE_ON_LAYER[layer] = self
-        ok = False
-        try:
-            yield self
-            ok = True
-        finally:
-            if self._handle is not None:
-                self._handle.remove()
-                self._handle = None
-            if layer is not None and _ACTIVE_ON_LAYER.get(layer) is self:
-                del _ACTIVE_ON_LAYER[layer]
-            self._active = False
-            if not ok:
-                self._pending = None  # a failed forward leaves nothing to read
+    def capture_context(self) -> Iterator[None]:
+        """Register the pre-hook for one forward pass; removed on exit, also when it raises.
 
-    def get_hidden_states(self) -> torch.Tensor | None:
-        """The captured hidden states ``[S, B, H]`` with sequence parallelism undone.
-
-        Returns ``None`` when this rank has no output layer or the forward never reached it.
-        Under SP this is a collective over the TP group: call it on every TP rank.
+        Entering clears what an earlier context captured. A forward that raised after the
+        output layer ran keeps its capture. Several captures may be active on one layer.
 
         Raises:
-            ValueError: the captured tensor is not rank 3, or ``out`` does not fit.
-            CaptureMisuseError: the output layer ran more often than one forward pass explains.
+            CaptureMisuseError: this capture's context is entered again while it is active.
+        """
+        layer = self._output_layer
+        if layer is not None and self._handle is not None:
+            raise CaptureMisuseError(
+                "this capture's context is already active: one capture_context at a time per "
+                "capture (make a second OutputLayerInputCapture to capture twice at once)"
+            )
+        self._pending, self._result = None, None
+        if layer is None:
+            yield
+            return
+        self._handle = layer.register_forward_pre_hook(self._pre_hook_with_kwargs, with_kwargs=True)
+        try:
+            yield
+        finally:
+            self._handle.remove()
+            self._handle = None
+
+    def get_hidden_states(self) -> torch.Tensor | None:
+        """The captured hidden states ``[S, B, H]`` with sequence parallelism undone, detached.
+
+        Returns ``None`` when this rank has no output layer or the forward never reached it.
+        Under SP the first call is a collective over the TP group (call it on every TP rank);
+        a second call returns the same tensor without communicating.
+
+        Raises:
+            ValueError: the captured input is not a rank-3 tensor, or ``out`` does not fit.
         """
         if self._result is not None:
             return self._result
         local_SBH = self._pending
         if local_SBH is None:
             return None
+        if not isinstance(local_SBH, torch.Tensor):
+            raise ValueError(
+                f"output_layer's first positional argument is a {type(local_SBH).__name__}; "
+                "expected the hidden states tensor [S, B, H]"
+            )
         if local_SBH.dim() != 3:
             raise ValueError(
                 f"captured output_layer input has shape {tuple(local_SBH.shape)}; expected rank 3 "
                 "[S, B, H] (sequence-first)"
-            )
-        expected_calls = 1 + self._mtp_num_layers
-        if self._calls > expected_calls:
-            raise CaptureMisuseError(
-                f"output_layer ran {self._calls} times inside one capture_context; one forward pass "
-                f"runs it {expected_calls} time(s) (mtp_num_layers={self._mtp_num_layers}). "
-                "Use one capture_context per forward pass."
             )
         world = 1 if self._tp_group is None else dist.get_world_size(self._tp_group)
         if self._pending_sp and self._tp_group is None:
@@ -244,19 +227,29 @@ class OutputLayerInputCapture:
                 local_SBH.record_stream(current)
         if sp or self._out is not None:
             shape = (local_SBH.shape[0] * (world if sp else 1), *local_SBH.shape[1:])
-            out = (
-                self._out
-                if self._out is not None
-                else self._buffer.get(shape, local_SBH.dtype, local_SBH.device)
-            )
-            result = gather_sequence_parallel(local_SBH, self._tp_group if sp else None, out)
+            target_SBH = self._target(shape, local_SBH.dtype, local_SBH.device)
+            result = gather_sequence_parallel(local_SBH, self._tp_group if sp else None, target_SBH)
         else:
             result = local_SBH
         self._pending = None
         self._result = result
         return result
 
-    # ---- beyond the seed -------------------------------------------------------------------
+    # ---- beyond NeMo-RL --------------------------------------------------------------------
+
+    def _target(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Where the hidden states go: ``out``, the caller's buffer, or a fresh tensor."""
+        if self._out is not None:
+            return self._out
+        if self._buffer is not None:
+            before = self._buffer.allocations
+            target = self._buffer.get(shape, dtype, device)
+            self._allocations += self._buffer.allocations - before
+            return target
+        self._allocations += 1
+        return torch.empty(shape, dtype=dtype, device=device)
 
     @property
     def output_layer(self) -> torch.nn.Module | None:
@@ -268,26 +261,27 @@ class OutputLayerInputCapture:
         return self._sequence_parallel
 
     @property
-    def buffer_allocations(self) -> int:
-        """How many times the owned buffer was (re)allocated: 1 after the first step at a steady shape."""
-        return self._buffer.allocations
+    def allocations(self) -> int:
+        """How many result tensors this capture allocated: one per SP capture by default, none
+        with ``out``, the buffer's (re)allocations with ``buffer``."""
+        return self._allocations
 
     def set_output_buffer(self, out: torch.Tensor | None) -> None:
-        """Hand in (or drop, with ``None``) the buffer the next capture writes into."""
-        if self._active:
+        """Hand in (or drop, with ``None``) the ``out`` tensor the next capture writes into."""
+        if self._handle is not None:
             raise CaptureMisuseError("cannot change the output buffer while a capture is active")
+        if out is not None and self._buffer is not None:
+            raise ValueError("this capture writes into its buffer=; out= cannot be set as well")
         self._out = out
-        if out is not None:
-            self._buffer.release()
 
 
 def get_opd_full_capture_context(
-    model: torch.nn.Module | Sequence[torch.nn.Module], enabled: bool, **capture_kwargs: Any
+    model: torch.nn.Module | Sequence[torch.nn.Module] | None, enabled: bool, **capture_kwargs: Any
 ) -> tuple[contextlib.AbstractContextManager[Any], OutputLayerInputCapture | None]:
     """``(context manager, capture)``; ``(nullcontext(), None)`` when disabled or unavailable.
 
     ``capture_kwargs`` go to :class:`OutputLayerInputCapture` (``tp_group``, ``sequence_parallel``,
-    ``out``).
+    ``out``, ``buffer``).
     """
     if not enabled:
         return contextlib.nullcontext(), None

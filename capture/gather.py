@@ -1,10 +1,11 @@
-"""Undoing sequence parallelism into a buffer that is reused step after step.
+"""Undoing sequence parallelism into one tensor, and the buffer a caller may recycle for it.
 
 Why this file exists: under sequence parallelism each TP rank holds ``[S/tp, B, H]`` of the
 tensor fed to the LM head. The capture (and the bridge after it) wants the full ``[S, B, H]``.
-A fresh ``torch.cat`` of an all-gather per step allocates twice and copies twice; here one
-``all_gather_into_tensor`` writes every rank's shard straight into its slice of a buffer that
-lives as long as the shape does.
+A ``torch.cat`` of an all-gather allocates twice and copies twice; here one
+``all_gather_into_tensor`` writes every rank's shard straight into its slice of the target: a
+fresh tensor (the capture's default) or a buffer the caller owns, which lives as long as the
+shape does (:class:`ReusableBuffer`: no allocation per step at a steady shape).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class ReusableBuffer:
     """A tensor that is allocated once per (shape, dtype, device) and handed out again after.
 
     The storage pointer stays the same across calls at a steady shape; a new shape, dtype or
-    device drops the old tensor and allocates a new one.
+    device drops the old tensor and allocates a new one. Lifetime rule for its owner: what one
+    user wrote into it is valid until the next :meth:`get`, whose caller overwrites it.
     """
 
     def __init__(self) -> None:

@@ -34,6 +34,7 @@ from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, Teacher
 from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
 from mopd.bridge.mesh import Mesh
+from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
 from mopd.kernels.kl import KLConfig
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
@@ -110,6 +111,9 @@ class Distiller:
         if not teachers:
             raise ValueError("Distiller needs at least one teacher")
         self.teachers = tuple(teachers)
+        # one recycled buffer per teacher for its capture's SP gather, kept across steps: the
+        # teacher pass allocates nothing per step at a steady shape (send takes the rows at once)
+        self._capture_buffers = tuple(ReusableBuffer() for _ in self.teachers)
         self.student = student
         self.rank = dist.get_rank()
         self.bridge_config = bridge_config or BridgeConfig()
@@ -213,6 +217,7 @@ class Distiller:
                 pg_collection=t.pg_collection,
                 on_hidden=step._teacher_rows(o, clone=not last),
                 forward=t.forward,
+                buffer=self._capture_buffers[o],
             )
         step._flush_teacher_rows()
         step.timings["plan"] = t1 - t0

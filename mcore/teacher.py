@@ -5,7 +5,7 @@ cannot nest inside the student's ``forward_step``), through megatron's own forwa
 so that a teacher with PP > 1 works as it does in training. Each micro-batch's pre-LM-head hidden
 states are captured on the last stage (:mod:`mopd.capture`) and handed to a callback right away
 (the bridge's :meth:`~mopd.bridge.api.BridgeStep.send`, which takes the rows at the call, so the
-capture may reuse its buffer for the next micro-batch). The teacher's own full-vocabulary logits
+capture writes every micro-batch into one recycled buffer: no allocation per micro-batch). The teacher's own full-vocabulary logits
 are not needed: by default its ``output_layer`` is skipped during the pass.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mopd.capture import OutputLayerInputCapture
+from mopd.capture import OutputLayerInputCapture, ReusableBuffer
 from mopd.mcore.batch import MicroBatch
 from mopd.profiling import ranges
 
@@ -77,6 +77,7 @@ def run_teacher(
     on_hidden: Callable[[int, torch.Tensor], None],
     forward: Forward | None = None,
     skip_lm_head: bool = True,
+    buffer: ReusableBuffer | None = None,
 ) -> None:
     """Run the teacher over ``micro_batches`` with megatron's forward-only schedule.
 
@@ -84,13 +85,15 @@ def run_teacher(
     it, with its own micro-batches, the same count on every rank). On the last stage,
     ``on_hidden(i, hidden)`` receives micro-batch ``i``'s captured ``[S_local, B, H]`` (padded)
     or ``[T_local, 1, H]`` (THD) hidden states, SP undone, contiguous, valid until the next
-    micro-batch.
+    micro-batch (under SP they live in ``buffer``, which the next micro-batch overwrites).
 
     Args:
         model: the (wrapped) teacher model, or its list of virtual-pipeline chunks.
         pg_collection: the teacher's megatron ``ProcessGroupCollection``.
         forward: ``forward(model, micro_batch)`` (default: :func:`default_forward`).
         skip_lm_head: skip the teacher's ``output_layer`` (its logits are not used).
+        buffer: the recycled buffer the SP gather writes into; pass the same one every step
+            (default: one for this call, so one allocation per call at a steady shape).
     Raises:
         ValueError: micro-batches of different shapes without ``config.variable_seq_lengths``
             (megatron's pipeline then needs it to exchange activation shapes).
@@ -111,7 +114,10 @@ def run_teacher(
             "TransformerConfig has variable_seq_lengths=False: set it to True for a pipelined "
             "teacher with packed or variable-length micro-batches"
         )
-    capture = OutputLayerInputCapture(chunks if len(chunks) > 1 else chunks[0])
+    capture = OutputLayerInputCapture(
+        chunks if len(chunks) > 1 else chunks[0],
+        buffer=buffer if buffer is not None else ReusableBuffer(),
+    )
     state = {"next": 0}
 
     def forward_step(data_iterator: Iterator[MicroBatch], model_chunk: Any) -> Any:

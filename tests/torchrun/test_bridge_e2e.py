@@ -42,7 +42,7 @@ from mopd.bridge import (
 )
 from mopd.bridge.layout import encode_keys
 from mopd.bridge.lm_head import VocabSpec, lm_head_from_models, reshard_lm_head
-from mopd.capture import OutputLayerInputCapture
+from mopd.capture import OutputLayerInputCapture, ReusableBuffer
 from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from tests.support import megatron_cpu as mc
 from tests.support.bridges import poison_outputs
@@ -161,7 +161,7 @@ def test_megatron_teacher_to_student_logits_match(case):
         teacher = build(t_mesh, t_pg, H_T, sp=t_mesh.tp > 1, cpu_attn=t_mesh.cp > 1, seed=11)
         samples = shard(t_mesh, tc.dp_rank, salt=1)
         layout, args, kw = padded_inputs(t_mesh, samples, tc.cp_rank)
-        cap = OutputLayerInputCapture(teacher)
+        cap = OutputLayerInputCapture(teacher, buffer=ReusableBuffer())  # the bridge path's
         with torch.no_grad(), cap.capture_context():
             logits_BSv = teacher(*args, **kw)
         h_SBH = cap.get_hidden_states()

@@ -202,25 +202,28 @@ def test_megatron_ddp_and_float16module_wrappers():
     torch.testing.assert_close(full, ref, rtol=1.6e-2, atol=1e-2)  # bf16 rounding of the product
 
 
-def test_sp_buffer_is_reused_across_steps_and_never_holds_the_graph():
+def test_caller_buffer_is_recycled_across_steps_and_never_holds_the_graph():
+    from mopd.capture import ReusableBuffer
+
     mc.init_parallel(tp=2)
     model = mc.build_gpt(mc.tiny_config(tensor_model_parallel_size=2, sequence_parallel=True))
+    buf = ReusableBuffer()  # the caller's, recycled: the zero-allocation path on request
     ptrs = set()
     for step in range(3):
         ids, pos = _batch(10 + step)
         # a capture made anew every step, as get_opd_full_capture_context is used in a loop
-        ctx, cap = get_opd_full_capture_context(model, enabled=True)
+        ctx, cap = get_opd_full_capture_context(model, enabled=True, buffer=buf)
         with ctx:
             logits = model(ids, pos, None)  # grad enabled: a training-mode forward
         h = cap.get_hidden_states()
         assert h.grad_fn is None and not h.requires_grad
         _check_logits(h, logits, _head_weight(model))
         ptrs.add(h.data_ptr())
-    assert cap.buffer_allocations == 1 and len(ptrs) == 1
+    assert buf.allocations == 1 and len(ptrs) == 1
     ids, pos = _batch(20, s=8)
     with cap.capture_context():
         model(ids, pos, None)
-    assert cap.get_hidden_states().shape == (8, B, 32) and cap.buffer_allocations == 2
+    assert cap.get_hidden_states().shape == (8, B, 32) and buf.allocations == 2
 
 
 def test_caller_buffer_receives_the_gather():
@@ -233,5 +236,5 @@ def test_caller_buffer_receives_the_gather():
         logits = model(ids, pos, None)
     h = cap.get_hidden_states()
     assert h.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
-    assert cap.buffer_allocations == 0
+    assert cap.allocations == 0
     _check_logits(out, logits, _head_weight(model))

@@ -8,6 +8,7 @@ shared cores, and a ratio such as "87x slower" means nothing).
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -103,5 +104,9 @@ def test_capture_quick_cpu_run_is_labelled_functional(tmp_path: Path) -> None:
     assert res.stdout.count("| path |") == 1
     (csv_path,) = tmp_path.glob("capture-cpu-*.csv")
     assert "functional (CPU)" in csv_path.read_text()
+    with csv_path.open() as f:
+        allocs = {r["path"]: float(r["allocations/step"]) for r in csv.DictReader(f)}
+    assert allocs["capture, out= (mopd zero-allocation path)"] == 0
+    assert allocs["all_gather + cat (naive)"] > 0
     assert "CPU run: functional figures" in csv_path.with_suffix(".md").read_text()
     assert csv_path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC

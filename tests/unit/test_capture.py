@@ -1,4 +1,9 @@
-"""Tier 1: the capture's unwrapping rules and hook lifecycle on duck-typed modules."""
+"""Tier 1: what the capture does beyond NeMo-RL's module, on duck-typed modules.
+
+NeMo-RL's own contract, case by case, is ``test_capture_nemo_contract.py``; this module covers the
+supersets (unwrapping rules, virtual-pipeline chunk lists, MTP, keyword inputs, the caller-owned
+buffers) and the capture's own errors.
+"""
 
 from __future__ import annotations
 
@@ -6,87 +11,18 @@ import pytest
 import torch
 
 from mopd.capture import (
-    CaptureMisuseError,
     OutputLayerInputCapture,
     ReusableBuffer,
     find_output_layer,
     get_opd_full_capture_context,
     unwrap_model,
 )
-
-H, V = 8, 11
-
-
-class Head(torch.nn.Module):
-    """Stands in for ColumnParallelLinear: called as ``head(x, weight=...)``."""
-
-    def __init__(self, mtp_num_layers: int | None = None) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(V, H))
-        self.config = type("Cfg", (), {"mtp_num_layers": mtp_num_layers})()
-
-    def forward(
-        self, x: torch.Tensor, weight: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, None]:
-        w = self.weight if weight is None else weight
-        return x @ w.t(), None
-
-
-class TinyLM(torch.nn.Module):
-    """Stands in for GPTModel: a layer norm, then the head; MTP depths run the head first."""
-
-    def __init__(self, *, post_process: bool = True, mtp: int = 0, tied: bool = False) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(H)
-        self.mtp = mtp
-        self.tied = tied
-        self.embedding = torch.nn.Parameter(torch.randn(V, H))
-        if post_process:
-            self.output_layer = Head(mtp_num_layers=mtp or None)
-
-    def forward(self, x_SBH: torch.Tensor, fail_before_head: bool = False) -> torch.Tensor:
-        h = self.norm(x_SBH)
-        if fail_before_head:
-            raise RuntimeError("boom")
-        weight = self.embedding if self.tied else None
-        for d in range(self.mtp):  # MTP depths come first, on other inputs
-            self.output_layer(h * (d + 2.0), weight=weight)
-        return self.output_layer(h, weight=weight)[0]
-
-
-class Wrapper(torch.nn.Module):
-    """DDP / Float16Module / FSDP shape: the real model under ``.module``."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *a, **k):
-        return self.module(*a, **k)
-
-
-class VLM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.language_model = TinyLM()
-
-    def forward(self, x):
-        return self.language_model(x)
-
-
-def _x(s: int = 5, b: int = 3) -> torch.Tensor:
-    return torch.randn(s, b, H, requires_grad=True)
-
-
-def _hooks(model: torch.nn.Module) -> int:
-    layer = find_output_layer(model)
-    assert layer is not None
-    return len(layer._forward_pre_hooks)
+from tests.support.capture_models import VLM, H, Head, TinyLM, Wrapper, hooks_on, x_SBH
 
 
 def test_captures_detached_input_of_output_layer():
     model = TinyLM()
-    x = _x()
+    x = x_SBH()
     cap = OutputLayerInputCapture(model)
     assert cap.is_available
     with cap.capture_context():
@@ -95,7 +31,7 @@ def test_captures_detached_input_of_output_layer():
     assert h is not None and h.shape == x.shape
     assert not h.requires_grad and h.grad_fn is None
     torch.testing.assert_close(h, model.norm(x).detach(), rtol=0, atol=0)
-    # the same object on a second call, no recompute
+    # superset: the same object on a second call, no recompute (no second collective under SP)
     assert cap.get_hidden_states() is h
 
 
@@ -113,7 +49,7 @@ def test_unwrapping_finds_the_head(make):
     model = make()
     cap = OutputLayerInputCapture(model)
     assert cap.is_available
-    x = _x()
+    x = x_SBH()
     with cap.capture_context():
         model(x)
     assert cap.get_hidden_states() is not None
@@ -124,8 +60,9 @@ def test_vpp_chunk_list_uses_the_chunk_with_the_head():
     cap = OutputLayerInputCapture(chunks)
     assert cap.is_available
     assert cap.output_layer is chunks[2].module.output_layer
+    assert cap.model == [chunks[0], chunks[1], chunks[2].module]  # NeMo-RL's .model of a list
     with cap.capture_context():
-        chunks[2](_x())
+        chunks[2](x_SBH())
     assert cap.get_hidden_states() is not None
     mlist = torch.nn.ModuleList(chunks)
     assert find_output_layer(mlist) is chunks[2].module.output_layer
@@ -147,93 +84,17 @@ def test_wrapper_cycle_is_reported():
         unwrap_model(b)
 
 
-def test_non_last_stage_is_unavailable_and_context_is_noop():
-    model = TinyLM(post_process=False)
-    cap = OutputLayerInputCapture(model)
-    assert not cap.is_available
-    with cap.capture_context():
-        pass
-    assert cap.get_hidden_states() is None
-    ctx, none = get_opd_full_capture_context(model, enabled=True)
-    assert none is None
-    with ctx:
-        pass
-
-
-def test_disabled_returns_none_and_registers_nothing():
-    model = TinyLM()
-    ctx, cap = get_opd_full_capture_context(model, enabled=False)
-    assert cap is None
-    with ctx:
-        assert _hooks(model) == 0
-        model(_x())
-
-
-def test_hook_registered_only_inside_context_and_removed_on_error():
-    model = TinyLM()
-    ctx, cap = get_opd_full_capture_context(model, enabled=True)
-    assert cap is not None and _hooks(model) == 0
-    with ctx:
-        assert _hooks(model) == 1
-        model(_x())
-    assert _hooks(model) == 0
-    with pytest.raises(RuntimeError, match="boom"), cap.capture_context():
-        model(_x(), fail_before_head=True)
-    assert _hooks(model) == 0
-    assert cap.get_hidden_states() is None  # the forward never reached the head
-
-
-def test_error_after_reaching_head_leaves_nothing_stale():
-    model = TinyLM()
-    cap = OutputLayerInputCapture(model)
-    with pytest.raises(KeyError), cap.capture_context():
-        model(_x())
-        raise KeyError("after the head")
-    assert cap.get_hidden_states() is None
-    assert _hooks(model) == 0
-
-
 def test_forward_without_context_captures_nothing():
     model = TinyLM()
     cap = OutputLayerInputCapture(model)
-    model(_x())
-    assert cap.get_hidden_states() is None
-
-
-def test_entering_twice_and_two_captures_on_one_layer_raise():
-    model = TinyLM()
-    cap = OutputLayerInputCapture(model)
-    with cap.capture_context():
-        with pytest.raises(CaptureMisuseError, match="entered twice"), cap.capture_context():
-            pass
-        other = OutputLayerInputCapture(model)
-        with (
-            pytest.raises(CaptureMisuseError, match="already active on this output_layer"),
-            other.capture_context(),
-        ):
-            pass
-    assert _hooks(model) == 0
-    # once the first is closed, another capture may take the layer
-    other = OutputLayerInputCapture(model)
-    with other.capture_context():
-        model(_x())
-    assert other.get_hidden_states() is not None
-
-
-def test_context_spanning_two_forwards_is_an_error():
-    model = TinyLM()
-    cap = OutputLayerInputCapture(model)
-    with cap.capture_context():
-        model(_x())
-        model(_x())
-    with pytest.raises(CaptureMisuseError, match="ran 2 times"):
-        cap.get_hidden_states()
+    model(x_SBH())
+    assert cap.get_hidden_states() is None and hooks_on(model.output_layer) == 0
 
 
 @pytest.mark.parametrize("mtp", [1, 3])
 def test_mtp_captures_the_main_call(mtp):
     model = TinyLM(mtp=mtp)
-    x = _x()
+    x = x_SBH()
     cap = OutputLayerInputCapture(model)
     with cap.capture_context():
         model(x)
@@ -243,7 +104,7 @@ def test_mtp_captures_the_main_call(mtp):
 
 def test_tied_weight_as_keyword_still_captures():
     model = TinyLM(tied=True)
-    x = _x()
+    x = x_SBH()
     cap = OutputLayerInputCapture(model)
     with cap.capture_context():
         logits = model(x)
@@ -251,34 +112,65 @@ def test_tied_weight_as_keyword_still_captures():
     torch.testing.assert_close(h @ model.embedding.detach().t(), logits.detach(), rtol=0, atol=0)
 
 
-def test_rank_other_than_three_raises():
-    head = Head()
-    holder = torch.nn.Module()
-    holder.output_layer = head
-    cap = OutputLayerInputCapture(holder)
+def test_head_called_with_a_keyword_input_is_captured():
+    """Superset: NeMo-RL's positional-only hook sees no argument here and captures nothing."""
+    model = TinyLM(keyword=True)
+    x = x_SBH()
+    cap = OutputLayerInputCapture(model)
     with cap.capture_context():
-        head(torch.randn(4, H))
-    with pytest.raises(ValueError, match=r"shape \(4, 8\); expected rank 3"):
-        cap.get_hidden_states()
+        model(x)
+    torch.testing.assert_close(cap.get_hidden_states(), model.norm(x).detach(), rtol=0, atol=0)
 
 
-def test_caller_buffer_is_written_and_reused():
+def test_caller_out_is_written_every_capture_and_overwritten_by_the_next():
+    """``out=``: zero allocation, and the lifetime rule: valid until the next capture into it."""
     model = TinyLM()
     out = torch.full((5, 3, H), float("nan"))
     cap = OutputLayerInputCapture(model, out=out)
-    ptr = out.data_ptr()
-    for _ in range(3):
-        x = _x()
+    kept = []
+    for seed in range(3):
+        x = x_SBH(seed=seed)
         with cap.capture_context():
             model(x)
         h = cap.get_hidden_states()
-        assert h.data_ptr() == ptr
+        assert h is out
         torch.testing.assert_close(out, model.norm(x).detach(), rtol=0, atol=0)
+        kept.append(h)
+    assert all(k is out for k in kept) and cap.allocations == 0
     bad = OutputLayerInputCapture(model, out=torch.empty(4, 3, H))
     with bad.capture_context():
-        model(_x())
+        model(x_SBH())
     with pytest.raises(ValueError, match=r"capture buffer is \(4, 3, 8\).*need \(5, 3, 8\)"):
         bad.get_hidden_states()
+
+
+def test_buffer_without_sequence_parallelism_copies_nothing():
+    """``buffer=`` only receives an SP gather; without SP the layer's input is returned as is."""
+    model = TinyLM()
+    buf = ReusableBuffer()
+    cap = OutputLayerInputCapture(model, buffer=buf)
+    seen = []
+    model.output_layer.register_forward_pre_hook(lambda m, a: seen.append(a[0]) and None)
+    with cap.capture_context():
+        model(x_SBH())
+    h = cap.get_hidden_states()
+    assert h.data_ptr() == seen[0].data_ptr() and buf.allocations == 0 and cap.allocations == 0
+
+
+def test_out_and_buffer_together_are_refused_and_set_output_buffer():
+    model = TinyLM()
+    with pytest.raises(ValueError, match="out= or buffer="):
+        OutputLayerInputCapture(model, out=torch.empty(5, 3, H), buffer=ReusableBuffer())
+    cap = OutputLayerInputCapture(model)
+    out = torch.empty(5, 3, H)
+    cap.set_output_buffer(out)
+    x = x_SBH()
+    with cap.capture_context():
+        model(x)
+    assert cap.get_hidden_states() is out
+    torch.testing.assert_close(out, model.norm(x).detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="buffer="):
+        OutputLayerInputCapture(model, buffer=ReusableBuffer()).set_output_buffer(out)
 
 
 def test_reusable_buffer_allocates_once_per_shape():
@@ -296,3 +188,22 @@ def test_sequence_parallel_without_a_group_is_refused():
     model = TinyLM()
     with pytest.raises(ValueError, match="no tensor-parallel group is known"):
         OutputLayerInputCapture(model, sequence_parallel=True)
+
+
+def test_non_tensor_first_argument_is_a_clear_error():
+    """NeMo-RL keeps any first argument and fails on ``.ndim``; here it is a ValueError."""
+    holder = torch.nn.Module()
+    holder.output_layer = Head()
+    cap = OutputLayerInputCapture(holder)
+    cap._pre_hook(holder.output_layer, ([1, 2],))
+    with pytest.raises(ValueError, match="first positional argument is a list"):
+        cap.get_hidden_states()
+
+
+def test_get_opd_full_capture_context_passes_capture_options():
+    model = TinyLM()
+    out = torch.empty(5, 3, H)
+    ctx, cap = get_opd_full_capture_context(model, True, out=out)
+    with ctx:
+        model(x_SBH())
+    assert cap.get_hidden_states() is out
