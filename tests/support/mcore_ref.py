@@ -64,9 +64,9 @@ def _kl_rows(student_LV: torch.Tensor, teacher_LV: torch.Tensor) -> torch.Tensor
     return (ls.exp() * (ls - lt)).sum(-1)
 
 
-#: ``extra(sample_index, student_logits_LV, kl_L) -> [L]`` more per-token loss (float64; the
-#: student's logits and the reverse KL both carry gradient).
-ExtraLoss = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``extra(sample_index, student_logits_LV, teacher_logits_LV, kl_L) -> [L]`` more per-token loss
+#: (float64; the student's logits and the reverse KL carry gradient).
+ExtraLoss = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def reference_step(
@@ -109,7 +109,7 @@ def reference_step(
         w = 1.0 if teacher_weights is None else float(teacher_weights[k])
         per_token = w * kl
         if extra is not None:
-            per_token = per_token + extra(j, s_logits.double(), kl)
+            per_token = per_token + extra(j, s_logits.double(), t_logits.double(), kl)
         total = total + per_token[mask].sum()
         count += int(mask.sum())
     loss = total / max(count, 1)

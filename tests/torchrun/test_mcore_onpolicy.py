@@ -12,8 +12,10 @@ and chunking reorder sums), on both of megatron's loss paths.
 - ``routed``: two teachers of different hidden sizes, each sample routed to one, per-teacher
   weights; some teacher DP ranks and one student DP rank hold no sample in some micro-batches.
 - ``rl``: the job's own loss: a policy-gradient term whose per-token reward is the teachers'
-  reverse KL (no gradient through the KL), built on ``step.teacher_signal``.
-- ``sft``: the weighted KL plus an SFT cross-entropy on the same tokens.
+  reverse KL (no gradient through the KL), built on ``step.teacher_signal`` and
+  ``mopd.mcore.token_logprobs`` (student TP2 + SP, DP2, PP2).
+- ``sft``: the weighted reverse KL, an SFT cross-entropy and the forward KL on the same tokens
+  (two routed teachers, student DP4, PP2).
 
 Also: masked tokens never cross the bridge (the bytes the step moves equal the counted tokens
 times the row size).
@@ -32,7 +34,7 @@ TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 900
 
 V, S, LAYERS = 64, 16, 2
-BETA, LAMBDA = 0.7, 0.3
+BETA, LAMBDA, GAMMA = 0.7, 0.3, 0.2
 HIDDEN_T = (48, 40)
 
 
@@ -184,13 +186,14 @@ def _packed(batch: Batch, ids: list[int], mesh: Any, *, sp: int) -> Any:
     )
 
 
-def _token_logprob(output: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """``[T]`` log p_S(label) from a TP=1 student's ``[B, S, V]`` logits, float64."""
-    logp = torch.log_softmax(output.double(), dim=-1)
-    return logp.gather(-1, labels_BS[..., None])[..., 0].reshape(-1)
+def _token_logprob(output: torch.Tensor, labels_BS: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """``[T]`` log p_S(label) from the student's ``[B, S, V / tp]`` logits."""
+    from mopd.mcore import token_logprobs
+
+    return token_logprobs(output, labels_BS, tp_group=tp_group).reshape(-1)
 
 
-def _rl_forward_step(step: Any) -> Any:
+def _rl_forward_step(step: Any, tp_group: Any) -> Any:
     """A user's ``forward_step_func``: policy gradient with the teachers' reverse KL as a dense
     per-token reward: ``-(A_t - beta * KL_t) * log p(y_t)``, the KL without gradient."""
 
@@ -202,7 +205,7 @@ def _rl_forward_step(step: Any) -> Any:
             signal = step.teacher_signal(output, mb)
             reward_T = -signal.kl_T["reverse"].detach().double()
             adv_T = mb.extra["adv"].reshape(-1) + BETA * reward_T
-            per_T = -adv_T * _token_logprob(output, mb.extra["labels"])
+            per_T = -adv_T * _token_logprob(output, mb.extra["labels"], tp_group)
             return step.loss_output((per_T * signal.mask_T).sum().float(), signal)
 
         return out, loss_func
@@ -210,17 +213,22 @@ def _rl_forward_step(step: Any) -> Any:
     return forward_step
 
 
-def _sft_forward_step(step: Any) -> Any:
-    """A user's ``forward_step_func``: the weighted KL plus an SFT cross-entropy."""
+def _sft_forward_step(step: Any, tp_group: Any) -> Any:
+    """A user's ``forward_step_func``: the weighted reverse KL, an SFT cross-entropy and the
+    (unweighted) forward KL."""
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
         mb = next(data_iterator)
         out = model(mb.tokens, mb.position_ids, None)
 
         def loss_func(output: torch.Tensor) -> Any:
-            signal = step.teacher_signal(output, mb)
-            ce_T = -_token_logprob(output, mb.extra["labels"])
-            loss = signal.weighted_kl_sum() + LAMBDA * (ce_T * signal.mask_T).sum().float()
+            signal = step.teacher_signal(output, mb, kinds=("reverse", "forward"))
+            ce_T = -_token_logprob(output, mb.extra["labels"], tp_group)
+            loss = (
+                signal.weighted_kl_sum("reverse")
+                + LAMBDA * (ce_T * signal.mask_T).sum().float()
+                + GAMMA * signal.kl_T["forward"].sum()
+            )
             return step.loss_output(loss, signal)
 
         return out, loss_func
@@ -239,7 +247,7 @@ CASES: dict[str, dict[str, Any]] = {
         "weights": (1.0, 0.4),
         "sizes": [4, 1, 3, 2],  # micro-batch 1: one sample, student DP rank 1 holds nothing
     },
-    "rl": {"student": {"dp": 4, "pp": 2}, "sp": False, "thd": False, "loss": "rl"},
+    "rl": {"student": {"tp": 2, "dp": 2, "pp": 2}, "sp": True, "thd": False, "loss": "rl"},
     "sft": {
         "student": {"dp": 4, "pp": 2},
         "sp": False,
@@ -254,12 +262,15 @@ CASES: dict[str, dict[str, Any]] = {
 def _extra_reference(kind: str, batch: Batch) -> Any:
     ids = batch.ids()
 
-    def extra(j: int, s_logits: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    def extra(j: int, s_logits: torch.Tensor, t_logits: torch.Tensor, kl: torch.Tensor) -> Any:
         s = ids[j]
-        logp = torch.log_softmax(s_logits, dim=-1).gather(-1, batch.labels[s][:, None])[:, 0]
+        ls = torch.log_softmax(s_logits, dim=-1)
+        logp = ls.gather(-1, batch.labels[s][:, None])[:, 0]
         if kind == "rl":  # the stock KL term is weighted 0 below: only the PG term counts
             return -(batch.adv[s] - BETA * kl.detach()) * logp
-        return -LAMBDA * logp
+        lt = torch.log_softmax(t_logits, dim=-1)
+        forward_kl = (lt.exp() * (lt - ls)).sum(-1)
+        return -LAMBDA * logp + GAMMA * forward_kl
 
     return extra
 
@@ -344,8 +355,8 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
         with distiller.step(student=s_mbs, teachers=t_mbs) as step:
             forward_step = {
                 "kl": step.forward_step,
-                "rl": _rl_forward_step(step),
-                "sft": _sft_forward_step(step),
+                "rl": _rl_forward_step(step, spg.tp),
+                "sft": _sft_forward_step(step, spg.tp),
             }[loss_kind]
             fb(
                 forward_step_func=forward_step,
