@@ -15,7 +15,10 @@ What :func:`apply` patches:
   ``sequence_parallel`` (torch's LayerNorm asserts when SP is on; the math is per token);
 - ``get_pos_emb_on_this_cp_rank`` without pinned memory, the default causal mask on CPU;
 - the pipeline schedules: ``torch.cuda.synchronize`` is a no-op and the schedules' token
-  counters (``torch.zeros(..., device="cuda")``) live on the CPU.
+  counters (``torch.zeros(..., device="cuda")``) live on the CPU;
+- mixture of experts: ``te_general_gemm`` is defined (as ``None``, Transformer Engine absent) in
+  megatron's ``moe_utils``, whose allgather token dispatcher reads it; use
+  ``moe_token_dispatcher_type="allgather"``: the alltoall and flex dispatchers make CUDA streams.
 
 :class:`CPUCoreAttention` (causal self-attention only, no dropout, no bias): under CP
 (``pg_collection.cp`` of size ``cp > 1``) K and V are all-gathered over the CP group with
@@ -110,6 +113,7 @@ def apply() -> None:
     tutils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
     _patch_schedules()
+    _patch_moe()
     _APPLIED = True
 
 
@@ -140,6 +144,14 @@ def _patch_schedules() -> None:
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     schedules.torch = _CpuTorch()  # type: ignore[attr-defined]
+
+
+def _patch_moe() -> None:
+    """megatron's MoE utilities without Transformer Engine: ``te_general_gemm`` is read by name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
