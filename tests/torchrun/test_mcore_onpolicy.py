@@ -10,7 +10,8 @@ and chunking reorder sums), on both of megatron's loss paths.
 - ``mask_sp`` / ``mask_thd``: response-only KL (a prompt of varying length per sample is not
   counted) with a padded student (TP2 + SP, DP2, PP2) and a packed one (TP2, CP2, PP2 THD).
 - ``routed``: two teachers of different hidden sizes, each sample routed to one, per-teacher
-  weights; some teacher DP ranks and one student DP rank hold no sample in some micro-batches.
+  weights; some teacher DP ranks and one student DP rank hold no sample in some micro-batches
+  (``routed_thd``: the student packed, TP2 + SP, DP2, PP2).
 - ``rl``: the job's own loss: a policy-gradient term whose per-token reward is the teachers'
   reverse KL (no gradient through the KL), built on ``step.teacher_signal`` and
   ``mopd.mcore.token_logprobs`` (student TP2 + SP, DP2, PP2).
@@ -246,6 +247,14 @@ CASES: dict[str, dict[str, Any]] = {
         "teachers": 2,
         "weights": (1.0, 0.4),
         "sizes": [4, 1, 3, 2],  # micro-batch 1: one sample, student DP rank 1 holds nothing
+    },
+    "routed_thd": {  # the same with a packed student: packed_micro_batch([], []) placeholders
+        "student": {"tp": 2, "dp": 2, "pp": 2},
+        "sp": True,
+        "thd": True,
+        "teachers": 2,
+        "weights": (0.3, 1.0),
+        "sizes": [1, 4, 2, 1],
     },
     "rl": {"student": {"tp": 2, "dp": 2, "pp": 2}, "sp": True, "thd": False, "loss": "rl"},
     "sft": {
