@@ -48,7 +48,13 @@ from mopd.mcore.loss import (
     megatron_loss_output,
     teacher_signal,
 )
-from mopd.mcore.teacher import Forward, default_forward, model_config, run_teacher
+from mopd.mcore.teacher import (
+    Forward,
+    check_pipeline_shapes,
+    default_forward,
+    model_config,
+    run_teacher,
+)
 
 __all__ = ["DistillationStep", "Distiller", "MeshModel"]
 
@@ -202,7 +208,7 @@ class Distiller:
         for o, (t, mbs) in enumerate(zip(self.teachers, teachers, strict=True)):
             if t.last_stage(rank):
                 teacher_layouts[o] = _layouts(
-                    mbs, t.pg_collection, rows="hidden", what=f"teacher {o}", mask=False
+                    mbs, t, rows="hidden", what=f"teacher {o}", mask=False
                 )
         student_layouts = None
         keep = self.bridge_config.keep_sp_shard
@@ -211,7 +217,7 @@ class Distiller:
             assert coord is not None
             student_layouts = _layouts(
                 student,
-                s.pg_collection,
+                s,
                 rows="hidden" if keep else "logits",
                 what="student",
                 sp=(s.mesh.tp, coord.tp_rank) if keep else (1, 0),
@@ -245,7 +251,7 @@ class Distiller:
 
 def _layouts(
     mbs: Sequence[MicroBatch] | None,
-    pg: Any,
+    side: MeshModel,
     *,
     rows: str,
     what: str,
@@ -253,11 +259,16 @@ def _layouts(
     mask: bool = True,
 ) -> Callable[[], list[Any]]:
     """The layouts of a rank's micro-batches, built inside the bridge's guarded phase (the
-    student's with its loss masks applied, ``mask=True``)."""
+    student's with its loss masks applied, ``mask=True``); a pipelined model's micro-batch
+    shapes are checked there too (an agreed error before anything runs)."""
+    pg = side.pg_collection
 
     def build() -> list[Any]:
         if not mbs:
             raise ValueError(f"{what}: this rank must pass its micro-batches")
+        check_pipeline_shapes(
+            mbs, config=model_config(side.model), pp=side.mesh.pp, cp_size=side.mesh.cp, what=what
+        )
         return [
             micro_batch_layout(
                 mb,

@@ -1,11 +1,14 @@
-"""Tier 2 (torchrun, 4 ranks, gloo): MOPD with a student on virtual pipeline stages (PP2 x VPP2).
+"""Tier 2 (torchrun, 4 ranks, gloo): MOPD with a student on virtual pipeline stages (PP2 x VPP2),
+and the pipeline settings refused early.
 
 What a user relies on: the student as a list of model chunks under megatron's interleaved
 schedule, one data iterator per chunk (``[step.data_iterator() for _ in chunks]``), trains on the
 response-only KL with the loss and every finalized ``main_grad`` of the plain computation
 (:func:`tests.support.mcore_ref.reference_step`, float64): loss within rtol 1e-5, gradients
 within 1e-4 of their norm. And ``mopd.mcore.cpu`` refuses, before any communication, the
-setting that corrupts megatron's interleaved schedule on gloo at PP=2 (``batch_p2p_comm=True``).
+setting that corrupts megatron's interleaved schedule on gloo at PP=2 (``batch_p2p_comm=True``);
+and a pipelined student given packed micro-batches of different lengths without
+``variable_seq_lengths`` fails at ``distiller.step`` on every rank with the fix named.
 """
 
 from __future__ import annotations
@@ -219,3 +222,57 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
     if smesh.is_last_stage(rank):
         print(f"vpp: largest relative loss error {worst_loss:.2e}, gradient {max(worst_grad):.2e}")
     assert not problems, "\n".join(problems[:20])
+
+
+def test_packed_student_at_pp2_without_variable_lengths_fails_early_everywhere(world: Any) -> None:
+    """THD micro-batches of different lengths for a PP=2 student whose config has
+    ``variable_seq_lengths=False``: every rank gets the same named ``ValueError`` from
+    ``distiller.step`` (the bridge's agreed verdict), before the teacher or the schedule run."""
+    from megatron.core.models.gpt import GPTModel
+
+    from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
+    from mopd.mcore import Distiller, MeshModel, packed_micro_batch, split_samples
+    from mopd.mcore.cpu import cpu_gpt_layer_spec
+    from tests.support.megatron_cpu import tiny_config
+
+    rank = dist.get_rank()
+    pool = GroupPool()
+    tmesh, smesh = Mesh(dp=4, name="teacher"), Mesh(dp=2, pp=2, name="student")
+    tpg = megatron_process_groups(tmesh, pool)
+    spg = megatron_process_groups(smesh, pool)
+    teacher = _gpt(48, pg=tpg).eval()
+    c = smesh.coord(rank)
+    student = GPTModel(
+        config=tiny_config(pipeline_model_parallel_size=2),
+        transformer_layer_spec=cpu_gpt_layer_spec(),
+        vocab_size=V,
+        max_sequence_length=S,
+        position_embedding_type="learned_absolute",
+        pre_process=c.pp_rank == 0,
+        post_process=c.pp_rank == 1,
+        pg_collection=spg,
+    )
+    distiller = Distiller(
+        teachers=[MeshModel(mesh=tmesh, model=teacher, pg_collection=tpg)],
+        student=MeshModel(mesh=smesh, model=student, pg_collection=spg),
+        pool=pool,
+        bridge_config=BridgeConfig(timeout_s=60),
+    )
+    lens = [[5, 9], [12, 3]]  # per micro-batch, per student DP rank
+    ids = [[10, 11], [12, 13]]
+    s_mbs = [
+        packed_micro_batch([ids[i][c.dp_rank]], [torch.ones(lens[i][c.dp_rank], dtype=torch.int64)])
+        for i in range(2)
+    ]
+    tc = tmesh.coord(rank)
+    t_mbs = [
+        packed_micro_batch(
+            (mine := split_samples(ids[i], 4, tc.dp_rank)),
+            [torch.ones(lens[i][ids[i].index(s)], dtype=torch.int64) for s in mine],
+        )
+        if split_samples(ids[i], 4, tc.dp_rank)
+        else packed_micro_batch([], [])
+        for i in range(2)
+    ]
+    with pytest.raises(ValueError, match=r"student: packed \(THD\) micro-batches of different"):
+        distiller.step(student=s_mbs, teachers=[t_mbs])

@@ -123,3 +123,32 @@ def test_bad_masks_are_named() -> None:
         micro_batch_layout(mb, rows="logits")
     with pytest.raises(ValueError, match="loss_masks lengths"):
         packed_micro_batch([1], [torch.ones(4, dtype=torch.int64)], loss_masks=[torch.ones(3)])
+
+
+def test_pipelined_micro_batches_of_different_shapes_need_variable_seq_lengths() -> None:
+    from mopd.mcore.teacher import check_pipeline_shapes
+    from tests.support.megatron_cpu import tiny_config
+
+    mbs = [
+        packed_micro_batch([1], [torch.ones(5, dtype=torch.int64)]),
+        packed_micro_batch([2], [torch.ones(9, dtype=torch.int64)]),
+    ]
+    fixed = tiny_config(pipeline_model_parallel_size=2)
+    with pytest.raises(
+        ValueError,
+        match=r"student: packed \(THD\).*\[\(5, 1\), \(9, 1\)\].*"
+        r"set variable_seq_lengths=True",
+    ):
+        check_pipeline_shapes(mbs, config=fixed, pp=2, cp_size=1, what="student")
+    check_pipeline_shapes(mbs, config=fixed, pp=1, cp_size=1, what="student")  # no pipeline
+    variable = tiny_config(
+        pipeline_model_parallel_size=2,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+    check_pipeline_shapes(mbs, config=variable, pp=2, cp_size=1, what="student")
+    same = [
+        padded_micro_batch([1, 2], torch.zeros(2, S, dtype=torch.int64)),
+        padded_micro_batch([], torch.zeros(2, S, dtype=torch.int64)),
+    ]
+    check_pipeline_shapes(same, config=fixed, pp=2, cp_size=1, what="teacher")  # one shape
