@@ -39,6 +39,7 @@ from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
 from mopd.bridge.mesh import Mesh
 from mopd.common import dist as cdist
+from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
 from mopd.mcore.loss import (
@@ -269,6 +270,11 @@ def _layouts(
         check_pipeline_shapes(
             mbs, config=model_config(side.model), pp=side.mesh.pp, cp_size=side.mesh.cp, what=what
         )
+        if not mask and any(mb.loss_mask is not None for mb in mbs):
+            warn_once(
+                "a teacher's micro-batches carry a loss_mask: it is ignored (the student's "
+                "loss_mask decides which tokens count and are sent)"
+            )
         return [
             micro_batch_layout(
                 mb,
@@ -373,6 +379,7 @@ class DistillationStep:
             teacher_weights=d.teacher_weights,
             kinds=tuple(kinds) if kinds is not None else (d.kl_config.kind,),
             config=d.kl_config,
+            global_tokens=self.global_tokens,
         )
 
     def loss_output(
@@ -420,6 +427,7 @@ class DistillationStep:
                 default_scale=self.default_scale,
                 config=d.kl_config,
                 teacher_weights=d.teacher_weights,
+                global_tokens=self.global_tokens,
                 record=self._logged.__setitem__,
             )
             return fn(output)

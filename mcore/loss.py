@@ -89,6 +89,7 @@ def teacher_signal(
     teacher_weights: Sequence[float] | None = None,
     kinds: Sequence[KLKind] = ("reverse",),
     config: KLConfig | None = None,
+    global_tokens: int | None = None,
 ) -> TeacherSignal:
     """Receive ``micro_batch``'s teacher rows and compute the per-token KL (see the class).
 
@@ -105,6 +106,7 @@ def teacher_signal(
         teacher_weights: one weight per teacher (default: all 1).
         kinds: which KLs to compute (each is one pass over the vocabulary).
         config: the KL's chunking and backend (its ``kind`` and ``reduction`` are set here).
+        global_tokens: the step's counted tokens if known (else read off the step's metadata).
     """
     if not lm_heads:
         raise ValueError("need one LM-head shard per teacher")
@@ -162,7 +164,7 @@ def teacher_signal(
         owner_T=owner,
         weight_T=weight_T,
         num_tokens=n,
-        global_tokens=step.global_tokens(),
+        global_tokens=step.global_tokens() if global_tokens is None else global_tokens,
     )
 
 
@@ -216,6 +218,7 @@ def kl_loss_func(
     default_scale: float,
     config: KLConfig | None = None,
     teacher_weights: Sequence[float] | None = None,
+    global_tokens: int | None = None,
     record: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Callable[[torch.Tensor], tuple[Any, ...]]:
     """A megatron ``loss_func`` for ``micro_batch``: the weighted full-vocabulary KL to the
@@ -246,6 +249,7 @@ def kl_loss_func(
                 teacher_weights=teacher_weights,
                 kinds=(config.kind,),
                 config=config,
+                global_tokens=global_tokens,
             )
             out = megatron_loss_output(
                 signal.weighted_kl_sum(),
