@@ -6,6 +6,11 @@ megatron-core accepts explicit groups per model (``pg_collection=`` on the model
 and ``finalize_model_grads``); :func:`megatron_process_groups` builds them from a
 :class:`~mopd.bridge.mesh.Mesh`, through a :class:`~mopd.bridge.groups.GroupPool`, so every rank
 creates every group in the same order. Megatron is imported on use only.
+
+Mixture-of-experts layers see the ranks of one pipeline stage differently: the ``tp x cp x dp``
+ranks of a stage are ``expert_tp x ep x expt_dp`` (megatron's expert rank order, expert TP
+fastest; CP folds into the expert data parallelism), so expert parallelism is a factor of data
+parallelism as far as the dense parts, the LM head and the bridge are concerned.
 """
 
 from __future__ import annotations
@@ -21,18 +26,46 @@ if TYPE_CHECKING:
 __all__ = ["megatron_process_groups", "mesh_group_ranks"]
 
 
-def mesh_group_ranks(mesh: Mesh) -> dict[str, list[list[int]]]:
+def _expert_sizes(mesh: Mesh, ep: int, expert_tp: int | None) -> tuple[int, int, int]:
+    """``(expert_tp, ep, expt_dp)`` of ``mesh``'s stages; ``ValueError`` if they do not fit."""
+    etp = mesh.tp if expert_tp is None else expert_tp
+    for name, value in (("ep", ep), ("expert_tp", etp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mesh {mesh.name!r}: {name} must be a positive int, got {value!r}")
+    stage = mesh.tp * mesh.cp * mesh.dp
+    if stage % (etp * ep):
+        raise ValueError(
+            f"mesh {mesh.name!r}: expert_tp * ep = {etp} * {ep} must divide the ranks of a "
+            f"stage, tp * cp * dp = {mesh.tp} * {mesh.cp} * {mesh.dp} = {stage}"
+        )
+    return etp, ep, stage // (etp * ep)
+
+
+def mesh_group_ranks(
+    mesh: Mesh, *, ep: int = 1, expert_tp: int | None = None
+) -> dict[str, list[list[int]]]:
     """Every group of ``mesh`` by megatron's name, as global-rank lists (pure, no process group).
 
     ``tp``, ``cp``, ``dp`` (without CP), ``dp_cp``, ``tp_cp``, ``tp_dp_cp``, ``pp``, ``mp``
     (tp x pp), ``embd`` (first and last stage, for tied embeddings) and ``pos_embd`` (first
-    stage) and ``ep`` (one rank each: dense models), in a fixed order: the order :func:`megatron_process_groups` creates them in.
+    stage); and the expert groups for ``ep``-way expert parallelism with ``expert_tp``-way expert
+    tensor parallelism (default: ``tp``): ``ep``, ``expt_tp``, ``tp_ep`` (expert_tp x ep),
+    ``tp_ep_pp`` (expert_tp x ep x pp) and ``expt_dp`` (the rest of the stage). Dense models keep
+    ``ep=1`` (its ``ep`` groups have one rank). In a fixed order: the order
+    :func:`megatron_process_groups` creates them in.
     """
+    etp, ep, edp = _expert_sizes(mesh, ep, expert_tp)
     tp_r, cp_r, dp_r, pp_r = range(mesh.tp), range(mesh.cp), range(mesh.dp), range(mesh.pp)
 
     def at(t: int, c: int, d: int, p: int) -> int:
         return mesh.global_rank(tp_rank=t, cp_rank=c, dp_rank=d, pp_rank=p)
 
+    stage = mesh.tp * mesh.cp * mesh.dp
+
+    def ex(t: int, e: int, d: int, p: int) -> int:  # megatron's expert order, expert TP fastest
+        return mesh.rank_offset + p * stage + t + etp * (e + ep * d)
+
+    et_r, ep_r, ed_r = range(etp), range(ep), range(edp)
     last = mesh.pp - 1
     return {
         "tp": [[at(t, c, d, p) for t in tp_r] for p in pp_r for d in dp_r for c in cp_r],
@@ -47,24 +80,37 @@ def mesh_group_ranks(mesh: Mesh) -> dict[str, list[list[int]]]:
             sorted({at(t, c, d, 0), at(t, c, d, last)}) for d in dp_r for c in cp_r for t in tp_r
         ],
         "pos_embd": [[at(t, c, d, 0)] for d in dp_r for c in cp_r for t in tp_r],
-        "ep": [[r] for r in mesh.ranks],
+        "ep": [[ex(t, e, d, p) for e in ep_r] for p in pp_r for d in ed_r for t in et_r],
+        "expt_tp": [[ex(t, e, d, p) for t in et_r] for p in pp_r for d in ed_r for e in ep_r],
+        "tp_ep": [[ex(t, e, d, p) for e in ep_r for t in et_r] for p in pp_r for d in ed_r],
+        "tp_ep_pp": [[ex(t, e, d, p) for p in pp_r for e in ep_r for t in et_r] for d in ed_r],
+        "expt_dp": [[ex(t, e, d, p) for d in ed_r] for p in pp_r for e in ep_r for t in et_r],
     }
 
 
-def megatron_process_groups(mesh: Mesh, pool: GroupPool) -> Any | None:
-    """A megatron ``ProcessGroupCollection`` for this rank's place in ``mesh`` (any TP/CP/DP/PP).
+def megatron_process_groups(
+    mesh: Mesh, pool: GroupPool, *, ep: int = 1, expert_tp: int | None = None
+) -> Any | None:
+    """A megatron ``ProcessGroupCollection`` for this rank's place in ``mesh`` (any TP/CP/DP/PP),
+    with the expert groups of mixture-of-experts layers for ``ep``-way expert parallelism and
+    ``expert_tp``-way expert tensor parallelism (default: ``tp``; see :func:`mesh_group_ranks`).
 
     Collective over the default group: every global rank calls it, with the same meshes in the
     same order (groups are created through ``pool``, which creates a rank set once). Returns
     ``None`` on ranks outside the mesh. Pass the result as ``pg_collection=`` to the model, to
     megatron's schedule (with a ``P2PCommunicator`` over its ``pp`` group) and to
-    ``finalize_model_grads``; give its ``tp`` to the bridge as the student TP group.
+    ``finalize_model_grads``; give its ``tp`` to the bridge as the student TP group. ``ep`` and
+    ``expert_tp`` must be the model config's ``expert_model_parallel_size`` and
+    ``expert_tensor_parallel_size``.
+
+    Raises:
+        ValueError: ``expert_tp * ep`` does not divide ``tp * cp * dp`` (before any group).
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     me = dist.get_rank()
     mine: dict[str, Any] = {}
-    for kind, rank_sets in mesh_group_ranks(mesh).items():
+    for kind, rank_sets in mesh_group_ranks(mesh, ep=ep, expert_tp=expert_tp).items():
         mine[kind] = None  # embd / pos_embd: ranks off the first and last stages hold none
         for ranks in rank_sets:
             group = pool.create(ranks)
@@ -72,16 +118,11 @@ def megatron_process_groups(mesh: Mesh, pool: GroupPool) -> Any | None:
                 mine[kind] = group
     if mesh.coord(me) is None:
         return None
-    # dense models: no expert parallelism (ep of one rank), so megatron's expert and partial
-    # data-parallel groups are the plain ones
+    # one distributed-optimizer instance: the partial data-parallel groups are the whole ones
     for alias, same in (
         ("intra_dp_cp", "dp_cp"),
-        ("expt_dp", "dp_cp"),
-        ("intra_expt_dp", "dp_cp"),
+        ("intra_expt_dp", "expt_dp"),
         ("intra_dist_opt", "dp_cp"),
-        ("expt_tp", "tp"),
-        ("tp_ep", "tp"),
-        ("tp_ep_pp", "mp"),
     ):
         mine[alias] = mine[same]
     mine["inter_dist_opt"] = None  # one distributed-optimizer instance

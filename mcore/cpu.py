@@ -15,7 +15,13 @@ What :func:`apply` patches:
   ``sequence_parallel`` (torch's LayerNorm asserts when SP is on; the math is per token);
 - ``get_pos_emb_on_this_cp_rank`` without pinned memory, the default causal mask on CPU;
 - the pipeline schedules: ``torch.cuda.synchronize`` is a no-op and the schedules' token
-  counters (``torch.zeros(..., device="cuda")``) live on the CPU.
+  counters (``torch.zeros(..., device="cuda")``) live on the CPU; the interleaved (virtual
+  pipeline) schedule refuses, before any communication, PP=2 with ``batch_p2p_comm=True``
+  (megatron's default): there the previous and next stage are one rank and gloo swaps its
+  activations and gradients silently; ``overlap_p2p_comm=True, batch_p2p_comm=False`` is right;
+- mixture of experts: ``te_general_gemm`` is defined (as ``None``, Transformer Engine absent) in
+  megatron's ``moe_utils``, whose allgather token dispatcher reads it; use
+  ``moe_token_dispatcher_type="allgather"``: the alltoall and flex dispatchers make CUDA streams.
 
 :class:`CPUCoreAttention` (causal self-attention only, no dropout, no bias): under CP
 (``pg_collection.cp`` of size ``cp > 1``) K and V are all-gathered over the CP group with
@@ -39,6 +45,7 @@ import torch.distributed as dist
 __all__ = [
     "CPUCoreAttention",
     "apply",
+    "check_interleaved_p2p",
     "cpu_gpt_layer_spec",
     "packed_rows",
     "zigzag_positions",
@@ -110,6 +117,7 @@ def apply() -> None:
     tutils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
     _patch_schedules()
+    _patch_moe()
     _APPLIED = True
 
 
@@ -140,6 +148,50 @@ def _patch_schedules() -> None:
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     schedules.torch = _CpuTorch()  # type: ignore[attr-defined]
+    interleaved = schedules.forward_backward_pipelining_with_interleaving
+
+    def checked_interleaved(**kwargs: Any) -> Any:
+        check_interleaved_p2p(
+            kwargs.get("model"), kwargs.get("p2p_communicator"), kwargs.get("pg_collection")
+        )
+        return interleaved(**kwargs)
+
+    schedules.forward_backward_pipelining_with_interleaving = checked_interleaved
+
+
+def check_interleaved_p2p(model: Any, p2p_communicator: Any, pg_collection: Any) -> None:
+    """Refuse megatron's interleaved schedule on CPU (gloo) ranks where it corrupts silently.
+
+    At PP=2 the previous and the next stage are the same rank, and with ``batch_p2p_comm=True``
+    (megatron's default) gloo pairs the batched sends and receives of both directions wrongly:
+    activations and gradients are swapped without an error. Raises ``ValueError`` (the same on
+    every rank: the config and the pipeline size are) before any communication.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    chunks = model if isinstance(model, list | tuple) else [model]
+    config = get_model_config(chunks[0])
+    if p2p_communicator is not None:
+        pp = p2p_communicator.pp_group.size()
+    elif pg_collection is not None:
+        pp = pg_collection.pp.size()
+    else:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 2 and getattr(config, "batch_p2p_comm", False):
+        raise ValueError(
+            "megatron's interleaved (virtual pipeline) schedule at pipeline size 2 with "
+            "batch_p2p_comm=True swaps activations and gradients silently on CPU (gloo) ranks: "
+            "set overlap_p2p_comm=True and batch_p2p_comm=False in the TransformerConfig"
+        )
+
+
+def _patch_moe() -> None:
+    """megatron's MoE utilities without Transformer Engine: ``te_general_gemm`` is read by name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:

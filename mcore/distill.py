@@ -17,6 +17,10 @@ expects (:mod:`mopd.mcore.loss`). Leaving the step finishes the bridge's transfe
                          model=[s], num_microbatches=step.num_micro_batches,
                          seq_length=S, micro_batch_size=B)
     kl = step.mean_loss()   # the step's mean KL per token (student last stage), else None
+
+A job with its own loss (an RL term with the KL as a dense reward, an SFT term) writes its
+``loss_func`` around :meth:`DistillationStep.teacher_signal` (the per-token KL in the order of
+its logits) and :meth:`DistillationStep.loss_output` (what the schedule expects).
 """
 
 from __future__ import annotations
@@ -36,10 +40,23 @@ from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
 from mopd.bridge.mesh import Mesh
 from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
-from mopd.kernels.kl import KLConfig
+from mopd.common.log import warn_once
+from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
-from mopd.mcore.loss import kl_loss_func
-from mopd.mcore.teacher import Forward, default_forward, model_config, run_teacher
+from mopd.mcore.loss import (
+    LOG_KEY,
+    TeacherSignal,
+    kl_loss_func,
+    megatron_loss_output,
+    teacher_signal,
+)
+from mopd.mcore.teacher import (
+    Forward,
+    check_pipeline_shapes,
+    default_forward,
+    model_config,
+    run_teacher,
+)
 
 __all__ = ["DistillationStep", "Distiller", "MeshModel"]
 
@@ -97,6 +114,8 @@ class Distiller:
             bridge then reuses the student's TP groups).
         bridge_config: the bridge's settings (``timeout_s`` also bounds the set-up).
         kl_config: the loss's settings (``reduction`` must stay ``"sum"``).
+        teacher_weights: one non-negative weight per teacher: a token's KL counts with its
+            teacher's weight in the stock loss (:attr:`TeacherSignal.weight_T`); default all 1.
     """
 
     def __init__(
@@ -107,9 +126,20 @@ class Distiller:
         pool: GroupPool,
         bridge_config: BridgeConfig | None = None,
         kl_config: KLConfig | None = None,
+        teacher_weights: Sequence[float] | None = None,
     ) -> None:
         if not teachers:
             raise ValueError("Distiller needs at least one teacher")
+        if teacher_weights is not None and (
+            len(teacher_weights) != len(teachers) or any(not float(w) >= 0 for w in teacher_weights)
+        ):
+            raise ValueError(
+                f"teacher_weights must be {len(teachers)} non-negative numbers (one per teacher), "
+                f"got {list(teacher_weights)}"
+            )
+        self.teacher_weights = (
+            None if teacher_weights is None else tuple(map(float, teacher_weights))
+        )
         self.teachers = tuple(teachers)
         # one recycled buffer per teacher for its capture's SP gather, kept across steps: the
         # teacher pass allocates nothing per step at a steady shape (send takes the rows at once)
@@ -183,7 +213,7 @@ class Distiller:
         for o, (t, mbs) in enumerate(zip(self.teachers, teachers, strict=True)):
             if t.last_stage(rank):
                 teacher_layouts[o] = _layouts(
-                    mbs, t.pg_collection, rows="hidden", what=f"teacher {o}"
+                    mbs, t, rows="hidden", what=f"teacher {o}", mask=False
                 )
         student_layouts = None
         keep = self.bridge_config.keep_sp_shard
@@ -192,7 +222,7 @@ class Distiller:
             assert coord is not None
             student_layouts = _layouts(
                 student,
-                s.pg_collection,
+                s,
                 rows="hidden" if keep else "logits",
                 what="student",
                 sp=(s.mesh.tp, coord.tp_rank) if keep else (1, 0),
@@ -227,19 +257,38 @@ class Distiller:
 
 def _layouts(
     mbs: Sequence[MicroBatch] | None,
-    pg: Any,
+    side: MeshModel,
     *,
     rows: str,
     what: str,
     sp: tuple[int, int] = (1, 0),
+    mask: bool = True,
 ) -> Callable[[], list[Any]]:
-    """The layouts of a rank's micro-batches, built inside the bridge's guarded phase."""
+    """The layouts of a rank's micro-batches, built inside the bridge's guarded phase (the
+    student's with its loss masks applied, ``mask=True``); a pipelined model's micro-batch
+    shapes are checked there too (an agreed error before anything runs)."""
+    pg = side.pg_collection
 
     def build() -> list[Any]:
         if not mbs:
             raise ValueError(f"{what}: this rank must pass its micro-batches")
+        check_pipeline_shapes(
+            mbs, config=model_config(side.model), pp=side.mesh.pp, cp_size=side.mesh.cp, what=what
+        )
+        if not mask and any(mb.loss_mask is not None for mb in mbs):
+            warn_once(
+                "a teacher's micro-batches carry a loss_mask: it is ignored (the student's "
+                "loss_mask decides which tokens count and are sent)"
+            )
         return [
-            micro_batch_layout(mb, rows=rows, pg_collection=pg, sp_size=sp[0], sp_rank=sp[1])  # type: ignore[arg-type]
+            micro_batch_layout(
+                mb,
+                rows=rows,  # type: ignore[arg-type]
+                pg_collection=pg,
+                sp_size=sp[0],
+                sp_rank=sp[1],
+                use_loss_mask=mask,
+            )
             for mb in mbs
         ]
 
@@ -287,17 +336,90 @@ class DistillationStep:
 
     # --- inside the schedule --------------------------------------------------------------------
 
+    def _index(self, micro_batch: int | MicroBatch | None) -> int:
+        """A student micro-batch's index: given, found by identity, or the next in order."""
+        if micro_batch is None:
+            i = self._loss_calls
+            self._loss_calls += 1
+            return i
+        if isinstance(micro_batch, MicroBatch):
+            for i, mb in enumerate(self.micro_batches):
+                if mb is micro_batch:
+                    return i
+            raise ValueError("this MicroBatch is not one of the step's student micro-batches")
+        return int(micro_batch)
+
+    def teacher_signal(
+        self,
+        logits: torch.Tensor,
+        micro_batch: int | MicroBatch | None = None,
+        *,
+        kinds: Sequence[KLKind] | None = None,
+    ) -> TeacherSignal:
+        """The teachers' signal for a student micro-batch, in the order of ``logits``
+        (:class:`~mopd.mcore.loss.TeacherSignal`: per-token KL to each token's teacher with
+        gradient into ``logits``, mask, owner, per-teacher weight, token counts).
+
+        Call it inside ``loss_func`` on the student's last stage, once per micro-batch.
+
+        Args:
+            logits: the model's output, ``[B, S_local, V_local]`` or ``[1, T_local, V_local]``.
+            micro_batch: the :class:`MicroBatch` the data iterator gave (or its index);
+                ``None``: the next one in schedule order (megatron calls the last stage's loss
+                functions in micro-batch order).
+            kinds: the KLs to compute (default: ``kl_config.kind``).
+        """
+        d = self.distiller
+        s = d.student
+        i = self._index(micro_batch)
+        heads = d.lm_heads
+        if any(h is None for h in heads) or not s.last_stage(d.rank):
+            raise ValueError("teacher_signal called on a rank off the student's last stage")
+        return teacher_signal(
+            self.bridge_step,
+            i,
+            logits,
+            lm_heads=heads,  # type: ignore[arg-type]
+            tp_group=s.pg_collection.tp if s.mesh.tp > 1 else None,
+            teacher_weights=d.teacher_weights,
+            kinds=tuple(kinds) if kinds is not None else (d.kl_config.kind,),
+            config=d.kl_config,
+            global_tokens=self.global_tokens,
+        )
+
+    def loss_output(
+        self,
+        loss_sum: torch.Tensor,
+        signal: TeacherSignal,
+        *,
+        logs: dict[str, Any] | None = None,
+    ) -> tuple[Any, ...]:
+        """What ``loss_func`` returns for ``loss_sum``, a loss summed over ``signal``'s counted
+        tokens (the same on every TP rank): megatron's ``(loss_sum, num_tokens, logs)`` with
+        ``calculate_per_token_loss``, else the sum scaled by ``M * dp / global_tokens``; either
+        way the gradient is that of the step's mean loss per counted token. The logged
+        ``[loss_sum, num_tokens]`` feeds :meth:`mean_loss`."""
+        out = megatron_loss_output(
+            loss_sum,
+            signal.num_tokens,
+            per_token=self.distiller.per_token,
+            default_scale=self.default_scale,
+            logs=logs,
+        )
+        self._logged[signal.micro_batch] = out[-1][LOG_KEY]
+        return out
+
     def loss_func(
-        self, micro_batch: int | None = None
+        self, micro_batch: int | MicroBatch | None = None
     ) -> Callable[[torch.Tensor], tuple[Any, ...]]:
-        """The ``loss_func`` for a student micro-batch (default: the next one, in schedule order:
-        megatron calls the last stage's loss functions in micro-batch order)."""
+        """The stock ``loss_func`` for a student micro-batch (default: the next one, in schedule
+        order): the teacher-weighted KL summed over counted tokens (:meth:`teacher_signal`,
+        :meth:`loss_output`)."""
         d = self.distiller
         s = d.student
 
         def resolve(output: torch.Tensor, non_loss_data: bool = False) -> tuple[Any, ...]:
-            i = self._loss_calls if micro_batch is None else micro_batch
-            self._loss_calls += 1
+            i = self._index(micro_batch)
             heads = d.lm_heads
             if any(h is None for h in heads):
                 raise ValueError("loss_func called on a rank off the student's last stage")
@@ -309,6 +431,8 @@ class DistillationStep:
                 per_token=d.per_token,
                 default_scale=self.default_scale,
                 config=d.kl_config,
+                teacher_weights=d.teacher_weights,
+                global_tokens=self.global_tokens,
                 record=self._logged.__setitem__,
             )
             return fn(output)
@@ -333,9 +457,10 @@ class DistillationStep:
         self.bridge_step.finish()
 
     def mean_loss(self) -> float | None:
-        """The step's mean KL per real token over the whole student: one all-reduce over the
-        student's DP x CP group on its last stage (call it there after the schedule); ``None``
-        on other ranks."""
+        """The step's mean loss per counted token over the whole student (the stock loss: the
+        weighted KL; a custom ``loss_func``: what it gave :meth:`loss_output`): one all-reduce
+        over the student's DP x CP group on its last stage (call it there after the schedule);
+        ``None`` on other ranks."""
         s = self.distiller.student
         if not s.last_stage(self.distiller.rank):
             return None

@@ -21,7 +21,7 @@ from mopd.capture import OutputLayerInputCapture, ReusableBuffer
 from mopd.mcore.batch import MicroBatch
 from mopd.profiling import ranges
 
-__all__ = ["default_forward", "pipeline_shape", "run_teacher"]
+__all__ = ["check_pipeline_shapes", "default_forward", "pipeline_shape", "run_teacher"]
 
 #: ``forward(model, micro_batch) -> output`` (megatron's output tensor of the stage).
 Forward = Callable[[Any, MicroBatch], torch.Tensor]
@@ -60,6 +60,26 @@ def pipeline_shape(mb: MicroBatch, *, cp_size: int) -> tuple[int, int]:
         return int(mb.padded_offsets()[-1]), 1
     cols = int(mb.tokens.shape[0]) if mb.tokens is not None else len(mb.sample_ids)
     return mb.padded_seq_len(cp_size), cols
+
+
+def check_pipeline_shapes(
+    micro_batches: Sequence[MicroBatch], *, config: Any, pp: int, cp_size: int, what: str
+) -> None:
+    """``ValueError`` if a pipelined model (``pp > 1``) gets micro-batches of different shapes
+    (packed ones of different lengths, padded ones of different sizes) while its
+    ``TransformerConfig`` has ``variable_seq_lengths=False``: megatron's pipeline then sends
+    every activation with the first shape and fails deep inside the model."""
+    if pp <= 1 or getattr(config, "variable_seq_lengths", False):
+        return
+    shapes = sorted({pipeline_shape(mb, cp_size=cp_size) for mb in micro_batches})
+    if len(shapes) > 1:
+        kind = "packed (THD)" if any(mb.is_packed for mb in micro_batches) else "padded"
+        raise ValueError(
+            f"{what}: {kind} micro-batches of different (seq_length, micro_batch_size) "
+            f"{shapes[:4]} at pipeline size {pp}, but the TransformerConfig has "
+            "variable_seq_lengths=False: set variable_seq_lengths=True (megatron then exchanges "
+            "activation shapes between stages), or give every micro-batch one shape"
+        )
 
 
 def model_config(model: Any) -> Any:
@@ -107,13 +127,9 @@ def run_teacher(
     chunks = list(model) if isinstance(model, list | tuple) else [model]
     config = model_config(model)
     pp = pg_collection.pp.size()
-    shapes = {tuple(mb.tokens.shape) for mb in micro_batches if mb.tokens is not None}
-    if pp > 1 and len(shapes) > 1 and not getattr(config, "variable_seq_lengths", False):
-        raise ValueError(
-            f"teacher micro-batches have different shapes {sorted(shapes)} but the teacher's "
-            "TransformerConfig has variable_seq_lengths=False: set it to True for a pipelined "
-            "teacher with packed or variable-length micro-batches"
-        )
+    check_pipeline_shapes(
+        micro_batches, config=config, pp=pp, cp_size=pg_collection.cp.size(), what="teacher"
+    )
     capture = OutputLayerInputCapture(
         chunks if len(chunks) > 1 else chunks[0],
         buffer=buffer if buffer is not None else ReusableBuffer(),

@@ -60,6 +60,8 @@ class DemoConfig:
         per_token_loss: megatron's ``calculate_per_token_loss`` (else its default loss path).
         steps, lr, seed: the training run.
         teacher_init_std: the teachers' init std (large -> peaked teacher distributions).
+        prompt_len: the first tokens of each sample are its prompt: the student's loss mask
+            leaves them out (the KL counts the response), so the teachers never send them.
     """
 
     nproc: int
@@ -78,6 +80,7 @@ class DemoConfig:
     lr: float = 3e-3
     seed: int = 1234
     teacher_init_std: float = 0.2
+    prompt_len: int = 8
     min_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -168,6 +171,11 @@ class DemoConfig:
                 f"{per_mb} samples per micro-batch are fewer than the student's dp={self.student.dp}"
             )
         object.__setattr__(self, "min_len", max(1, self.seq_len // 2))
+        if not 0 <= self.prompt_len < self.min_len:
+            raise ValueError(
+                f"prompt_len must be in [0, {self.min_len}) (samples are {self.min_len}.."
+                f"{self.seq_len} tokens), got {self.prompt_len}"
+            )
 
     @property
     def num_teachers(self) -> int:
@@ -187,6 +195,7 @@ class DemoConfig:
             "vocab": self.vocab,
             "steps": self.steps,
             "per_token_loss": self.per_token_loss,
+            "prompt_len": self.prompt_len,
         }
 
 
@@ -220,6 +229,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=32, help="max sample length (in [seq/2, seq])")
     p.add_argument("--samples", type=int, default=8, help="samples per step, whole job")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=8,
+        help="prompt tokens per sample, left out of the KL and never sent (default 8)",
+    )
     p.add_argument(
         "--loss-path",
         choices=["per-token", "default"],
@@ -268,6 +283,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
             seq_len=args.seq_len,
             samples=args.samples,
             micro_batches=args.micro_batches,
+            prompt_len=args.prompt_len,
             per_token_loss=args.loss_path == "per-token",
             steps=args.steps,
             lr=args.lr,

@@ -310,6 +310,7 @@ class _Job:
                 packed_micro_batch(
                     (mine := split_samples(mb, self.student_mesh.dp, c.dp_rank)),
                     [tokens[s] for s in mine],
+                    loss_masks=[torch.arange(tokens[s].numel()) >= cfg.prompt_len for s in mine],
                     cp_size=self.student_mesh.cp,
                     cp_rank=c.cp_rank,
                     device=self.device,
@@ -641,6 +642,7 @@ class _Job:
         )
         cross = sum(n for (o, s, d), n in link_bytes.items() if s != d)
         local = sum(n for (o, s, d), n in link_bytes.items() if s == d)
+        masked, saved = self._masked_bytes(link_bytes)
         if self.args.json:
             print(
                 json.dumps(
@@ -654,6 +656,8 @@ class _Job:
                         },
                         "bytes_sent": cross,
                         "bytes_local": local,
+                        "masked_tokens": masked,
+                        "bytes_saved_by_mask": saved,
                         "logits_bytes_instead": 4 * cfg.vocab * tokens,
                         "links": [
                             {"teacher": o, "src": s, "dst": d, "bytes": n}
@@ -693,10 +697,33 @@ class _Job:
             f"  total: {_human(cross)} sent, {_human(local)} local copies (teacher logits instead: "
             f"{_human(4 * cfg.vocab * tokens)}, {tokens} tokens x {cfg.vocab} fp32)"
         )
+        out.append(
+            f"  prompt tokens (loss mask) not sent: {masked} tokens, {_human(saved)} saved "
+            f"({100 * saved / max(saved + cross + local, 1):.0f}% of the unmasked traffic)"
+        )
         first, last = float(self.losses[0]), float(self.losses[-1])
         trend = "decreasing" if last < first else "not decreasing"
         out.append(f"  loss: {first:.6f} -> {last:.6f} ({trend})")
         print("\n".join(out), file=self.out, flush=True)
+
+    def _masked_bytes(self, link_bytes: dict[tuple[int, int, int], int]) -> tuple[int, int]:
+        """``(tokens, bytes)`` the loss mask kept off the bridge over the run: each teacher's
+        moved bytes per counted token (every counted token moves once, from the plans) times
+        the prompt tokens routed to it."""
+        cfg = self.cfg
+        counted = [0] * cfg.num_teachers
+        masked = [0] * cfg.num_teachers
+        for step in range(cfg.steps):
+            for s, t in self._global_batch(step)[1].items():
+                k = s % cfg.num_teachers
+                prompt = min(cfg.prompt_len, int(t.numel()))
+                masked[k] += prompt
+                counted[k] += int(t.numel()) - prompt
+        moved = [0] * cfg.num_teachers
+        for (o, _s, _d), n in link_bytes.items():
+            moved[o] += n
+        saved = sum(moved[k] * masked[k] // max(counted[k], 1) for k in range(cfg.num_teachers))
+        return sum(masked), saved
 
 
 def _human(n: int) -> str:

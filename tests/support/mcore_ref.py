@@ -10,12 +10,12 @@ that plain computation, and maps full gradients back to each rank's shards.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["compare_grads", "load_sharded", "reference_step", "shard_of", "unwrapped"]
+__all__ = ["ExtraLoss", "compare_grads", "load_sharded", "reference_step", "shard_of", "unwrapped"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -64,34 +64,55 @@ def _kl_rows(student_LV: torch.Tensor, teacher_LV: torch.Tensor) -> torch.Tensor
     return (ls.exp() * (ls - lt)).sum(-1)
 
 
+#: ``extra(sample_index, student_logits_LV, teacher_logits_LV, kl_L) -> [L]`` more per-token loss
+#: (float64; the student's logits and the reverse KL carry gradient).
+ExtraLoss = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def reference_step(
     student: torch.nn.Module,
     teachers: Sequence[torch.nn.Module],
     samples: Sequence[tuple[int, torch.Tensor]],
     *,
     vocab_size: int,
+    masks: Sequence[torch.Tensor] | None = None,
+    teacher_weights: Sequence[float] | None = None,
+    extra: ExtraLoss | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """The plain MOPD step: mean reverse KL per real token over ``samples`` and its gradients.
+    """The plain MOPD step: mean loss per counted token over ``samples`` and its gradients.
+
+    The loss of a counted token ``t`` of a sample routed to teacher ``k`` is
+    ``teacher_weights[k] * KL_t + extra(...)_t`` (``KL_t`` the reverse KL to teacher ``k``); the
+    step's loss is their sum over all counted tokens divided by their number.
 
     Args:
         student, teachers: PP=1, TP=1 GPTModels with the full weights (learned absolute
             positions); ``teachers[k]`` serves the samples routed to it.
         samples: ``(teacher index, [L] tokens)`` per sample of the global batch.
+        masks: ``[L]`` bool per sample: the counted tokens (default: all).
+        teacher_weights: one weight per teacher (default: all 1).
+        extra: more per-token loss (see :data:`ExtraLoss`).
     Returns:
         ``(loss, {parameter name: full gradient})``.
     """
     student.zero_grad(set_to_none=True)
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    for k, tokens in samples:
+    for j, (k, tokens) in enumerate(samples):
         L = int(tokens.numel())
+        mask = torch.ones(L, dtype=torch.bool) if masks is None else masks[j].bool()
         pos = torch.arange(L)[None]
         with torch.no_grad():
             t_logits = teachers[k](tokens[None], pos, None)[0, :, :vocab_size]
         s_logits = student(tokens[None], pos, None)[0, :, :vocab_size]
-        total = total + _kl_rows(s_logits, t_logits).sum()
-        count += L
-    loss = total / count
+        kl = _kl_rows(s_logits, t_logits)
+        w = 1.0 if teacher_weights is None else float(teacher_weights[k])
+        per_token = w * kl
+        if extra is not None:
+            per_token = per_token + extra(j, s_logits.double(), t_logits.double(), kl)
+        total = total + per_token[mask].sum()
+        count += int(mask.sum())
+    loss = total / max(count, 1)
     loss.backward()
     grads = {
         n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None

@@ -6,8 +6,9 @@ detection of a corrupted bridge buffer (a hidden ``--inject-mismatch`` flag must
 non-zero), and the independence of the loss from the parallelism: every weight is drawn from its
 full name's seed, so the 8-rank job (student TP2 CP2 DP2, teachers TP2 DP2 and TP4), a one-rank
 job, and a pipelined job (student and teacher PP=2 under megatron's 1F1B schedule, 4
-micro-batches, megatron's default loss path) must give the same loss per step. Also: bad flags
-are rejected before anything starts.
+micro-batches, megatron's default loss path) must give the same loss per step (each on the
+response tokens: the prompts are left out by the student's loss mask, and reported as not sent).
+Also: bad flags are rejected before anything starts.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def test_demo_runs_verifies_and_prints_the_table(eight_ranks) -> None:
     # teacher 1 lives on ranks 4-7 only; the student spans 0-7: some of its rows cross
     assert any(t == "1" and int(d) < 4 for t, _, d, _ in links)
     assert "sent" in {k for *_, k in links} and "local copy" in {k for *_, k in links}
+    # the prompts (8 tokens of each of 8 samples, 2 steps) are left out by the loss mask
+    assert re.search(
+        r"^  prompt tokens \(loss mask\) not sent: 128 tokens, [\d.]+ \w?i?B saved", out, re.M
+    )
 
 
 def test_parallel_job_matches_a_one_rank_run(eight_ranks) -> None:
@@ -107,6 +112,7 @@ def test_pipelined_job_with_the_default_loss_path_matches(eight_ranks) -> None:
     assert result["config"]["micro_batches"] == 4 and not result["config"]["per_token_loss"]
     assert set(result["phase_ms_max_over_ranks"]) == set(PHASES)
     assert result["bytes_sent"] > 0 and result["logits_bytes_instead"] > result["bytes_sent"]
+    assert result["masked_tokens"] == 128 and result["bytes_saved_by_mask"] > 0
     ref = _losses(eight_ranks.stdout)
     got = result["loss_per_step"]
     assert got[0] == pytest.approx(ref[0], rel=1e-5), (got, ref)

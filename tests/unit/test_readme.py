@@ -6,6 +6,11 @@ is announced by an HTML comment: ``<!-- readme-test: python -->`` (one process),
 ``prelude=NAME``, which is not run on its own). Blocks that share a prelude run in one launch, in
 README order, each followed by a marker line the test checks, so a failure names its block. A
 Python block without a comment fails the test.
+
+The training loop is also checked for what its reader trusts, its gradients: after the blocks,
+two steps with the same batch at learning rate 0, from a student without gradients as a fresh
+one has, must hand the optimizer the same ``main_grad`` (a hand-off that leaves ``p.grad``
+aliased to ``main_grad`` adds the first micro-batch twice from the second step on).
 """
 
 from __future__ import annotations
@@ -82,6 +87,26 @@ def _groups() -> list[tuple[str, list[Block]]]:
     return sorted(groups.items())
 
 
+#: Appended to the launch of the blocks after the ``megatron-models`` prelude (they define
+#: ``train_step``, ``student`` and ``adam``).
+TRAINING_LOOP_CHECK = """
+for group in adam.param_groups:
+    group["lr"] = 0.0
+for p in student.parameters():
+    p.grad = None  # as a fresh student has them
+seen = []
+hook = adam.register_step_pre_hook(
+    lambda opt, args, kwargs: seen.append([p.grad.clone() for p in student.parameters()])
+)
+train_step(0)
+train_step(0)
+hook.remove()
+worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(*seen))
+assert worst < 1e-6, f"the same batch at lr=0 gave main_grads {worst:.3g} apart"
+print("README training loop: same main_grad over two steps", flush=True)
+"""
+
+
 @pytest.mark.parametrize(("key", "group"), _groups(), ids=[k for k, _ in _groups()])
 def test_readme_blocks_run(key: str, group: list[Block], tmp_path: Path) -> None:
     preludes = {b.name: b for b in _blocks() if b.run == "prelude"}
@@ -92,6 +117,9 @@ def test_readme_blocks_run(key: str, group: list[Block], tmp_path: Path) -> None
     for b in group:
         parts.append(b.code)
         parts.append(f'print("README block at line {b.line}: ok", flush=True)\n')
+    check = any("def train_step" in b.code for b in group)
+    if check:
+        parts.append(TRAINING_LOOP_CHECK)
     script = tmp_path / "readme_example.py"
     script.write_text("\n".join(parts))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -107,3 +135,5 @@ def test_readme_blocks_run(key: str, group: list[Block], tmp_path: Path) -> None
     )
     for b in group:
         assert out.count(f"README block at line {b.line}: ok") == nproc, out[-3000:]
+    if check:
+        assert out.count("README training loop: same main_grad over two steps") == nproc
