@@ -68,7 +68,7 @@ from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
 from mopd.common import dist as cdist
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 __all__ = [
     "BridgeConfig",

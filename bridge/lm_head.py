@@ -36,7 +36,7 @@ from mopd.bridge.metadata import code_dtype, dtype_code
 from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup, plan_rank
 from mopd.capture.unwrap import find_output_layer, unwrap_model
 from mopd.common import dist as cdist
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 __all__ = ["LMHeadShard", "VocabSpec", "lm_head_catalog", "lm_head_from_models", "reshard_lm_head"]
 

@@ -34,8 +34,8 @@ import torch
 
 from mopd.bridge.api import BridgeStep
 from mopd.bridge.lm_head import LMHeadShard
+from mopd.common import ranges
 from mopd.kernels.kl import KLConfig, KLKind, vocab_parallel_kl
-from mopd.profiling import ranges
 
 __all__ = ["LOG_KEY", "TeacherSignal", "kl_loss_func", "megatron_loss_output", "teacher_signal"]
 

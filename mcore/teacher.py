@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from mopd.capture import OutputLayerInputCapture, ReusableBuffer
+from mopd.common import ranges
 from mopd.mcore.batch import MicroBatch
-from mopd.profiling import ranges
 
 __all__ = ["check_pipeline_shapes", "default_forward", "pipeline_shape", "run_teacher"]
 

@@ -5,9 +5,9 @@ The ``mopd`` command (:mod:`.cli`; also ``python -m mopd``): ``mopd demo`` (:mod
 (:mod:`.bench_kernels`, :mod:`.bench_kl` with :mod:`.kl_numerics`, :mod:`.bench_bridge`,
 :mod:`.bench_capture`, :mod:`.bench_ranges`, :mod:`.bench_plan`, recorded by :mod:`.results`,
 drawn by :mod:`.plots`), the command-line syntax they share (:mod:`.mesh_arg`), synthetic steps
-(:mod:`.synthetic`), NVTX / torch.profiler ranges (:mod:`.ranges`), allocator counts
-(:mod:`.allocations`), ``nsys.sh`` and the one-command GPU session (``gpu_session.sh``).
-Submodules are imported on use; this package imports nothing heavy.
+(:mod:`.synthetic`), allocator counts (:mod:`.allocations`), ``nsys.sh`` and the one-command GPU session (``gpu_session.sh``).
+Submodules are imported on use; this package imports nothing heavy. Nothing in the library's
+data path (capture, bridge, kernels, mcore, common) imports from here.
 """
 
 from __future__ import annotations
