@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mopd.profiling.demo import DemoConfig
+from mopd.profiling.demo_config import DemoConfig
 
 if TYPE_CHECKING:
     import torch
@@ -350,7 +350,7 @@ class _Job:
         import torch
         import torch.distributed as dist
 
-        from mopd.profiling import ranges
+        from mopd.common import ranges
 
         cfg = self.cfg
         t_start = float(os.environ.get("MOPD_DEMO_T0", time.time()))
