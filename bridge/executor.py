@@ -65,7 +65,7 @@ from mopd.bridge.plan import RankPlan
 from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side, plan_digest
 from mopd.common import dist as cdist
 from mopd.common import ranges
-from mopd.kernels import copy_runs, gather_rows, scatter_rows
+from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
 __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 

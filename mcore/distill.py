@@ -36,13 +36,14 @@ import torch.distributed as dist
 
 from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
 from mopd.bridge.groups import GroupPool, create_bridge_groups
-from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
+from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
+from mopd.mcore.lm_head import lm_head_from_models
 from mopd.mcore.loss import (
     LOG_KEY,
     TeacherSignal,
@@ -70,7 +71,7 @@ class MeshModel:
         model: the (wrapped) megatron model, or its list of virtual-pipeline chunks; ``None`` on
             ranks outside the mesh.
         pg_collection: its megatron ``ProcessGroupCollection``
-            (:func:`mopd.bridge.megatron_groups.megatron_process_groups`); ``None`` outside.
+            (:func:`mopd.mcore.groups.megatron_process_groups`); ``None`` outside.
         forward: ``forward(model, micro_batch) -> output`` (default: a GPTModel call with the
             micro-batch's tokens, positions, mask and packed-sequence parameters).
     """

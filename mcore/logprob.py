@@ -4,7 +4,7 @@ Why this file exists: the loss terms a job puts beside the teachers' KL (a polic
 an SFT cross-entropy) need ``log p_S(y_t)`` of a token per row, and under tensor parallelism each
 rank holds a slice of the vocabulary. megatron's ``vocab_parallel_cross_entropy`` reduces over
 its global TP group, not over the student's own group when the models live on their own meshes
-(:func:`mopd.bridge.megatron_groups.megatron_process_groups`); :func:`token_logprobs` takes the
+(:func:`mopd.mcore.groups.megatron_process_groups`); :func:`token_logprobs` takes the
 group explicitly. Three all-reduces over the group (max, sum of exponentials, target logit);
 its gradient is ``onehot(y) - softmax`` on this rank's slice.
 """

@@ -8,7 +8,7 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
 - two frozen teacher GPTModels, each on its own mesh with its own hidden size (default teacher 0:
   TP2 DP2 on ranks 0-3, teacher 1: TP4 on ranks 4-7, SP on), and a student GPTModel on its own
   mesh (default TP2 CP2 DP2 over all 8 ranks, THD-packed sequences, CP zigzag), each on explicit
-  process groups (:func:`mopd.bridge.megatron_process_groups`), PP allowed on both sides;
+  process groups (:func:`mopd.mcore.megatron_process_groups`), PP allowed on both sides;
 - set-up once with :class:`mopd.mcore.Distiller` (bridge groups, the bridge, the teachers' LM
   heads resharded into the student's vocab partition);
 - each step: a global batch of samples with global ids, cut into micro-batches (sample ``i`` goes

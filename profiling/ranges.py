@@ -8,19 +8,9 @@ that still reads ``mopd.profiling.ranges`` gets the same objects (one switch, on
 
 from __future__ import annotations
 
-import warnings
-
 from mopd.common import ranges as _ranges
+from mopd.common.deprecation import moved_names
 
 __all__: list[str] = []
 
-
-def __getattr__(name: str) -> object:
-    value = getattr(_ranges, name)
-    warnings.warn(
-        f"mopd.profiling.ranges is deprecated and goes in the next release; use "
-        f"mopd.common.ranges.{name}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return value
+__getattr__ = moved_names(__name__, dict.fromkeys(_ranges.__all__, _ranges.__name__))

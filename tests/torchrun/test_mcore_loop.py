@@ -198,8 +198,8 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
-    from mopd.mcore import Distiller, MeshModel
+    from mopd.bridge import BridgeConfig, GroupPool, Mesh
+    from mopd.mcore import Distiller, MeshModel, megatron_process_groups
     from tests.support.mcore_ref import compare_grads, reference_step, unwrapped
 
     smesh_kw, s_sp, thd = CASES[case]
@@ -301,10 +301,9 @@ def test_inline_send_in_forward_step(world: Any) -> None:
         Mesh,
         TeacherSpec,
         create_bridge_groups,
-        megatron_process_groups,
     )
     from mopd.capture import OutputLayerInputCapture
-    from mopd.mcore import micro_batch_layout
+    from mopd.mcore import megatron_process_groups, micro_batch_layout
 
     rank = dist.get_rank()
     pool = GroupPool()
