@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch.distributed as dist
 
 __all__ = [
     "Mesh",
@@ -147,19 +148,17 @@ class Mesh:
         )
 
 
-def _group_ranks(group: Any) -> list[int]:
-    import torch.distributed as dist
-
+def _group_ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
 def mesh_from_groups(
     *,
     global_rank: int,
-    tp_group: Any,
-    cp_group: Any | None = None,
-    dp_group: Any | None = None,
-    pp_group: Any | None = None,
+    tp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
     name: str = "",
 ) -> Mesh:
     """Build the mesh of a live setup from its process groups and check it against them.

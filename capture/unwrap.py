@@ -29,7 +29,9 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(model, "output_layer") and isinstance(
         getattr(model, "module", None), torch.nn.Module
     ):
-        model = model.module
+        inner = model.module
+        assert isinstance(inner, torch.nn.Module)  # the loop's condition
+        model = inner
         depth += 1
         if depth > MAX_WRAPPER_DEPTH:
             raise ValueError(

@@ -140,7 +140,7 @@ def _resolve_backend() -> tuple[str, Callable[[str], Any], Callable[[], Any]]:
     if _backend is not None:
         return _backend
     try:
-        import nvtx  # type: ignore[import-not-found]
+        import nvtx
 
         def _push(name: str) -> None:
             nvtx.push_range(name)

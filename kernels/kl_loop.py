@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from mopd.common.dist import all_reduce
+from mopd.common.dist import ReduceOpLike, all_reduce
 from mopd.common.ranges import span
 from mopd.kernels.kl_matmul import logit_dtype, matmul_into
 from mopd.kernels.kl_prepare import KLJob, TeacherSlot
@@ -31,7 +31,7 @@ from mopd.kernels.kl_rowwise import rescale_sums, row_grad, row_stats
 __all__ = ["KLFunction", "StudentSide", "run_chunks", "scale_", "teacher_logits"]
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, job: KLJob) -> None:
+def _all_reduce(t: torch.Tensor, op: ReduceOpLike, job: KLJob) -> None:
     """In-place all-reduce over the TP group, waiting at most ``KLConfig.timeout_s``."""
     if job.group is None or job.tp_size == 1:
         return

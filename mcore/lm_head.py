@@ -28,7 +28,7 @@ def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
     if layer is None:
         return None
     weight = getattr(layer, "weight", None)
-    inner = unwrap_model(model[-1] if isinstance(model, list | tuple) else model)
+    inner: Any = unwrap_model(model[-1] if isinstance(model, list | tuple) else model)
     if weight is None:  # tied embeddings: the last stage's copy of the word embeddings
         weight = inner.shared_embedding_or_output_weight()
     vocab = getattr(inner, "vocab_size", None)

@@ -22,7 +22,10 @@ __all__ = ["token_logprobs"]
 
 
 def _all_reduce(
-    x: torch.Tensor, group: Any, timeout_s: float | None, op: Any = dist.ReduceOp.SUM
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+    op: cdist.ReduceOpLike = dist.ReduceOp.SUM,
 ) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         cdist.all_reduce(x, op=op, group=group, timeout_s=timeout_s)
@@ -36,7 +39,7 @@ class _TokenLogprob(torch.autograd.Function):
         labels_T: torch.Tensor,
         vocab_start: int,
         valid_V: torch.Tensor | None,
-        group: Any,
+        group: dist.ProcessGroup | None,
         timeout_s: float | None,
     ) -> torch.Tensor:
         x_TV = logits_TV.float()
@@ -68,7 +71,7 @@ def token_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    tp_group: Any = None,
+    tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     timeout_s: float | None = 300.0,
 ) -> torch.Tensor:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mopd.bridge.api import BridgeStep
 from mopd.bridge.lm_head import LMHeadShard
@@ -85,7 +86,7 @@ def teacher_signal(
     logits: torch.Tensor,
     *,
     lm_heads: Sequence[LMHeadShard],
-    tp_group: Any,
+    tp_group: dist.ProcessGroup | None,
     teacher_weights: Sequence[float] | None = None,
     kinds: Sequence[KLKind] = ("reverse",),
     config: KLConfig | None = None,
@@ -213,7 +214,7 @@ def kl_loss_func(
     micro_batch: int,
     *,
     lm_heads: Sequence[LMHeadShard],
-    tp_group: Any,
+    tp_group: dist.ProcessGroup | None,
     per_token: bool,
     default_scale: float,
     config: KLConfig | None = None,
