@@ -35,6 +35,7 @@ the device at :meth:`Executor.complete` and are judged together, on every rank a
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -373,7 +374,7 @@ class Executor:
         *,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
-        group: Any,
+        group: dist.ProcessGroup | None,
     ) -> None:
         """Post ``slot``'s sends (rows taken by :meth:`take`) and receives in one batch."""
         self.check_usable()
@@ -477,7 +478,7 @@ class Executor:
         sched: RankSchedule,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
-        group: Any,
+        group: dist.ProcessGroup | None,
     ) -> None:
         missing = sorted({op.owner for op in sched.sends} - slot.taken)
         if missing:
@@ -596,7 +597,7 @@ class Executor:
             self.mark_failed(err)
             raise err from exc
 
-    def complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
+    def complete(self, slot: Slot, *, tp_group: dist.ProcessGroup | None, deadline: float) -> None:
         """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc).
 
         Any failure here refuses further work: this rank's TP peers may be waiting in the slot's
@@ -609,7 +610,7 @@ class Executor:
             self._fail_slot(slot, exc)
             raise
 
-    def _complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
+    def _complete(self, slot: Slot, *, tp_group: dist.ProcessGroup | None, deadline: float) -> None:
         slot.received = True
         sched = slot.schedule
         if sched is None or sched.dest is None:
@@ -636,7 +637,8 @@ class Executor:
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
                     self.timed(
-                        lambda owner=owner: all_gather_flat(
+                        functools.partial(
+                            all_gather_flat,
                             slot.outputs[owner],
                             targets[owner],
                             group=tp_group,
@@ -714,7 +716,7 @@ class Executor:
         slot: Slot,
         sched: RankSchedule,
         slice_sums: Mapping[int, torch.Tensor],
-        tp_group: Any,
+        tp_group: dist.ProcessGroup | None,
         group_size: int,
         deadline: float,
     ) -> None:
@@ -759,7 +761,9 @@ class Executor:
                     )
                 )
 
-    def verdict(self, slots: Sequence[Slot], *, group: Any, deadline: float) -> None:
+    def verdict(
+        self, slots: Sequence[Slot], *, group: dist.ProcessGroup | None, deadline: float
+    ) -> None:
         """Integrity: judge every slot's checks; the same :class:`BridgeIntegrityError` everywhere.
 
         Collective over ``group`` (the gloo metadata group): every rank calls it once per step.

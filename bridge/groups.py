@@ -47,7 +47,13 @@ from mopd.common import dist as cdist
 __all__ = ["BridgeGroups", "GroupPool", "all_gather_flat", "create_bridge_groups"]
 
 
-def all_gather_flat(output: Any, input_: Any, *, group: Any, timeout_s: float | None) -> None:
+def all_gather_flat(
+    output: torch.Tensor,
+    input_: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+) -> None:
     """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
 
     Through :data:`mopd.capture.gather.all_gather_into` (in place when ``input_`` is this rank's
@@ -83,12 +89,14 @@ class GroupPool:
             )
         self.backend = backend
         self.timeout_s = timeout_s
-        self._groups: dict[tuple[str | None, tuple[int, ...]], Any] = {}
+        self._groups: dict[tuple[str | None, tuple[int, ...]], dist.ProcessGroup | None] = {}
 
     def _key(self, ranks: Sequence[int], backend: str | None) -> tuple[str | None, tuple[int, ...]]:
         return (backend if backend is not None else self.backend, tuple(sorted(set(ranks))))
 
-    def create(self, ranks: Sequence[int], *, backend: str | None = None) -> Any | None:
+    def create(
+        self, ranks: Sequence[int], *, backend: str | None = None
+    ) -> dist.ProcessGroup | None:
         """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere."""
         key = self._key(ranks, backend)
         if key not in self._groups:
@@ -100,7 +108,7 @@ class GroupPool:
             self._groups[key] = dist.new_group(**kwargs)
         return self.get(key[1], backend=key[0])
 
-    def get(self, ranks: Sequence[int], *, backend: str | None = None) -> Any | None:
+    def get(self, ranks: Sequence[int], *, backend: str | None = None) -> dist.ProcessGroup | None:
         """The group of ``ranks`` (``None`` if this rank is not a member); ``KeyError`` if never created."""
         key = self._key(ranks, backend)
         group = self._groups[key]
@@ -121,13 +129,13 @@ class BridgeGroups:
             (``None``: use ``bridge``).
     """
 
-    bridge: Any | None
-    student_tp: Any | None
+    bridge: dist.ProcessGroup | None
+    student_tp: dist.ProcessGroup | None
     members: tuple[int, ...]
-    meta: Any | None = None
+    meta: dist.ProcessGroup | None = None
 
     @property
-    def metadata_group(self) -> Any | None:
+    def metadata_group(self) -> dist.ProcessGroup | None:
         """The group the host-side metadata and verdicts go over: :attr:`meta`, else
         :attr:`bridge`."""
         return self.meta if self.meta is not None else self.bridge
@@ -155,9 +163,9 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
     pool.create(members, backend="gloo")  # the pool's bridge group itself when it is gloo
     me = dist.get_rank()
     tp_group = None
-    c = student.coord(me)
-    if student.tp > 1 and c is not None and c.pp_rank == student.pp - 1:
-        tp_group = pool.get(student.tp_group_ranks(dp_rank=c.dp_rank, cp_rank=c.cp_rank))
+    coord = student.coord(me)
+    if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
+        tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
     return BridgeGroups(
         bridge=pool.get(members),
         student_tp=tp_group,

@@ -177,7 +177,7 @@ def encode_step_record(
 def gather_step_matrix(
     record: torch.Tensor,
     *,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     n_members: int,
     device: torch.device,
     timeout_s: float | None,

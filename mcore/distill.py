@@ -103,6 +103,13 @@ def _hidden_dtype(config: Any) -> torch.dtype:
     return config.params_dtype
 
 
+def _groups(side: MeshModel) -> Any:
+    """``side.pg_collection`` on a rank that holds the model (``MeshModel`` checks that a model
+    comes with its groups)."""
+    assert side.pg_collection is not None, "a rank holding the model holds its groups"
+    return side.pg_collection
+
+
 class Distiller:
     """MOPD set-up for one student and its teachers (collective over the default group, once).
 
@@ -381,7 +388,7 @@ class DistillationStep:
             i,
             logits,
             lm_heads=heads,  # type: ignore[arg-type]
-            tp_group=s.pg_collection.tp if s.mesh.tp > 1 else None,
+            tp_group=_groups(s).tp if s.mesh.tp > 1 else None,
             teacher_weights=d.teacher_weights,
             kinds=tuple(kinds) if kinds is not None else (d.kl_config.kind,),
             config=d.kl_config,
@@ -428,7 +435,7 @@ class DistillationStep:
                 self.bridge_step,
                 i,
                 lm_heads=heads,  # type: ignore[arg-type]
-                tp_group=s.pg_collection.tp if s.mesh.tp > 1 else None,
+                tp_group=_groups(s).tp if s.mesh.tp > 1 else None,
                 per_token=d.per_token,
                 default_scale=self.default_scale,
                 config=d.kl_config,
@@ -465,7 +472,7 @@ class DistillationStep:
         s = self.distiller.student
         if not s.last_stage(self.distiller.rank):
             return None
-        group = s.pg_collection.dp_cp
+        group = _groups(s).dp_cp
         device = cdist.group_device(group)
         total = torch.zeros(2, dtype=torch.float64, device=device)
         for v in self._logged.values():
