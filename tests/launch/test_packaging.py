@@ -1,4 +1,4 @@
-"""Tier 1: ``pip install .`` (not editable) ships the ``mopd`` namespace and nothing generic.
+"""Tier 2 (launch): ``pip install .`` (not editable) ships the ``mopd`` namespace and nothing generic.
 
 Builds the wheel from this checkout, installs it into a temporary folder and imports it from
 there in a fresh interpreter, away from the source tree.
