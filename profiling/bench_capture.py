@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
 
 if TYPE_CHECKING:
@@ -163,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
             "link speed." + (f" {CPU_CAVEAT}." if not cuda else "")
         )
         csv_path, md_path = record("capture", rows, out_dir=args.results_dir, notes=notes)
-        png = plot(
-            rows,
-            csv_path.with_suffix(".png"),
-            f"{csv_path.stem}: capture's SP gather",
-            cpu=not cuda,
-        )
-        print(f"recorded {csv_path}, {md_path} and {png}")
+        recorded = [csv_path, md_path]
+        if can_draw("mopd bench capture"):
+            recorded.append(
+                plot(
+                    rows,
+                    csv_path.with_suffix(".png"),
+                    f"{csv_path.stem}: capture's SP gather",
+                    cpu=not cuda,
+                )
+            )
+        print(f"recorded {', '.join(map(str, recorded))}")
     dist.destroy_process_group()
     return 0
 

@@ -168,6 +168,10 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
         return rc
     if not plot:
         return 0
+    from mopd.profiling.extras import can_draw
+
+    if not can_draw("mopd bench"):
+        return 0
     written = sorted(p for p, k in _snapshot(results_dir, "*.csv").items() if csvs.get(p) != k)
     drawn = [p for p, k in _snapshot(results_dir, "*.png").items() if pngs.get(p) != k]
     if not written:
