@@ -15,7 +15,10 @@ What :func:`apply` patches:
   ``sequence_parallel`` (torch's LayerNorm asserts when SP is on; the math is per token);
 - ``get_pos_emb_on_this_cp_rank`` without pinned memory, the default causal mask on CPU;
 - the pipeline schedules: ``torch.cuda.synchronize`` is a no-op and the schedules' token
-  counters (``torch.zeros(..., device="cuda")``) live on the CPU.
+  counters (``torch.zeros(..., device="cuda")``) live on the CPU;
+- the DDP gradient buffers (``distributed.param_and_grad_buffer``): their
+  ``torch.cuda.current_stream()`` (asked unconditionally before a gradient reduction since
+  megatron-core 0.19) is a stream that has nothing to wait for.
 
 :class:`CPUCoreAttention` (causal self-attention only, no dropout, no bias): under CP
 (``pg_collection.cp`` of size ``cp > 1``) K and V are all-gathered over the CP group with
@@ -119,8 +122,36 @@ def _on_cpu(device: Any) -> Any:
     return device
 
 
+class _NoStream:
+    """The "current CUDA stream" of a CPU rank: its work is done when a call returns."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda:
+    """``torch.cuda`` as megatron's modules see it on CPU ranks: ``current_stream()`` is a
+    :class:`_NoStream`; everything else is ``torch.cuda`` itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NoStream:
+        return _NoStream()
+
+
 class _CpuTorch:
-    """``torch`` for megatron's schedule module, whose token counters are ``device="cuda"``."""
+    """``torch`` for megatron's schedule and gradient-buffer modules: token counters made with
+    ``device="cuda"`` live on the CPU and ``torch.cuda.current_stream()`` is a :class:`_NoStream`."""
+
+    cuda = _CpuCuda()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -135,11 +166,14 @@ class _CpuTorch:
 
 
 def _patch_schedules() -> None:
-    """megatron's pipeline schedules on CPU: no device syncs, token counters on the CPU."""
+    """megatron's pipeline schedules and DDP gradient buffers on CPU: no device syncs, token
+    counters on the CPU, no stream to wait on."""
+    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.pipeline_parallel import schedules
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     schedules.torch = _CpuTorch()  # type: ignore[attr-defined]
+    param_and_grad_buffer.torch = _CpuTorch()  # type: ignore[attr-defined]
 
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
