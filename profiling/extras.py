@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from types import ModuleType
 
-__all__ = ["MEGATRON_EXTRA", "PROFILING_EXTRA", "can_draw", "missing_megatron", "optional_module"]
+__all__ = [
+    "MEGATRON_EXTRA",
+    "PROFILING_EXTRA",
+    "can_draw",
+    "child_env",
+    "missing_megatron",
+    "optional_module",
+]
 
 #: The extra that carries the tools' progress bars and pictures.
 PROFILING_EXTRA = "mopd-bridge[profiling]"
 #: The extra that carries megatron-core.
 MEGATRON_EXTRA = "mopd-bridge[megatron]"
 
-_said: set[str] = set()
+#: The environment variable that tells a child process which notes its parent already printed.
+_SAID_ENV = "MOPD_EXTRAS_SAID"
+_said: set[str] = set(filter(None, os.environ.get(_SAID_ENV, "").split(",")))
 
 
 def optional_module(name: str, *, purpose: str, tool: str = "mopd") -> ModuleType | None:
@@ -43,6 +53,11 @@ def optional_module(name: str, *, purpose: str, tool: str = "mopd") -> ModuleTyp
                 flush=True,
             )
         return None
+
+
+def child_env() -> dict[str, str]:
+    """``os.environ`` for a child tool, marked with the notes already printed (not said twice)."""
+    return {**os.environ, _SAID_ENV: ",".join(sorted(_said))}
 
 
 def can_draw(tool: str) -> bool:
