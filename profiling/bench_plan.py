@@ -14,10 +14,12 @@ source and a destination group): decoding the matrix (:class:`~mopd.bridge.metad
 :meth:`~mopd.bridge.topology.Topology.catalog`), :func:`~mopd.bridge.plan.plan_rank` and
 :func:`~mopd.bridge.plan.check_rank`; ``plan_ms`` is the slowest of their medians. Memory:
 ``peak_mib`` is what one rank holds to plan, the gathered matrix plus the planning's own peak
-allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, where it
-fits and only on request (``--global-max-ranks N``), the previous global planner (:mod:`mopd.profiling._legacy_planner`,
-``plan_token_exchange``, what every rank used to run) on the same layouts, in a child process
-(its time and its RSS growth while planning). Figures are one CPU thread of this machine.
+allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, only on
+request and up to ``--global-max-ranks N`` ranks, the previous global planner
+(:mod:`mopd.profiling._legacy_planner`, ``plan_token_exchange``, what every rank used to run) on
+the same layouts, in a child process (its time and its RSS growth while planning): minutes per
+rank count from a few thousand ranks on. Each rank count prints a line on stderr as it starts and
+ends. Figures are one CPU thread of this machine.
 
 It also models the metadata all-gather at those sizes (see :func:`model_allgather`): bytes per
 rank and in all, and a latency estimate for a flat ring and for a two-level (node) scheme.
@@ -458,8 +460,12 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         f"median of {args.repeats}, the slowest of three ranks (rank 0, one in the middle, the "
         "last teacher leader); `plan_ms_min` the fastest. `groups_read`: the most groups (of `groups`) whose runs one of them reads. "
         "`global_plan_ms`: the previous global planner (plan_token_exchange, run "
-        f"join), median of {args.global_repeats}, in a child process; empty where skipped "
-        f"(beyond {args.global_max_ranks} ranks, or past its time limit).",
+        f"join), median of {args.global_repeats}, in a child process; "
+        + (
+            f"empty where skipped (beyond {args.global_max_ranks} ranks, or past its time limit)."
+            if args.global_max_ranks
+            else "not run (only on request: --global-max-ranks N)."
+        ),
         "`peak_mib` = `matrix_mib` (the gathered metadata every rank holds) + `plan_alloc_mib` "
         "(tracemalloc peak of decoding and planning). `global_rss_growth_mib`: the previous "
         "planner's RSS high-water mark above its inputs. `setup_rss_mib`: this process's peak "
