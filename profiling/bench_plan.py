@@ -14,10 +14,12 @@ source and a destination group): decoding the matrix (:class:`~mopd.bridge.metad
 :meth:`~mopd.bridge.topology.Topology.catalog`), :func:`~mopd.bridge.plan.plan_rank` and
 :func:`~mopd.bridge.plan.check_rank`; ``plan_ms`` is the slowest of their medians. Memory:
 ``peak_mib`` is what one rank holds to plan, the gathered matrix plus the planning's own peak
-allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, where it
-fits (``--global-max-ranks``), the previous global planner (:mod:`mopd.profiling._legacy_planner`,
-``plan_token_exchange``, what every rank used to run) on the same layouts, in a child process
-(its time and its RSS growth while planning). Figures are one CPU thread of this machine.
+allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, only on
+request and up to ``--global-max-ranks N`` ranks, the previous global planner
+(:mod:`mopd.profiling._legacy_planner`, ``plan_token_exchange``, what every rank used to run) on
+the same layouts, in a child process (its time and its RSS growth while planning): minutes per
+rank count from a few thousand ranks on. Each rank count prints a line on stderr as it starts and
+ends. Figures are one CPU thread of this machine.
 
 It also models the metadata all-gather at those sizes (see :func:`model_allgather`): bytes per
 rank and in all, and a latency estimate for a flat ring and for a two-level (node) scheme.
@@ -55,6 +57,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.topology import Topology
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
 from mopd.profiling.results import environment, format_table, record
 
@@ -457,8 +460,12 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         f"median of {args.repeats}, the slowest of three ranks (rank 0, one in the middle, the "
         "last teacher leader); `plan_ms_min` the fastest. `groups_read`: the most groups (of `groups`) whose runs one of them reads. "
         "`global_plan_ms`: the previous global planner (plan_token_exchange, run "
-        f"join), median of {args.global_repeats}, in a child process; empty where skipped "
-        f"(beyond {args.global_max_ranks} ranks, or past its time limit).",
+        f"join), median of {args.global_repeats}, in a child process; "
+        + (
+            f"empty where skipped (beyond {args.global_max_ranks} ranks, or past its time limit)."
+            if args.global_max_ranks
+            else "not run (only on request: --global-max-ranks N)."
+        ),
         "`peak_mib` = `matrix_mib` (the gathered metadata every rank holds) + `plan_alloc_mib` "
         "(tracemalloc peak of decoding and planning). `global_rss_growth_mib`: the previous "
         "planner's RSS high-water mark above its inputs. `setup_rss_mib`: this process's peak "
@@ -508,7 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
-    parser.add_argument("--global-max-ranks", type=int, default=16384, help="0: never")
+    parser.add_argument(
+        "--global-max-ranks",
+        type=int,
+        default=0,
+        help="also time the retired global planner (in a child) at rank counts up to N; it takes "
+        "minutes per count from a few thousand ranks on (default 0: not run)",
+    )
     parser.add_argument("--global-repeats", type=int, default=3)
     parser.add_argument("--global-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank count")
@@ -525,7 +538,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
-    for n in args.ranks:
+    for i, n in enumerate(args.ranks):
+        t0 = time.perf_counter()
+        print(f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks ...", file=sys.stderr, flush=True)
         step = build_step(
             n, tokens_per_rank=args.tokens_per_rank, max_len=args.max_len, seed=args.seed
         )
@@ -545,6 +560,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         del step
         gc.collect()
         rows.append(row)
+        print(
+            f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks done in "
+            f"{time.perf_counter() - t0:.1f} s (one rank plans in {row['plan_ms']:.3g} ms)",
+            file=sys.stderr,
+            flush=True,
+        )
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
@@ -555,9 +576,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         csv_path, md_path = record(
             "plan-scale", rows, out_dir=args.results_dir, notes=notes, env=env
         )
-        png = csv_path.with_name(csv_path.stem + "-vs-ranks.png")
-        _plot(rows, png, args.tokens_per_rank)
-        print(f"recorded {csv_path}, {md_path} and {png}", file=sys.stderr)
+        recorded = [csv_path, md_path]
+        if can_draw("mopd bench plan"):
+            png = csv_path.with_name(csv_path.stem + "-vs-ranks.png")
+            _plot(rows, png, args.tokens_per_rank)
+            recorded.append(png)
+        print(f"recorded {', '.join(map(str, recorded))}", file=sys.stderr)
     return 0
 
 

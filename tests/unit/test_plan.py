@@ -514,14 +514,18 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
 
     assert "plan" in cli.BENCHMARKS
     argv = ["--ranks", "16", "32", "--tokens-per-rank", "64", "--max-len", "40", "--repeats", "2"]
-    assert bench_plan.main([*argv, "--global-max-ranks", "0", "--json", "--no-record"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert bench_plan.main([*argv, "--json", "--no-record"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
     assert [r["ranks"] for r in rows] == [16, 32]
+    # progress on stderr, one line as each rank count starts and ends
+    assert "[1/2] 16 ranks ..." in err and "[2/2] 32 ranks done in" in err, err
     for r in rows:
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
         assert r["global_plan_ms"] is None and r["plan_ms"] > 0 and r["peak_mib"] > 0
         assert r["tokens"] >= 64 * r["ranks"]
-    # the previous global planner runs in a child process beside it
-    assert bench_plan.main([*argv[3:], "--ranks", "16", "--json", "--no-record"]) == 0
+    # the previous global planner runs in a child process beside it, only on request
+    argv = [*argv[3:], "--ranks", "16", "--global-max-ranks", "16", "--json", "--no-record"]
+    assert bench_plan.main(argv) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert row["global_plan_ms"] > 0
