@@ -58,6 +58,9 @@ from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import (
     MAGIC,
+    STATE_FAILED,
+    STATE_OPEN,
+    STATE_READY,
     Section,
     StepMatrix,
     code_dtype,
@@ -366,7 +369,9 @@ class HiddenStateBridge:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
-        self._executor.check_usable()
+        ex = self._executor
+        if ex.failure_hard:  # the transport may be out of step: refuse locally
+            ex.check_usable()
         open_steps = [s for s in self._open_steps if not s.finished]
         if open_steps:
             warnings.warn(
@@ -380,14 +385,32 @@ class HiddenStateBridge:
         sections: list[Section | None] = [None] * (n + 1)
         n_slots = -1
         error = ""
+        state, unposted = STATE_READY, [s for s in open_steps if s.unposted()]
+        if ex.failure is not None:
+            state, error = STATE_FAILED, ex.failure
+        elif unposted:
+            s0 = unposted[0]
+            state = STATE_OPEN
+            error = (
+                f"global rank {self.rank} posted {s0.posted} of the {s0.num_micro_batches} "
+                f"micro-batches of step {s0.seq}"
+            )
         with ranges.span("metadata"):
-            try:
-                n_slots = self._local_sections(teacher_layouts, student_layouts, _buffers, sections)
-            except ValueError as exc:
-                error = f"global rank {self.rank}: {exc}"
-                sections = [None] * (n + 1)
+            if state == STATE_READY:
+                try:
+                    n_slots = self._local_sections(
+                        teacher_layouts, student_layouts, _buffers, sections
+                    )
+                except ValueError as exc:
+                    error = f"global rank {self.rank}: {exc}"
+                    sections = [None] * (n + 1)
             record = encode_step_record(
-                config_sig=self.config_sig, n_slots=n_slots, error=error, sections=sections
+                config_sig=self.config_sig,
+                n_slots=n_slots,
+                error=error,
+                sections=sections,
+                state=state,
+                step=self.steps,
             )
             meta_group = self.groups.metadata_group
             m, _sizes = self._executor.timed(
@@ -404,6 +427,7 @@ class HiddenStateBridge:
                 ),
             )
         matrix = StepMatrix(m)
+        self._agreed_state(matrix)  # the fence: the same error everywhere
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
         agreed = False
         try:
@@ -430,7 +454,7 @@ class HiddenStateBridge:
                         timeout_s=self.config.timeout_s,
                         elapsed_s=time.monotonic() - t0,
                     ) from exc
-            step = BridgeStep(self, matrix, catalogs, sections)
+            step = BridgeStep(self, matrix, catalogs, sections, seq=self.steps)
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
                 self._executor.mark_failed(exc)
@@ -553,6 +577,50 @@ class HiddenStateBridge:
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
 
+    def _agreed_state(self, matrix: StepMatrix) -> None:
+        """The fence, from every rank's state in the matrix (the same verdict everywhere).
+
+        A step failed or was abandoned on some rank: :class:`BridgeStateError` naming the first
+        failure (the lowest rank's), and this bridge refuses from now on. Ranks at different
+        step counts (a rank planned a step the others did not): the same. An earlier step with
+        micro-batches some rank has not posted: ``ValueError`` (nothing of this step moves; the
+        earlier step may still complete), because a new step's transfers would pair with the
+        earlier step's on the wire.
+        """
+        members = self.topology.members
+        state = matrix.state_N()
+        steps = matrix.step_N()
+        failed = np.flatnonzero(state == STATE_FAILED).tolist()
+        first = ""
+        if failed:
+            first = f"first failure on global rank {members[failed[0]]}: {matrix.error(failed[0])}"
+            if len(failed) > 1:
+                first += f"; global ranks {[members[j] for j in failed[1:]]} failed too"
+        elif (steps != steps[0]).any():
+            by: dict[int, list[int]] = {}
+            for j, k in enumerate(steps.tolist()):
+                by.setdefault(k, []).append(members[j])
+            first = "ranks are at different steps of this bridge: " + ", ".join(
+                f"step {k} on global ranks {v}" for k, v in sorted(by.items())
+            )
+        if first:
+            self._executor.mark_abandoned(first)
+            raise BridgeStateError(
+                f"global rank {self.rank}: this bridge cannot be used after a failed exchange "
+                f"({first}); its process group may still hold sends/receives of that step, "
+                "which a later one could match. Create new groups (a new GroupPool and "
+                "create_bridge_groups) and a new HiddenStateBridge on every rank."
+            )
+        open_ = np.flatnonzero(state == STATE_OPEN).tolist()
+        if open_:
+            raise ValueError(
+                f"step {int(steps[0])} planned while an earlier step of this bridge is not fully "
+                "posted: "
+                + "; ".join(matrix.error(j) for j in open_)
+                + ". Its transfers would pair with that step's on the wire: finish the earlier "
+                "step (leave its `with` block) before planning the next on the same bridge"
+            )
+
     def _agreed_slots(self, matrix: StepMatrix) -> int:
         """The step's micro-batch count; raises what every rank can see in the matrix alike."""
         members = self.topology.members
@@ -673,8 +741,10 @@ def _first_differing_slot(
 class BridgeStep:
     """One rank's share of a planned step (see the module doc): ``send``, ``receive``, ``finish``.
 
-    Built by :meth:`HiddenStateBridge.plan_step`. Use it as a context manager to
-    :meth:`finish` on leaving the block (not when the block raised).
+    Built by :meth:`HiddenStateBridge.plan_step`. Use it as a context manager: leaving the
+    block normally calls :meth:`finish`; leaving it on an exception abandons the step
+    (:meth:`abandon`): this rank's bridge refuses further use, and every rank's next
+    ``plan_step`` raises :class:`BridgeStateError` naming that failure.
     """
 
     def __init__(
@@ -683,8 +753,12 @@ class BridgeStep:
         matrix: StepMatrix,
         catalogs: Sequence[RunCatalog],
         sections: Sequence[Section | None],
+        *,
+        seq: int = 0,
     ) -> None:
         self._bridge = bridge
+        #: this step's number on its bridge (the same on every rank); its transfers carry it
+        self.seq = seq
         self._catalogs = list(catalogs)  # the ones plan_step checked: their decoded runs are kept
         n_slots = self.num_micro_batches = len(self._catalogs)
         self._sections = list(sections)
@@ -780,6 +854,8 @@ class BridgeStep:
     # --- the data phase ------------------------------------------------------------------------
 
     def _check_index(self, i: int, *, finished_ok: bool = False) -> None:
+        if not finished_ok:
+            self._bridge.executor.check_usable()
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_micro_batches:
             raise ValueError(f"micro-batch {i!r} outside [0, {self.num_micro_batches})")
         if self.finished and not finished_ok:
@@ -791,6 +867,21 @@ class BridgeStep:
         if sched is None:
             return set()
         return {op.owner for op in sched.sends} | {x.owner for x in sched.locals}
+
+    @property
+    def posted(self) -> int:
+        """Micro-batches this rank has posted (in order)."""
+        return self._cursor
+
+    def unposted(self) -> bool:
+        """True while this rank has micro-batches of the step left to post (it is open on the
+        wire: a later step's transfers would pair with them)."""
+        return not self.finished and self._cursor < self.num_micro_batches
+
+    @property
+    def tag(self) -> int:
+        """The step's tag on the wire (its number; gloo matches by it, NCCL ignores it)."""
+        return 1 + self.seq % (1 << 30)
 
     def _issue_through(self, i: int, *, why: str) -> None:
         """Post every micro-batch up to ``i`` in order (their rows must have been given)."""
@@ -804,7 +895,13 @@ class BridgeStep:
                     f"and this rank holds rows of teacher(s) {sorted(missing)} for it: call "
                     f"send({slot.index}, ...) before (micro-batches go in order)"
                 )
-            b.executor.post(slot, output_specs=self._specs, device=b.device, group=b.groups.bridge)
+            b.executor.post(
+                slot,
+                output_specs=self._specs,
+                device=b.device,
+                group=b.groups.bridge,
+                tag=self.tag,
+            )
             self._cursor += 1
 
     def send(self, micro_batch: int, hidden: Mapping[int, torch.Tensor]) -> None:
@@ -925,9 +1022,27 @@ class BridgeStep:
     def __enter__(self) -> BridgeStep:
         return self
 
+    def abandon(self, cause: BaseException | str) -> None:
+        """Give the step up on this rank (its caller raised inside it): no further call on this
+        bridge succeeds here, and the next ``plan_step`` tells every rank (each raises
+        :class:`BridgeStateError` naming this failure) instead of planning a step whose
+        transfers could pair with this one's leftovers. Local, no communication."""
+        if self.finished:
+            return
+        b = self._bridge
+        what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        b.executor.mark_abandoned(
+            f"step {self.seq} abandoned on global rank {b.rank} after {self._cursor} of "
+            f"{self.num_micro_batches} micro-batches posted, {self._received} received: "
+            f"{what}"
+        )
+        self.finished = True
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self.finish()
+        elif isinstance(exc, BaseException):
+            self.abandon(exc)
 
 
 class ExchangeHandle:

@@ -31,6 +31,12 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
+from mopd.bridge.errors import (
+    BridgeCommError,
+    BridgeError,
+    BridgeIntegrityError,
+    BridgeStateError,
+)
 from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
 from mopd.bridge.mesh import Mesh
@@ -200,21 +206,25 @@ class Distiller:
         step = DistillationStep(self, bstep, student)
         t1 = time.perf_counter()
         held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
-        for k, o in enumerate(held):
-            t, mbs = self.teachers[o], teachers[o]
-            if mbs is None:
-                raise ValueError(
-                    f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches"
+        try:
+            for k, o in enumerate(held):
+                t, mbs = self.teachers[o], teachers[o]
+                if mbs is None:
+                    raise ValueError(
+                        f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches"
+                    )
+                last = k == len(held) - 1
+                run_teacher(
+                    t.model,
+                    mbs,
+                    pg_collection=t.pg_collection,
+                    on_hidden=step._teacher_rows(o, clone=not last),
+                    forward=t.forward,
                 )
-            last = k == len(held) - 1
-            run_teacher(
-                t.model,
-                mbs,
-                pg_collection=t.pg_collection,
-                on_hidden=step._teacher_rows(o, clone=not last),
-                forward=t.forward,
-            )
-        step._flush_teacher_rows()
+            step._flush_teacher_rows()
+        except BaseException as exc:  # the step is planned everywhere: fail it, as its block would
+            step.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         step.timings["plan"] = t1 - t0
         step.timings["teacher"] = time.perf_counter() - t1
         return step
@@ -340,12 +350,59 @@ class DistillationStep:
         for v in self._logged.values():
             total += v.to(device)
         if group is not None and group.size() > 1:
-            cdist.all_reduce(total, group=group, timeout_s=self.distiller.bridge_config.timeout_s)
+            ex = self.distiller.bridge.executor
+            ex.check_usable()
+            ranks = dist.get_process_group_ranks(group)
+            ex.timed(
+                lambda: cdist.all_reduce(
+                    total, group=group, timeout_s=self.distiller.bridge_config.timeout_s
+                ),
+                f"mean_loss()'s all-reduce over the student's DP x CP group (global ranks {ranks})",
+            )
         return float(total[0] / total[1].clamp(min=1))
 
     def __enter__(self) -> DistillationStep:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Leaving normally finishes the step. Leaving on an exception fails it: a transport
+        error (a timeout or a lost peer, in the bridge or in megatron's own collectives) makes
+        this rank's bridge refuse every later call at once; any other exception abandons the
+        step, which every rank's next :meth:`Distiller.step` reports as the same
+        :class:`~mopd.bridge.errors.BridgeStateError`."""
         if exc_type is None:
             self.finish()
+            return
+        if isinstance(exc, BaseException) and _transport_failure(exc):
+            self.distiller.bridge.executor.mark_failed(
+                BridgeCommError(
+                    f"global rank {self.distiller.rank}: step {self.bridge_step.seq} failed in "
+                    f"a collective: {type(exc).__name__}: {str(exc)[:300]}"
+                )
+            )
+        self.bridge_step.__exit__(exc_type, exc, tb)
+
+
+def _transport_failure(exc: BaseException) -> bool:
+    """True for a timeout or a transport error (the process groups may be out of step), False
+    for an error of the caller's own code."""
+    if isinstance(exc, BridgeError):
+        return not isinstance(exc, BridgeIntegrityError | BridgeStateError)
+    if isinstance(exc, TimeoutError | dist.DistError):
+        return True
+    if isinstance(exc, RuntimeError):
+        low = str(exc).lower()
+        return any(k in low for k in _TRANSPORT_WORDS)
+    return False
+
+
+#: Words of torch / gloo / NCCL errors that mean a collective or a peer failed.
+_TRANSPORT_WORDS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "gloo",
+    "nccl",
+    "broken pipe",
+)

@@ -492,21 +492,62 @@ def test_step_misuse_on_one_rank_raises_at_once(one_rank_world):
     assert b.executor.failure is None and run(b, 1)
 
 
-def test_a_step_as_a_context_manager_finishes_on_leaving_but_not_on_an_error(one_rank_world):
+def test_a_step_left_on_an_error_fails_the_bridge_naming_it(one_rank_world):
+    """Leaving a step's ``with`` block normally finishes it; leaving it on an exception abandons
+    it: every later call refuses at once, naming the step, what was posted and the exception."""
     b = bridge()
     t, s = layouts(0)
     with b.plan_step(teacher_layouts={0: t}, student_layouts=s) as step:
         for i in range(M):
             step.send(i, {0: rows(t[i], i)})
             step.receive(i)
-    assert step.finished
+    assert step.finished and b.executor.failure is None
     with pytest.raises(KeyError), b.plan_step(teacher_layouts={0: t}, student_layouts=s) as other:
         other.send(0, {0: rows(t[0], 0)})
         raise KeyError("the schedule failed")
-    assert not other.finished
-    with warnings.catch_warnings(record=True) as caught:  # the next step says so
-        warnings.simplefilter("always")
-        assert run(b, 1)
-    assert any(
-        "1 earlier step(s) of this bridge are not finished" in str(w.message) for w in caught
+    cause = (
+        f"step 1 abandoned on global rank 0 after 1 of {M} micro-batches posted, 0 received: "
+        "KeyError: 'the schedule failed'"
     )
+    with pytest.raises(BridgeStateError) as err:
+        other.receive(1)
+    assert cause in str(err.value)
+    with pytest.raises(BridgeStateError) as err:
+        b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    assert str(err.value).startswith(
+        "global rank 0: this bridge cannot be used after a failed exchange (first failure on "
+        f"global rank 0: {cause})"
+    ), str(err.value)
+    with pytest.raises(BridgeStateError, match="step 1 abandoned on global rank 0"):
+        b.exchange(hidden={0: rows(t[0], 0)}, layouts={0: t[0]}, student_layout=s[0])
+
+
+def test_a_step_planned_while_an_earlier_one_is_not_posted_is_refused_before_data_moves(
+    one_rank_world,
+):
+    """Two steps of one bridge open at once: the second is refused with a ValueError before
+    anything of it moves (its transfers would pair with the first's), the first then completes
+    exact and the bridge stays usable."""
+    b = bridge()
+    t, s = layouts(0)
+    outer = b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    outer.send(0, {0: rows(t[0], 0)})
+    issued = b.executor.slots_issued
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError) as err:
+            b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    assert str(err.value) == (
+        "step 1 planned while an earlier step of this bridge is not fully posted: global rank 0 "
+        f"posted 1 of the {M} micro-batches of step 0. Its transfers would pair with that "
+        "step's on the wire: finish the earlier step (leave its `with` block) before planning "
+        "the next on the same bridge"
+    )
+    assert b.executor.slots_issued == issued and b.steps == 1
+    got = []
+    for i in range(M):
+        if i:
+            outer.send(i, {0: rows(t[i], i)})
+        got.append(torch.equal(bits(outer.receive(i)[0]), bits(want(s[i], i))))
+    outer.finish()
+    assert got == [True] * M and b.executor.failure is None and run(b, 1)
