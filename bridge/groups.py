@@ -33,6 +33,7 @@ pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation olde
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +70,8 @@ class GroupPool:
     Args:
         backend: backend of the groups (``None``: the default group's).
         timeout_s: the groups' own timeout in seconds; for NCCL groups this is the only hang
-            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``.
+            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``. Without
+            one (a ``UserWarning``) the groups wait as long as torch's default.
     """
 
     def __init__(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -80,6 +82,14 @@ class GroupPool:
         ):
             raise ValueError(
                 f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}"
+            )
+        if timeout_s is None:
+            warnings.warn(
+                "GroupPool() without timeout_s: its groups wait as long as torch's default "
+                "(30 minutes), so a rank that fails or stalls leaves its peers blocked in "
+                "megatron's and the bridge's collectives that long; pass "
+                "GroupPool(timeout_s=...) no longer than BridgeConfig.timeout_s",
+                stacklevel=2,
             )
         self.backend = backend
         self.timeout_s = timeout_s

@@ -82,7 +82,7 @@ STRIDE = 1 << 20
 
 def pool() -> GroupPool:
     if not POOL:
-        POOL.append(GroupPool(backend="gloo"))
+        POOL.append(GroupPool(backend="gloo", timeout_s=120))
     return POOL[0]
 
 

@@ -134,7 +134,7 @@ _BRIDGES: dict[str, HiddenStateBridge] = {}
 
 def pool() -> GroupPool:
     if not _POOL:
-        _POOL.append(GroupPool(backend="gloo"))
+        _POOL.append(GroupPool(backend="gloo", timeout_s=120))
     return _POOL[0]
 
 

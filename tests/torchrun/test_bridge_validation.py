@@ -50,7 +50,7 @@ TORCHRUN_TIMEOUT = 240
 TEACHER = Mesh(tp=2)  # ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # ranks 2, 3
 COLOCATED = Mesh(tp=2, dp=2)  # ranks 0-3: a student sharing the teacher's ranks
-POOL = GroupPool(backend="gloo")
+POOL = GroupPool(backend="gloo", timeout_s=120)
 H = 8
 F32 = torch.float32
 

@@ -47,7 +47,7 @@ TORCHRUN_TIMEOUT = 300
 
 TEACHER = Mesh(tp=2)  # global ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # global ranks 2, 3
-POOL = GroupPool(backend="gloo")
+POOL = GroupPool(backend="gloo", timeout_s=120)
 H = 8
 TIMEOUT_S = 8.0  # a case that waits on a peer would show up in the elapsed time
 FAST_S = 4.0  # every case must fail faster than this (it waits on nobody)
@@ -544,7 +544,7 @@ def test_lm_head_weight_that_is_not_a_tensor():
 
 def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeypatch):
     """A pool without a backend gets a separate gloo group for the host-side metadata."""
-    pool = GroupPool()  # the default backend (gloo here; NCCL in a GPU job)
+    pool = GroupPool(timeout_s=120)  # the default backend (gloo here; NCCL in a GPU job)
     groups = create_bridge_groups(pool, [TEACHER], STUDENT)
     assert groups.meta is not None and groups.meta is not groups.bridge
     assert dist.get_backend(groups.meta) == "gloo"
@@ -597,7 +597,7 @@ def test_nccl_bridge_groups_are_set_up_at_creation(monkeypatch):
         lambda group=None, device_ids=None: calls.append((group, device_ids)),
     )
     teacher, student = Mesh(), Mesh(tp=2, rank_offset=1)  # global ranks 0-2; rank 3 outside
-    groups = create_bridge_groups(GroupPool(backend="gloo"), [teacher], student)
+    groups = create_bridge_groups(GroupPool(backend="gloo", timeout_s=120), [teacher], student)
     monkeypatch.undo()
     if rank() == 3:
         assert calls == [] and groups.bridge is None

@@ -102,6 +102,16 @@ def test_timeout_is_spelled_timeout_s():
     assert GroupPool(timeout_s=2.5).timeout_s == 2.5
 
 
+def test_a_group_pool_without_a_timeout_warns():
+    """Without ``timeout_s`` a failed rank leaves its peers blocked for torch's default: said
+    once, at construction; with one, nothing is said."""
+    with pytest.warns(UserWarning, match=r"GroupPool\(\) without timeout_s: .*\(30 minutes\)"):
+        GroupPool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GroupPool(timeout_s=30)
+
+
 def test_bridge_config_defaults_keep_integrity_off():
     assert BridgeConfig().integrity is False
 
