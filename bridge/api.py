@@ -132,6 +132,8 @@ class BridgeConfig:
         integrity: check every delivered row against the sender's checksum (one extra read of
             the source and of the output rows, one small message per transfer, and a verdict
             all-gather in :meth:`BridgeStep.finish`).
+        duplicate_samples: allow one sample id on several student DP ranks in a step (refused
+            by default: the student would train on it twice).
     """
 
     timeout_s: float = 300.0
@@ -139,6 +141,7 @@ class BridgeConfig:
     keep_sp_shard: bool = False
     max_cached_plans: int = 64
     integrity: bool = False
+    duplicate_samples: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -153,7 +156,7 @@ class BridgeConfig:
             or self.max_cached_plans < 1
         ):
             raise ValueError(f"max_cached_plans must be an int >= 1, got {self.max_cached_plans!r}")
-        for name in ("local_copy", "keep_sp_shard", "integrity"):
+        for name in ("local_copy", "keep_sp_shard", "integrity", "duplicate_samples"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -335,6 +338,7 @@ class HiddenStateBridge:
         teacher_layouts: Mapping[int, Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]]]
         | None = None,
         student_layouts: Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]] | None = None,
+        check: Callable[[], Mapping[str, int] | None] | None = None,
         _buffers: Mapping[Any, Any] | None = None,
     ) -> BridgeStep:
         """Exchange a step's metadata, agree on it, and plan this rank's micro-batches.
@@ -351,6 +355,11 @@ class HiddenStateBridge:
                 the rows it wants (typically the order of its logits, ``[B, S]``; identical on
                 the ranks of one student TP group, or each rank's own slice with
                 ``keep_sp_shard``); ``None`` elsewhere.
+
+            check: this rank's own input checks, run first in the guarded phase: a
+                ``ValueError`` it raises reaches every rank as the same ``ValueError``; it may
+                return ``{what: count}`` micro-batch counts this rank commits to (e.g. a
+                student's first stage, which passes no layouts), agreed with everyone's.
 
         Micro-batch ``i`` on one side is micro-batch ``i`` on the other: teacher micro-batch
         ``i`` (over all teacher shards) must hold every token student micro-batch ``i`` wants.
@@ -399,7 +408,7 @@ class HiddenStateBridge:
             if state == STATE_READY:
                 try:
                     n_slots = self._local_sections(
-                        teacher_layouts, student_layouts, _buffers, sections
+                        teacher_layouts, student_layouts, _buffers, sections, check
                     )
                 except ValueError as exc:
                     error = f"global rank {self.rank}: {exc}"
@@ -501,9 +510,12 @@ class HiddenStateBridge:
         student_layouts: Any,
         buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
+        check: Callable[[], Mapping[str, int] | None] | None = None,
     ) -> int:
-        """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here)."""
+        """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here);
+        ``check``: the caller's own checks (see :meth:`plan_step`)."""
         n = len(self.teachers)
+        counts: dict[str, int] = dict(check() or {}) if check is not None else {}
         given = {} if teacher_layouts is None else teacher_layouts
         if not isinstance(given, Mapping):
             raise ValueError(
@@ -517,7 +529,6 @@ class HiddenStateBridge:
         for o in [*given, *(buffers or {})]:
             if not (isinstance(o, int) and 0 <= o < n):
                 raise ValueError(f"teacher index {o!r} outside [0, {n})")
-        counts: set[int] = set()
         for o, spec in enumerate(self.teachers):
             c = spec.mesh.coord(self.rank)
             holds = c is not None and c.pp_rank == spec.mesh.pp - 1
@@ -545,7 +556,7 @@ class HiddenStateBridge:
                     f"teacher {o}: its dtype is unknown; give TeacherSpec(dtype=...) to plan a "
                     "step before the teacher has run"
                 )
-            counts.add(len(lays))
+            counts[f"teacher {o}'s layouts"] = len(lays)
             sections[o] = Section(
                 layouts=lays,
                 send_runs=c.tp_rank == 0,
@@ -563,17 +574,18 @@ class HiddenStateBridge:
             if self._tp_group_error:
                 raise ValueError(self._tp_group_error)
             lays = _layout_list(student_layouts, "student_layouts")
-            counts.add(len(lays))
+            counts["the student's layouts"] = len(lays)
             sections[n] = Section(
                 layouts=lays,
                 send_runs=self.config.keep_sp_shard or c.tp_rank == 0,
                 device=self.device,
             )
-        if len(counts) > 1:
+        if len(set(counts.values())) > 1:
             raise ValueError(
-                f"this rank's layouts give different micro-batch counts {sorted(counts)}"
+                "this rank gives different micro-batch counts: "
+                + ", ".join(f"{k} {v}" for k, v in counts.items())
             )
-        return counts.pop() if counts else -1
+        return next(iter(counts.values())) if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
 
@@ -659,6 +671,28 @@ class HiddenStateBridge:
             )
         return known[0]
 
+    def _duplicate_samples(self, catalogs: Sequence[RunCatalog]) -> list[str]:
+        """Sample ids the student wants on two DP ranks in the step (it would train on them
+        twice); one rank checks, reading every student group's runs once."""
+        seen: dict[int, tuple[int, int]] = {}  # sample -> (dp rank, micro-batch)
+        problems: list[str] = []
+        for i, catalog in enumerate(catalogs):
+            for d, dest in enumerate(catalog.dests):
+                dp = _dp_of(self.student, dest.ranks[0])
+                runs = catalog.dest_runs(d)
+                for sample in np.unique(runs[:, 0]).tolist() if runs.size else []:
+                    if sample < 0:
+                        continue
+                    first = seen.setdefault(sample, (dp, i))
+                    if first[0] != dp and len(problems) < 4:
+                        problems.append(
+                            f"sample id {sample} is wanted by student DP rank {first[0]} "
+                            f"(micro-batch {first[1]}) and DP rank {dp} (micro-batch {i}): it "
+                            "would be trained on twice; give each sample to one DP rank, or "
+                            "BridgeConfig(duplicate_samples=True) if that is meant"
+                        )
+        return problems
+
     def _checks(self, matrix: StepMatrix, catalogs: Sequence[RunCatalog]) -> list[str]:
         """The problems this rank is responsible for finding (its share of the global checks);
         ``catalogs``: the step's micro-batches, in order."""
@@ -719,11 +753,19 @@ class HiddenStateBridge:
                 )
             if code_dtype(head[0]) is None:
                 problems.append(f"teacher {o} on global rank {self.rank}: unsupported dtype")
+        if not self.config.duplicate_samples and topo.dests and self.rank == topo.dests[0].ranks[0]:
+            problems += self._duplicate_samples(catalogs)
         # the planner's checks: tokens held twice or by nobody
         with ranges.span("plan", "checks"):
             for i, catalog in enumerate(catalogs):
                 problems += [f"micro-batch {i}: {p}" for p in check_rank(catalog, self.rank)]
         return problems
+
+
+def _dp_of(student: Mesh, rank: int) -> int:
+    c = student.coord(rank)
+    assert c is not None
+    return c.dp_rank
 
 
 def _first_differing_slot(

@@ -363,7 +363,8 @@ def test_micro_batch_counts_that_differ_between_one_ranks_own_layouts():
             teacher_layouts={0: [lay, lay]} if rank < 2 else None,
             student_layouts=[mine] * 3,
         ),
-        r"\[0, 1\]: global rank 0: this rank's layouts give different micro-batch counts \[2, 3\]",
+        r"\[0, 1\]: global rank 0: this rank gives different micro-batch counts: teacher 0's "
+        r"layouts 2, the student's layouts 3",
     )
 
 

@@ -309,8 +309,8 @@ def test_one_rank_gives_different_micro_batch_counts_for_its_two_sections():
     msgs = everyone(str(info.value))
     assert msgs[0] == msgs[1] and elapsed < FAST_S, (msgs, elapsed)
     assert msgs[0] == (
-        "bridge input rejected on global rank(s) [0]: global rank 0: this rank's layouts give "
-        "different micro-batch counts [1, 2]"
+        "bridge input rejected on global rank(s) [0]: global rank 0: this rank gives different "
+        "micro-batch counts: teacher 0's layouts 2, the student's layouts 1"
     ), msgs[0]
 
 

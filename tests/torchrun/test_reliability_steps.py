@@ -64,7 +64,7 @@ def world() -> Any:
 class Job:
     """Models, groups, a Distiller and the step runner, on fresh groups (timeout ``T_S``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, student_pp: int = 1, wrong_pg: bool = False, **config: Any) -> None:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -75,15 +75,18 @@ class Job:
         self.rank = dist.get_rank()
         pool = GroupPool(timeout_s=T_S)
         self.tmesh = Mesh(tp=2, name="teacher")
-        self.smesh = Mesh(tp=2, dp=2, name="student")
+        self.smesh = Mesh(tp=2, dp=2 // student_pp, pp=student_pp, name="student")
         self.tpg = megatron_process_groups(self.tmesh, pool)
         self.spg = megatron_process_groups(self.smesh, pool)
+        other = megatron_process_groups(Mesh(tp=4, name="other"), pool) if wrong_pg else None
 
         def build(mesh: Any, pg: Any, hidden: int, seed: int) -> Any:
             torch.manual_seed(seed)
+            c = mesh.coord(self.rank)
             cfg = tiny_config(
                 hidden_size=hidden,
                 tensor_model_parallel_size=mesh.tp,
+                pipeline_model_parallel_size=mesh.pp,
                 variable_seq_lengths=True,
                 moe_token_dispatcher_type="alltoall",
                 init_method_std=0.05,
@@ -94,6 +97,8 @@ class Job:
                 vocab_size=V,
                 max_sequence_length=S,
                 position_embedding_type="learned_absolute",
+                pre_process=c.pp_rank == 0,
+                post_process=c.pp_rank == mesh.pp - 1,
                 pg_collection=pg,
             )
 
@@ -101,17 +106,19 @@ class Job:
         self.student = build(self.smesh, self.spg, HS, 12)
         self.distiller = Distiller(
             teachers=[MeshModel(mesh=self.tmesh, model=self.teacher, pg_collection=self.tpg)],
-            student=MeshModel(mesh=self.smesh, model=self.student, pg_collection=self.spg),
+            student=MeshModel(mesh=self.smesh, model=self.student, pg_collection=other or self.spg),
             pool=pool,
-            bridge_config=BridgeConfig(timeout_s=T_S),
+            bridge_config=BridgeConfig(timeout_s=T_S, **config),
         )
 
-    def batches(self, seed: int, *, variable: bool) -> tuple[Any, Any]:
-        """This rank's (student, teacher) micro-batches of a step."""
+    def batches(
+        self, seed: int, *, variable: bool, ids: list[int] | None = None
+    ) -> tuple[Any, Any]:
+        """This rank's (student, teacher) micro-batches of a step (``ids``: the samples' ids)."""
         from mopd.mcore import padded_micro_batch, split_samples
 
         g = torch.Generator().manual_seed(seed)
-        ids = [1000 * seed + i for i in range(M * GLOBAL_MB)]
+        ids = ids or [1000 * seed + i for i in range(M * GLOBAL_MB)]
         lens = torch.randint(3, S + 1, (len(ids),), generator=g).tolist() if variable else None
         toks = torch.randint(0, V, (len(ids), S), generator=g)
 
@@ -242,3 +249,142 @@ def test_a_timeout_in_megatrons_own_collectives_fails_every_later_step(world):
         assert s["next"][0] in named, (r, s)
         assert s["next"][2] <= T_S + SLACK_S, (r, s)
         assert s["later"][0] == "BridgeStateError" and s["later"][2] < 2.0, (r, s)
+
+
+# --- bad input at planning: the same ValueError on every rank, before data moves ----------------
+
+
+def fails_alike(job: Job, fn: Any) -> str:
+    """``fn`` raises the same ValueError on every rank, fast, with nothing posted; its text."""
+    before = job.distiller.bridge.executor.slots_issued
+    got = outcome(fn)
+    seen = everyone((got[0], got[1], got[2] < T_S, job.distiller.bridge.executor.slots_issued))
+    assert all(s[:3] == (seen[0][0], seen[0][1], True) for s in seen), seen
+    assert seen[0][0] == "ValueError", seen[0]
+    assert job.distiller.bridge.executor.slots_issued == before
+    assert job.distiller.bridge.executor.failure is None  # the bridge stays usable
+    return seen[0][1]
+
+
+def test_cu_seqlens_shorter_than_the_tokens(world):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mopd.mcore import MicroBatch
+
+    job = Job()
+    s_mbs, t_mbs = job.batches(1, variable=False)
+    if job.smesh.coord(job.rank).dp_rank == 1:  # 2 packed samples of 16 tokens, cu_seqlens 24
+        cu = torch.tensor([0, 16, 24], dtype=torch.int32)
+        psp = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=16,
+            max_seqlen_kv=16,
+        )
+        mb = s_mbs[0]
+        s_mbs[0] = MicroBatch(
+            sample_ids=mb.sample_ids,
+            tokens=mb.tokens.reshape(1, -1),
+            position_ids=mb.position_ids.reshape(1, -1),
+            packed_seq_params=psp,
+        )
+    msg = fails_alike(job, lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))
+    assert msg.startswith(
+        "bridge input rejected on global rank(s) [2, 3]: global rank 2: student micro-batch 0: "
+        "tokens (1, 32) hold 32 positions on this CP rank, but cu_seqlens_q_padded ends at 24"
+    ), msg
+    assert job.run(2, variable=False) is not None or not job.smesh.is_last_stage(job.rank)
+
+
+def test_no_micro_batches_on_a_student_stage_that_is_not_the_last(world):
+    job = Job(student_pp=2)  # student stages: ranks 0-1, then 2-3
+    s_mbs, t_mbs = job.batches(1, variable=False)
+    msg = fails_alike(
+        job,
+        lambda: job.distiller.step(student=[] if job.rank == 0 else s_mbs, teachers=[t_mbs]),
+    )
+    assert msg == (
+        "bridge input rejected on global rank(s) [0]: global rank 0: student (student "
+        "Mesh(tp=2, cp=1, dp=1, pp=2, ranks=0..3)): this rank holds a stage of it, so it must "
+        "pass its micro-batches (one per micro-batch of the step), got list of 0"
+    ), msg
+    fewer = fails_alike(
+        job,
+        lambda: job.distiller.step(student=s_mbs[:2] if job.rank == 1 else s_mbs, teachers=[t_mbs]),
+    )
+    assert fewer == (
+        "bridge input rejected on global rank(s) [1]: global rank 1: this rank gives different "
+        "micro-batch counts: student's micro-batches 2, teacher 0's micro-batches 3, teacher "
+        "0's layouts 3"
+    ), fewer
+
+
+def test_token_ids_beyond_the_vocabulary_under_tp(world):
+    job = Job()
+    s_mbs, t_mbs = job.batches(1, variable=False)
+    if job.rank == 1:
+        s_mbs[1].tokens[0, 3] = V  # megatron's vocab-parallel embedding would zero it silently
+    msg = fails_alike(job, lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))
+    assert msg.startswith(
+        "bridge input rejected on global rank(s) [1]: global rank 1: student micro-batch 1: "
+        f"token ids span [0, {V}], outside the model's vocabulary [0, {V})"
+    ), msg
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed"])
+def test_one_sample_on_two_student_dp_ranks(world, allowed):
+    job = Job(duplicate_samples=allowed)
+    ids = [100 + i for i in range(M * GLOBAL_MB)]
+    ids[3] = ids[0]  # micro-batch 0: DP rank 0 gets samples 0-1, DP rank 1 samples 2-3
+    s_mbs, t_mbs = job.batches(1, variable=False, ids=ids)
+    if t_mbs is not None:  # the teacher holds it once
+        from mopd.mcore import padded_micro_batch
+
+        t_mbs[0] = padded_micro_batch(ids[:3], t_mbs[0].tokens[:3])
+    if allowed:  # asked for: the step runs
+        with job.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
+            job.schedule(step)
+        assert step.mean_loss() is not None
+        return
+    msg = fails_alike(job, lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))
+    assert msg.startswith(
+        "bridge input rejected (found by global rank 0): sample id 100 is wanted by student DP "
+        "rank 0 (micro-batch 0) and DP rank 1 (micro-batch 0): it would be trained on twice"
+    ), msg
+
+
+def test_a_student_mesh_that_disagrees_with_its_pg_collection(world):
+    got = outcome(lambda: Job(wrong_pg=True))
+    seen = everyone(got[:2])
+    assert all(s == seen[0] for s in seen), seen
+    kind, msg = seen[0]
+    assert kind == "ValueError", seen[0]
+    assert msg.startswith(
+        "Distiller set-up rejected (found by global rank 0; 3 other rank(s) also found "
+        "problems): the student: its pg_collection.tp spans global ranks [0, 1, 2, 3], but its "
+        "mesh student Mesh(tp=2, cp=1, dp=2, pp=1, ranks=0..3) puts global rank 0's tp group at [0, 1]"
+    ), msg
+
+
+def test_mean_loss_that_times_out_is_named_and_fails_the_bridge(world):
+    """Rank 2 never asks for the mean loss: rank 0 (its DP peer) times out by name; its bridge
+    then refuses the next step at once."""
+    job = Job()
+    s_mbs, t_mbs = job.batches(1, variable=False)
+    with job.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
+        job.schedule(step)
+    got = outcome(step.mean_loss) if job.rank != 2 else ("skipped", "", 0.0, None)
+    seen = everyone(got[:3])
+    kind, msg, elapsed = seen[0]
+    assert kind == "BridgeTimeoutError", seen
+    assert msg.startswith(
+        "global rank 0: mean_loss()'s all-reduce over the student's DP x CP group (global ranks "
+        "[0, 2]) did not complete within BridgeConfig.timeout_s=4 s"
+    ), msg
+    assert elapsed <= T_S + SLACK_S, seen
+    if job.rank == 0:
+        nxt = outcome(lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))
+        assert nxt[0] == "BridgeStateError" and "mean_loss()'s all-reduce" in nxt[1], nxt
