@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.errors import BridgeStateError
+from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
 from mopd.bridge.executor import Executor, Slot, comm_failure
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout
@@ -132,8 +132,12 @@ class BridgeConfig:
         integrity: check every delivered row against the sender's checksum (one extra read of
             the source and of the output rows, one small message per transfer, and a verdict
             all-gather in :meth:`BridgeStep.finish`).
-        duplicate_samples: allow one sample id on several student DP ranks in a step (refused
-            by default: the student would train on it twice).
+        duplicate_samples: allow one sample id on several student DP ranks in a micro-batch
+            (refused by default: the student would train on it twice).
+        check_finite: :meth:`BridgeStep.receive` checks the rows it returns for NaN / Inf and
+            raises :class:`~mopd.bridge.errors.BridgeNonFiniteError` naming the teacher, the
+            micro-batch and the ranks (one reduction over the rows and one host sync per
+            received micro-batch).
     """
 
     timeout_s: float = 300.0
@@ -142,6 +146,7 @@ class BridgeConfig:
     max_cached_plans: int = 64
     integrity: bool = False
     duplicate_samples: bool = False
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         if (
@@ -156,7 +161,13 @@ class BridgeConfig:
             or self.max_cached_plans < 1
         ):
             raise ValueError(f"max_cached_plans must be an int >= 1, got {self.max_cached_plans!r}")
-        for name in ("local_copy", "keep_sp_shard", "integrity", "duplicate_samples"):
+        for name in (
+            "local_copy",
+            "keep_sp_shard",
+            "integrity",
+            "duplicate_samples",
+            "check_finite",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -672,24 +683,22 @@ class HiddenStateBridge:
         return known[0]
 
     def _duplicate_samples(self, catalogs: Sequence[RunCatalog]) -> list[str]:
-        """Sample ids the student wants on two DP ranks in the step (it would train on them
-        twice); one rank checks, reading every student group's runs once."""
-        seen: dict[int, tuple[int, int]] = {}  # sample -> (dp rank, micro-batch)
+        """Sample ids the student wants on two DP ranks in one micro-batch (it would train on
+        them twice); one rank checks, reading every student group's runs once."""
         problems: list[str] = []
         for i, catalog in enumerate(catalogs):
+            seen: dict[int, int] = {}  # sample -> DP rank
             for d, dest in enumerate(catalog.dests):
                 dp = _dp_of(self.student, dest.ranks[0])
                 runs = catalog.dest_runs(d)
                 for sample in np.unique(runs[:, 0]).tolist() if runs.size else []:
-                    if sample < 0:
-                        continue
-                    first = seen.setdefault(sample, (dp, i))
-                    if first[0] != dp and len(problems) < 4:
+                    first = seen.setdefault(sample, dp)
+                    if first != dp and sample >= 0 and len(problems) < 4:
                         problems.append(
-                            f"sample id {sample} is wanted by student DP rank {first[0]} "
-                            f"(micro-batch {first[1]}) and DP rank {dp} (micro-batch {i}): it "
-                            "would be trained on twice; give each sample to one DP rank, or "
-                            "BridgeConfig(duplicate_samples=True) if that is meant"
+                            f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
+                            f"{first} and {dp}: it would be trained on twice; give each sample "
+                            "to one DP rank, or BridgeConfig(duplicate_samples=True) if that is "
+                            "meant"
                         )
         return problems
 
@@ -1026,7 +1035,54 @@ class BridgeStep:
         if sched is None or sched.dest is None:
             return {}
         n = sched.dest.num_rows
-        return {o: t[:n] for o, t in slot.outputs.items()}
+        rows = {o: t[:n] for o, t in slot.outputs.items()}
+        if b.config.check_finite and rows:
+            self._check_finite(slot, rows)
+        return rows
+
+    def _check_finite(self, slot: Slot, rows: Mapping[int, torch.Tensor]) -> None:
+        """Raise :class:`BridgeNonFiniteError` if a teacher's ``[N, H]`` rows hold NaN / Inf
+        (one reduction per teacher, one host sync); the step then fails everywhere (its next
+        ``plan_step`` says so on every rank)."""
+        ok = torch.stack([torch.isfinite(t).all() for t in rows.values()]).tolist()
+        if all(ok):
+            return
+        b = self._bridge
+        found = []
+        for (o, t), fine in zip(rows.items(), ok, strict=True):
+            if fine:
+                continue
+            bad = torch.nonzero(~torch.isfinite(t).all(dim=1)).reshape(-1)
+            first = int(bad[0])
+            found.append(
+                f"teacher {o}: {bad.numel()} of {t.shape[0]} rows (first: row {first}, "
+                f"{self._source_of(slot, o, first)})"
+            )
+        text = (
+            f"global rank {b.rank}: non-finite (NaN/Inf) teacher rows arrived in micro-batch "
+            f"{slot.index} of step {self.seq}: " + "; ".join(found)
+        )
+        b.executor.mark_abandoned(text)
+        raise BridgeNonFiniteError(text)
+
+    def _source_of(self, slot: Slot, owner: int, row: int) -> str:
+        """Which rank sent row ``row`` of ``owner``'s rows to this rank (for messages)."""
+        b = self._bridge
+        sched = slot.schedule
+        assert sched is not None and sched.dest is not None
+        n = sched.slice_rows
+        j, rel = divmod(row, max(n, 1))
+        if j != sched.dest.slot:
+            tp = b.groups.student_tp
+            who = dist.get_process_group_ranks(tp)[j] if tp is not None else j
+            return f"the slice of global rank {who}, via the student TP all-gather"
+        for op in sched.recvs:
+            if op.owner == owner and bool((op.side.rows == rel).any()):
+                return f"sent by global rank {op.peer}"
+        for lop in sched.locals:
+            if lop.owner == owner and bool((lop.dst.rows == rel).any()):
+                return f"a local copy on global rank {b.rank}"
+        return "a padding row"
 
     def _release_done(self) -> None:
         """Return the staging buffers of issued micro-batches whose sends have completed."""

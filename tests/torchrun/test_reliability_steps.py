@@ -351,8 +351,8 @@ def test_one_sample_on_two_student_dp_ranks(world, allowed):
         return
     msg = fails_alike(job, lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))
     assert msg.startswith(
-        "bridge input rejected (found by global rank 0): sample id 100 is wanted by student DP "
-        "rank 0 (micro-batch 0) and DP rank 1 (micro-batch 0): it would be trained on twice"
+        "bridge input rejected (found by global rank 0): micro-batch 0: sample id 100 is wanted "
+        "by student DP ranks 0 and 1: it would be trained on twice"
     ), msg
 
 

@@ -39,6 +39,7 @@ from mopd.bridge import (
 from mopd.bridge.errors import (
     BridgeCommError,
     BridgeIntegrityError,
+    BridgeNonFiniteError,
     BridgeStateError,
     BridgeTimeoutError,
 )
@@ -561,3 +562,41 @@ def test_a_step_planned_while_an_earlier_one_is_not_posted_is_refused_before_dat
         got.append(torch.equal(bits(outer.receive(i)[0]), bits(want(s[i], i))))
     outer.finish()
     assert got == [True] * M and b.executor.failure is None and run(b, 1)
+
+
+def test_non_finite_teacher_rows_are_named_where_they_arrive(one_rank_world):
+    """A NaN and an Inf in teacher rows of micro-batch 1: ``receive(1)`` raises naming the
+    teacher, the micro-batch, how many rows, the first student row and where it came from;
+    micro-batch 0 was returned; the next step is refused, naming it. With the check off the
+    rows are returned as they are."""
+    for check in (True, False):
+        b = bridge(check_finite=check)
+        step, t, s = plan(b, 3)
+        step.send(0, {0: rows(t[0], 0)})
+        assert torch.equal(bits(step.receive(0)[0]), bits(want(s[0], 0)))
+        bad = rows(t[1], 1)
+        real = torch.nonzero(t[1].sample_id_R >= 0).reshape(-1)
+        bad[real[2], 1] = float("nan")
+        bad[real[0], 0] = float("inf")
+        key = (int(t[1].sample_id_R[real[0]]), int(t[1].position_R[real[0]]))
+        first = next(
+            r
+            for r in range(s[1].num_rows)
+            if (int(s[1].sample_id_R[r]), int(s[1].position_R[r])) == key
+        )
+        step.send(1, {0: bad})
+        if not check:
+            got = step.receive(1)[0]
+            assert int((~torch.isfinite(got)).any(dim=1).sum()) == 2
+            continue
+        with pytest.raises(BridgeNonFiniteError) as err:
+            step.receive(1)
+        text = (
+            "global rank 0: non-finite (NaN/Inf) teacher rows arrived in micro-batch 1 of step 0: "
+            f"teacher 0: 2 of {s[1].num_rows} rows (first: row {first}, a local copy on global "
+            "rank 0)"
+        )
+        assert str(err.value) == text
+        with pytest.raises(BridgeStateError) as err:
+            plan(b, 4)
+        assert f"first failure on global rank 0: {text}" in str(err.value)
