@@ -18,10 +18,10 @@ with the same meshes, in the same program order as its other ``new_group`` calls
    so they never queue behind GPU work nor force a device sync). When the pool's backend is
    ``"gloo"`` this is group 1. itself.
 
-When group 1. moves CUDA tensors (NCCL), its members also pass one barrier on it right after
-creating it: NCCL sets a communicator up in the group's first collective, which needs every
-member, while the bridge's first use of the group is a batched send/receive that ranks with
-nothing to move skip.
+Group 1.'s members also pass one barrier on it right after creating it: NCCL sets a
+communicator up in the group's first collective, which needs every member, while the bridge's
+first use of the group is a batched send/receive that ranks with nothing to move skip (done on
+every backend, so CPU jobs take the GPU path).
 
 Waiting: a gloo operation is waited on with a host timeout; an NCCL one (CUDA tensors) without
 one, because ``Work.wait(timeout)`` on NCCL spins the host until the operation completes, while
@@ -154,11 +154,15 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
             + ", ".join(str(m) for m in [*teachers, student])
         )
     bridge = pool.create(members)
-    if bridge is not None and cdist.moves_cuda(bridge) and torch.cuda.is_available():
+    if bridge is not None:
         # NCCL builds a group's communicator lazily, in its first collective, and every member
         # must take part in that one; the bridge's first operation is a batched send/recv that
-        # members without transfers skip. One barrier now builds it on every member.
-        dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
+        # members without transfers skip. One barrier now builds it on every member (on any
+        # backend: CPU jobs then take the same path, which the strict test mode checks).
+        if cdist.moves_cuda(bridge) and torch.cuda.is_available():
+            dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=bridge)
     if student.tp > 1:
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))

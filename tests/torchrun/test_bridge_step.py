@@ -43,6 +43,7 @@ from tests.support.bridges import make_bridge, poison, poison_outputs
 
 TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 PATHS = ("view", "runs", "index", "local")
 

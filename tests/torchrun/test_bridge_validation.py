@@ -46,6 +46,7 @@ from tests.support import bridges
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 240
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 TEACHER = Mesh(tp=2)  # ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # ranks 2, 3

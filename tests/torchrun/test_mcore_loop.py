@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 900
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 V, S, LAYERS = 64, 16, 2
 GLOBAL_MB = 4  # samples per global micro-batch

@@ -48,6 +48,7 @@ from tests.support.reliability import everyone, fresh_bridge, outcome
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 TEACHER = Mesh(tp=2)  # global ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # global ranks 2, 3

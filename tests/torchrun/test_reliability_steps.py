@@ -32,6 +32,7 @@ from tests.support.reliability import everyone, outcome
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 400
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 V, S, HT, HS = 64, 16, 48, 32
 GLOBAL_MB = 4  # samples per global micro-batch
