@@ -393,7 +393,7 @@ class HiddenStateBridge:
         if ex.failure_hard:  # the transport may be out of step: refuse locally
             ex.check_usable()
         open_steps = [s for s in self._open_steps if not s.finished]
-        if open_steps:
+        if open_steps and ex.failure is None:
             warnings.warn(
                 f"global rank {self.rank}: a step is planned while {len(open_steps)} earlier "
                 "step(s) of this bridge are not finished; call step.finish() (every rank) after "

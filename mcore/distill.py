@@ -31,12 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
-from mopd.bridge.errors import (
-    BridgeCommError,
-    BridgeError,
-    BridgeIntegrityError,
-    BridgeStateError,
-)
+from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
 from mopd.bridge.megatron_groups import mesh_group_ranks
@@ -496,7 +491,7 @@ def _transport_failure(exc: BaseException) -> bool:
     """True for a timeout or a transport error (the process groups may be out of step), False
     for an error of the caller's own code."""
     if isinstance(exc, BridgeError):
-        return not isinstance(exc, BridgeIntegrityError | BridgeStateError)
+        return isinstance(exc, BridgeTimeoutError | BridgeCommError)
     if isinstance(exc, TimeoutError | dist.DistError):
         return True
     if isinstance(exc, RuntimeError):

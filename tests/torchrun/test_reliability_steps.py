@@ -12,6 +12,12 @@ only receive: they post in ``receive``, inside the schedule). Cases:
 - two ``distiller.step`` blocks open at once (the inner planned inside the outer) -> the inner
   raises the same ``ValueError`` on every rank before anything of it moves; the outer then
   completes with exactly the loss it has alone, and the next step too;
+- the teacher's hidden states of one micro-batch turn NaN -> every student rank raises
+  ``BridgeNonFiniteError`` naming it inside the schedule, before the loss reads the rows; the
+  next step is refused everywhere;
+- bad input (packing, empty stages, out-of-vocabulary ids, a sample on two DP ranks, a
+  ``pg_collection`` of another mesh) -> the same ``ValueError`` on every rank before data moves;
+  ``mean_loss()`` timing out -> named;
 - a rank slower than megatron's own TP collectives' timeout inside the schedule -> the ranks
   that see megatron's timeout refuse every later step at once with ``BridgeStateError`` naming
   it; the others get a named bridge error; afterwards every call on every rank is refused.
@@ -389,3 +395,33 @@ def test_mean_loss_that_times_out_is_named_and_fails_the_bridge(world):
     if job.rank == 0:
         nxt = outcome(lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))
         assert nxt[0] == "BridgeStateError" and "mean_loss()'s all-reduce" in nxt[1], nxt
+
+
+def test_non_finite_teacher_rows_are_named_before_the_loss_reads_them(world):
+    """The teacher's hidden states of micro-batch 1 turn NaN (both teacher ranks): every student
+    rank raises ``BridgeNonFiniteError`` inside megatron's schedule, naming teacher 0,
+    micro-batch 1 and itself, before the loss reads the rows; the next step is the same
+    ``BridgeStateError`` on every rank, at once."""
+    job = Job()
+    calls = [0]
+    if job.teacher is not None:
+
+        def poison(module: Any, args: Any, out: torch.Tensor) -> None:
+            if calls[0] == 1:
+                out.fill_(float("nan"))
+            calls[0] += 1
+
+        job.teacher.decoder.final_layernorm.register_forward_hook(poison)
+    first = outcome(lambda: job.run(1, variable=True))
+    nxt = outcome(lambda: job.run(2, variable=True))
+    seen = everyone({"first": first[:3], "next": nxt[:3]})
+    for r, s in enumerate(seen):
+        kind, msg, _ = s["first"]
+        assert kind == "BridgeNonFiniteError", (r, s)
+        assert msg.startswith(
+            f"global rank {r}: non-finite (NaN/Inf) teacher rows arrived in micro-batch 1 of "
+            "step 0: teacher 0: "
+        ), msg
+        kind, msg, elapsed = s["next"]
+        assert kind == "BridgeStateError" and elapsed < 2.0, (r, s)
+        assert "(first failure on global rank 0: global rank 0: non-finite (NaN/Inf)" in msg, msg
