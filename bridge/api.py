@@ -526,7 +526,7 @@ class HiddenStateBridge:
         """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here);
         ``check``: the caller's own checks (see :meth:`plan_step`)."""
         n = len(self.teachers)
-        counts: dict[str, int] = dict(check() or {}) if check is not None else {}
+        counts: dict[str, int] = dict(_called(check, "plan_step's check") or {}) if check else {}
         given = {} if teacher_layouts is None else teacher_layouts
         if not isinstance(given, Mapping):
             raise ValueError(
