@@ -425,3 +425,29 @@ def test_non_finite_teacher_rows_are_named_before_the_loss_reads_them(world):
         kind, msg, elapsed = s["next"]
         assert kind == "BridgeStateError" and elapsed < 2.0, (r, s)
         assert "(first failure on global rank 0: global rank 0: non-finite (NaN/Inf)" in msg, msg
+
+
+def test_a_teacher_pass_raising_on_one_rank_fails_the_step_by_name_everywhere(world):
+    """Rank 1's teacher forward raises inside ``distiller.step(...)`` (before the schedule): its
+    step is abandoned there; its teacher TP peer (rank 0) times out in megatron's own
+    all-reduce (torch's error); the students waiting for rank 1's rows time out by name; no
+    rank returns. Afterwards every rank's calls are refused or time out by name, then refused
+    at once."""
+    job = Job()
+    if job.rank == 1:
+
+        def broken(module: Any, args: Any) -> None:
+            raise Injected("rank 1: the teacher's forward fails")
+
+        job.teacher.decoder.register_forward_pre_hook(broken)
+    first = outcome(lambda: job.run(1, variable=False))
+    nxt = outcome(lambda: job.run(2, variable=False))
+    later = outcome(lambda: job.run(3, variable=False))
+    seen = everyone({"first": first[:3], "next": nxt[:3], "later": later[:3]})
+    named = ("BridgeStateError", "BridgeTimeoutError", "BridgeCommError")
+    assert seen[1]["first"][0] == "Injected", seen[1]
+    for r, s in enumerate(seen):
+        assert s["first"][0] != "ok", (r, s)
+        assert s["next"][0] in named and s["next"][2] <= 2 * T_S + SLACK_S, (r, s)
+        assert s["later"][0] == "BridgeStateError" and s["later"][2] < 2.0, (r, s)
+    assert "step 0 abandoned on global rank 1" in seen[1]["later"][1], seen[1]
