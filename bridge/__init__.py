@@ -26,6 +26,7 @@ from mopd.bridge.errors import (
     BridgeCommError,
     BridgeError,
     BridgeIntegrityError,
+    BridgeNonFiniteError,
     BridgeStateError,
     BridgeTimeoutError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "BridgeError",
     "BridgeGroups",
     "BridgeIntegrityError",
+    "BridgeNonFiniteError",
     "BridgeStateError",
     "BridgeStep",
     "BridgeTimeoutError",
