@@ -10,13 +10,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= megatron,test
+# The newest megatron-core (0.19.x needs Python 3.12): a second environment for `make test-newest`.
+# torch for 3.12 is its default build (with its CUDA libraries; it runs on CPU ranks as well).
+PYTHON312 ?= $(firstword $(foreach p,python3.12 $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python),$(shell $(p) -c 'import sys; print(sys.executable if sys.version_info[:2] == (3, 12) else "")' 2>/dev/null)))
+VENV_NEWEST ?= .venv-newest
+MCORE_NEWEST ?= megatron-core>=0.19,<0.20
+# the megatron-facing tests: real GPTModels on CPU ranks, megatron's schedules, the demo, the README
+NEWEST_TESTS ?= tests/torchrun/test_capture_megatron.py tests/torchrun/test_cpu_attention.py \
+	tests/torchrun/test_mcore_loop.py tests/torchrun/test_bridge_e2e.py tests/launch/test_demo.py \
+	tests/launch/test_readme.py
 SOURCES := pyproject.toml $(shell find capture bridge kernels profiling common mcore mopd -type f \( -name '*.py' -o -name '*.cu' -o -name '*.sh' -o -name 'py.typed' \) -not -path '*/results/*' 2>/dev/null)
 # After `make dev`: the editable install sees every edit; only the dependencies can go stale.
 EDITABLE := $(wildcard $(VENV)/.editable)
 STAMP_DEPS := $(if $(EDITABLE),pyproject.toml,$(SOURCES))
 PYTEST := $(PY) -m pytest
 
-.PHONY: install dev demo test test-unit test-torchrun test-launch test-gpu lint typecheck clean
+.PHONY: install dev demo test test-unit test-torchrun test-launch test-gpu test-newest lint typecheck clean
 
 $(VENV)/.stamp: $(STAMP_DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +62,19 @@ test-launch: $(VENV)/.stamp
 test-gpu: $(VENV)/.stamp
 	$(PYTEST) tests/gpu
 
+$(VENV_NEWEST)/.stamp: $(SOURCES)
+	@test -n "$(PYTHON312)" || { echo "make test-newest: no Python 3.12 found; set PYTHON312=/path/to/python3.12"; exit 1; }
+	test -x $(VENV_NEWEST)/bin/python || $(PYTHON312) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_NEWEST)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VENV_NEWEST)/bin/python -m pip install -q ".[test]" "$(MCORE_NEWEST)"
+	touch $@
+
+# The megatron-facing tests on Python 3.12 with the newest megatron-core release.
+test-newest: $(VENV_NEWEST)/.stamp
+	@$(VENV_NEWEST)/bin/python -c "import sys; from importlib.metadata import version as v; print(f'test-newest: Python {sys.version.split()[0]}, torch {v(\"torch\")}, megatron-core {v(\"megatron-core\")}')"
+	$(VENV_NEWEST)/bin/python -m pytest $(NEWEST_TESTS)
+
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
@@ -60,4 +82,4 @@ typecheck: $(VENV)/.stamp
 	PYTHON=$(PY) bash .ci/typecheck
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache
+	rm -rf $(VENV) $(VENV_NEWEST) build *.egg-info .mypy_cache

@@ -29,6 +29,7 @@ from mopd.bridge.errors import (
     BridgeCommError,
     BridgeError,
     BridgeIntegrityError,
+    BridgeNonFiniteError,
     BridgeStateError,
     BridgeTimeoutError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "BridgeError",
     "BridgeGroups",
     "BridgeIntegrityError",
+    "BridgeNonFiniteError",
     "BridgeStateError",
     "BridgeStep",
     "BridgeTimeoutError",

@@ -51,13 +51,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.errors import BridgeStateError
+from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
 from mopd.bridge.executor import Executor, Slot, comm_failure
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import (
     MAGIC,
+    STATE_FAILED,
+    STATE_OPEN,
+    STATE_READY,
     Section,
     StepMatrix,
     code_dtype,
@@ -129,6 +132,12 @@ class BridgeConfig:
         integrity: check every delivered row against the sender's checksum (one extra read of
             the source and of the output rows, one small message per transfer, and a verdict
             all-gather in :meth:`BridgeStep.finish`).
+        duplicate_samples: allow one sample id on several student DP ranks in a micro-batch
+            (refused by default: the student would train on it twice).
+        check_finite: :meth:`BridgeStep.receive` checks the rows it returns for NaN / Inf and
+            raises :class:`~mopd.bridge.errors.BridgeNonFiniteError` naming the teacher, the
+            micro-batch and the ranks (one reduction over the rows and one host sync per
+            received micro-batch).
     """
 
     timeout_s: float = 300.0
@@ -136,6 +145,8 @@ class BridgeConfig:
     keep_sp_shard: bool = False
     max_cached_plans: int = 64
     integrity: bool = False
+    duplicate_samples: bool = False
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         if (
@@ -150,7 +161,13 @@ class BridgeConfig:
             or self.max_cached_plans < 1
         ):
             raise ValueError(f"max_cached_plans must be an int >= 1, got {self.max_cached_plans!r}")
-        for name in ("local_copy", "keep_sp_shard", "integrity"):
+        for name in (
+            "local_copy",
+            "keep_sp_shard",
+            "integrity",
+            "duplicate_samples",
+            "check_finite",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -332,6 +349,7 @@ class HiddenStateBridge:
         teacher_layouts: Mapping[int, Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]]]
         | None = None,
         student_layouts: Sequence[LayoutArg] | Callable[[], Sequence[LayoutArg]] | None = None,
+        check: Callable[[], Mapping[str, int] | None] | None = None,
         _buffers: Mapping[Any, Any] | None = None,
     ) -> BridgeStep:
         """Exchange a step's metadata, agree on it, and plan this rank's micro-batches.
@@ -348,6 +366,11 @@ class HiddenStateBridge:
                 the rows it wants (typically the order of its logits, ``[B, S]``; identical on
                 the ranks of one student TP group, or each rank's own slice with
                 ``keep_sp_shard``); ``None`` elsewhere.
+
+            check: this rank's own input checks, run first in the guarded phase: a
+                ``ValueError`` it raises reaches every rank as the same ``ValueError``; it may
+                return ``{what: count}`` micro-batch counts this rank commits to (e.g. a
+                student's first stage, which passes no layouts), agreed with everyone's.
 
         Micro-batch ``i`` on one side is micro-batch ``i`` on the other: teacher micro-batch
         ``i`` (over all teacher shards) must hold every token student micro-batch ``i`` wants.
@@ -366,9 +389,11 @@ class HiddenStateBridge:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
-        self._executor.check_usable()
+        ex = self._executor
+        if ex.failure_hard:  # the transport may be out of step: refuse locally
+            ex.check_usable()
         open_steps = [s for s in self._open_steps if not s.finished]
-        if open_steps:
+        if open_steps and ex.failure is None:
             warnings.warn(
                 f"global rank {self.rank}: a step is planned while {len(open_steps)} earlier "
                 "step(s) of this bridge are not finished; call step.finish() (every rank) after "
@@ -380,14 +405,32 @@ class HiddenStateBridge:
         sections: list[Section | None] = [None] * (n + 1)
         n_slots = -1
         error = ""
+        state, unposted = STATE_READY, [s for s in open_steps if s.unposted()]
+        if ex.failure is not None:
+            state, error = STATE_FAILED, ex.failure
+        elif unposted:
+            s0 = unposted[0]
+            state = STATE_OPEN
+            error = (
+                f"global rank {self.rank} posted {s0.posted} of the {s0.num_micro_batches} "
+                f"micro-batches of step {s0.seq}"
+            )
         with ranges.span("metadata"):
-            try:
-                n_slots = self._local_sections(teacher_layouts, student_layouts, _buffers, sections)
-            except ValueError as exc:
-                error = f"global rank {self.rank}: {exc}"
-                sections = [None] * (n + 1)
+            if state == STATE_READY:
+                try:
+                    n_slots = self._local_sections(
+                        teacher_layouts, student_layouts, _buffers, sections, check
+                    )
+                except ValueError as exc:
+                    error = f"global rank {self.rank}: {exc}"
+                    sections = [None] * (n + 1)
             record = encode_step_record(
-                config_sig=self.config_sig, n_slots=n_slots, error=error, sections=sections
+                config_sig=self.config_sig,
+                n_slots=n_slots,
+                error=error,
+                sections=sections,
+                state=state,
+                step=self.steps,
             )
             meta_group = self.groups.metadata_group
             m, _sizes = self._executor.timed(
@@ -404,6 +447,7 @@ class HiddenStateBridge:
                 ),
             )
         matrix = StepMatrix(m)
+        self._agreed_state(matrix)  # the fence: the same error everywhere
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
         agreed = False
         try:
@@ -430,7 +474,7 @@ class HiddenStateBridge:
                         timeout_s=self.config.timeout_s,
                         elapsed_s=time.monotonic() - t0,
                     ) from exc
-            step = BridgeStep(self, matrix, catalogs, sections)
+            step = BridgeStep(self, matrix, catalogs, sections, seq=self.steps)
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
                 self._executor.mark_failed(exc)
@@ -479,9 +523,12 @@ class HiddenStateBridge:
         student_layouts: Any,
         buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
+        check: Callable[[], Mapping[str, int] | None] | None = None,
     ) -> int:
-        """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here)."""
+        """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here);
+        ``check``: the caller's own checks (see :meth:`plan_step`)."""
         n = len(self.teachers)
+        counts: dict[str, int] = dict(_called(check, "plan_step's check") or {}) if check else {}
         given = {} if teacher_layouts is None else teacher_layouts
         if not isinstance(given, Mapping):
             raise ValueError(
@@ -495,7 +542,6 @@ class HiddenStateBridge:
         for o in [*given, *(buffers or {})]:
             if not (isinstance(o, int) and 0 <= o < n):
                 raise ValueError(f"teacher index {o!r} outside [0, {n})")
-        counts: set[int] = set()
         for o, spec in enumerate(self.teachers):
             c = spec.mesh.coord(self.rank)
             holds = c is not None and c.pp_rank == spec.mesh.pp - 1
@@ -523,7 +569,7 @@ class HiddenStateBridge:
                     f"teacher {o}: its dtype is unknown; give TeacherSpec(dtype=...) to plan a "
                     "step before the teacher has run"
                 )
-            counts.add(len(lays))
+            counts[f"teacher {o}'s layouts"] = len(lays)
             sections[o] = Section(
                 layouts=lays,
                 send_runs=c.tp_rank == 0,
@@ -541,19 +587,64 @@ class HiddenStateBridge:
             if self._tp_group_error:
                 raise ValueError(self._tp_group_error)
             lays = _layout_list(student_layouts, "student_layouts")
-            counts.add(len(lays))
+            counts["the student's layouts"] = len(lays)
             sections[n] = Section(
                 layouts=lays,
                 send_runs=self.config.keep_sp_shard or c.tp_rank == 0,
                 device=self.device,
             )
-        if len(counts) > 1:
+        if len(set(counts.values())) > 1:
             raise ValueError(
-                f"this rank's layouts give different micro-batch counts {sorted(counts)}"
+                "this rank gives different micro-batch counts: "
+                + ", ".join(f"{k} {v}" for k, v in counts.items())
             )
-        return counts.pop() if counts else -1
+        return next(iter(counts.values())) if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
+
+    def _agreed_state(self, matrix: StepMatrix) -> None:
+        """The fence, from every rank's state in the matrix (the same verdict everywhere).
+
+        A step failed or was abandoned on some rank: :class:`BridgeStateError` naming the first
+        failure (the lowest rank's), and this bridge refuses from now on. Ranks at different
+        step counts (a rank planned a step the others did not): the same. An earlier step with
+        micro-batches some rank has not posted: ``ValueError`` (nothing of this step moves; the
+        earlier step may still complete), because a new step's transfers would pair with the
+        earlier step's on the wire.
+        """
+        members = self.topology.members
+        state = matrix.state_N()
+        steps = matrix.step_N()
+        failed = np.flatnonzero(state == STATE_FAILED).tolist()
+        first = ""
+        if failed:
+            first = f"first failure on global rank {members[failed[0]]}: {matrix.error(failed[0])}"
+            if len(failed) > 1:
+                first += f"; global ranks {[members[j] for j in failed[1:]]} failed too"
+        elif (steps != steps[0]).any():
+            by: dict[int, list[int]] = {}
+            for j, k in enumerate(steps.tolist()):
+                by.setdefault(k, []).append(members[j])
+            first = "ranks are at different steps of this bridge: " + ", ".join(
+                f"step {k} on global ranks {v}" for k, v in sorted(by.items())
+            )
+        if first:
+            self._executor.mark_abandoned(first)
+            raise BridgeStateError(
+                f"global rank {self.rank}: this bridge cannot be used after a failed exchange "
+                f"({first}); its process group may still hold sends/receives of that step, "
+                "which a later one could match. Create new groups (a new GroupPool and "
+                "create_bridge_groups) and a new HiddenStateBridge on every rank."
+            )
+        open_ = np.flatnonzero(state == STATE_OPEN).tolist()
+        if open_:
+            raise ValueError(
+                f"step {int(steps[0])} planned while an earlier step of this bridge is not fully "
+                "posted: "
+                + "; ".join(matrix.error(j) for j in open_)
+                + ". Its transfers would pair with that step's on the wire: finish the earlier "
+                "step (leave its `with` block) before planning the next on the same bridge"
+            )
 
     def _agreed_slots(self, matrix: StepMatrix) -> int:
         """The step's micro-batch count; raises what every rank can see in the matrix alike."""
@@ -592,6 +683,26 @@ class HiddenStateBridge:
                 else "no rank holds a layout: nothing to exchange"
             )
         return known[0]
+
+    def _duplicate_samples(self, catalogs: Sequence[RunCatalog]) -> list[str]:
+        """Sample ids the student wants on two DP ranks in one micro-batch (it would train on
+        them twice); one rank checks, reading every student group's runs once."""
+        problems: list[str] = []
+        for i, catalog in enumerate(catalogs):
+            seen: dict[int, int] = {}  # sample -> DP rank
+            for d, dest in enumerate(catalog.dests):
+                dp = _dp_of(self.student, dest.ranks[0])
+                runs = catalog.dest_runs(d)
+                for sample in np.unique(runs[:, 0]).tolist() if runs.size else []:
+                    first = seen.setdefault(sample, dp)
+                    if first != dp and sample >= 0 and len(problems) < 4:
+                        problems.append(
+                            f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
+                            f"{first} and {dp}: it would be trained on twice; give each sample "
+                            "to one DP rank, or BridgeConfig(duplicate_samples=True) if that is "
+                            "meant"
+                        )
+        return problems
 
     def _checks(self, matrix: StepMatrix, catalogs: Sequence[RunCatalog]) -> list[str]:
         """The problems this rank is responsible for finding (its share of the global checks);
@@ -653,11 +764,19 @@ class HiddenStateBridge:
                 )
             if code_dtype(head[0]) is None:
                 problems.append(f"teacher {o} on global rank {self.rank}: unsupported dtype")
+        if not self.config.duplicate_samples and topo.dests and self.rank == topo.dests[0].ranks[0]:
+            problems += self._duplicate_samples(catalogs)
         # the planner's checks: tokens held twice or by nobody
         with ranges.span("plan", "checks"):
             for i, catalog in enumerate(catalogs):
                 problems += [f"micro-batch {i}: {p}" for p in check_rank(catalog, self.rank)]
         return problems
+
+
+def _dp_of(student: Mesh, rank: int) -> int:
+    c = student.coord(rank)
+    assert c is not None
+    return c.dp_rank
 
 
 def _first_differing_slot(
@@ -675,8 +794,10 @@ def _first_differing_slot(
 class BridgeStep:
     """One rank's share of a planned step (see the module doc): ``send``, ``receive``, ``finish``.
 
-    Built by :meth:`HiddenStateBridge.plan_step`. Use it as a context manager to
-    :meth:`finish` on leaving the block (not when the block raised).
+    Built by :meth:`HiddenStateBridge.plan_step`. Use it as a context manager: leaving the
+    block normally calls :meth:`finish`; leaving it on an exception abandons the step
+    (:meth:`abandon`): this rank's bridge refuses further use, and every rank's next
+    ``plan_step`` raises :class:`BridgeStateError` naming that failure.
     """
 
     def __init__(
@@ -685,8 +806,12 @@ class BridgeStep:
         matrix: StepMatrix,
         catalogs: Sequence[RunCatalog],
         sections: Sequence[Section | None],
+        *,
+        seq: int = 0,
     ) -> None:
         self._bridge = bridge
+        #: this step's number on its bridge (the same on every rank); its transfers carry it
+        self.seq = seq
         self._catalogs = list(catalogs)  # the ones plan_step checked: their decoded runs are kept
         n_slots = self.num_micro_batches = len(self._catalogs)
         self._sections = list(sections)
@@ -782,6 +907,8 @@ class BridgeStep:
     # --- the data phase ------------------------------------------------------------------------
 
     def _check_index(self, i: int, *, finished_ok: bool = False) -> None:
+        if not finished_ok:
+            self._bridge.executor.check_usable()
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_micro_batches:
             raise ValueError(f"micro-batch {i!r} outside [0, {self.num_micro_batches})")
         if self.finished and not finished_ok:
@@ -793,6 +920,21 @@ class BridgeStep:
         if sched is None:
             return set()
         return {op.owner for op in sched.sends} | {x.owner for x in sched.locals}
+
+    @property
+    def posted(self) -> int:
+        """Micro-batches this rank has posted (in order)."""
+        return self._cursor
+
+    def unposted(self) -> bool:
+        """True while this rank has micro-batches of the step left to post (it is open on the
+        wire: a later step's transfers would pair with them)."""
+        return not self.finished and self._cursor < self.num_micro_batches
+
+    @property
+    def tag(self) -> int:
+        """The step's tag on the wire (its number; gloo matches by it, NCCL ignores it)."""
+        return 1 + self.seq % (1 << 30)
 
     def _issue_through(self, i: int, *, why: str) -> None:
         """Post every micro-batch up to ``i`` in order (their rows must have been given)."""
@@ -806,7 +948,13 @@ class BridgeStep:
                     f"and this rank holds rows of teacher(s) {sorted(missing)} for it: call "
                     f"send({slot.index}, ...) before (micro-batches go in order)"
                 )
-            b.executor.post(slot, output_specs=self._specs, device=b.device, group=b.groups.bridge)
+            b.executor.post(
+                slot,
+                output_specs=self._specs,
+                device=b.device,
+                group=b.groups.bridge,
+                tag=self.tag,
+            )
             self._cursor += 1
 
     def send(self, micro_batch: int, hidden: Mapping[int, torch.Tensor]) -> None:
@@ -889,7 +1037,54 @@ class BridgeStep:
         if sched is None or sched.dest is None:
             return {}
         n = sched.dest.num_rows
-        return {o: t[:n] for o, t in slot.outputs.items()}
+        rows = {o: t[:n] for o, t in slot.outputs.items()}
+        if b.config.check_finite and rows:
+            self._check_finite(slot, rows)
+        return rows
+
+    def _check_finite(self, slot: Slot, rows: Mapping[int, torch.Tensor]) -> None:
+        """Raise :class:`BridgeNonFiniteError` if a teacher's ``[N, H]`` rows hold NaN / Inf
+        (one reduction per teacher, one host sync); the step then fails everywhere (its next
+        ``plan_step`` says so on every rank)."""
+        ok = torch.stack([torch.isfinite(t).all() for t in rows.values()]).tolist()
+        if all(ok):
+            return
+        b = self._bridge
+        found = []
+        for (o, t), fine in zip(rows.items(), ok, strict=True):
+            if fine:
+                continue
+            bad = torch.nonzero(~torch.isfinite(t).all(dim=1)).reshape(-1)
+            first = int(bad[0])
+            found.append(
+                f"teacher {o}: {bad.numel()} of {t.shape[0]} rows (first: row {first}, "
+                f"{self._source_of(slot, o, first)})"
+            )
+        text = (
+            f"global rank {b.rank}: non-finite (NaN/Inf) teacher rows arrived in micro-batch "
+            f"{slot.index} of step {self.seq}: " + "; ".join(found)
+        )
+        b.executor.mark_abandoned(text)
+        raise BridgeNonFiniteError(text)
+
+    def _source_of(self, slot: Slot, owner: int, row: int) -> str:
+        """Which rank sent row ``row`` of ``owner``'s rows to this rank (for messages)."""
+        b = self._bridge
+        sched = slot.schedule
+        assert sched is not None and sched.dest is not None
+        n = sched.slice_rows
+        j, rel = divmod(row, max(n, 1))
+        if j != sched.dest.slot:
+            tp = b.groups.student_tp
+            who = dist.get_process_group_ranks(tp)[j] if tp is not None else j
+            return f"the slice of global rank {who}, via the student TP all-gather"
+        for op in sched.recvs:
+            if op.owner == owner and bool((op.side.rows == rel).any()):
+                return f"sent by global rank {op.peer}"
+        for lop in sched.locals:
+            if lop.owner == owner and bool((lop.dst.rows == rel).any()):
+                return f"a local copy on global rank {b.rank}"
+        return "a padding row"
 
     def _release_done(self) -> None:
         """Return the staging buffers of issued micro-batches whose sends have completed."""
@@ -927,9 +1122,27 @@ class BridgeStep:
     def __enter__(self) -> BridgeStep:
         return self
 
+    def abandon(self, cause: BaseException | str) -> None:
+        """Give the step up on this rank (its caller raised inside it): no further call on this
+        bridge succeeds here, and the next ``plan_step`` tells every rank (each raises
+        :class:`BridgeStateError` naming this failure) instead of planning a step whose
+        transfers could pair with this one's leftovers. Local, no communication."""
+        if self.finished:
+            return
+        b = self._bridge
+        what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        b.executor.mark_abandoned(
+            f"step {self.seq} abandoned on global rank {b.rank} after {self._cursor} of "
+            f"{self.num_micro_batches} micro-batches posted, {self._received} received: "
+            f"{what}"
+        )
+        self.finished = True
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self.finish()
+        elif isinstance(exc, BaseException):
+            self.abandon(exc)
 
 
 class ExchangeHandle:

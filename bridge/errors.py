@@ -15,6 +15,7 @@ __all__ = [
     "BridgeCommError",
     "BridgeError",
     "BridgeIntegrityError",
+    "BridgeNonFiniteError",
     "BridgeStateError",
     "BridgeTimeoutError",
 ]
@@ -38,6 +39,11 @@ class BridgeCommError(BridgeError):
 
 class BridgeIntegrityError(BridgeError):
     """Integrity mode found received rows whose checksum differs from the sender's."""
+
+
+class BridgeNonFiniteError(BridgeError):
+    """Teacher rows that arrived on a student rank hold NaN or Inf (the teacher produced them):
+    named by teacher, micro-batch, receiving rank and sending rank before the loss reads them."""
 
 
 class BridgeStateError(BridgeError):

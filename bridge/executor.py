@@ -264,7 +264,11 @@ class Executor:
         self._devs: dict[tuple[str, str], DeviceIndices] = {}
         self._pool = _StagePool()
         self._zeros: dict[tuple[Any, ...], torch.Tensor] = {}
+        #: the first failure (text), and whether it left the transport in an unknown state
+        #: (``True``: refuse locally, no communication; ``False``: a step abandoned by the
+        #: caller, announced to every rank at the next ``plan_step``)
         self.failure: str | None = None
+        self.failure_hard = False
         #: schedules built (cache misses) and slots issued, for figures and tests
         self.schedules_built = 0
         self.slots_issued = 0
@@ -318,9 +322,16 @@ class Executor:
             )
 
     def mark_failed(self, exc: BaseException) -> None:
-        """Refuse further work (see :meth:`check_usable`); keeps the first cause."""
+        """Refuse further work, locally (see :meth:`check_usable`); keeps the first cause."""
         if self.failure is None:
             self.failure = f"{type(exc).__name__}: {str(exc)[:300]}"
+        self.failure_hard = True
+
+    def mark_abandoned(self, text: str) -> None:
+        """Refuse further work after a step its caller abandoned (see :attr:`failure_hard`);
+        keeps the first cause."""
+        if self.failure is None:
+            self.failure = text[:400]
 
     def _dev(self, sched: RankSchedule, device: torch.device) -> DeviceIndices:
         key = (sched.digest, str(device))
@@ -375,8 +386,13 @@ class Executor:
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
         group: dist.ProcessGroup | None,
+        tag: int = 0,
     ) -> None:
-        """Post ``slot``'s sends (rows taken by :meth:`take`) and receives in one batch."""
+        """Post ``slot``'s sends (rows taken by :meth:`take`) and receives in one batch.
+
+        ``tag``: the step's fence on the wire (transports that match by tag, gloo, never pair an
+        operation with another step's; NCCL ignores tags and pairs in issue order, which
+        ``plan_step``'s agreement keeps step-major on every rank)."""
         self.check_usable()
         sched = slot.schedule
         slot.issued = True
@@ -387,7 +403,7 @@ class Executor:
         try:
             with ranges.span("issue", slot.index):
                 self._outputs(slot, sched, output_specs, device)
-                self._post(slot, sched, output_specs, device, group)
+                self._post(slot, sched, output_specs, device, group, tag)
         except BaseException as exc:
             self._fail_slot(slot, exc)
             raise
@@ -479,6 +495,7 @@ class Executor:
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
         group: dist.ProcessGroup | None,
+        tag: int,
     ) -> None:
         missing = sorted({op.owner for op in sched.sends} - slot.taken)
         if missing:
@@ -489,14 +506,14 @@ class Executor:
         for i, op in enumerate(sched.sends):
             buf = slot.send_bufs[i]
             send_blocks.append((op.owner, op.peer, buf))
-            ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group))
+            ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group, tag=tag))
             kinds.append(False)
             slot.send_descs.append(
                 f"send to global rank {op.peer} (micro-batch {slot.index}, teacher {op.owner}, "
                 f"{op.count} rows)"
             )
             if self.integrity:
-                ops.append(dist.P2POp(dist.isend, slot.send_sums[i], op.peer, group=group))
+                ops.append(dist.P2POp(dist.isend, slot.send_sums[i], op.peer, group=group, tag=tag))
                 kinds.append(False)
                 slot.send_descs.append(f"send to global rank {op.peer} (checksums)")
         targets = self._targets(slot, sched) if sched.dest is not None else {}
@@ -512,7 +529,7 @@ class Executor:
             else:
                 buf = slot.recv_stage[op.owner][op.stage_off : op.stage_off + op.count]
             slot.recv_blocks.append((op.owner, op.peer, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, op.peer, group=group))
+            ops.append(dist.P2POp(dist.irecv, buf, op.peer, group=group, tag=tag))
             kinds.append(True)
             slot.recv_descs.append(
                 f"receive from global rank {op.peer} (micro-batch {slot.index}, teacher "
@@ -521,7 +538,7 @@ class Executor:
             if self.integrity:
                 sums = torch.empty(op.count, dtype=torch.int64, device=device)
                 slot.checks.append((op, sums))
-                ops.append(dist.P2POp(dist.irecv, sums, op.peer, group=group))
+                ops.append(dist.P2POp(dist.irecv, sums, op.peer, group=group, tag=tag))
                 kinds.append(True)
                 slot.recv_descs.append(f"receive from global rank {op.peer} (checksums)")
         if self.debug_hook is not None:

@@ -9,19 +9,22 @@ Creation order of :func:`create_bridge_groups` (every global rank of the default
 with the same meshes, in the same program order as its other ``new_group`` calls):
 
 1. the bridge group: the sorted union of every rank of every teacher mesh and the student mesh
-   (the point-to-point transfers), with the pool's backend;
+   (the point-to-point transfers), with the pool's backend, a group of its own (not a model's
+   group over the same ranks: it carries point-to-point only, after one set-up barrier);
 2. for each student ``(dp_rank, cp_rank)`` shard in :meth:`Mesh.shards` order (dp major), the
    student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing).
    The pool creates a rank set once: when the student model's own groups came from the same pool
    (:func:`mopd.mcore.groups.megatron_process_groups`), this *is* Megatron's TP group;
 3. a gloo group over the same ranks as 1. (the step metadata and verdicts run on the host there,
-   so they never queue behind GPU work nor force a device sync). When the pool's backend is
-   ``"gloo"`` this is group 1. itself.
+   so they never queue behind GPU work nor force a device sync), always a group of its own, also
+   when the pool's backend is ``"gloo"``: the bridge's collectives and its point-to-point then
+   never share a group (their per-rank counts differ, which ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+   reads as a collective mismatch), and CPU jobs have the GPU jobs' groups.
 
-When group 1. moves CUDA tensors (NCCL), its members also pass one barrier on it right after
-creating it: NCCL sets a communicator up in the group's first collective, which needs every
-member, while the bridge's first use of the group is a batched send/receive that ranks with
-nothing to move skip.
+Group 1.'s members also pass one barrier on it when it is created: NCCL sets a
+communicator up in the group's first collective, which needs every member, while the bridge's
+first use of the group is a batched send/receive that ranks with nothing to move skip (done on
+every backend, so CPU jobs take the GPU path).
 
 Waiting: a gloo operation is waited on with a host timeout; an NCCL one (CUDA tensors) without
 one, because ``Work.wait(timeout)`` on NCCL spins the host until the operation completes, while
@@ -33,6 +36,7 @@ pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation olde
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +49,10 @@ from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
 
 __all__ = ["BridgeGroups", "GroupPool", "all_gather_flat", "create_bridge_groups"]
+
+#: The purposes of the bridge's own groups in a :class:`GroupPool`: groups of their own, never
+#: shared with a model's groups over the same ranks (point-to-point and collectives apart).
+_DATA, _META = "bridge data", "bridge metadata"
 
 
 def all_gather_flat(
@@ -75,7 +83,8 @@ class GroupPool:
     Args:
         backend: backend of the groups (``None``: the default group's).
         timeout_s: the groups' own timeout in seconds; for NCCL groups this is the only hang
-            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``.
+            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``. Without
+            one (a ``UserWarning``) the groups wait as long as torch's default.
     """
 
     def __init__(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -87,18 +96,34 @@ class GroupPool:
             raise ValueError(
                 f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}"
             )
+        if timeout_s is None:
+            warnings.warn(
+                "GroupPool() without timeout_s: its groups wait as long as torch's default "
+                "(30 minutes), so a rank that fails or stalls leaves its peers blocked in "
+                "megatron's and the bridge's collectives that long; pass "
+                "GroupPool(timeout_s=...) no longer than BridgeConfig.timeout_s",
+                stacklevel=2,
+            )
         self.backend = backend
         self.timeout_s = timeout_s
-        self._groups: dict[tuple[str | None, tuple[int, ...]], dist.ProcessGroup | None] = {}
+        self._groups: dict[tuple[str | None, tuple[int, ...], str], dist.ProcessGroup | None] = {}
 
-    def _key(self, ranks: Sequence[int], backend: str | None) -> tuple[str | None, tuple[int, ...]]:
-        return (backend if backend is not None else self.backend, tuple(sorted(set(ranks))))
+    def _key(
+        self, ranks: Sequence[int], backend: str | None, purpose: str = ""
+    ) -> tuple[str | None, tuple[int, ...], str]:
+        return (
+            backend if backend is not None else self.backend,
+            tuple(sorted(set(ranks))),
+            purpose,
+        )
 
     def create(
-        self, ranks: Sequence[int], *, backend: str | None = None
+        self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
     ) -> dist.ProcessGroup | None:
-        """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere."""
-        key = self._key(ranks, backend)
+        """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere.
+        ``purpose``: a group of its own for that use even where a group of the same ranks and
+        backend exists (the bridge's host-side metadata)."""
+        key = self._key(ranks, backend, purpose)
         if key not in self._groups:
             kwargs: dict[str, Any] = {"ranks": list(key[1])}
             if key[0] is not None:
@@ -106,11 +131,17 @@ class GroupPool:
             if self.timeout_s is not None:
                 kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
             self._groups[key] = dist.new_group(**kwargs)
-        return self.get(key[1], backend=key[0])
+        return self.get(key[1], backend=key[0], purpose=purpose)
 
-    def get(self, ranks: Sequence[int], *, backend: str | None = None) -> dist.ProcessGroup | None:
+    def has(self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = "") -> bool:
+        """Whether :meth:`create` already made this group (local)."""
+        return self._key(ranks, backend, purpose) in self._groups
+
+    def get(
+        self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
+    ) -> dist.ProcessGroup | None:
         """The group of ``ranks`` (``None`` if this rank is not a member); ``KeyError`` if never created."""
-        key = self._key(ranks, backend)
+        key = self._key(ranks, backend, purpose)
         group = self._groups[key]
         return None if dist.get_rank() not in key[1] else group
 
@@ -151,24 +182,29 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
             f"meshes use global ranks up to {members[-1]} but the world has {world} ranks: "
             + ", ".join(str(m) for m in [*teachers, student])
         )
-    bridge = pool.create(members)
-    if bridge is not None and cdist.moves_cuda(bridge) and torch.cuda.is_available():
+    fresh = not pool.has(members, purpose=_DATA)
+    bridge = pool.create(members, purpose=_DATA)
+    if bridge is not None and fresh:
         # NCCL builds a group's communicator lazily, in its first collective, and every member
         # must take part in that one; the bridge's first operation is a batched send/recv that
-        # members without transfers skip. One barrier now builds it on every member.
-        dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
+        # members without transfers skip. One barrier now builds it on every member (on any
+        # backend: CPU jobs then take the same path, which the strict test mode checks).
+        if cdist.moves_cuda(bridge) and torch.cuda.is_available():
+            dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=bridge)
     if student.tp > 1:
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
-    pool.create(members, backend="gloo")  # the pool's bridge group itself when it is gloo
+    pool.create(members, backend="gloo", purpose=_META)
     me = dist.get_rank()
     tp_group = None
     coord = student.coord(me)
     if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
         tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
     return BridgeGroups(
-        bridge=pool.get(members),
+        bridge=pool.get(members, purpose=_DATA),
         student_tp=tp_group,
         members=members,
-        meta=pool.get(members, backend="gloo"),
+        meta=pool.get(members, backend="gloo", purpose=_META),
     )

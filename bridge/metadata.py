@@ -11,13 +11,17 @@ the others send a digest that must match the leader's.
 
 Record (one int64 vector; ``n_sections = n_owners + 1``, the last one the student's)::
 
-    [MAGIC, config_sig, n_slots, err_bytes, err_offset, section_offset x n_sections,
+    [MAGIC, config_sig, n_slots, err_bytes, err_offset, state, step, section_offset x n_sections,
      sections..., error text (UTF-8, 8 bytes per int64)]
 
     section at its offset: [dtype_code, hidden, device_code, n_slots,
                             per slot: n_rows, n_runs, runs_offset, sample_min, sample_max, digest,
                             runs of the slots that carry them (5 int64 each)]
 
+``state`` is the rank's bridge state (:data:`STATE_READY`, :data:`STATE_OPEN`: an earlier step
+of this bridge still has micro-batches this rank has not posted, :data:`STATE_FAILED`: a step
+failed on this rank; the error text then says how) and ``step`` the number of steps it planned
+before this one (the fence: every rank must be at the same step).
 ``n_slots == -1``: the rank holds nothing (it takes the others' count). ``section_offset == 0``:
 the rank has no such section. ``n_runs == -1``: a replica that sends only its digest.
 """
@@ -39,6 +43,9 @@ __all__ = [
     "DTYPES",
     "HEADER",
     "SLOT_FIELDS",
+    "STATE_FAILED",
+    "STATE_OPEN",
+    "STATE_READY",
     "Section",
     "StepMatrix",
     "code_dtype",
@@ -51,9 +58,11 @@ __all__ = [
 
 _I64 = np.int64
 #: Identifies the record format (a rank running another version of the library fails loudly).
-MAGIC = 0x6D6F_7064_0002
+MAGIC = 0x6D6F_7064_0003
 #: Fixed header words before the section offsets.
-HEADER = 5
+HEADER = 7
+#: The rank's bridge state in its record: ready, an earlier step not fully posted, failed.
+STATE_READY, STATE_OPEN, STATE_FAILED = 0, 1, 2
 #: Words per slot in a section's slot table.
 SLOT_FIELDS = 6
 _SECTION_HEAD = 4
@@ -126,15 +135,19 @@ def encode_step_record(
     n_slots: int,
     error: str,
     sections: Sequence[Section | None],
+    state: int = STATE_READY,
+    step: int = 0,
 ) -> torch.Tensor:
     """This rank's record (see the module doc): ``[L]`` int64 CPU tensor.
 
     ``sections``: one per owner (teacher) and, last, the student's; ``None`` where the rank has
-    no such role. ``error``: the local error text (sections are then usually all ``None``).
+    no such role. ``error``: the local error text (sections are then usually all ``None``), or
+    with a ``state`` other than ready, what that state is about.
     """
     n_sec = len(sections)
     head = np.zeros(HEADER + n_sec, dtype=_I64)
     head[0], head[1], head[2] = MAGIC, config_sig, n_slots
+    head[5], head[6] = state, step
     parts: list[np.ndarray] = [head]
     at = head.size
     for s, sec in enumerate(sections):
@@ -222,6 +235,12 @@ class StepMatrix:
 
     def error_bytes_N(self) -> np.ndarray:
         return self.matrix[:, 3]
+
+    def state_N(self) -> np.ndarray:
+        return self.matrix[:, 5]
+
+    def step_N(self) -> np.ndarray:
+        return self.matrix[:, 6]
 
     def error(self, j: int) -> str:
         """Member ``j``'s local error text (``""``: none)."""

@@ -19,6 +19,9 @@ What :func:`apply` patches:
   pipeline) schedule refuses, before any communication, PP=2 with ``batch_p2p_comm=True``
   (megatron's default): there the previous and next stage are one rank and gloo swaps its
   activations and gradients silently; ``overlap_p2p_comm=True, batch_p2p_comm=False`` is right;
+- the DDP gradient buffers (``distributed.param_and_grad_buffer``): their
+  ``torch.cuda.current_stream()`` (asked unconditionally before a gradient reduction since
+  megatron-core 0.19) is a stream that has nothing to wait for;
 - mixture of experts: ``te_general_gemm`` is defined (as ``None``, Transformer Engine absent) in
   megatron's ``moe_utils``, whose allgather token dispatcher reads it; use
   ``moe_token_dispatcher_type="allgather"``: the alltoall and flex dispatchers make CUDA streams.
@@ -127,8 +130,36 @@ def _on_cpu(device: Any) -> Any:
     return device
 
 
+class _NoStream:
+    """The "current CUDA stream" of a CPU rank: its work is done when a call returns."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda:
+    """``torch.cuda`` as megatron's modules see it on CPU ranks: ``current_stream()`` is a
+    :class:`_NoStream`; everything else is ``torch.cuda`` itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NoStream:
+        return _NoStream()
+
+
 class _CpuTorch:
-    """``torch`` for megatron's schedule module, whose token counters are ``device="cuda"``."""
+    """``torch`` for megatron's schedule and gradient-buffer modules: token counters made with
+    ``device="cuda"`` live on the CPU and ``torch.cuda.current_stream()`` is a :class:`_NoStream`."""
+
+    cuda = _CpuCuda()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -143,11 +174,14 @@ class _CpuTorch:
 
 
 def _patch_schedules() -> None:
-    """megatron's pipeline schedules on CPU: no device syncs, token counters on the CPU."""
+    """megatron's pipeline schedules and DDP gradient buffers on CPU: no device syncs, token
+    counters on the CPU, no stream to wait on."""
+    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.pipeline_parallel import schedules
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     schedules.torch = _CpuTorch()  # type: ignore[attr-defined]
+    param_and_grad_buffer.torch = _CpuTorch()  # type: ignore[attr-defined]
     interleaved = schedules.forward_backward_pipelining_with_interleaving
 
     def checked_interleaved(**kwargs: Any) -> Any:

@@ -35,14 +35,17 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
+from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.capture import ReusableBuffer
+from mopd.capture.unwrap import unwrap_model
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
+from mopd.mcore.groups import mesh_group_ranks
 from mopd.mcore.lm_head import lm_head_from_models
 from mopd.mcore.loss import (
     LOG_KEY,
@@ -158,6 +161,15 @@ class Distiller:
         self.kl_config = kl_config or KLConfig(reduction="sum")
         meshes = [t.mesh for t in self.teachers]
         groups = create_bridge_groups(pool, meshes, student.mesh)
+        problems = _check_pg_collection(student, "the student", self.rank)
+        for o, t in enumerate(self.teachers):
+            problems += _check_pg_collection(t, f"teacher {o}", self.rank)
+        cdist.same_verdict(
+            problems,
+            group=groups.metadata_group,
+            timeout_s=self.bridge_config.timeout_s,
+            what="Distiller set-up",
+        )
         spg = student.pg_collection
         if spg is not None and student.last_stage(self.rank) and student.mesh.tp > 1:
             groups = dataclasses.replace(groups, student_tp=spg.tp)
@@ -237,30 +249,132 @@ class Distiller:
             )
         t0 = time.perf_counter()
         bstep = self.bridge.plan_step(
-            teacher_layouts=teacher_layouts or None, student_layouts=student_layouts
+            teacher_layouts=teacher_layouts or None,
+            student_layouts=student_layouts,
+            check=lambda: self._check_inputs(student, teachers),
         )
         step = DistillationStep(self, bstep, student)
         t1 = time.perf_counter()
         held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
-        for k, o in enumerate(held):
-            t, mbs = self.teachers[o], teachers[o]
-            if mbs is None:
-                raise ValueError(
-                    f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches"
+        try:
+            for k, o in enumerate(held):
+                t, mbs = self.teachers[o], teachers[o]
+                if mbs is None:
+                    raise ValueError(
+                        f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches"
+                    )
+                last = k == len(held) - 1
+                run_teacher(
+                    t.model,
+                    mbs,
+                    pg_collection=t.pg_collection,
+                    on_hidden=step._teacher_rows(o, clone=not last),
+                    forward=t.forward,
+                    buffer=self._capture_buffers[o],
                 )
-            last = k == len(held) - 1
-            run_teacher(
-                t.model,
-                mbs,
-                pg_collection=t.pg_collection,
-                on_hidden=step._teacher_rows(o, clone=not last),
-                forward=t.forward,
-                buffer=self._capture_buffers[o],
-            )
-        step._flush_teacher_rows()
+            step._flush_teacher_rows()
+        except BaseException as exc:  # the step is planned everywhere: fail it, as its block would
+            step.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         step.timings["plan"] = t1 - t0
         step.timings["teacher"] = time.perf_counter() - t1
         return step
+
+    def _check_inputs(
+        self,
+        student: Sequence[MicroBatch] | None,
+        teachers: Sequence[Sequence[MicroBatch] | None],
+    ) -> dict[str, int]:
+        """This rank's checks of a step's micro-batches (run inside the bridge's guarded phase,
+        so a problem is the same ``ValueError`` on every rank): each model it holds has its
+        micro-batches, their tokens fit the vocabulary and their packing; returns the counts.
+        """
+        counts: dict[str, int] = {}
+        for what, mm, mbs in [
+            ("student", self.student, student),
+            *(
+                (f"teacher {o}", t, m)
+                for o, (t, m) in enumerate(zip(self.teachers, teachers, strict=True))
+            ),
+        ]:
+            if not mm.holds(self.rank):
+                continue
+            if mbs is None or isinstance(mbs, MicroBatch) or len(mbs) == 0:
+                raise ValueError(
+                    f"{what} ({mm.mesh}): this rank holds a stage of it, so it must pass its "
+                    f"micro-batches (one per micro-batch of the step), got {_describe(mbs)}"
+                )
+            counts[f"{what}'s micro-batches"] = len(mbs)
+            _check_tokens(mbs, mm, what)
+        return counts
+
+
+def _describe(mbs: Any) -> str:
+    return (
+        "None"
+        if mbs is None
+        else f"{type(mbs).__name__} of {len(mbs)}"
+        if hasattr(mbs, "__len__")
+        else type(mbs).__name__
+    )
+
+
+def _check_tokens(mbs: Sequence[MicroBatch], mm: MeshModel, what: str) -> None:
+    """Where a rank holds tokens (a first stage): they lie in ``[0, vocab_size)`` (megatron's
+    vocab-parallel embedding would silently zero the others under TP) and, for packed
+    micro-batches, fill exactly what ``cu_seqlens_q_padded`` describes on this CP rank.
+    One host sync per step (the min and max of every micro-batch at once)."""
+    coord = mm.mesh.coord(dist.get_rank())
+    assert coord is not None
+    with_tokens = [(i, mb) for i, mb in enumerate(mbs) if mb.tokens is not None]
+    if not with_tokens:
+        return
+    for i, mb in with_tokens:
+        assert mb.tokens is not None
+        if mb.is_packed:
+            padded = int(mb.padded_offsets()[-1])
+            local = int(mb.tokens.shape[-1])
+            if local * mm.mesh.cp != padded:
+                raise ValueError(
+                    f"{what} micro-batch {i}: tokens {tuple(mb.tokens.shape)} hold {local} "
+                    f"positions on this CP rank, but cu_seqlens_q_padded ends at {padded} "
+                    f"(cp={mm.mesh.cp}: {padded / mm.mesh.cp:g} per rank)"
+                )
+    model = mm.model[0] if isinstance(mm.model, list | tuple) else mm.model
+    vocab = getattr(unwrap_model(model), "vocab_size", None) if model is not None else None
+    if vocab is None:
+        return
+    ends = torch.stack(
+        [torch.stack([mb.tokens.min(), mb.tokens.max()]) for _, mb in with_tokens]  # type: ignore[union-attr]
+    ).tolist()
+    for (i, _), (lo, hi) in zip(with_tokens, ends, strict=True):
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"{what} micro-batch {i}: token ids span [{lo}, {hi}], outside the model's "
+                f"vocabulary [0, {vocab})"
+            )
+
+
+def _check_pg_collection(mm: MeshModel, what: str, rank: int) -> list[str]:
+    """Where ``mm``'s ``pg_collection`` disagrees with its mesh on this rank's groups."""
+    if mm.pg_collection is None or mm.mesh.coord(rank) is None:
+        return []
+    problems = []
+    for kind, rank_sets in mesh_group_ranks(mm.mesh).items():
+        if kind not in ("tp", "cp", "dp", "pp"):
+            continue
+        want = next(r for r in rank_sets if rank in r)
+        group = getattr(mm.pg_collection, kind, None)
+        if group is None:
+            continue
+        got = dist.get_process_group_ranks(group)
+        if sorted(got) != sorted(want):
+            problems.append(
+                f"{what}: its pg_collection.{kind} spans global ranks {sorted(got)}, but its "
+                f"mesh {mm.mesh} puts global rank {rank}'s {kind} group at {sorted(want)}: "
+                "build the pg_collection from the same mesh (megatron_process_groups)"
+            )
+    return problems
 
 
 def _layouts(
@@ -478,12 +592,59 @@ class DistillationStep:
         for v in self._logged.values():
             total += v.to(device)
         if group is not None and group.size() > 1:
-            cdist.all_reduce(total, group=group, timeout_s=self.distiller.bridge_config.timeout_s)
+            ex = self.distiller.bridge.executor
+            ex.check_usable()
+            ranks = dist.get_process_group_ranks(group)
+            ex.timed(
+                lambda: cdist.all_reduce(
+                    total, group=group, timeout_s=self.distiller.bridge_config.timeout_s
+                ),
+                f"mean_loss()'s all-reduce over the student's DP x CP group (global ranks {ranks})",
+            )
         return float(total[0] / total[1].clamp(min=1))
 
     def __enter__(self) -> DistillationStep:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Leaving normally finishes the step. Leaving on an exception fails it: a transport
+        error (a timeout or a lost peer, in the bridge or in megatron's own collectives) makes
+        this rank's bridge refuse every later call at once; any other exception abandons the
+        step, which every rank's next :meth:`Distiller.step` reports as the same
+        :class:`~mopd.bridge.errors.BridgeStateError`."""
         if exc_type is None:
             self.finish()
+            return
+        if isinstance(exc, BaseException) and _transport_failure(exc):
+            self.distiller.bridge.executor.mark_failed(
+                BridgeCommError(
+                    f"global rank {self.distiller.rank}: step {self.bridge_step.seq} failed in "
+                    f"a collective: {type(exc).__name__}: {str(exc)[:300]}"
+                )
+            )
+        self.bridge_step.__exit__(exc_type, exc, tb)
+
+
+def _transport_failure(exc: BaseException) -> bool:
+    """True for a timeout or a transport error (the process groups may be out of step), False
+    for an error of the caller's own code."""
+    if isinstance(exc, BridgeError):
+        return isinstance(exc, BridgeTimeoutError | BridgeCommError)
+    if isinstance(exc, TimeoutError | dist.DistError):
+        return True
+    if isinstance(exc, RuntimeError):
+        low = str(exc).lower()
+        return any(k in low for k in _TRANSPORT_WORDS)
+    return False
+
+
+#: Words of torch / gloo / NCCL errors that mean a collective or a peer failed.
+_TRANSPORT_WORDS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "gloo",
+    "nccl",
+    "broken pipe",
+)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
 
 if TYPE_CHECKING:
@@ -506,13 +507,17 @@ def _run(args: argparse.Namespace) -> int:
                 + (f" {CPU_CAVEAT}: {world} gloo ranks share the cores." if cpu else "")
             )
             csv_path, md_path = record("bridge", rows, out_dir=args.results_dir, notes=notes)
-            png = plot(
-                rows,
-                csv_path.with_suffix(".png"),
-                f"{csv_path.stem}: bridge step vs all-gather, {world} rank(s)",
-                caveat=f"{CPU_CAVEAT}: {world} gloo ranks share the cores" if cpu else None,
-            )
-            print(f"recorded {csv_path}, {md_path} and {png}", file=sys.stderr)
+            recorded = [csv_path, md_path]
+            if can_draw("mopd bench bridge"):
+                recorded.append(
+                    plot(
+                        rows,
+                        csv_path.with_suffix(".png"),
+                        f"{csv_path.stem}: bridge step vs all-gather, {world} rank(s)",
+                        caveat=f"{CPU_CAVEAT}: {world} gloo ranks share the cores" if cpu else None,
+                    )
+                )
+            print(f"recorded {', '.join(map(str, recorded))}", file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if all(r["exact"] for r in rows) else 1

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
 
 if TYPE_CHECKING:
@@ -225,14 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         name = "capture" if world == 1 else f"capture-{world}ranks"
         csv_path, md_path = record(name, rows, out_dir=args.results_dir, notes=notes)
-        png = plot(
-            rows,
-            csv_path.with_suffix(".png"),
-            f"{csv_path.stem}: the capture's paths",
-            cpu=not cuda,
-            ranks=world,
-        )
-        print(f"recorded {csv_path}, {md_path} and {png}")
+        recorded = [csv_path, md_path]
+        if can_draw("mopd bench capture"):
+            recorded.append(
+                plot(
+                    rows,
+                    csv_path.with_suffix(".png"),
+                    f"{csv_path.stem}: the capture's paths",
+                    cpu=not cuda,
+                    ranks=world,
+                )
+            )
+        print(f"recorded {', '.join(map(str, recorded))}")
     dist.destroy_process_group()
     return 0
 

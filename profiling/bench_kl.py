@@ -49,6 +49,7 @@ import torch
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, choose_chunk_tokens, fused_vocab_parallel_kl
 from mopd.profiling import kl_numerics
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
 from mopd.profiling.results import default_results_dir, environment, format_table, record
 from mopd.profiling.timing import time_calls
@@ -409,10 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if record_it:
             csv_path, md_path = record("kl-numerics", rows, out_dir=out_dir, notes=notes, env=env)
-            png = kl_numerics.plot_errors(
-                rows, csv_path.with_name(csv_path.stem + "-errors.png"), csv_path.stem
-            )
-            print(f"recorded {csv_path}, {md_path} and {png}")
+            recorded = [csv_path, md_path]
+            if can_draw("mopd bench kl"):
+                recorded.append(
+                    kl_numerics.plot_errors(
+                        rows, csv_path.with_name(csv_path.stem + "-errors.png"), csv_path.stem
+                    )
+                )
+            print(f"recorded {', '.join(map(str, recorded))}")
         if args.baseline is not None:
             compared = compare_to_baseline(rows, args.baseline)
             print(f"== numerics beside {args.baseline.name}")

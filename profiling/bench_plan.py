@@ -17,7 +17,8 @@ source and a destination group): decoding the matrix (:class:`~mopd.bridge.metad
 allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, at the
 recorded setup (the default sizes), the retired global planner's recorded figures (what every
 rank used to run: the whole job's plan), read from ``profiling/results/`` in a checkout
-(:data:`BASELINE`; the planner itself is gone). Figures are one CPU thread of this machine.
+(:data:`BASELINE`; the planner itself is gone). Each rank count prints a line on stderr as it
+starts and ends. Figures are one CPU thread of this machine.
 
 It also models the metadata all-gather at those sizes (see :func:`model_allgather`): bytes per
 rank and in all, and a latency estimate for a flat ring and for a two-level (node) scheme.
@@ -54,6 +55,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.topology import Topology
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
 from mopd.profiling.results import environment, format_table, record
 
@@ -463,7 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
-    for n in args.ranks:
+    for i, n in enumerate(args.ranks):
+        t0 = time.perf_counter()
+        print(f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks ...", file=sys.stderr, flush=True)
         step = build_step(
             n, tokens_per_rank=args.tokens_per_rank, max_len=args.max_len, seed=args.seed
         )
@@ -473,6 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         del step
         gc.collect()
         rows.append(row)
+        print(
+            f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks done in "
+            f"{time.perf_counter() - t0:.1f} s (one rank plans in {row['plan_ms']:.3g} ms)",
+            file=sys.stderr,
+            flush=True,
+        )
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
@@ -483,9 +493,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         csv_path, md_path = record(
             "plan-scale", rows, out_dir=args.results_dir, notes=notes, env=env
         )
-        png = csv_path.with_name(csv_path.stem + "-vs-ranks.png")
-        _plot(rows, png, args.tokens_per_rank)
-        print(f"recorded {csv_path}, {md_path} and {png}", file=sys.stderr)
+        recorded = [csv_path, md_path]
+        if can_draw("mopd bench plan"):
+            png = csv_path.with_name(csv_path.stem + "-vs-ranks.png")
+            _plot(rows, png, args.tokens_per_rank)
+            recorded.append(png)
+        print(f"recorded {', '.join(map(str, recorded))}", file=sys.stderr)
     return 0
 
 

@@ -160,8 +160,11 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
         from mopd.profiling.results import default_results_dir
 
         results_dir = inner if inner is not None else default_results_dir()
+    from mopd.profiling.extras import can_draw, child_env
+
+    plot = plot and can_draw("mopd bench")  # said here once, not again by the benchmark
     csvs, pngs = _snapshot(results_dir, "*.csv"), _snapshot(results_dir, "*.png")
-    rc = subprocess.call([sys.executable, "-m", module, *args])
+    rc = subprocess.call([sys.executable, "-m", module, *args], env=child_env())
     if rc != 0:
         if rc != EXIT_USAGE:  # a usage error has said why in its own one line
             print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)

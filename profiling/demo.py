@@ -173,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         from mopd.profiling.demo_job import worker
 
         return worker(args, cfg)
+    from mopd.profiling.extras import missing_megatron
+
+    missing = missing_megatron("mopd demo")
+    if missing is not None:  # one line here rather than a traceback from every rank
+        print(missing, file=sys.stderr)
+        return 2
     from mopd.profiling.launch import run_torchrun
 
     backend = _resolve_backend(args)

@@ -378,11 +378,17 @@ class _Job:
             profiler.__enter__()
         bar = None
         if self.rank == 0 and not self.args.json:
-            from tqdm import tqdm
+            from mopd.profiling.extras import optional_module
 
-            bar = tqdm(
-                total=cfg.steps, desc="mopd demo", unit="step", file=sys.stderr, dynamic_ncols=True
-            )
+            tqdm = optional_module("tqdm", purpose="no progress bar", tool="mopd demo")
+            if tqdm is not None:
+                bar = tqdm.tqdm(
+                    total=cfg.steps,
+                    desc="mopd demo",
+                    unit="step",
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                )
         ok = True
         try:
             for step in range(cfg.steps):
@@ -703,8 +709,11 @@ class _Job:
             f"({100 * saved / max(saved + cross + local, 1):.0f}% of the unmasked traffic)"
         )
         first, last = float(self.losses[0]), float(self.losses[-1])
-        trend = "decreasing" if last < first else "not decreasing"
-        out.append(f"  loss: {first:.6f} -> {last:.6f} ({trend})")
+        if cfg.steps == 1:  # one value is no trend
+            out.append(f"  loss: {first:.6f} (one step)")
+        else:
+            trend = "decreasing" if last < first else "not decreasing"
+            out.append(f"  loss: {first:.6f} -> {last:.6f} ({trend})")
         print("\n".join(out), file=self.out, flush=True)
 
     def _masked_bytes(self, link_bytes: dict[tuple[int, int, int], int]) -> tuple[int, int]:

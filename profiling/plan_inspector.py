@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import MESH_EXAMPLE, MeshSpec, OneLineParser, mesh_type, parse_int_list
 
 if TYPE_CHECKING:
@@ -993,16 +994,18 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
     fig.colorbar(im, cax=cax, orientation="horizontal")
     cax.set_title(f"{unit} per (source, destination){', log scale' if log else ''}", fontsize=7)
     cax.tick_params(labelsize=7)
+    timing = [  # one phrase a line: matplotlib's own wrapping cuts phrases in two
+        f"modelled: crossing {_fmt_time(f['time_cross_s'])} at {req.link_gbps:g} Gb/s",
+        f"+ student TP all-gather {_fmt_time(f['time_student_allgather_s'])}",
+        f"teacher logits instead: {f['logits_full_ratio']:.1f}x the bytes",
+        f"host path: {f['host_bytes_ratio']:.1f}x the bytes, {f['host_time_ratio']:.2f}x the time",
+    ]
     ax_i.text(
         0.0,
-        0.2,
-        f"modelled: crossing {_fmt_time(f['time_cross_s'])} at {req.link_gbps:g} Gb/s "
-        f"+ TP all-gather {_fmt_time(f['time_student_allgather_s'])}\n"
-        f"logits {f['logits_full_ratio']:.1f}x the bytes; host path "
-        f"{f['host_bytes_ratio']:.1f}x the bytes, {f['host_time_ratio']:.2f}x the time",
+        0.25,
+        "\n".join(timing),
         fontsize=7,
         va="top",
-        wrap=True,
         transform=ax_i.transAxes,
     )
     fig.savefig(path, dpi=110)
@@ -1243,7 +1246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(text)
     log = sys.stderr if to_stdout else sys.stdout
     png = None
-    if not args.no_png:
+    if not args.no_png and can_draw("mopd plan"):
         png = render_heatmap(report, args.png)
         print(f"picture: {png}", file=log)
     if args.json is not None and not to_stdout:

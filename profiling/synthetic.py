@@ -158,8 +158,9 @@ def key_pattern(
 ) -> torch.Tensor:
     """``[R, hidden]`` rows whose bits are a hash of ``(sample_id, position, column, salt)``.
 
-    Padding rows get a hash of ``salt`` alone. Compare results bitwise (``.view(int)``): some bit
-    patterns are NaN in float dtypes.
+    Padding rows get a hash of ``salt`` alone. Float values are finite (the top bit of the
+    exponent is cleared, as real hidden states are; the bridge checks rows for NaN / Inf);
+    compare results bitwise (``.view(int)``) all the same.
     """
     itemsize = dtype.itemsize
     x = layout.sample_id_R * 1_000_003 + layout.position_R * 7919 + salt * 104_729 + 17
@@ -172,5 +173,7 @@ def key_pattern(
     if bits < 64:
         v = v & ((1 << bits) - 1)
         v = torch.where(v >= (1 << (bits - 1)), v - (1 << bits), v)
+    if dtype.is_floating_point:  # the exponent's top bit: below all-ones, never NaN / Inf
+        v = v & ~(1 << (bits - 2))
     out = v.to(_INT_OF[itemsize]) if itemsize in _INT_OF else v
     return out.view(dtype)

@@ -45,7 +45,7 @@ DEVICE = torch.device("cuda", 0)
 
 def pool() -> GroupPool:
     if not _POOL:
-        _POOL.append(GroupPool(backend="nccl"))
+        _POOL.append(GroupPool(backend="nccl", timeout_s=120))
     return _POOL[0]
 
 

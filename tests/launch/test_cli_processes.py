@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling import cli
+from mopd.profiling import cli, extras
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -193,3 +193,13 @@ def test_bench_failure_propagates_without_plot(fake_bench: Path) -> None:
     rc = cli.main(["bench", "--results-dir", str(fake_bench), "kl", "--fail"])
     assert rc == 3
     assert list(fake_bench.glob("*.png")) == []
+
+
+def test_a_note_said_by_the_parent_is_not_said_again_by_a_child() -> None:
+    code = (
+        "from mopd.profiling import extras;"
+        "assert extras.optional_module('mopd_test_no_such_module', purpose='p') is None"
+    )
+    env = {**extras.child_env(), "MOPD_EXTRAS_SAID": "mopd_test_no_such_module"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", res.stderr

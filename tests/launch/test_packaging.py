@@ -1,14 +1,22 @@
-"""Tier 2 (launch): ``pip install .`` (not editable) ships the ``mopd`` namespace and nothing generic.
+"""Tier 2 (launch): the wheel, installed the way a user installs it, ships what the README promises.
 
-Builds the wheel from this checkout, installs it into a temporary folder and imports it from
-there in a fresh interpreter, away from the source tree.
+Builds the wheel from this checkout. It holds the ``mopd`` namespace and nothing generic, and
+imports from a plain folder away from the source tree. Then, as a new user would: a fresh virtual
+environment, the torch pin of the Makefile first, the wheel with only its declared dependencies
+(``mopd demo`` then says in one line, before any rank starts, which extra it needs), then the
+wheel with the extra the README's install line names, and from an empty folder the commands the
+README shows with it: ``mopd --version``, ``mopd demo --steps 1`` (verifies) and the README's
+``mopd plan`` example (writes its report).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,44 +105,6 @@ def test_installed_wheel_imports_away_from_the_checkout(site: Path, tmp_path: Pa
     assert res.stdout.strip().startswith(str(site))
 
 
-def test_installed_wheel_runs_the_demo_outside_the_checkout(site: Path, tmp_path: Path):
-    """The main job needs no checkout: the CPU support for megatron-core ships in the package
-    (``mopd.mcore.cpu``). Installed into a fresh folder and run from a temporary directory, a
-    4-rank ``mopd demo --steps 1`` verifies its bridged rows."""
-    env = {
-        "PYTHONPATH": str(site),
-        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-        "OMP_NUM_THREADS": "1",
-        "HOME": str(tmp_path),
-    }
-    where = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import mopd.mcore.cpu as m, mopd.profiling.demo_job as d; print(m.__file__, d.__file__)",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert where.returncode == 0, where.stderr
-    assert all(p.startswith(str(site)) for p in where.stdout.split()), where.stdout
-    argv = ["--steps", "1", "--nproc", "4", "--teacher", "tp=2", "--teacher", "tp=2,rank_offset=2"]
-    argv += ["--student", "tp=2,cp=2", "--timeout", "200"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "mopd.profiling.demo", *argv],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert "verification: OK" in proc.stdout
-
-
 def test_installed_wheel_runs_python_dash_m_mopd(wheel: Path, site: Path, tmp_path: Path):
     """``python -m mopd`` and ``--version`` from the wheel alone, away from the checkout."""
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
@@ -168,3 +138,162 @@ def test_installed_wheel_runs_python_dash_m_mopd(wheel: Path, site: Path, tmp_pa
         env=env,
     )
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+
+
+# ---- the README's install line in a fresh environment ------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def _readme_extras() -> str:
+    """The extras of the README's install line (its first ``pip install '.[EXTRAS]'``)."""
+    match = re.search(r"pip install '\.\[([\w,]+)\]'", README.read_text())
+    assert match, "README names no install line of the form pip install '.[EXTRAS]'"
+    return match[1]
+
+
+def _readme_plan_args() -> list[str]:
+    """The arguments of the README's ``mopd plan`` example (its Tools section)."""
+    match = re.search(r"`mopd plan (--[^`]+)`", README.read_text())
+    assert match, "README shows no `mopd plan ...` example"
+    return match[1].split()
+
+
+def _torch_pin() -> str:
+    match = re.search(r"^TORCH_PIN \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert match, "Makefile has no TORCH_PIN"
+    return match[1]
+
+
+@dataclass(frozen=True)
+class FreshInstall:
+    """What a new user saw, step by step, in a fresh environment."""
+
+    extras: str
+    version: subprocess.CompletedProcess[str]
+    bare_demo: subprocess.CompletedProcess[str]  # before the extra: only declared dependencies
+    freeze_after_extra: str
+    demo: subprocess.CompletedProcess[str]
+    plan: subprocess.CompletedProcess[str]
+    bench: subprocess.CompletedProcess[str]  # a small `mopd bench plan`
+    empty: Path  # the folder the commands ran in
+
+
+@pytest.fixture(scope="module")
+def fresh_install(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> FreshInstall:
+    """A fresh venv: the torch pin, the wheel alone, then the wheel with the README's extras.
+
+    No time limit on the installs and the demo beyond the demo's own (``--timeout``, raised
+    here: on a busy shared machine 8 ranks start slowly); each step's outcome is kept for the
+    tests below, which check one promise each.
+    """
+    root = tmp_path_factory.mktemp("fresh")
+    venv, empty = root / "venv", root / "empty"
+    empty.mkdir()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    bin_dir = venv / "bin"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", OMP_NUM_THREADS="1")
+    env["PYTHONWARNINGS"] = "ignore"
+
+    def pip(*args: str) -> None:
+        subprocess.run(
+            [str(bin_dir / "python"), "-m", "pip", "install", "-q", *args], env=env, check=True
+        )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(bin_dir / "mopd"), *args], cwd=empty, env=env, capture_output=True, text=True
+        )
+
+    pip(_torch_pin())
+    pip(str(wheel))
+    version = run("--version")
+    bare_demo = run("demo", "--steps", "1")
+    extras = _readme_extras()
+    pip(f"{wheel}[{extras}]")
+    freeze = subprocess.run(
+        [str(bin_dir / "python"), "-m", "pip", "freeze"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    demo = run("demo", "--steps", "1", "--timeout", "1800")
+    plan = run("plan", *_readme_plan_args())
+    bench = run("bench", "plan", "--ranks", "16", "--tokens-per-rank", "64", "--max-len", "40")
+    return FreshInstall(
+        extras=extras,
+        version=version,
+        bare_demo=bare_demo,
+        freeze_after_extra=freeze,
+        demo=demo,
+        plan=plan,
+        bench=bench,
+        empty=empty,
+    )
+
+
+def test_fresh_install_answers_its_version(fresh_install: FreshInstall, wheel: Path):
+    res = fresh_install.version
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"mopd (mopd-bridge) {wheel.name.split('-')[1]}\n"
+
+
+def test_demo_without_megatron_says_which_extra_in_one_line(fresh_install: FreshInstall):
+    """Before the extra: one line naming it, exit status 2, and no rank started."""
+    res = fresh_install.bare_demo
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stdout == ""
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert "megatron-core is not installed" in res.stderr and "[megatron]" in res.stderr
+
+
+def test_readme_install_line_brings_megatron_but_not_the_profiling_extra(
+    fresh_install: FreshInstall,
+):
+    """The extra is what the README says, and the tools below run without tqdm and matplotlib
+    (so the fallbacks are what these tests exercise)."""
+    names = {line.split("==")[0].lower() for line in fresh_install.freeze_after_extra.split()}
+    assert "megatron-core" in names
+    assert not {"tqdm", "matplotlib"} & names, sorted(names)
+
+
+def test_fresh_install_runs_the_demo_from_an_empty_folder(fresh_install: FreshInstall):
+    res = fresh_install.demo
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    assert "verification: OK" in res.stdout
+    assert "Traceback" not in res.stderr, res.stderr[-5000:]
+    notes = [line for line in res.stderr.splitlines() if "tqdm is not installed" in line]
+    assert notes == [
+        "mopd demo: no progress bar: tqdm is not installed (pip install "
+        "'mopd-bridge[profiling]' adds it)"
+    ], res.stderr[-3000:]
+    assert "decreasing" not in res.stdout  # one step is no trend
+
+
+def test_fresh_install_runs_the_readme_plan_example(fresh_install: FreshInstall):
+    res = fresh_install.plan
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "bridge total:" in res.stdout and "host path" in res.stdout, res.stdout[-3000:]
+    assert res.stderr == (
+        "mopd plan: no picture: matplotlib is not installed (pip install "
+        "'mopd-bridge[profiling]' adds it)\n"
+    )
+    assert not list(fresh_install.empty.glob("*.png"))
+
+
+def test_fresh_install_runs_a_benchmark_and_records_it(fresh_install: FreshInstall):
+    """``mopd bench`` records its CSV and Markdown under ./mopd-results; no PNG, said once."""
+    res = fresh_install.bench
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = fresh_install.empty / "mopd-results"
+    assert len(list(results.glob("plan-scale-*.csv"))) == 1, res.stderr
+    assert len(list(results.glob("plan-scale-*.md"))) == 1, res.stderr
+    assert not list(results.glob("*.png"))
+    assert "Traceback" not in res.stderr, res.stderr
+    notes = [line for line in res.stderr.splitlines() if "matplotlib is not installed" in line]
+    assert notes == [
+        "mopd bench: no picture: matplotlib is not installed (pip install "
+        "'mopd-bridge[profiling]' adds it)"
+    ], res.stderr

@@ -17,7 +17,11 @@ whole as one item (with a warning saying why).
 
 Module-level knobs (read with ``ast``, before anything is imported):
 - ``TORCHRUN_NPROC``: number of ranks (required to opt in);
-- ``TORCHRUN_TIMEOUT``: seconds for the module's whole launch (default 600).
+- ``TORCHRUN_TIMEOUT``: seconds for the module's whole launch (default 600);
+- ``TORCHRUN_STRICT_P2P = 1``: the ranks run with ``MOPD_STRICT_P2P=1`` (NCCL's point-to-point
+  rules, ``tests/support/strict_p2p.py``);
+- ``TORCHRUN_DEBUG_DETAIL = 1``: the ranks run with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch
+  checks every collective's order and shapes across ranks).
 
 Inside torchrun this plugin keeps the ranks in lock-step on outcomes (see
 :func:`pytest_runtest_makereport`).
@@ -48,7 +52,12 @@ __all__ = [
     "under_torchrun",
 ]
 
-_KNOBS = ("TORCHRUN_NPROC", "TORCHRUN_TIMEOUT")
+_KNOBS = ("TORCHRUN_NPROC", "TORCHRUN_TIMEOUT", "TORCHRUN_STRICT_P2P", "TORCHRUN_DEBUG_DETAIL")
+#: knob -> the environment it gives the module's ranks
+_KNOB_ENV = {
+    "TORCHRUN_STRICT_P2P": ("MOPD_STRICT_P2P", "1"),
+    "TORCHRUN_DEBUG_DETAIL": ("TORCH_DISTRIBUTED_DEBUG", "DETAIL"),
+}
 DEFAULT_TIMEOUT = 600
 _DETAIL_LINES = 60
 
@@ -137,6 +146,11 @@ class TorchrunModule(pytest.Module):
     def timeout(self) -> int:
         return self.knobs.get("TORCHRUN_TIMEOUT", DEFAULT_TIMEOUT)
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the module's knobs give its ranks."""
+        return dict(v for k, v in _KNOB_ENV.items() if self.knobs.get(k))
+
     def _getobj(self) -> Any:
         try:
             return super()._getobj()
@@ -214,6 +228,7 @@ class _ModuleRun:
             rootpath=self.config.rootpath,
             select=self.keys,
             pytest_args=_rank_args(self.config),
+            env=module.env,
         )
         self.first_unfinished: str | None = None
         self.launch.start()
@@ -396,6 +411,7 @@ class TorchrunModuleItem(pytest.Item):
         assert module is not None
         self.nproc = module.nproc
         self.timeout = module.timeout
+        self.env = module.env
 
     def runtest(self) -> None:
         config = self.config
@@ -410,6 +426,7 @@ class TorchrunModuleItem(pytest.Item):
             rootpath=config.rootpath,
             select=None,
             pytest_args=args,
+            env=self.env,
         )
         launch.start()
         try:

@@ -132,8 +132,10 @@ class Launch:
         rootpath: Path,
         select: list[str] | None,
         pytest_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.path = path
+        self.env = dict(env or {})  # set for the ranks (the module's knobs)
         self.nproc = nproc
         self.timeout = timeout
         self.rootpath = rootpath
@@ -187,6 +189,7 @@ class Launch:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(self.rootpath), env.get("PYTHONPATH")])
         )
+        env.update(self.env)
         env[ENV_REPORTS] = str(directory)
         env.pop(ENV_SELECT, None)
         if self.select is not None:

@@ -1,6 +1,9 @@
-"""Tier 2 (torchrun, gloo, CPU): one gloo world per process, CPU patches for megatron applied."""
+"""Tier 2 (torchrun, gloo, CPU): one gloo world per process, CPU patches for megatron applied;
+NCCL's point-to-point rules enforced when ``MOPD_STRICT_P2P=1`` (tests/support/strict_p2p.py)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -12,9 +15,11 @@ def _world():
     if not under_torchrun():
         yield
         return
-    from tests.support import megatron_cpu
+    from tests.support import megatron_cpu, strict_p2p
     from tests.support.dist import ensure_world
 
     ensure_world()
     megatron_cpu.apply()
+    if os.environ.get(strict_p2p.ENV) == "1":  # NCCL's point-to-point rules (see the module)
+        strict_p2p.install()
     yield

@@ -53,6 +53,7 @@ from tests.support.dist import COLLECTIVE_TIMEOUT
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 V, S, N = 64, 8, 8  # vocab, padded sequence length, samples per step
 H_T, H_S = 32, 16

@@ -28,6 +28,7 @@ from tests.support.bridges import make_bridge, poison_outputs
 
 TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 M = Mesh
 THD, SBH, BSH = "thd", "sbh", "bsh"
@@ -82,7 +83,7 @@ STRIDE = 1 << 20
 
 def pool() -> GroupPool:
     if not POOL:
-        POOL.append(GroupPool(backend="gloo"))
+        POOL.append(GroupPool(backend="gloo", timeout_s=120))
     return POOL[0]
 
 

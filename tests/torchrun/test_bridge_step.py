@@ -25,6 +25,9 @@ What the step promises, each checked where it can fail:
   stay returned correctly afterwards;
 - a second step of the same shapes (other sample ids, other rows) builds no schedule and warns
   about nothing; ``global_tokens`` counts each wanted token once with ``keep_sp_shard``.
+
+The module runs under NCCL's point-to-point rules (``tests/support/strict_p2p.py``) and
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from tests.support.bridges import make_bridge, poison, poison_outputs
 
 TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
+TORCHRUN_DEBUG_DETAIL = 1  # TORCH_DISTRIBUTED_DEBUG=DETAIL: collective order and shapes checked
 
 PATHS = ("view", "runs", "index", "local")
 
@@ -134,7 +139,7 @@ _BRIDGES: dict[str, HiddenStateBridge] = {}
 
 def pool() -> GroupPool:
     if not _POOL:
-        _POOL.append(GroupPool(backend="gloo"))
+        _POOL.append(GroupPool(backend="gloo", timeout_s=120))
     return _POOL[0]
 
 
@@ -426,3 +431,12 @@ def test_global_tokens_count_every_wanted_token_once() -> None:
     for i, s in enumerate(mbs):
         assert d.step.global_tokens(i) == sum(x.num_tokens for x in s.student_layouts.values())
     assert d.step.global_tokens() == sum(d.step.global_tokens(i) for i in range(len(mbs)))
+
+
+def test_this_module_runs_under_nccls_rules_and_debug_detail() -> None:
+    """The knobs above reached every rank: the strict point-to-point mode is installed and torch
+    checks every collective's order and shapes (so the steps above passed under both)."""
+    from tests.support import strict_p2p
+
+    assert strict_p2p.installed()
+    assert dist.get_debug_level() == dist.DebugLevel.DETAIL

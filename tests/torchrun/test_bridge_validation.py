@@ -46,11 +46,12 @@ from tests.support import bridges
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 240
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 TEACHER = Mesh(tp=2)  # ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # ranks 2, 3
 COLOCATED = Mesh(tp=2, dp=2)  # ranks 0-3: a student sharing the teacher's ranks
-POOL = GroupPool(backend="gloo")
+POOL = GroupPool(backend="gloo", timeout_s=120)
 H = 8
 F32 = torch.float32
 
@@ -363,7 +364,8 @@ def test_micro_batch_counts_that_differ_between_one_ranks_own_layouts():
             teacher_layouts={0: [lay, lay]} if rank < 2 else None,
             student_layouts=[mine] * 3,
         ),
-        r"\[0, 1\]: global rank 0: this rank's layouts give different micro-batch counts \[2, 3\]",
+        r"\[0, 1\]: global rank 0: this rank gives different micro-batch counts: teacher 0's "
+        r"layouts 2, the student's layouts 3",
     )
 
 

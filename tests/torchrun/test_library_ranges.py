@@ -47,7 +47,7 @@ def _library_calls() -> None:
     from mopd.kernels.kl import vocab_parallel_kl
 
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     teacher, student = Mesh(tp=1, dp=2), Mesh(tp=2)
     groups = create_bridge_groups(pool, [teacher], student)
     H, S, B, V = 8, 4, 2, 16

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 TORCHRUN_NPROC = 8
 TORCHRUN_TIMEOUT = 900
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 _MOPD_PACKAGES = ("capture", "bridge", "kernels", "mcore", "common", "profiling")
 
 
@@ -204,7 +205,7 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
 
     smesh_kw, s_sp, thd = CASES[case]
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     tmesh = Mesh(tp=2, dp=2, pp=2, name="teacher")
     smesh = Mesh(**smesh_kw, name="student")
     tpg = megatron_process_groups(tmesh, pool)
@@ -306,7 +307,7 @@ def test_inline_send_in_forward_step(world: Any) -> None:
     from mopd.mcore import megatron_process_groups, micro_batch_layout
 
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     smesh = Mesh(tp=2, dp=2, pp=2, name="student")
     tmesh = Mesh(tp=2, dp=2, name="teacher")  # PP=1 on ranks 0-3: the student's first stage
     spg = megatron_process_groups(smesh, pool)

@@ -48,6 +48,7 @@ from tests.support.reliability import everyone, fresh_bridge, outcome
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 TEACHER = Mesh(tp=2)  # global ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # global ranks 2, 3
@@ -418,3 +419,50 @@ def test_rank_slower_than_its_peers_but_within_the_timeout(where, delay_s):
     assert [seen[r]["done"] for r in (2, 3)] == [list(range(M))] * 2, seen
     assert all(s["again"][0] == "ok" for s in seen), seen
     assert [seen[r]["again"][3][1] for r in (2, 3)] == [list(range(M))] * 2, seen
+
+
+def test_non_finite_teacher_rows_are_named_on_the_ranks_they_reach():
+    """Teacher rank 1 sends NaN rows in micro-batch 1: each student rank raises in
+    ``receive(1)`` naming teacher 0, micro-batch 1 and where its first bad row came from (rank
+    1's crossing, or its TP peer's slice), after micro-batch 0 arrived exact. The teachers'
+    sends of micro-batch 2 are never received: they time out at ``finish()``; then every call
+    on every rank is refused (the students' next ``plan_step`` times out first, the teachers no
+    longer joining), the students' refusals naming the non-finite rows."""
+    b = bridge()
+    progress: list[int] = []
+
+    def poisoned(i: int) -> torch.Tensor:
+        r = rows(i)
+        if rank() == 1 and i == 1:
+            r[:, 0] = float("nan")
+        return r
+
+    def schedule() -> None:
+        step = plan(b)
+        for i in range(M):
+            if is_teacher():
+                step.send(i, {0: poisoned(i)})
+            if is_student() and exact(step.receive(i), i):
+                progress.append(i)
+        step.finish()
+
+    first = outcome(schedule)
+    nxt = outcome(lambda: plan(b))
+    later = outcome(lambda: plan(b))
+    seen = everyone({"first": first[:3], "next": nxt[:3], "later": later[:3], "got": progress})
+    for r in (2, 3):
+        kind, msg, _ = seen[r]["first"]
+        assert kind == "BridgeNonFiniteError" and seen[r]["got"] == [0], seen[r]
+        assert msg.startswith(
+            f"global rank {r}: non-finite (NaN/Inf) teacher rows arrived in micro-batch 1 of "
+            "step 0: teacher 0: 4 of 8 rows (first: row "
+        ), msg
+        assert ("sent by global rank 1" in msg) or ("via the student TP all-gather" in msg), msg
+        assert seen[r]["next"][0] in TIMEOUTS, seen[r]
+        assert seen[r]["next"][2] <= T_S + SLACK_S, seen[r]
+        assert seen[r]["later"][0] == "BridgeStateError", seen[r]
+        assert f"(global rank {r}: non-finite (NaN/Inf) teacher rows" in seen[r]["later"][1]
+    for r in (0, 1):
+        assert seen[r]["first"][0] in TIMEOUTS, seen[r]
+        assert "(micro-batch 2, teacher 0" in seen[r]["first"][1], seen[r]
+        assert seen[r]["next"][0] == "BridgeStateError" and seen[r]["next"][2] < 1.0, seen[r]

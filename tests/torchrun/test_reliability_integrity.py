@@ -33,8 +33,10 @@ from tests.support.reliability import everyone, fresh_bridge, outcome, same_ever
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
-POOL = GroupPool(backend="gloo")  # nothing here breaks a group: one pool for the module
+# nothing here breaks a group: one pool for the module
+POOL = GroupPool(backend="gloo", timeout_s=120)
 DTYPE = torch.float32
 M = 3  # micro-batches per step
 TIMEOUT_S = 20.0

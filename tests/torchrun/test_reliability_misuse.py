@@ -44,10 +44,11 @@ from tests.support.reliability import everyone, fresh_bridge
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 300
+TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
 TEACHER = Mesh(tp=2)  # global ranks 0, 1
 STUDENT = Mesh(tp=2, rank_offset=2)  # global ranks 2, 3
-POOL = GroupPool(backend="gloo")
+POOL = GroupPool(backend="gloo", timeout_s=120)
 H = 8
 TIMEOUT_S = 8.0  # a case that waits on a peer would show up in the elapsed time
 FAST_S = 4.0  # every case must fail faster than this (it waits on nobody)
@@ -309,8 +310,8 @@ def test_one_rank_gives_different_micro_batch_counts_for_its_two_sections():
     msgs = everyone(str(info.value))
     assert msgs[0] == msgs[1] and elapsed < FAST_S, (msgs, elapsed)
     assert msgs[0] == (
-        "bridge input rejected on global rank(s) [0]: global rank 0: this rank's layouts give "
-        "different micro-batch counts [1, 2]"
+        "bridge input rejected on global rank(s) [0]: global rank 0: this rank gives different "
+        "micro-batch counts: teacher 0's layouts 2, the student's layouts 1"
     ), msgs[0]
 
 
@@ -544,14 +545,14 @@ def test_lm_head_weight_that_is_not_a_tensor():
 
 def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeypatch):
     """A pool without a backend gets a separate gloo group for the host-side metadata."""
-    pool = GroupPool()  # the default backend (gloo here; NCCL in a GPU job)
+    pool = GroupPool(timeout_s=120)  # the default backend (gloo here; NCCL in a GPU job)
     groups = create_bridge_groups(pool, [TEACHER], STUDENT)
     assert groups.meta is not None and groups.meta is not groups.bridge
     assert dist.get_backend(groups.meta) == "gloo"
     assert dist.get_process_group_ranks(groups.meta) == [0, 1, 2, 3]
-    # a gloo pool reuses its bridge group: no extra group, no collective
+    # a gloo pool too: the metadata never shares a group with the point-to-point
     gloo = create_bridge_groups(POOL, [TEACHER], STUDENT)
-    assert gloo.meta is gloo.bridge
+    assert gloo.meta is not gloo.bridge and dist.get_backend(gloo.meta) == "gloo"
     seen: list[tuple[str, Any, Any]] = []
     real_gather = api_mod.gather_step_matrix
     real_flat = executor_mod.all_gather_flat
@@ -597,7 +598,7 @@ def test_nccl_bridge_groups_are_set_up_at_creation(monkeypatch):
         lambda group=None, device_ids=None: calls.append((group, device_ids)),
     )
     teacher, student = Mesh(), Mesh(tp=2, rank_offset=1)  # global ranks 0-2; rank 3 outside
-    groups = create_bridge_groups(GroupPool(backend="gloo"), [teacher], student)
+    groups = create_bridge_groups(GroupPool(backend="gloo", timeout_s=120), [teacher], student)
     monkeypatch.undo()
     if rank() == 3:
         assert calls == [] and groups.bridge is None

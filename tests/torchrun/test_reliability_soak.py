@@ -115,7 +115,7 @@ def test_soak_hundreds_of_steps_memory_flat_and_exact(capsys: pytest.CaptureFixt
         [H],
         timeout_s=60,
         dtype=DTYPE,
-        pool=GroupPool(backend="gloo"),
+        pool=GroupPool(backend="gloo", timeout_s=120),
         max_cached_plans=MAX_PLANS,
         integrity=True,
     )

@@ -61,6 +61,7 @@ class _Op:
     tensor: torch.Tensor
     peer: int
     group: Any = None
+    tag: int = 0
 
 
 class _Work:

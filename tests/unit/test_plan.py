@@ -516,8 +516,11 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
     assert "plan" in cli.BENCHMARKS
     argv = ["--ranks", "16", "32", "--tokens-per-rank", "64", "--max-len", "40", "--repeats", "2"]
     assert bench_plan.main([*argv, "--json", "--no-record"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
     assert [r["ranks"] for r in rows] == [16, 32]
+    # progress on stderr, one line as each rank count starts and ends
+    assert "[1/2] 16 ranks ..." in err and "[2/2] 32 ranks done in" in err, err
     for r in rows:
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
         # another setup than the recorded one: no baseline beside it

@@ -39,6 +39,7 @@ from mopd.bridge import (
 from mopd.bridge.errors import (
     BridgeCommError,
     BridgeIntegrityError,
+    BridgeNonFiniteError,
     BridgeStateError,
     BridgeTimeoutError,
 )
@@ -100,6 +101,16 @@ def test_timeout_is_spelled_timeout_s():
     with pytest.raises(TypeError):
         BridgeConfig(timeout=5)  # type: ignore[call-arg]
     assert GroupPool(timeout_s=2.5).timeout_s == 2.5
+
+
+def test_a_group_pool_without_a_timeout_warns():
+    """Without ``timeout_s`` a failed rank leaves its peers blocked for torch's default: said
+    once, at construction; with one, nothing is said."""
+    with pytest.warns(UserWarning, match=r"GroupPool\(\) without timeout_s: .*\(30 minutes\)"):
+        GroupPool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GroupPool(timeout_s=30)
 
 
 def test_bridge_config_defaults_keep_integrity_off():
@@ -492,21 +503,100 @@ def test_step_misuse_on_one_rank_raises_at_once(one_rank_world):
     assert b.executor.failure is None and run(b, 1)
 
 
-def test_a_step_as_a_context_manager_finishes_on_leaving_but_not_on_an_error(one_rank_world):
+def test_a_step_left_on_an_error_fails_the_bridge_naming_it(one_rank_world):
+    """Leaving a step's ``with`` block normally finishes it; leaving it on an exception abandons
+    it: every later call refuses at once, naming the step, what was posted and the exception."""
     b = bridge()
     t, s = layouts(0)
     with b.plan_step(teacher_layouts={0: t}, student_layouts=s) as step:
         for i in range(M):
             step.send(i, {0: rows(t[i], i)})
             step.receive(i)
-    assert step.finished
+    assert step.finished and b.executor.failure is None
     with pytest.raises(KeyError), b.plan_step(teacher_layouts={0: t}, student_layouts=s) as other:
         other.send(0, {0: rows(t[0], 0)})
         raise KeyError("the schedule failed")
-    assert not other.finished
-    with warnings.catch_warnings(record=True) as caught:  # the next step says so
-        warnings.simplefilter("always")
-        assert run(b, 1)
-    assert any(
-        "1 earlier step(s) of this bridge are not finished" in str(w.message) for w in caught
+    cause = (
+        f"step 1 abandoned on global rank 0 after 1 of {M} micro-batches posted, 0 received: "
+        "KeyError: 'the schedule failed'"
     )
+    with pytest.raises(BridgeStateError) as err:
+        other.receive(1)
+    assert cause in str(err.value)
+    with pytest.raises(BridgeStateError) as err:
+        b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    assert str(err.value).startswith(
+        "global rank 0: this bridge cannot be used after a failed exchange (first failure on "
+        f"global rank 0: {cause})"
+    ), str(err.value)
+    with pytest.raises(BridgeStateError, match="step 1 abandoned on global rank 0"):
+        b.exchange(hidden={0: rows(t[0], 0)}, layouts={0: t[0]}, student_layout=s[0])
+
+
+def test_a_step_planned_while_an_earlier_one_is_not_posted_is_refused_before_data_moves(
+    one_rank_world,
+):
+    """Two steps of one bridge open at once: the second is refused with a ValueError before
+    anything of it moves (its transfers would pair with the first's), the first then completes
+    exact and the bridge stays usable."""
+    b = bridge()
+    t, s = layouts(0)
+    outer = b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    outer.send(0, {0: rows(t[0], 0)})
+    issued = b.executor.slots_issued
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError) as err:
+            b.plan_step(teacher_layouts={0: t}, student_layouts=s)
+    assert str(err.value) == (
+        "step 1 planned while an earlier step of this bridge is not fully posted: global rank 0 "
+        f"posted 1 of the {M} micro-batches of step 0. Its transfers would pair with that "
+        "step's on the wire: finish the earlier step (leave its `with` block) before planning "
+        "the next on the same bridge"
+    )
+    assert b.executor.slots_issued == issued and b.steps == 1
+    got = []
+    for i in range(M):
+        if i:
+            outer.send(i, {0: rows(t[i], i)})
+        got.append(torch.equal(bits(outer.receive(i)[0]), bits(want(s[i], i))))
+    outer.finish()
+    assert got == [True] * M and b.executor.failure is None and run(b, 1)
+
+
+def test_non_finite_teacher_rows_are_named_where_they_arrive(one_rank_world):
+    """A NaN and an Inf in teacher rows of micro-batch 1: ``receive(1)`` raises naming the
+    teacher, the micro-batch, how many rows, the first student row and where it came from;
+    micro-batch 0 was returned; the next step is refused, naming it. With the check off the
+    rows are returned as they are."""
+    for check in (True, False):
+        b = bridge(check_finite=check)
+        step, t, s = plan(b, 3)
+        step.send(0, {0: rows(t[0], 0)})
+        assert torch.equal(bits(step.receive(0)[0]), bits(want(s[0], 0)))
+        bad = rows(t[1], 1)
+        real = torch.nonzero(t[1].sample_id_R >= 0).reshape(-1)
+        bad[real[2], 1] = float("nan")
+        bad[real[0], 0] = float("inf")
+        key = (int(t[1].sample_id_R[real[0]]), int(t[1].position_R[real[0]]))
+        first = next(
+            r
+            for r in range(s[1].num_rows)
+            if (int(s[1].sample_id_R[r]), int(s[1].position_R[r])) == key
+        )
+        step.send(1, {0: bad})
+        if not check:
+            got = step.receive(1)[0]
+            assert int((~torch.isfinite(got)).any(dim=1).sum()) == 2
+            continue
+        with pytest.raises(BridgeNonFiniteError) as err:
+            step.receive(1)
+        text = (
+            "global rank 0: non-finite (NaN/Inf) teacher rows arrived in micro-batch 1 of step 0: "
+            f"teacher 0: 2 of {s[1].num_rows} rows (first: row {first}, a local copy on global "
+            "rank 0)"
+        )
+        assert str(err.value) == text
+        with pytest.raises(BridgeStateError) as err:
+            plan(b, 4)
+        assert f"first failure on global rank 0: {text}" in str(err.value)
