@@ -1,7 +1,9 @@
 # Two commands on a fresh machine (see README.md): `make demo` and `make test`.
 # Both create .venv on first use: torch==2.13.0 first (the CPU wheel; a looser pin pulls a
 # multi-GB CUDA build), then this project with its `megatron` and `test` extras, installed as a
-# regular (non-editable) package so the tests exercise what `pip install .` ships.
+# regular (non-editable) package so the tests exercise what `pip install .` ships, reinstalled
+# when a source changes. `make dev` makes the install editable instead, and it stays editable:
+# then only a change to pyproject.toml reinstalls (editable again). `make clean` starts over.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,17 +17,21 @@ VENV_NEWEST ?= .venv-newest
 MCORE_NEWEST ?= megatron-core>=0.19,<0.20
 # the megatron-facing tests: real GPTModels on CPU ranks, megatron's schedules, the demo, the README
 NEWEST_TESTS ?= tests/torchrun/test_capture_megatron.py tests/torchrun/test_cpu_attention.py \
-	tests/torchrun/test_mcore_loop.py tests/torchrun/test_bridge_e2e.py tests/unit/test_demo.py \
-	tests/unit/test_readme.py
+	tests/torchrun/test_mcore_loop.py tests/torchrun/test_bridge_e2e.py tests/launch/test_demo.py \
+	tests/launch/test_readme.py
 SOURCES := pyproject.toml $(shell find capture bridge kernels profiling common mcore mopd -type f \( -name '*.py' -o -name '*.cu' -o -name '*.sh' -o -name 'py.typed' \) -not -path '*/results/*' 2>/dev/null)
+# After `make dev`: the editable install sees every edit; only the dependencies can go stale.
+EDITABLE := $(wildcard $(VENV)/.editable)
+STAMP_DEPS := $(if $(EDITABLE),pyproject.toml,$(SOURCES))
+PYTEST := $(PY) -m pytest
 
-.PHONY: install dev demo test test-newest lint clean
+.PHONY: install dev demo test test-unit test-torchrun test-launch test-gpu test-newest lint typecheck clean
 
-$(VENV)/.stamp: $(SOURCES)
+$(VENV)/.stamp: $(STAMP_DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q ".[$(EXTRAS)]"
+	$(PY) -m pip install -q $(if $(EDITABLE),-e )".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.stamp
@@ -35,13 +41,26 @@ dev:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	touch $(VENV)/.stamp
+	touch $(VENV)/.editable $(VENV)/.stamp
 
 demo: $(VENV)/.stamp
 	$(VENV)/bin/mopd demo
 
+# Every tier (tier 3 skips, with its reason, without a GPU); one tier: make test-unit, ...
 test: $(VENV)/.stamp
-	$(PY) -m pytest
+	$(PYTEST)
+
+test-unit: $(VENV)/.stamp
+	$(PYTEST) tests/unit
+
+test-torchrun: $(VENV)/.stamp
+	$(PYTEST) tests/torchrun
+
+test-launch: $(VENV)/.stamp
+	$(PYTEST) tests/launch
+
+test-gpu: $(VENV)/.stamp
+	$(PYTEST) tests/gpu
 
 $(VENV_NEWEST)/.stamp: $(SOURCES)
 	@test -n "$(PYTHON312)" || { echo "make test-newest: no Python 3.12 found; set PYTHON312=/path/to/python3.12"; exit 1; }
@@ -59,5 +78,8 @@ test-newest: $(VENV_NEWEST)/.stamp
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+typecheck: $(VENV)/.stamp
+	PYTHON=$(PY) bash .ci/typecheck
+
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST) build *.egg-info
+	rm -rf $(VENV) $(VENV_NEWEST) build *.egg-info .mypy_cache

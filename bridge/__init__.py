@@ -13,7 +13,10 @@ collective for all micro-batches), then per micro-batch ``step.send(i, {0: h_SBH
 ranks and ``step.receive(i)[0]`` on student ranks (point to point, safe inside Megatron's
 ``forward_step_func`` / ``loss_func``), and ``step.finish()`` after the schedule on every rank.
 :meth:`HiddenStateBridge.exchange` does one micro-batch in one call. The teachers' LM heads move
-into the student's vocab partition once (:func:`lm_head_from_models`, :func:`reshard_lm_head`).
+into the student's vocab partition once (:func:`reshard_lm_head`).
+
+Nothing here imports megatron: what reads megatron's objects (process groups, meshes off its
+groups, LM heads off its models) is :mod:`mopd.mcore`'s.
 
 Internals live in their modules (:mod:`.plan`, :mod:`.metadata`, :mod:`.topology`,
 :mod:`.schedule`, :mod:`.executor`, :mod:`.integrity`).
@@ -32,15 +35,9 @@ from mopd.bridge.errors import (
 )
 from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
-from mopd.bridge.lm_head import LMHeadShard, VocabSpec, lm_head_from_models, reshard_lm_head
-from mopd.bridge.megatron_groups import megatron_process_groups
-from mopd.bridge.mesh import (
-    Mesh,
-    MeshCoord,
-    mesh_from_groups,
-    mesh_from_parallel_state,
-    mesh_from_pg_collection,
-)
+from mopd.bridge.lm_head import LMHeadShard, VocabSpec, reshard_lm_head
+from mopd.bridge.mesh import Mesh, MeshCoord, mesh_from_groups
+from mopd.common.deprecation import moved_names
 
 __all__ = [
     "BridgeCommError",
@@ -63,12 +60,19 @@ __all__ = [
     "VocabSpec",
     "concat_layouts",
     "create_bridge_groups",
-    "lm_head_from_models",
-    "megatron_process_groups",
     "mesh_from_groups",
-    "mesh_from_parallel_state",
-    "mesh_from_pg_collection",
     "packed_layout",
     "padded_layout",
     "reshard_lm_head",
 ]
+
+# Moved to mopd.mcore (megatron-facing); the old names work for one release, with a warning.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "lm_head_from_models": "mopd.mcore",
+        "megatron_process_groups": "mopd.mcore",
+        "mesh_from_parallel_state": "mopd.mcore",
+        "mesh_from_pg_collection": "mopd.mcore",
+    },
+)

@@ -71,7 +71,7 @@ from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
 from mopd.common import dist as cdist
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 __all__ = [
     "BridgeConfig",
@@ -498,10 +498,12 @@ class HiddenStateBridge:
         rank, before data moves); the rows are taken at the call. Every rank then calls
         ``.wait()`` on the handle.
         """
+        # anything but a non-empty mapping goes to plan_step as it is (a bad type raises there)
+        teacher_layouts: Any = layouts or None
+        if isinstance(layouts, Mapping) and layouts:
+            teacher_layouts = {o: [x] for o, x in layouts.items()}
         step = self.plan_step(
-            teacher_layouts={o: [x] for o, x in layouts.items()}
-            if isinstance(layouts, Mapping) and layouts
-            else (layouts or None),
+            teacher_layouts=teacher_layouts,
             student_layouts=[student_layout] if student_layout is not None else None,
             _buffers={} if hidden is None else hidden,  # checked with the layouts, everywhere
         )

@@ -35,6 +35,7 @@ the device at :meth:`Executor.complete` and are judged together, on every rank a
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -64,8 +65,8 @@ from mopd.bridge.integrity import (
 from mopd.bridge.plan import RankPlan
 from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side, plan_digest
 from mopd.common import dist as cdist
-from mopd.kernels import copy_runs, gather_rows, scatter_rows
-from mopd.profiling import ranges
+from mopd.common import ranges
+from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
 __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 
@@ -384,7 +385,7 @@ class Executor:
         *,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
-        group: Any,
+        group: dist.ProcessGroup | None,
         tag: int = 0,
     ) -> None:
         """Post ``slot``'s sends (rows taken by :meth:`take`) and receives in one batch.
@@ -493,7 +494,7 @@ class Executor:
         sched: RankSchedule,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
-        group: Any,
+        group: dist.ProcessGroup | None,
         tag: int,
     ) -> None:
         missing = sorted({op.owner for op in sched.sends} - slot.taken)
@@ -613,7 +614,7 @@ class Executor:
             self.mark_failed(err)
             raise err from exc
 
-    def complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
+    def complete(self, slot: Slot, *, tp_group: dist.ProcessGroup | None, deadline: float) -> None:
         """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc).
 
         Any failure here refuses further work: this rank's TP peers may be waiting in the slot's
@@ -626,7 +627,7 @@ class Executor:
             self._fail_slot(slot, exc)
             raise
 
-    def _complete(self, slot: Slot, *, tp_group: Any, deadline: float) -> None:
+    def _complete(self, slot: Slot, *, tp_group: dist.ProcessGroup | None, deadline: float) -> None:
         slot.received = True
         sched = slot.schedule
         if sched is None or sched.dest is None:
@@ -653,7 +654,8 @@ class Executor:
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
                     self.timed(
-                        lambda owner=owner: all_gather_flat(
+                        functools.partial(
+                            all_gather_flat,
                             slot.outputs[owner],
                             targets[owner],
                             group=tp_group,
@@ -731,7 +733,7 @@ class Executor:
         slot: Slot,
         sched: RankSchedule,
         slice_sums: Mapping[int, torch.Tensor],
-        tp_group: Any,
+        tp_group: dist.ProcessGroup | None,
         group_size: int,
         deadline: float,
     ) -> None:
@@ -776,7 +778,9 @@ class Executor:
                     )
                 )
 
-    def verdict(self, slots: Sequence[Slot], *, group: Any, deadline: float) -> None:
+    def verdict(
+        self, slots: Sequence[Slot], *, group: dist.ProcessGroup | None, deadline: float
+    ) -> None:
         """Integrity: judge every slot's checks; the same :class:`BridgeIntegrityError` everywhere.
 
         Collective over ``group`` (the gloo metadata group): every rank calls it once per step.

@@ -14,7 +14,7 @@ with the same meshes, in the same program order as its other ``new_group`` calls
 2. for each student ``(dp_rank, cp_rank)`` shard in :meth:`Mesh.shards` order (dp major), the
    student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing).
    The pool creates a rank set once: when the student model's own groups came from the same pool
-   (:func:`mopd.bridge.megatron_groups.megatron_process_groups`), this *is* Megatron's TP group;
+   (:func:`mopd.mcore.groups.megatron_process_groups`), this *is* Megatron's TP group;
 3. a gloo group over the same ranks as 1. (the step metadata and verdicts run on the host there,
    so they never queue behind GPU work nor force a device sync), always a group of its own, also
    when the pool's backend is ``"gloo"``: the bridge's collectives and its point-to-point then
@@ -55,7 +55,13 @@ __all__ = ["BridgeGroups", "GroupPool", "all_gather_flat", "create_bridge_groups
 _DATA, _META = "bridge data", "bridge metadata"
 
 
-def all_gather_flat(output: Any, input_: Any, *, group: Any, timeout_s: float | None) -> None:
+def all_gather_flat(
+    output: torch.Tensor,
+    input_: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+) -> None:
     """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
 
     Through :data:`mopd.capture.gather.all_gather_into` (in place when ``input_`` is this rank's
@@ -100,7 +106,7 @@ class GroupPool:
             )
         self.backend = backend
         self.timeout_s = timeout_s
-        self._groups: dict[tuple[str | None, tuple[int, ...], str], Any] = {}
+        self._groups: dict[tuple[str | None, tuple[int, ...], str], dist.ProcessGroup | None] = {}
 
     def _key(
         self, ranks: Sequence[int], backend: str | None, purpose: str = ""
@@ -113,7 +119,7 @@ class GroupPool:
 
     def create(
         self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
-    ) -> Any | None:
+    ) -> dist.ProcessGroup | None:
         """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere.
         ``purpose``: a group of its own for that use even where a group of the same ranks and
         backend exists (the bridge's host-side metadata)."""
@@ -133,7 +139,7 @@ class GroupPool:
 
     def get(
         self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
-    ) -> Any | None:
+    ) -> dist.ProcessGroup | None:
         """The group of ``ranks`` (``None`` if this rank is not a member); ``KeyError`` if never created."""
         key = self._key(ranks, backend, purpose)
         group = self._groups[key]
@@ -154,13 +160,13 @@ class BridgeGroups:
             (``None``: use ``bridge``).
     """
 
-    bridge: Any | None
-    student_tp: Any | None
+    bridge: dist.ProcessGroup | None
+    student_tp: dist.ProcessGroup | None
     members: tuple[int, ...]
-    meta: Any | None = None
+    meta: dist.ProcessGroup | None = None
 
     @property
-    def metadata_group(self) -> Any | None:
+    def metadata_group(self) -> dist.ProcessGroup | None:
         """The group the host-side metadata and verdicts go over: :attr:`meta`, else
         :attr:`bridge`."""
         return self.meta if self.meta is not None else self.bridge
@@ -193,9 +199,9 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
     pool.create(members, backend="gloo", purpose=_META)
     me = dist.get_rank()
     tp_group = None
-    c = student.coord(me)
-    if student.tp > 1 and c is not None and c.pp_rank == student.pp - 1:
-        tp_group = pool.get(student.tp_group_ranks(dp_rank=c.dp_rank, cp_rank=c.cp_rank))
+    coord = student.coord(me)
+    if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
+        tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
     return BridgeGroups(
         bridge=pool.get(members, purpose=_DATA),
         student_tp=tp_group,

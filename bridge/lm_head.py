@@ -15,15 +15,14 @@ vocabulary differently. This is the token planner again, keyed by vocab row
 
 Every rank knows every group from the sizes alone, so the only collectives are one small
 all-gather of what each rank holds (sizes, dtype, its local problems) and, when something is
-wrong, :func:`mopd.common.dist.same_verdict`. :func:`lm_head_from_models` reads the weight shard,
-the real vocabulary and both padded sizes off the Megatron models themselves.
+wrong, :func:`mopd.common.dist.same_verdict`. :func:`mopd.mcore.lm_head.lm_head_from_models`
+reads the weight shard, the real vocabulary and both padded sizes off the Megatron models.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,11 +33,10 @@ from mopd.bridge.groups import BridgeGroups, all_gather_flat
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import code_dtype, dtype_code
 from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup, plan_rank
-from mopd.capture.unwrap import find_output_layer, unwrap_model
 from mopd.common import dist as cdist
-from mopd.profiling import ranges
+from mopd.common import ranges
 
-__all__ = ["LMHeadShard", "VocabSpec", "lm_head_catalog", "lm_head_from_models", "reshard_lm_head"]
+__all__ = ["LMHeadShard", "VocabSpec", "lm_head_catalog", "reshard_lm_head"]
 
 _I64 = np.int64
 
@@ -264,79 +262,4 @@ def reshard_lm_head(
         num_padding=int((~valid).sum()),
         vocab_start=start,
         vocab_size=vocab.vocab_size,
-    )
-
-
-def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
-    """``(output weight shard, real vocab size)`` of a (wrapped) GPTModel on its last stage."""
-    layer = find_output_layer(model)
-    if layer is None:
-        return None
-    weight = getattr(layer, "weight", None)
-    inner = unwrap_model(model[-1] if isinstance(model, list | tuple) else model)
-    if weight is None:  # tied embeddings: the last stage's copy of the word embeddings
-        weight = inner.shared_embedding_or_output_weight()
-    vocab = getattr(inner, "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise ValueError(f"{type(inner).__name__} has no int vocab_size attribute")
-    return weight.detach(), vocab
-
-
-def lm_head_from_models(
-    teacher_model: Any | None,
-    student_model: Any | None,
-    *,
-    teacher: Mesh,
-    student: Mesh,
-    groups: BridgeGroups,
-    timeout_s: float = 300.0,
-    local_copy: bool = True,
-) -> LMHeadShard | None:
-    """:func:`reshard_lm_head` with every size read off the Megatron models.
-
-    Collective over the bridge group. Each rank passes the teacher / student model it holds
-    (``None`` where it holds none; either may be wrapped, or a list of virtual-pipeline chunks):
-    the teacher's last stage contributes its ``output_layer`` weight shard, its ``vocab_size``
-    and padded vocabulary (shard rows x tp); the student's last stage its padded vocabulary. The
-    sizes are agreed over the group (one small all-reduce).
-    """
-    rank = dist.get_rank()
-    meta = groups.metadata_group
-    t_head = (
-        _head_of(teacher_model)
-        if teacher_model is not None and teacher.is_last_stage(rank)
-        else None
-    )
-    s_head = (
-        _head_of(student_model)
-        if student_model is not None and student.is_last_stage(rank)
-        else None
-    )
-    known = torch.full((4,), -1, dtype=torch.int64)  # vocab, teacher padded, student padded, H
-    if t_head is not None:
-        known[0], known[1], known[3] = (
-            t_head[1],
-            t_head[0].shape[0] * teacher.tp,
-            t_head[0].shape[1],
-        )
-    if s_head is not None:
-        known[2] = s_head[0].shape[0] * student.tp
-        known[0] = max(int(known[0]), s_head[1])
-    cdist.all_reduce(known, op=dist.ReduceOp.MAX, group=meta, timeout_s=timeout_s)
-    vocab_size, t_padded, s_padded, hidden = (int(x) for x in known.tolist())
-    if min(vocab_size, t_padded, s_padded, hidden) < 1:
-        raise ValueError(
-            "lm_head_from_models: no rank passed the teacher's last stage and the student's last "
-            "stage models (vocab sizes unknown)"
-        )
-    weight = t_head[0].contiguous() if t_head is not None else None
-    return reshard_lm_head(
-        weight,
-        teacher=teacher,
-        student=student,
-        vocab=VocabSpec(vocab_size=vocab_size, teacher_padded=t_padded, student_padded=s_padded),
-        hidden_size=hidden,
-        groups=groups,
-        timeout_s=timeout_s,
-        local_copy=local_copy,
     )

@@ -11,8 +11,7 @@ dense LM head and the hidden states do not see it; tp varies fastest)::
     global_rank = rank_offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 A mesh is built from explicit sizes (:class:`Mesh`), or from live process groups
-(:func:`mesh_from_groups`, :func:`mesh_from_parallel_state`, :func:`mesh_from_pg_collection`),
-which are checked against the formula above (``ValueError`` on mismatch; the check is local to
+(:func:`mesh_from_groups`; from megatron's objects, :mod:`mopd.mcore.groups`), which are checked against the formula above (``ValueError`` on mismatch; the check is local to
 each rank, so call them on every rank of the mesh before the bridge's first collective).
 """
 
@@ -20,15 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch.distributed as dist
 
 __all__ = [
     "Mesh",
     "MeshCoord",
     "bridge_members",
     "mesh_from_groups",
-    "mesh_from_parallel_state",
-    "mesh_from_pg_collection",
     "meshes_overlap",
 ]
 
@@ -150,19 +148,17 @@ class Mesh:
         )
 
 
-def _group_ranks(group: Any) -> list[int]:
-    import torch.distributed as dist
-
+def _group_ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
 def mesh_from_groups(
     *,
     global_rank: int,
-    tp_group: Any,
-    cp_group: Any | None = None,
-    dp_group: Any | None = None,
-    pp_group: Any | None = None,
+    tp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
     name: str = "",
 ) -> Mesh:
     """Build the mesh of a live setup from its process groups and check it against them.
@@ -224,41 +220,6 @@ def mesh_from_groups(
                 f"but {mesh} in tp-cp-dp-pp order puts {sorted(expected[k])} there"
             )
     return mesh
-
-
-def mesh_from_parallel_state(*, name: str = "", parallel_state: Any | None = None) -> Mesh:
-    """The mesh of the live ``megatron.core.parallel_state`` setup, checked against its groups."""
-    import torch.distributed as dist
-
-    if parallel_state is None:
-        from megatron.core import parallel_state as ps
-
-        parallel_state = ps
-    return mesh_from_groups(
-        global_rank=dist.get_rank(),
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        cp_group=parallel_state.get_context_parallel_group(),
-        dp_group=parallel_state.get_data_parallel_group(with_context_parallel=False),
-        pp_group=parallel_state.get_pipeline_model_parallel_group(),
-        name=name,
-    )
-
-
-def mesh_from_pg_collection(
-    pg_collection: Any, *, global_rank: int | None = None, name: str = ""
-) -> Mesh:
-    """The mesh of a model built on a megatron ``ProcessGroupCollection`` (its ``tp``, ``cp``,
-    ``dp`` (without CP) and ``pp`` groups; a missing one counts as size 1), checked against them."""
-    import torch.distributed as dist
-
-    return mesh_from_groups(
-        global_rank=dist.get_rank() if global_rank is None else global_rank,
-        tp_group=getattr(pg_collection, "tp", None),
-        cp_group=getattr(pg_collection, "cp", None),
-        dp_group=getattr(pg_collection, "dp", None),
-        pp_group=getattr(pg_collection, "pp", None),
-        name=name,
-    )
 
 
 def bridge_members(teachers: Sequence[Mesh], student: Mesh) -> tuple[int, ...]:

@@ -31,10 +31,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.layout import TokenLayout, layout_to_runs
@@ -190,7 +190,7 @@ def encode_step_record(
 def gather_step_matrix(
     record: torch.Tensor,
     *,
-    group: Any,
+    group: dist.ProcessGroup | None,
     n_members: int,
     device: torch.device,
     timeout_s: float | None,

@@ -411,7 +411,12 @@ class DeviceIndices:
 
     def _upload(self, tensors: list[torch.Tensor]) -> None:
         seen: set[int] = set(self._views)
-        tensors = [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
+        fresh = []
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                fresh.append(t)
+        tensors = fresh
         if not tensors:
             return
         for t in tensors:

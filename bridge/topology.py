@@ -39,7 +39,7 @@ class _Groups(Sequence[_G], Generic[_G]):
     micro-batch's ``num_rows``."""
 
     def __init__(self, groups: Sequence[_G], rows_X: np.ndarray) -> None:
-        self._groups = groups
+        self._groups: Sequence[_G] = groups
         self._rows = rows_X
         self._built: dict[int, _G] = {}
 

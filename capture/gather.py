@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 __all__ = ["ReusableBuffer", "all_gather_into", "gather_sequence_parallel"]
 

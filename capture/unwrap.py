@@ -19,12 +19,19 @@ MAX_WRAPPER_DEPTH = 16
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Follow the ``.module`` chain (DDP, Float16Module, FSDP, torch DDP) to the inner model."""
+    """Follow the ``.module`` chain (DDP, Float16Module, FSDP, torch DDP) to the inner model.
+
+    Unlike ``megatron.core.utils.unwrap_model`` (known wrapper classes only, a list mapped
+    element-wise), any wrapper with a ``.module`` is followed, and the walk stops at the first
+    module that owns an ``output_layer``; one module in, one out.
+    """
     depth = 0
     while not hasattr(model, "output_layer") and isinstance(
         getattr(model, "module", None), torch.nn.Module
     ):
-        model = model.module
+        inner = model.module
+        assert isinstance(inner, torch.nn.Module)  # the loop's condition
+        model = inner
         depth += 1
         if depth > MAX_WRAPPER_DEPTH:
             raise ValueError(

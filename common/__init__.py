@@ -1,7 +1,8 @@
 """mopd.common: the small mechanisms every part of the library shares, written once.
 
-:mod:`.dist` (which device a process group moves, one verdict on every rank) and :mod:`.log`
-(messages once per process). Nothing here imports megatron or CuPy.
+:mod:`.dist` (which device a process group moves, one verdict on every rank), :mod:`.log`
+(messages once per process) and :mod:`.ranges` (NVTX / torch.profiler ranges on every phase of
+the data path, free when off). Nothing here imports megatron or CuPy.
 """
 
 from __future__ import annotations

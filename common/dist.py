@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 __all__ = [
     "MESSAGE_BYTES",
+    "ReduceOpLike",
     "all_reduce",
     "group_device",
     "moves_cuda",
@@ -33,16 +34,20 @@ __all__ = [
     "wait",
 ]
 
+#: What ``dist.all_reduce`` takes as ``op``: a ``ReduceOp`` or one of its members
+#: (``dist.ReduceOp.SUM`` is a ``ReduceOp.RedOpType``).
+ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
+
 #: Bytes of a problem's text carried to every rank by :func:`same_verdict`.
 MESSAGE_BYTES = 4000
 
 
-def moves_cuda(group: Any) -> bool:
+def moves_cuda(group: dist.ProcessGroup | None) -> bool:
     """True if ``group`` moves CUDA tensors (it has an NCCL backend), False for gloo only."""
     return "nccl" in str(dist.get_backend_config(group)).lower()
 
 
-def group_device(group: Any) -> torch.device:
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where tensors for ``group``'s collectives live: the current CUDA device for NCCL, else CPU."""
     if group is not None and moves_cuda(group) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -65,7 +70,11 @@ def wait(work: Any, *, device: torch.device, timeout_s: float | None) -> None:
 
 
 def all_reduce(
-    t: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, group: Any, timeout_s: float | None
+    t: torch.Tensor,
+    *,
+    op: ReduceOpLike = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
 ) -> None:
     """In-place all-reduce of ``t`` over ``group``, waited for as :func:`wait` does: a host wait
     of at most ``timeout_s`` for CPU tensors, a stream wait for CUDA ones."""
@@ -77,7 +86,7 @@ def all_reduce(
 
 
 def same_verdict(
-    problems: Sequence[str], *, group: Any, timeout_s: float | None, what: str
+    problems: Sequence[str], *, group: dist.ProcessGroup | None, timeout_s: float | None, what: str
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank found a problem.
 

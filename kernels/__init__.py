@@ -1,17 +1,30 @@
-"""mopd.kernels: layout kernels (CuPy, with torch twins) and the vocab-parallel full-vocab KL."""
+"""mopd.kernels: the vocab-parallel full-vocabulary KL, and the bridge's layout kernels.
+
+Public: the KL (:func:`vocab_parallel_kl`, :func:`fused_vocab_parallel_kl`, :class:`KLConfig`)
+and the one knob of the row kernels a user turns, :func:`set_default_variants` (the variants
+``mopd bench kernels`` measured best on their GPU). The row kernels themselves (CuPy, with torch
+twins) are the bridge's internals, in :mod:`.rows`.
+"""
 
 from __future__ import annotations
 
+from mopd.common.deprecation import moved_names
 from mopd.kernels.cupy_rows import set_default_variants
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
-from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
 __all__ = [
     "KLConfig",
-    "copy_runs",
     "fused_vocab_parallel_kl",
-    "gather_rows",
-    "scatter_rows",
     "set_default_variants",
     "vocab_parallel_kl",
 ]
+
+# The bridge's row kernels, public until now; the old names work for one release, with a warning.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "copy_runs": "mopd.kernels.rows",
+        "gather_rows": "mopd.kernels.rows",
+        "scatter_rows": "mopd.kernels.rows",
+    },
+)

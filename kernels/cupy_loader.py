@@ -1,7 +1,7 @@
 """Loading the ``.cu`` sources of :mod:`mopd.kernels` into CuPy, compiled once and cached.
 
 Why this file exists: the CUDA sources live as ``.cu`` files next to the Python code (so nvcc
-can check them, see tests/unit/test_kernels_compile.py); CuPy compiles them with NVRTC on first
+can check them, see tests/launch/test_kernels_compile.py); CuPy compiles them with NVRTC on first
 use (and keeps the binary in its on-disk kernel cache). This module is the one place that
 reads a source, builds the ``cupy.RawModule`` and hands out kernels per device, and the one
 place that bridges torch's CUDA stream and tensors to CuPy.

@@ -428,7 +428,7 @@ def copy_runs_cupy(
         out_MH: ``[M, H]`` destination.
         num_rows: ``sum(length_K)`` if known: sizes the grid to the work. ``None``: the grid is
             sized from a bound (``min(K * N, M)`` rows). Here only a grid hint (the kernels
-            loop over the device-side total); the public :func:`mopd.kernels.copy_runs`
+            loop over the device-side total); the bridge's :func:`mopd.kernels.rows.copy_runs`
             requires it exact.
         variant: a kernel variant from :data:`VARIANTS` (default: :data:`DEFAULT_VARIANTS`).
     Returns:

@@ -1,8 +1,8 @@
 """CuPy launchers for the KL's row-wise kernels (``kl_kernels.cu``).
 
 Why this file exists: it maps torch tensors onto the two KL kernels (grid, column split, vector
-alignment) and launches them; :mod:`mopd.kernels.kl_rowwise` decides when it is used and holds
-the torch twins with the same contracts. Compilation and the torch-stream bridge are
+alignment) and launches them; :mod:`mopd.kernels.kl_rowwise` decides when it is used, merges the
+per-block statistics and holds the torch twins with the same contracts. Compilation and the torch-stream bridge are
 :mod:`mopd.kernels.cupy_loader`'s. CuPy is only imported when a kernel runs.
 
 Storage types per tensor (see :data:`STATS_KERNELS` / :data:`GRAD_KERNELS`): bf16 or fp32
@@ -16,14 +16,13 @@ from __future__ import annotations
 import torch
 
 from mopd.kernels.cupy_loader import get_kernel, on_torch_stream, to_cupy
-from mopd.kernels.kl_rowwise import combine_partials
 
 __all__ = [
     "GRAD_KERNELS",
     "STATS_KERNELS",
     "dtype_reason",
     "row_grad_cupy",
-    "row_stats_cupy",
+    "row_stats_partials_cupy",
     "unsupported_reason",
 ]
 
@@ -124,19 +123,26 @@ def _launch(kernel_name: str, s_CV: torch.Tensor, P: int, args: tuple[object, ..
         kernel((P, s_CV.shape[0]), (_THREADS,), args)
 
 
-def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool) -> torch.Tensor:
-    """:func:`mopd.kernels.kl_rowwise.row_stats_torch`'s contract as a CuPy kernel."""
+def row_stats_partials_cupy(
+    s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool
+) -> torch.Tensor:
+    """The statistics of :func:`mopd.kernels.kl_rowwise.row_stats_torch` per column block.
+
+    Returns ``[6, C, P]`` float32: for each of ``s_CV``'s ``C`` rows, the six statistics of each
+    of its ``P >= 1`` column blocks relative to that block's maxima;
+    :func:`mopd.kernels.kl_rowwise.combine_partials` merges them into ``[6, C]``.
+    """
     import numpy as np
 
     C, _ = s_CV.shape
     n, span, P = _geometry(s_CV, u_CV)
     part_6CP = torch.empty((6, C, P), dtype=torch.float32, device=s_CV.device)
     if C == 0:
-        return part_6CP[:, :, 0]
+        return part_6CP
     if n == 0:
         part_6CP[:2] = float("-inf")
         part_6CP[2:] = 0.0
-        return combine_partials(part_6CP)
+        return part_6CP
     args = (
         *_matrix(s_CV),
         *_matrix(u_CV),
@@ -149,7 +155,7 @@ def row_stats_cupy(s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool
         np.int32(P),
     )
     _launch(f"row_stats_{STATS_KERNELS[s_CV.dtype, u_CV.dtype]}", s_CV, P, args)
-    return combine_partials(part_6CP)
+    return part_6CP
 
 
 def row_grad_cupy(

@@ -10,7 +10,7 @@ decides when the gradient is computed: in the forward for ``sum``/``mean`` (ctx 
 gradients; backward scales them), in the backward for ``none`` (recomputed from tensors saved
 with ``save_for_backward``, so an in-place change in between raises).
 
-Profiler ranges (:mod:`mopd.profiling.ranges`, off by default): ``mopd/loss_chunk:<i>`` around
+Profiler ranges (:mod:`mopd.common.ranges`, off by default): ``mopd/loss_chunk:<i>`` around
 each chunk, ``mopd/projection:<k>`` around teacher k's LM-head matmul.
 """
 
@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from mopd.common.dist import all_reduce
+from mopd.common.dist import ReduceOpLike, all_reduce
+from mopd.common.ranges import span
 from mopd.kernels.kl_matmul import logit_dtype, matmul_into
 from mopd.kernels.kl_prepare import KLJob, TeacherSlot
 from mopd.kernels.kl_rowwise import rescale_sums, row_grad, row_stats
-from mopd.profiling.ranges import span
 
 __all__ = ["KLFunction", "StudentSide", "run_chunks", "scale_", "teacher_logits"]
 
 
-def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, job: KLJob) -> None:
+def _all_reduce(t: torch.Tensor, op: ReduceOpLike, job: KLJob) -> None:
     """In-place all-reduce over the TP group, waiting at most ``KLConfig.timeout_s``."""
     if job.group is None or job.tp_size == 1:
         return

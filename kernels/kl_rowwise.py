@@ -25,6 +25,12 @@ import torch
 from mopd.common.log import log_once
 from mopd.kernels.backend import Backend, Resolved, run_cupy_or_twin
 from mopd.kernels.backend import resolve_backend as _resolve_base
+from mopd.kernels.kl_cupy import (
+    dtype_reason,
+    row_grad_cupy,
+    row_stats_partials_cupy,
+    unsupported_reason,
+)
 
 __all__ = [
     "STATS_ROWS",
@@ -74,8 +80,6 @@ def resolve_backend(backend: Backend, *tensors: torch.Tensor) -> Resolved:
     resolved = _resolve_base(backend, "mopd.kernels.kl", *tensors)
     if resolved == "torch":
         return "torch"
-    from mopd.kernels.kl_cupy import unsupported_reason
-
     return _cupy_unless(backend, unsupported_reason(*tensors))
 
 
@@ -91,8 +95,6 @@ def resolve_chunk_backend(
     resolved = _resolve_base(backend, "mopd.kernels.kl", probe)
     if resolved == "torch":
         return "torch"
-    from mopd.kernels.kl_cupy import dtype_reason
-
     reason = next((r for r in (dtype_reason(*d) for d in dtypes) if r is not None), None)
     return _cupy_unless(backend, reason)
 
@@ -206,12 +208,12 @@ def row_stats(
     _check_pair(s_CV, u_CV)
     twin = lambda: row_stats_torch(s_CV, u_CV, need_forward=need_forward)  # noqa: E731
     if resolve_backend(backend, s_CV, u_CV) == "cupy":
-        from mopd.kernels import kl_cupy
-
         return run_cupy_or_twin(
             backend,
             "mopd.kernels.kl row_stats",
-            lambda: kl_cupy.row_stats_cupy(s_CV, u_CV, need_forward=need_forward),
+            lambda: combine_partials(
+                row_stats_partials_cupy(s_CV, u_CV, need_forward=need_forward)
+            ),
             twin,
         )
     return twin()
@@ -231,12 +233,10 @@ def row_grad(
     args = (s_CV, u_CV, coef_5C, out_CV)
     twin = lambda: row_grad_torch(*args, teacher_term=teacher_term)  # noqa: E731
     if resolve_backend(backend, s_CV, u_CV, out_CV) == "cupy":
-        from mopd.kernels import kl_cupy
-
         return run_cupy_or_twin(
             backend,
             "mopd.kernels.kl row_grad",
-            lambda: kl_cupy.row_grad_cupy(*args, teacher_term=teacher_term),
+            lambda: row_grad_cupy(*args, teacher_term=teacher_term),
             twin,
         )
     return twin()

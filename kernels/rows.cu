@@ -36,8 +36,8 @@
 //
 // In families 1 and 2 no lane depends on another (no shuffles, no barriers, no shared memory);
 // the bulk family's lanes share item addresses by shuffles on the device and lane 0 computes
-// them alone on the host. So the drivers are __host__ __device__ and the tier-1 tests run them
-// on the CPU thread by thread (MOPD_HOST_EMULATION, tests/unit/test_kernels_compile.py) to
+// them alone on the host. So the drivers are __host__ __device__ and the launch-tier tests run them
+// on the CPU thread by thread (MOPD_HOST_EMULATION, tests/launch/test_kernels_compile.py) to
 // check the work split exactly (bulk copies become byte copies there).
 
 typedef long long i64;
@@ -506,7 +506,7 @@ MOPD_HD void mopd_bulk_driver(const char* __restrict__ src, char* __restrict__ d
 // Vector variants: (name, kind, unroll U, cache hint). Kind 0/1/2: a group per row chunk is a
 // thread, a warp or a block (mopd_index_driver, mopd_runs_driver); kind 3: flat, torch's copy
 // shape (mopd_flat_driver). cupy_rows.VARIANT_SPECS names them and says how they launch (grid,
-// persistent or not); tests/unit/test_kernels_compile.py checks each one it names.
+// persistent or not); tests/launch/test_kernels_compile.py checks each one it names.
 //   grid      the naive baseline: a thread per 16-byte vector, grid-stride
 //   warp      a warp per 2 KiB chunk (U = 4 per lane), plain access
 //   warp_cs   same, streaming (evict-first) loads and stores

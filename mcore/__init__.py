@@ -1,17 +1,22 @@
-"""mopd.mcore: MOPD inside megatron-core's own training loop.
+"""mopd.mcore: MOPD inside megatron-core's own training loop, and everything megatron-facing.
 
 :class:`Distiller` (set-up, once) and :meth:`Distiller.step` (per step, around
 ``get_forward_backward_func()``), micro-batches described by :class:`MicroBatch` with their
-layouts read off megatron's objects (:func:`micro_batch_layout`), the teachers' forward-only
-pass (:func:`run_teacher`), the teachers' per-token signal as a building block for the job's own
-loss (:func:`teacher_signal`) and the loss in the shape megatron's schedule expects
-(:func:`kl_loss_func`, :func:`megatron_loss_output`), and the student's vocab-parallel
-log-probability of given tokens for the job's other terms (:func:`token_logprobs`). :mod:`mopd.mcore.cpu` makes megatron-core run on CPU ranks (gloo) for the
-demo and the tests; it is not imported here.
+layouts read off megatron's objects (:func:`micro_batch_layout`), the teachers' per-token signal
+as a building block for the job's own loss (:func:`teacher_signal`) and the loss in the shape
+megatron's schedule expects (:func:`megatron_loss_output`), the student's vocab-parallel
+log-probability of given tokens for the job's other terms (:func:`token_logprobs`), a model's
+process groups on its own mesh (:func:`megatron_process_groups`), meshes read off megatron's
+groups (:func:`mesh_from_pg_collection`, :func:`mesh_from_parallel_state`) and the teachers' LM
+heads read off the models (:func:`lm_head_from_models`). The internals (the teachers'
+forward-only pass, the stock loss function) live in their modules (:mod:`.teacher`,
+:mod:`.loss`). :mod:`mopd.mcore.cpu` makes megatron-core run on CPU ranks (gloo) for the demo and
+the tests; it is not imported here.
 """
 
 from __future__ import annotations
 
+from mopd.common.deprecation import moved_names
 from mopd.mcore.batch import (
     MicroBatch,
     micro_batch_layout,
@@ -20,9 +25,14 @@ from mopd.mcore.batch import (
     split_samples,
 )
 from mopd.mcore.distill import DistillationStep, Distiller, MeshModel
+from mopd.mcore.groups import (
+    megatron_process_groups,
+    mesh_from_parallel_state,
+    mesh_from_pg_collection,
+)
+from mopd.mcore.lm_head import lm_head_from_models
 from mopd.mcore.logprob import token_logprobs
-from mopd.mcore.loss import TeacherSignal, kl_loss_func, megatron_loss_output, teacher_signal
-from mopd.mcore.teacher import run_teacher
+from mopd.mcore.loss import TeacherSignal, megatron_loss_output, teacher_signal
 
 __all__ = [
     "DistillationStep",
@@ -30,13 +40,20 @@ __all__ = [
     "MeshModel",
     "MicroBatch",
     "TeacherSignal",
-    "kl_loss_func",
+    "lm_head_from_models",
     "megatron_loss_output",
+    "megatron_process_groups",
+    "mesh_from_parallel_state",
+    "mesh_from_pg_collection",
     "micro_batch_layout",
     "packed_micro_batch",
     "padded_micro_batch",
-    "run_teacher",
     "split_samples",
     "teacher_signal",
     "token_logprobs",
 ]
+
+# Internals, public until now; the old names work for one release, with a warning.
+__getattr__ = moved_names(
+    __name__, {"kl_loss_func": "mopd.mcore.loss", "run_teacher": "mopd.mcore.teacher"}
+)

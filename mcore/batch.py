@@ -197,9 +197,9 @@ def _layout(mb: MicroBatch, *, rows: Rows, cp: tuple[int, int], sp: tuple[int, i
     cp_size, cp_rank = cp
     ids = _ints(mb.sample_ids)
     if mb.is_packed:
-        psp = mb.packed_seq_params
-        if getattr(psp, "qkv_format", "thd") != "thd":
-            raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {psp.qkv_format!r}")
+        qkv_format = getattr(mb.packed_seq_params, "qkv_format", "thd")
+        if qkv_format != "thd":
+            raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {qkv_format!r}")
         real, padded = _packed_offsets(mb, len(ids))
         lens = [b - a for a, b in itertools.pairwise(real)]
         if not ids:  # a placeholder: its sequences hold no sample, every row is padding
@@ -236,6 +236,7 @@ def _packed_offsets(mb: MicroBatch, n_samples: int) -> tuple[list[int], list[int
     A fixed-capacity packer repeats the last offset for unused slots: those trailing
     zero-length sequences are dropped. A micro-batch without samples keeps its (placeholder)
     sequences."""
+    assert mb.packed_seq_params is not None  # a packed micro-batch
     real = _ints(mb.packed_seq_params.cu_seqlens_q)
     padded = _ints(mb.padded_offsets())
     if len(real) != len(padded):
@@ -395,13 +396,16 @@ def packed_micro_batch(
             m[: t.numel()] = loss_masks[k].reshape(-1).cpu() != 0
             mask_t.append(m[pos])
     dev = device if device is not None else "cpu"
-    to32 = {"dtype": torch.int32, "device": dev}
+
+    def to32(offsets: list[int]) -> torch.Tensor:
+        return torch.tensor(offsets, dtype=torch.int32, device=dev)
+
     psp = PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=torch.tensor(cu_real, **to32),
-        cu_seqlens_kv=torch.tensor(cu_real, **to32),
-        cu_seqlens_q_padded=torch.tensor(cu_pad, **to32),
-        cu_seqlens_kv_padded=torch.tensor(cu_pad, **to32),
+        cu_seqlens_q=to32(cu_real),
+        cu_seqlens_kv=to32(cu_real),
+        cu_seqlens_q_padded=to32(cu_pad),
+        cu_seqlens_kv_padded=to32(cu_pad),
         max_seqlen_q=max(padded),
         max_seqlen_kv=max(padded),
     )

@@ -37,8 +37,7 @@ import torch.distributed as dist
 from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
 from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
-from mopd.bridge.lm_head import LMHeadShard, lm_head_from_models
-from mopd.bridge.megatron_groups import mesh_group_ranks
+from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.capture import ReusableBuffer
 from mopd.capture.unwrap import unwrap_model
@@ -46,6 +45,8 @@ from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
+from mopd.mcore.groups import mesh_group_ranks
+from mopd.mcore.lm_head import lm_head_from_models
 from mopd.mcore.loss import (
     LOG_KEY,
     TeacherSignal,
@@ -73,7 +74,7 @@ class MeshModel:
         model: the (wrapped) megatron model, or its list of virtual-pipeline chunks; ``None`` on
             ranks outside the mesh.
         pg_collection: its megatron ``ProcessGroupCollection``
-            (:func:`mopd.bridge.megatron_groups.megatron_process_groups`); ``None`` outside.
+            (:func:`mopd.mcore.groups.megatron_process_groups`); ``None`` outside.
         forward: ``forward(model, micro_batch) -> output`` (default: a GPTModel call with the
             micro-batch's tokens, positions, mask and packed-sequence parameters).
     """
@@ -103,6 +104,13 @@ def _hidden_dtype(config: Any) -> torch.dtype:
     if getattr(config, "fp16", False):
         return torch.float16
     return config.params_dtype
+
+
+def _groups(side: MeshModel) -> Any:
+    """``side.pg_collection`` on a rank that holds the model (``MeshModel`` checks that a model
+    comes with its groups)."""
+    assert side.pg_collection is not None, "a rank holding the model holds its groups"
+    return side.pg_collection
 
 
 class Distiller:
@@ -494,7 +502,7 @@ class DistillationStep:
             i,
             logits,
             lm_heads=heads,  # type: ignore[arg-type]
-            tp_group=s.pg_collection.tp if s.mesh.tp > 1 else None,
+            tp_group=_groups(s).tp if s.mesh.tp > 1 else None,
             teacher_weights=d.teacher_weights,
             kinds=tuple(kinds) if kinds is not None else (d.kl_config.kind,),
             config=d.kl_config,
@@ -541,7 +549,7 @@ class DistillationStep:
                 self.bridge_step,
                 i,
                 lm_heads=heads,  # type: ignore[arg-type]
-                tp_group=s.pg_collection.tp if s.mesh.tp > 1 else None,
+                tp_group=_groups(s).tp if s.mesh.tp > 1 else None,
                 per_token=d.per_token,
                 default_scale=self.default_scale,
                 config=d.kl_config,
@@ -578,7 +586,7 @@ class DistillationStep:
         s = self.distiller.student
         if not s.last_stage(self.distiller.rank):
             return None
-        group = s.pg_collection.dp_cp
+        group = _groups(s).dp_cp
         device = cdist.group_device(group)
         total = torch.zeros(2, dtype=torch.float64, device=device)
         for v in self._logged.values():

@@ -4,7 +4,7 @@ Why this file exists: the loss terms a job puts beside the teachers' KL (a polic
 an SFT cross-entropy) need ``log p_S(y_t)`` of a token per row, and under tensor parallelism each
 rank holds a slice of the vocabulary. megatron's ``vocab_parallel_cross_entropy`` reduces over
 its global TP group, not over the student's own group when the models live on their own meshes
-(:func:`mopd.bridge.megatron_groups.megatron_process_groups`); :func:`token_logprobs` takes the
+(:func:`mopd.mcore.groups.megatron_process_groups`); :func:`token_logprobs` takes the
 group explicitly. Three all-reduces over the group (max, sum of exponentials, target logit);
 its gradient is ``onehot(y) - softmax`` on this rank's slice.
 """
@@ -22,7 +22,10 @@ __all__ = ["token_logprobs"]
 
 
 def _all_reduce(
-    x: torch.Tensor, group: Any, timeout_s: float | None, op: Any = dist.ReduceOp.SUM
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+    op: cdist.ReduceOpLike = dist.ReduceOp.SUM,
 ) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         cdist.all_reduce(x, op=op, group=group, timeout_s=timeout_s)
@@ -36,7 +39,7 @@ class _TokenLogprob(torch.autograd.Function):
         labels_T: torch.Tensor,
         vocab_start: int,
         valid_V: torch.Tensor | None,
-        group: Any,
+        group: dist.ProcessGroup | None,
         timeout_s: float | None,
     ) -> torch.Tensor:
         x_TV = logits_TV.float()
@@ -68,7 +71,7 @@ def token_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    tp_group: Any = None,
+    tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     timeout_s: float | None = 300.0,
 ) -> torch.Tensor:

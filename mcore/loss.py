@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mopd.bridge.api import BridgeStep
 from mopd.bridge.lm_head import LMHeadShard
+from mopd.common import ranges
 from mopd.kernels.kl import KLConfig, KLKind, vocab_parallel_kl
-from mopd.profiling import ranges
 
 __all__ = ["LOG_KEY", "TeacherSignal", "kl_loss_func", "megatron_loss_output", "teacher_signal"]
 
@@ -85,7 +86,7 @@ def teacher_signal(
     logits: torch.Tensor,
     *,
     lm_heads: Sequence[LMHeadShard],
-    tp_group: Any,
+    tp_group: dist.ProcessGroup | None,
     teacher_weights: Sequence[float] | None = None,
     kinds: Sequence[KLKind] = ("reverse",),
     config: KLConfig | None = None,
@@ -100,7 +101,7 @@ def teacher_signal(
         step: the bridge step (its :meth:`~mopd.bridge.api.BridgeStep.receive` runs inside).
         logits: ``[B, S_local, V_local]`` (or ``[1, T_local, V_local]``) as megatron's GPTModel
             returns them, rows in the order of the student's ``"logits"`` layout.
-        lm_heads: one resharded LM-head shard per teacher (:func:`~mopd.bridge.lm_head.
+        lm_heads: one resharded LM-head shard per teacher (:func:`~mopd.mcore.lm_head.
             lm_head_from_models`), the student's vocab partition.
         tp_group: the student's TP group (``None`` without TP).
         teacher_weights: one weight per teacher (default: all 1).
@@ -213,7 +214,7 @@ def kl_loss_func(
     micro_batch: int,
     *,
     lm_heads: Sequence[LMHeadShard],
-    tp_group: Any,
+    tp_group: dist.ProcessGroup | None,
     per_token: bool,
     default_scale: float,
     config: KLConfig | None = None,

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from mopd.capture import OutputLayerInputCapture, ReusableBuffer
+from mopd.common import ranges
 from mopd.mcore.batch import MicroBatch
-from mopd.profiling import ranges
 
 __all__ = ["check_pipeline_shapes", "default_forward", "pipeline_shape", "run_teacher"]
 
@@ -46,7 +46,7 @@ def _skip_output_layer(layer: torch.nn.Module | None) -> Iterator[None]:
     def empty(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         return hidden.new_empty((*hidden.shape[:-1], 0)), None
 
-    layer.forward = empty  # type: ignore[method-assign]
+    layer.forward = empty
     try:
         yield
     finally:

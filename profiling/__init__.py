@@ -6,9 +6,10 @@ The ``mopd`` command (:mod:`.cli`; also ``python -m mopd``): ``mopd demo`` (:mod
 :mod:`.bench_capture`, :mod:`.bench_ranges`, :mod:`.bench_plan`, recorded by :mod:`.results`,
 drawn by :mod:`.plots`), the command-line syntax they share (:mod:`.mesh_arg`), what they do
 without an optional dependency (:mod:`.extras`: one line naming the extra), synthetic steps
-(:mod:`.synthetic`), NVTX / torch.profiler ranges (:mod:`.ranges`), allocator counts
-(:mod:`.allocations`), ``nsys.sh`` and the one-command GPU session (``gpu_session.sh``).
-Submodules are imported on use; this package imports nothing heavy.
+(:mod:`.synthetic`), allocator counts (:mod:`.allocations`), ``nsys.sh`` and the one-command GPU
+session (``gpu_session.sh``). Submodules are imported on use; this package imports nothing
+heavy. Nothing in the library's data path (capture, bridge, kernels, mcore, common) imports from
+here.
 """
 
 from __future__ import annotations

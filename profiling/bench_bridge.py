@@ -179,7 +179,7 @@ def bench_case(
     from mopd.bridge import BridgeConfig, HiddenStateBridge, TeacherSpec, create_bridge_groups
     from mopd.bridge.groups import all_gather_flat
     from mopd.bridge.layout import encode_keys
-    from mopd.kernels import gather_rows
+    from mopd.kernels.rows import gather_rows
     from mopd.profiling.synthetic import key_pattern
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""Benchmark: one rank's planning at 256 to 16,384 ranks, beside the previous global planner.
+"""Benchmark: one rank's planning at 256 to 16,384 ranks, beside the retired global planner.
 
 Why this file exists: the planner's promise is a cost that follows a rank's own work, flat in the
 number of ranks at a fixed number of tokens per rank, where the previous planner computed the
@@ -14,12 +14,11 @@ source and a destination group): decoding the matrix (:class:`~mopd.bridge.metad
 :meth:`~mopd.bridge.topology.Topology.catalog`), :func:`~mopd.bridge.plan.plan_rank` and
 :func:`~mopd.bridge.plan.check_rank`; ``plan_ms`` is the slowest of their medians. Memory:
 ``peak_mib`` is what one rank holds to plan, the gathered matrix plus the planning's own peak
-allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, only on
-request and up to ``--global-max-ranks N`` ranks, the previous global planner
-(:mod:`mopd.profiling._legacy_planner`, ``plan_token_exchange``, what every rank used to run) on
-the same layouts, in a child process (its time and its RSS growth while planning): minutes per
-rank count from a few thousand ranks on. Each rank count prints a line on stderr as it starts and
-ends. Figures are one CPU thread of this machine.
+allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, at the
+recorded setup (the default sizes), the retired global planner's recorded figures (what every
+rank used to run: the whole job's plan), read from ``profiling/results/`` in a checkout
+(:data:`BASELINE`; the planner itself is gone). Each rank count prints a line on stderr as it
+starts and ends. Figures are one CPU thread of this machine.
 
 It also models the metadata all-gather at those sizes (see :func:`model_allgather`): bytes per
 rank and in all, and a latency estimate for a flat ring and for a two-level (node) scheme.
@@ -40,7 +39,6 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -62,16 +60,21 @@ from mopd.profiling.mesh_arg import OneLineParser
 from mopd.profiling.results import environment, format_table, record
 
 __all__ = [
+    "BASELINE",
     "DEFAULT_RANKS",
     "AllGatherModel",
     "Step",
     "build_step",
     "main",
-    "measure_global",
     "measure_local",
     "model_allgather",
+    "recorded_global",
 ]
 
+#: The retired global planner's recorded run (``global_plan_ms``, ``global_rss_growth_mib`` per
+#: rank count at 4096 tokens per rank, samples up to 4096 long, seed 0), under ``results/``.
+BASELINE = "plan-scale-cpu-2026-12-01"
+_BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0}
 #: Rank counts measured by default.
 DEFAULT_RANKS: tuple[int, ...] = (256, 1024, 4096, 16384)
 _T_TP, _T_CP, _S_TP, _S_CP = 8, 2, 4, 4
@@ -299,81 +302,27 @@ def model_allgather(n: int, sizes_N: np.ndarray) -> AllGatherModel:
     )
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, float | None]]:
+    """The retired global planner's recorded figures per rank count (empty where the record is
+    not there, e.g. in an installed package, whose wheel leaves ``results/`` out)."""
+    import csv
+
+    path = (results_dir or Path(__file__).resolve().parent / "results") / f"{BASELINE}.csv"
+    if not path.is_file():
+        return {}
+    out: dict[int, dict[str, float | None]] = {}
+    with path.open(newline="") as f:
+        for rec in csv.DictReader(f):
+            out[int(rec["ranks"])] = {
+                k: float(rec[k]) if rec.get(k) else None
+                for k in ("global_plan_ms", "global_rss_growth_mib")
+            }
+    return out
 
 
-def _global_child(ranks: int, tokens_per_rank: int, max_len: int, seed: int, repeats: int) -> dict:
-    """In the child: the previous global planner on the same layouts (time, RSS growth)."""
-    from mopd.profiling import _legacy_planner as legacy
-
-    torch.set_num_threads(1)
-    teacher, student = _meshes(ranks)
-    smp = _samples(ranks, tokens_per_rank, max_len, seed)
-    t_lay = {
-        (d, c): _layout(smp.teacher_parts[d], smp.lengths_S, _T_CP, c, _mult(_T_TP, _T_CP))
-        for d, c in teacher.shards()
-    }
-    s_lay = {
-        (d, c): _layout(smp.student_parts[d], smp.lengths_S, _S_CP, c, _mult(_S_TP, _S_CP))
-        for d, c in student.shards()
-    }
-    tb = [legacy.TeacherBatch(mesh=teacher, layouts=t_lay, hidden_size=8192)]
-    sb = legacy.StudentBatch(mesh=student, layouts=s_lay)
-    gc.collect()
-    before = _status_kib("VmRSS")
-    try:  # reset the RSS high-water mark (Linux), so VmHWM is the planning's
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    legacy.plan_token_exchange(tb, sb, method="runs")  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        legacy.plan_token_exchange(tb, sb, method="runs")
-        times.append(time.perf_counter() - t)
-    peak = _status_kib("VmHWM")
-    grow = (peak - before) / 1024 if peak is not None and before is not None else None
-    return {"global_plan_ms": 1e3 * statistics.median(times), "global_rss_growth_mib": grow}
-
-
-def measure_global(
-    ranks: int, *, tokens_per_rank: int, max_len: int, seed: int, repeats: int, timeout_s: float
-) -> dict[str, float | None]:
-    """The previous global planner's time and RSS growth, in a child process (``None`` on
-    failure or timeout)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "mopd.profiling.bench_plan",
-        "--global-child",
-        str(ranks),
-        "--tokens-per-rank",
-        str(tokens_per_rank),
-        "--max-len",
-        str(max_len),
-        "--seed",
-        str(seed),
-        "--global-repeats",
-        str(repeats),
-    ]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
-        print(f"bench_plan: global planner at {ranks} ranks skipped ({exc})", file=sys.stderr)
-        return {"global_plan_ms": None, "global_rss_growth_mib": None}
-
-
-def _row(step: Step, local: dict[str, float], glob: dict[str, Any], rss_mib: float) -> dict:
+def _row(
+    step: Step, local: dict[str, float], glob: dict[str, float | None], rss_mib: float
+) -> dict:
     model = model_allgather(step.ranks, step.sizes_N)
     matrix_mib = step.matrix_NW.nbytes / 2**20
     return {
@@ -382,9 +331,7 @@ def _row(step: Step, local: dict[str, float], glob: dict[str, Any], rss_mib: flo
         "samples": step.samples,
         "plan_ms": round(local["plan_ms"], 4),
         "plan_ms_min": round(local["plan_ms_min"], 4),
-        "global_plan_ms": None
-        if glob["global_plan_ms"] is None
-        else round(glob["global_plan_ms"], 2),
+        "global_plan_ms": glob.get("global_plan_ms"),
         "groups_read": int(local["groups_read"]),
         "groups": len(step.topology.sources) + len(step.topology.dests),
         "metadata_bytes_per_rank": round(model.bytes_per_rank, 1),
@@ -395,11 +342,7 @@ def _row(step: Step, local: dict[str, float], glob: dict[str, Any], rss_mib: flo
         "peak_mib": round(matrix_mib + local["plan_alloc_mib"], 3),
         "matrix_mib": round(matrix_mib, 3),
         "plan_alloc_mib": round(local["plan_alloc_mib"], 3),
-        "global_rss_growth_mib": (
-            None
-            if glob.get("global_rss_growth_mib") is None
-            else round(glob["global_rss_growth_mib"], 1)
-        ),
+        "global_rss_growth_mib": glob.get("global_rss_growth_mib"),
         "setup_s": round(step.setup_s, 2),
         "setup_rss_mib": round(rss_mib, 1),
         "topology_build_ms": round(step.topology_ms, 2),
@@ -417,7 +360,9 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
     ax.plot(n, [r["plan_ms"] for r in rows], "o-", label="local plan, one rank (plan_ms)")
     g = [(r["ranks"], r["global_plan_ms"]) for r in rows if r["global_plan_ms"] is not None]
     if g:
-        ax.plot(*zip(*g, strict=True), "s--", label="previous global planner (every rank)")
+        ax.plot(
+            *zip(*g, strict=True), "s--", label=f"retired global planner (every rank; {BASELINE})"
+        )
     ax.plot(
         n, [r["allgather_ring_ms"] for r in rows], "^:", label="metadata all-gather, ring (model)"
     )
@@ -432,7 +377,7 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
     bx.plot(n, [r["plan_alloc_mib"] for r in rows], "o:", label="local plan: planning peak alone")
     m = [(r["ranks"], r["global_rss_growth_mib"]) for r in rows if r["global_rss_growth_mib"]]
     if m:
-        bx.plot(*zip(*m, strict=True), "s--", label="previous global planner: RSS growth")
+        bx.plot(*zip(*m, strict=True), "s--", label="retired global planner: RSS growth (recorded)")
     bx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="MiB", title="memory")
     for x in (ax, bx):
         x.grid(alpha=0.3, which="both")
@@ -459,16 +404,12 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         f"`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one rank, "
         f"median of {args.repeats}, the slowest of three ranks (rank 0, one in the middle, the "
         "last teacher leader); `plan_ms_min` the fastest. `groups_read`: the most groups (of `groups`) whose runs one of them reads. "
-        "`global_plan_ms`: the previous global planner (plan_token_exchange, run "
-        f"join), median of {args.global_repeats}, in a child process; "
-        + (
-            f"empty where skipped (beyond {args.global_max_ranks} ranks, or past its time limit)."
-            if args.global_max_ranks
-            else "not run (only on request: --global-max-ranks N)."
-        ),
+        "`global_plan_ms`: the retired global planner (every rank planned the whole job), as "
+        f"recorded in profiling/results/{BASELINE}.md at the same setup; empty at another "
+        "setup or rank count, or where the record is absent.",
         "`peak_mib` = `matrix_mib` (the gathered metadata every rank holds) + `plan_alloc_mib` "
-        "(tracemalloc peak of decoding and planning). `global_rss_growth_mib`: the previous "
-        "planner's RSS high-water mark above its inputs. `setup_rss_mib`: this process's peak "
+        "(tracemalloc peak of decoding and planning). `global_rss_growth_mib`: the retired "
+        "planner's recorded RSS high-water mark above its inputs. `setup_rss_mib`: this process's peak "
         "RSS after building the records (setup, not planning).",
         f"All-gather model: records padded to the widest (`metadata_padded_bytes_per_rank`), "
         f"two collectives (sizes, records); ring: 2 (n-1) alpha + (n-1) w / beta with alpha = "
@@ -515,26 +456,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
-    parser.add_argument(
-        "--global-max-ranks",
-        type=int,
-        default=0,
-        help="also time the retired global planner (in a child) at rank counts up to N; it takes "
-        "minutes per count from a few thousand ranks on (default 0: not run)",
-    )
-    parser.add_argument("--global-repeats", type=int, default=3)
-    parser.add_argument("--global-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank count")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true", help="print only")
-    parser.add_argument("--global-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.global_child is not None:
-        out = _global_child(
-            args.global_child, args.tokens_per_rank, args.max_len, args.seed, args.global_repeats
-        )
-        print(json.dumps(out))
-        return 0
+    same_setup = all(getattr(args, k) == v for k, v in _BASELINE_SETUP.items())
+    baseline = recorded_global() if same_setup else {}
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
@@ -546,17 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         local = measure_local(step, representative_ranks(n), args.repeats)
-        glob: dict[str, Any] = {"global_plan_ms": None, "global_rss_growth_mib": None}
-        if n <= args.global_max_ranks:
-            glob = measure_global(
-                n,
-                tokens_per_rank=args.tokens_per_rank,
-                max_len=args.max_len,
-                seed=args.seed,
-                repeats=args.global_repeats,
-                timeout_s=args.global_timeout,
-            )
-        row = _row(step, local, glob, rss_mib)
+        row = _row(step, local, baseline.get(n, {}), rss_mib)
         del step
         gc.collect()
         rows.append(row)

@@ -1,4 +1,4 @@
-"""Benchmark: what a ``mopd.profiling.ranges`` span costs, off and on, next to its peers.
+"""Benchmark: what a ``mopd.common.ranges`` span costs, off and on, next to its peers.
 
 Why this file exists: the ranges sit on every phase of every step, so their cost when off must be
 shown, not assumed (a timed unit test would be flaky; a benchmark line is the project's rule).
@@ -38,7 +38,7 @@ def _cases() -> list[tuple[str, bool, Callable[[], object]]]:
     """(case, ranges on?, one call) for every row."""
     import torch
 
-    from mopd.profiling import ranges
+    from mopd.common import ranges
 
     span = ranges.span
     null = contextlib.nullcontext
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.iters < 1 or args.repeat < 1:
         parser.error(f"--iters and --repeat must be >= 1, got {args.iters}, {args.repeat}")
-    from mopd.profiling import ranges
+    from mopd.common import ranges
     from mopd.profiling.results import Progress, format_table, record
 
     previous = ranges.enable(False)

@@ -8,7 +8,7 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
 - two frozen teacher GPTModels, each on its own mesh with its own hidden size (default teacher 0:
   TP2 DP2 on ranks 0-3, teacher 1: TP4 on ranks 4-7, SP on), and a student GPTModel on its own
   mesh (default TP2 CP2 DP2 over all 8 ranks, THD-packed sequences, CP zigzag), each on explicit
-  process groups (:func:`mopd.bridge.megatron_process_groups`), PP allowed on both sides;
+  process groups (:func:`mopd.mcore.megatron_process_groups`), PP allowed on both sides;
 - set-up once with :class:`mopd.mcore.Distiller` (bridge groups, the bridge, the teachers' LM
   heads resharded into the student's vocab partition);
 - each step: a global batch of samples with global ids, cut into micro-batches (sample ``i`` goes
@@ -35,8 +35,9 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from mopd.profiling.demo_config import DemoConfig
 from mopd.profiling.mesh_arg import MeshSpec, OneLineParser, parse_int_list, parse_mesh
 
 __all__ = ["DemoConfig", "main"]
@@ -44,159 +45,6 @@ __all__ = ["DemoConfig", "main"]
 _ARGV_ENV = "MOPD_DEMO_ARGV"
 _T0_ENV = "MOPD_DEMO_T0"
 _DEFAULT_TEACHERS = ("tp=2,dp=2,rank_offset=0", "tp=4,rank_offset=4")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    """Everything a worker needs, validated identically on every rank (and in the launcher).
-
-    Attributes:
-        nproc: ranks in the job.
-        teachers / teacher_hidden: one mesh and hidden size per teacher (same vocabulary).
-        student / student_hidden: the student's mesh and hidden size.
-        heads, layers, vocab, seq_len: model and batch shape (``seq_len`` = max sample length).
-        samples: samples per step over the whole job (global ids ``step * samples + i``).
-        micro_batches: micro-batches per step (each a contiguous share of the samples).
-        per_token_loss: megatron's ``calculate_per_token_loss`` (else its default loss path).
-        steps, lr, seed: the training run.
-        teacher_init_std: the teachers' init std (large -> peaked teacher distributions).
-        prompt_len: the first tokens of each sample are its prompt: the student's loss mask
-            leaves them out (the KL counts the response), so the teachers never send them.
-    """
-
-    nproc: int
-    teachers: tuple[MeshSpec, ...]
-    teacher_hidden: tuple[int, ...]
-    student: MeshSpec
-    student_hidden: int
-    heads: int = 4
-    layers: int = 2
-    vocab: int = 256
-    seq_len: int = 32
-    samples: int = 8
-    micro_batches: int = 2
-    per_token_loss: bool = True
-    steps: int = 3
-    lr: float = 3e-3
-    seed: int = 1234
-    teacher_init_std: float = 0.2
-    prompt_len: int = 8
-    min_len: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        for name in (
-            "nproc",
-            "heads",
-            "layers",
-            "vocab",
-            "seq_len",
-            "samples",
-            "micro_batches",
-            "steps",
-            "student_hidden",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.teacher_init_std > 0:
-            raise ValueError(
-                f"lr and teacher_init_std must be > 0, got {self.lr}, {self.teacher_init_std}"
-            )
-        if not self.teachers:
-            raise ValueError("at least one teacher is needed")
-        if len(self.teacher_hidden) != len(self.teachers):
-            raise ValueError(
-                f"{len(self.teachers)} teacher meshes but {len(self.teacher_hidden)} teacher "
-                f"hidden sizes {list(self.teacher_hidden)}"
-            )
-        models = [
-            (f"teacher {i}", m, h)
-            for i, (m, h) in enumerate(zip(self.teachers, self.teacher_hidden, strict=True))
-        ]
-        models.append(("student", self.student, self.student_hidden))
-        if any(m.rank_offset is None for _, m, _ in models):
-            raise ValueError("every mesh needs its rank_offset (the parser defaults it to 0)")
-        covered: set[int] = set()
-        for label, m, h in models:
-            end = m.rank_offset + m.size
-            if end > self.nproc:
-                raise ValueError(
-                    f"{label} mesh ({m}) needs global ranks {m.rank_offset}..{end - 1}, the job "
-                    f"has {self.nproc}"
-                )
-            covered |= set(range(m.rank_offset, end))
-            if self.heads % m.tp:
-                raise ValueError(
-                    f"{label}: {self.heads} attention heads do not divide by tp={m.tp}"
-                )
-            if h < 1 or h % self.heads:
-                raise ValueError(
-                    f"{label}: hidden size {h} must be a positive multiple of {self.heads} heads"
-                )
-            if self.vocab % m.tp:
-                raise ValueError(f"{label}: vocab {self.vocab} does not divide by tp={m.tp}")
-            if self.layers % m.pp:
-                raise ValueError(f"{label}: {self.layers} layers do not divide by pp={m.pp}")
-        if covered != set(range(self.nproc)):
-            raise ValueError(
-                f"every rank must hold a model; ranks {sorted(set(range(self.nproc)) - covered)} "
-                f"hold none (teachers {[str(t) for t in self.teachers]}, student {self.student}, "
-                f"nproc {self.nproc})"
-            )
-        if self.samples % self.micro_batches:
-            raise ValueError(
-                f"samples per step ({self.samples}) must divide into {self.micro_batches} "
-                "micro-batches"
-            )
-        per_mb = self.samples // self.micro_batches
-        if per_mb % len(self.teachers):
-            raise ValueError(
-                f"samples per micro-batch ({per_mb}) must divide by the number of teachers "
-                f"({len(self.teachers)})"
-            )
-        for i, t in enumerate(self.teachers):
-            if t.cp != 1:
-                raise ValueError(f"teacher {i}: the demo's teachers take cp=1, got cp={t.cp}")
-            if self.seq_len % t.tp:
-                raise ValueError(
-                    f"teacher {i}: seq_len {self.seq_len} must divide by tp={t.tp} (sequence "
-                    "parallelism)"
-                )
-            if per_mb // len(self.teachers) < t.dp:
-                raise ValueError(
-                    f"teacher {i} gets {per_mb // len(self.teachers)} samples per micro-batch, "
-                    f"fewer than its dp={t.dp}"
-                )
-        if per_mb < self.student.dp:
-            raise ValueError(
-                f"{per_mb} samples per micro-batch are fewer than the student's dp={self.student.dp}"
-            )
-        object.__setattr__(self, "min_len", max(1, self.seq_len // 2))
-        if not 0 <= self.prompt_len < self.min_len:
-            raise ValueError(
-                f"prompt_len must be in [0, {self.min_len}) (samples are {self.min_len}.."
-                f"{self.seq_len} tokens), got {self.prompt_len}"
-            )
-
-    @property
-    def num_teachers(self) -> int:
-        return len(self.teachers)
-
-    def as_dict(self) -> dict[str, object]:
-        """The configuration as plain data (for ``--json``)."""
-        return {
-            "nproc": self.nproc,
-            "teachers": [str(t) for t in self.teachers],
-            "teacher_hidden": list(self.teacher_hidden),
-            "student": str(self.student),
-            "student_hidden": self.student_hidden,
-            "samples": self.samples,
-            "micro_batches": self.micro_batches,
-            "seq_len": self.seq_len,
-            "vocab": self.vocab,
-            "steps": self.steps,
-            "per_token_loss": self.per_token_loss,
-            "prompt_len": self.prompt_len,
-        }
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mopd.profiling.demo import DemoConfig
+from mopd.profiling.demo_config import DemoConfig
 
 if TYPE_CHECKING:
     import torch
@@ -175,8 +175,8 @@ class _Job:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        from mopd.bridge import BridgeConfig, GroupPool, megatron_process_groups
-        from mopd.mcore import Distiller, MeshModel
+        from mopd.bridge import BridgeConfig, GroupPool
+        from mopd.mcore import Distiller, MeshModel, megatron_process_groups
         from mopd.mcore.cpu import cpu_gpt_layer_spec
 
         cfg = self.cfg
@@ -350,7 +350,7 @@ class _Job:
         import torch
         import torch.distributed as dist
 
-        from mopd.profiling import ranges
+        from mopd.common import ranges
 
         cfg = self.cfg
         t_start = float(os.environ.get("MOPD_DEMO_T0", time.time()))
@@ -498,7 +498,8 @@ class _Job:
         import torch.distributed as dist
 
         from mopd.bridge.layout import encode_keys
-        from mopd.mcore import micro_batch_layout, run_teacher
+        from mopd.mcore import micro_batch_layout
+        from mopd.mcore.teacher import run_teacher
 
         cfg, dev = self.cfg, self.device
         stride = cfg.seq_len

@@ -2,7 +2,7 @@
 # Run the mopd demo, or any command, under Nsight Systems: CUDA, NVTX, OS-runtime (and NCCL where
 # this nsys can trace it), one report per rank, with the mopd profiler ranges switched on.
 #
-# Why this file exists: the pipeline's phases are NVTX ranges (mopd.profiling.ranges, on when
+# Why this file exists: the pipeline's phases are NVTX ranges (mopd.common.ranges, on when
 # MOPD_NVTX=1); this script is the one way to turn them into reports that can be opened side by
 # side (nsys-ui "multi-report view"), one per torchrun rank.
 #

@@ -1,4 +1,4 @@
-"""mopd.profiling.ranges on a CUDA device: the torch.cuda.nvtx fallback works (the GPU image has
+"""mopd.common.ranges on a CUDA device: the torch.cuda.nvtx fallback works (the GPU image has
 no ``nvtx`` package), and torch.profiler sees the ranges around real CUDA work."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 pytestmark = [
     pytest.mark.gpu,

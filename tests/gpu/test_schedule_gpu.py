@@ -14,7 +14,7 @@ import torch
 from mopd.bridge import Mesh
 from mopd.bridge.plan import plan_rank
 from mopd.bridge.schedule import DeviceIndices, RankSchedule
-from mopd.kernels import copy_runs
+from mopd.kernels.rows import copy_runs
 from mopd.profiling.synthetic import SideFormat, synthetic_step
 from tests.support.plan_sim import simulate
 

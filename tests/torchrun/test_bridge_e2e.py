@@ -34,15 +34,18 @@ from mopd.bridge import (
     Mesh,
     TeacherSpec,
     create_bridge_groups,
-    megatron_process_groups,
-    mesh_from_parallel_state,
-    mesh_from_pg_collection,
     packed_layout,
     padded_layout,
 )
 from mopd.bridge.layout import encode_keys
-from mopd.bridge.lm_head import VocabSpec, lm_head_from_models, reshard_lm_head
+from mopd.bridge.lm_head import VocabSpec, reshard_lm_head
 from mopd.capture import OutputLayerInputCapture, ReusableBuffer
+from mopd.mcore import (
+    lm_head_from_models,
+    megatron_process_groups,
+    mesh_from_parallel_state,
+    mesh_from_pg_collection,
+)
 from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from tests.support import megatron_cpu as mc
 from tests.support.bridges import poison_outputs

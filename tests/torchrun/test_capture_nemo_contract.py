@@ -142,7 +142,8 @@ def test_model_attribute_is_what_megatron_unwrap_model_gives():
 
 def test_gather_uses_the_output_layers_own_tp_group():
     """A model built on an explicit pg_collection while megatron's global TP group is size 1."""
-    from mopd.bridge import GroupPool, Mesh, megatron_process_groups
+    from mopd.bridge import GroupPool, Mesh
+    from mopd.mcore import megatron_process_groups
 
     mc.init_parallel(tp=1)
     pg = megatron_process_groups(Mesh(tp=2), GroupPool())

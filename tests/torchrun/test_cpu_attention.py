@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import GroupPool, Mesh, megatron_process_groups, packed_layout
+from mopd.bridge import GroupPool, Mesh, packed_layout
+from mopd.mcore import megatron_process_groups
 from mopd.mcore.cpu import cpu_gpt_layer_spec, packed_rows, zigzag_positions
 from tests.support import megatron_cpu as mc
 from tests.support.dist import COLLECTIVE_TIMEOUT

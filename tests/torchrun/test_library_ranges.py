@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 TORCHRUN_NPROC = 2
 TORCHRUN_TIMEOUT = 300

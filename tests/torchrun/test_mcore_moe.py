@@ -125,8 +125,8 @@ def test_moe_teacher_and_student_ep2_match_direct(world: Any) -> None:
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
-    from mopd.mcore import Distiller, MeshModel
+    from mopd.bridge import BridgeConfig, GroupPool, Mesh
+    from mopd.mcore import Distiller, MeshModel, megatron_process_groups
     from tests.support.mcore_ref import compare_grads, reference_step, unwrapped
 
     rank = dist.get_rank()

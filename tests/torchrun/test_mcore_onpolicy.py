@@ -291,8 +291,8 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
-    from mopd.mcore import Distiller, MeshModel
+    from mopd.bridge import BridgeConfig, GroupPool, Mesh
+    from mopd.mcore import Distiller, MeshModel, megatron_process_groups
     from tests.support.mcore_ref import compare_grads, reference_step, unwrapped
 
     spec = CASES[case]

@@ -136,8 +136,8 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
-    from mopd.mcore import Distiller, MeshModel
+    from mopd.bridge import BridgeConfig, GroupPool, Mesh
+    from mopd.mcore import Distiller, MeshModel, megatron_process_groups
     from tests.support.mcore_ref import compare_grads, reference_step
 
     rank = dist.get_rank()
@@ -230,8 +230,14 @@ def test_packed_student_at_pp2_without_variable_lengths_fails_early_everywhere(w
     ``distiller.step`` (the bridge's agreed verdict), before the teacher or the schedule run."""
     from megatron.core.models.gpt import GPTModel
 
-    from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
-    from mopd.mcore import Distiller, MeshModel, packed_micro_batch, split_samples
+    from mopd.bridge import BridgeConfig, GroupPool, Mesh
+    from mopd.mcore import (
+        Distiller,
+        MeshModel,
+        megatron_process_groups,
+        packed_micro_batch,
+        split_samples,
+    )
     from mopd.mcore.cpu import cpu_gpt_layer_spec
     from tests.support.megatron_cpu import tiny_config
 

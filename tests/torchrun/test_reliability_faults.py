@@ -1,6 +1,6 @@
 """Tier 2 (4 ranks, gloo): faults during a step end in clear errors within the timeout, never hangs.
 
-A rank that *exits* is in tests/unit/test_reliability_exit.py (it kills its torchrun launch).
+A rank that *exits* is in tests/launch/test_reliability_exit.py (it kills its torchrun launch).
 Meshes: the teacher is ``tp2`` on global ranks 0-1, the student ``tp2`` on 2-3; each teacher rank
 sends half of every micro-batch to each student rank, so every student waits on both teachers.
 Each case runs one step of ``M`` micro-batches on a bridge built on fresh groups (a failed step

@@ -75,8 +75,8 @@ class Job:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from mopd.bridge import BridgeConfig, GroupPool, Mesh, megatron_process_groups
-        from mopd.mcore import Distiller, MeshModel
+        from mopd.bridge import BridgeConfig, GroupPool, Mesh
+        from mopd.mcore import Distiller, MeshModel, megatron_process_groups
         from tests.support.megatron_cpu import tiny_config
 
         self.rank = dist.get_rank()

@@ -1,6 +1,6 @@
 """Tier 2: the teacher pass captures into one recycled buffer, step after step (gloo, 2 ranks).
 
-The bridge path's capture is the zero-allocation one: :func:`mopd.mcore.run_teacher` hands each
+The bridge path's capture is the zero-allocation one: :func:`mopd.mcore.teacher.run_teacher` hands each
 micro-batch's hidden states to its callback from the caller's :class:`~mopd.capture.ReusableBuffer`
 (the Distiller keeps one per teacher), so a steady shape allocates once over many steps. Checked
 on a TP2 + SP GPTModel built on explicit process groups, against a default capture of each
@@ -21,8 +21,9 @@ S, B, V, H = 16, 2, 64, 32
 
 
 def test_run_teacher_recycles_the_callers_buffer_across_steps():
-    from mopd.bridge import GroupPool, Mesh, megatron_process_groups
-    from mopd.mcore import padded_micro_batch, run_teacher
+    from mopd.bridge import GroupPool, Mesh
+    from mopd.mcore import megatron_process_groups, padded_micro_batch
+    from mopd.mcore.teacher import run_teacher
 
     mc.init_parallel(tp=1)
     pg = megatron_process_groups(Mesh(tp=2), GroupPool())

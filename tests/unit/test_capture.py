@@ -15,8 +15,8 @@ from mopd.capture import (
     ReusableBuffer,
     find_output_layer,
     get_opd_full_capture_context,
-    unwrap_model,
 )
+from mopd.capture.unwrap import unwrap_model
 from tests.support.capture_models import VLM, H, Head, TinyLM, Wrapper, hooks_on, x_SBH
 
 

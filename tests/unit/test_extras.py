@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 
 import pytest
@@ -21,16 +20,6 @@ def test_a_missing_module_is_none_and_said_once(capsys: pytest.CaptureFixture[st
         "adds it)\n"
     )
     assert extras.child_env()["MOPD_EXTRAS_SAID"].split(",").count(name) == 1
-
-
-def test_a_note_said_by_the_parent_is_not_said_again_by_a_child() -> None:
-    code = (
-        "from mopd.profiling import extras;"
-        "assert extras.optional_module('mopd_test_no_such_module', purpose='p') is None"
-    )
-    env = {**extras.child_env(), "MOPD_EXTRAS_SAID": "mopd_test_no_such_module"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert res.returncode == 0 and res.stderr == "", res.stderr
 
 
 def test_an_installed_module_is_returned_silently(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from mopd.common.log import reset_once
 from mopd.kernels import backend as backend_mod
-from mopd.kernels import copy_runs, gather_rows, scatter_rows
+from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, run_rows, scatter_rows_torch
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]

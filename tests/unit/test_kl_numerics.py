@@ -26,9 +26,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mopd.common import ranges
 from mopd.kernels import kl_matmul, kl_prepare
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
-from mopd.profiling import ranges
 from tests.support.kl_reference import (
     case_reference,
     distillation_case,

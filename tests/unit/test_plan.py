@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -522,10 +523,16 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
     assert "[1/2] 16 ranks ..." in err and "[2/2] 32 ranks done in" in err, err
     for r in rows:
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
+        # another setup than the recorded one: no baseline beside it
         assert r["global_plan_ms"] is None and r["plan_ms"] > 0 and r["peak_mib"] > 0
         assert r["tokens"] >= 64 * r["ranks"]
-    # the previous global planner runs in a child process beside it, only on request
-    argv = [*argv[3:], "--ranks", "16", "--global-max-ranks", "16", "--json", "--no-record"]
-    assert bench_plan.main(argv) == 0
-    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert row["global_plan_ms"] > 0
+
+
+def test_bench_plan_baseline_is_the_retired_planners_record(tmp_path: Path) -> None:
+    """The global planner is gone; its recorded figures are the baseline, read per rank count."""
+    from mopd.profiling import bench_plan
+
+    recorded = bench_plan.recorded_global()
+    assert recorded[256]["global_plan_ms"] == 32.33  # the checkout's record, as written
+    assert recorded[16384]["global_rss_growth_mib"] == 3717.4
+    assert bench_plan.recorded_global(tmp_path) == {}  # no record there: no baseline

@@ -1,4 +1,4 @@
-"""mopd.profiling.ranges: ranges reach torch.profiler nested as opened, NVTX stays balanced,
+"""mopd.common.ranges: ranges reach torch.profiler nested as opened, NVTX stays balanced,
 and nothing at all is emitted when off."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
-from mopd.profiling import ranges
+from mopd.common import ranges
 
 
 @pytest.fixture(autouse=True)
@@ -252,3 +252,15 @@ def test_nvtx_package_preferred_when_present() -> None:
     ranges.enable(True)
     with ranges.span("pack", 0):  # the real package: must not raise without a profiler attached
         _work()
+
+
+def test_old_module_is_a_deprecated_alias_sharing_the_switch() -> None:
+    """``mopd.profiling.ranges`` (one release more) warns and hands out the same objects."""
+    old = importlib.import_module("mopd.profiling.ranges")
+    with pytest.warns(DeprecationWarning, match=r"mopd\.common\.ranges\.enable"):
+        old_enable = old.enable
+    assert old_enable is ranges.enable
+    old_enable(True)
+    assert ranges.is_enabled()
+    with pytest.raises(AttributeError):
+        _ = old.no_such_name

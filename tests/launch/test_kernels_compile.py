@@ -1,4 +1,4 @@
-"""Tier 1: the CUDA sources under kernels/ compile, spill nothing, and the row kernels are right.
+"""Tier 2 (launch): the CUDA sources under kernels/ compile, spill nothing, and the row kernels are right.
 
 - every ``kernels/*.cu`` compiles with ``nvcc -arch=sm_90`` and ``ptxas -v`` reports no spills;
 - every kernel name the CuPy launcher can ask for (op x variant x vector width) exists;

@@ -1,4 +1,4 @@
-"""Tier 1: the wheel, installed the way a user installs it, ships what the README promises.
+"""Tier 2 (launch): the wheel, installed the way a user installs it, ships what the README promises.
 
 Builds the wheel from this checkout. It holds the ``mopd`` namespace and nothing generic, and
 imports from a plain folder away from the source tree. Then, as a new user would: a fresh virtual

@@ -1,8 +1,8 @@
-"""Tier 1: the torchrun harness reports each tier-2 test as its own item with its own outcome.
+"""Tier 2 (launch): the torchrun harness reports each tier-2 test as its own item with its own outcome.
 
 Why this file exists: the harness (tests/support/torchrun.py) is what every tier-2 result goes
 through under plain ``pytest``; these tests run a plain ``pytest`` on the small modules in
-``tests/unit/torchrun_fixtures/`` (real 2-rank torchrun launches, one per module) and check the
+``tests/launch/torchrun_fixtures/`` (real 2-rank torchrun launches, one per module) and check the
 per-test outcomes, the failing rank's report, ``-k`` and node-id selection, a hang killed at the
 timeout, a crash, "no test ran", the whole-module fallback and the exit codes. The choice of
 which rank's report stands for a test is checked without launching anything.

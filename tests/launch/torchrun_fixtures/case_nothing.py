@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.unit.torchrun_fixtures._common import in_ranks
+from tests.launch.torchrun_fixtures._common import in_ranks
 
 TORCHRUN_NPROC = 2
 TORCHRUN_TIMEOUT = 120

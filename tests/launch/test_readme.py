@@ -1,4 +1,4 @@
-"""Tier 1: every Python block of README.md runs as written, on CPU (gloo under torchrun).
+"""Tier 2 (launch): every Python block of README.md runs as written, on CPU (gloo under torchrun).
 
 A README that drifts from the code is a broken promise to its first user. Each ```python block
 is announced by an HTML comment: ``<!-- readme-test: python -->`` (one process),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.unit.torchrun_fixtures._common import in_ranks, world
+from tests.launch.torchrun_fixtures._common import in_ranks, world
 
 TORCHRUN_NPROC = 2
 TORCHRUN_TIMEOUT = 120

@@ -1,4 +1,4 @@
-"""Tier 1: the KL's CUDA kernels (``kernels/kl_kernels.cu``) run on the CPU, thread by thread.
+"""Tier 2 (launch): the KL's CUDA kernels (``kernels/kl_kernels.cu``) run on the CPU, thread by thread.
 
 Why this file exists: the CuPy kernels only run on a GPU, which this tier does not have. Here the
 same source is compiled for the host with a small shim (one OS thread per CUDA thread, a
@@ -7,7 +7,7 @@ launched with the grid, column split and vector-alignment flag that :mod:`mopd.k
 would use. The results must match the torch twins: this checks the kernels' online softmax
 merge, the block reduction, the column split, the vector and scalar paths and bf16 rounding,
 without a GPU. ``nvcc`` checks that the same source compiles for the device
-(tests/unit/test_kernels_compile.py).
+(tests/launch/test_kernels_compile.py).
 
 Tolerances as in tier 3: maxima exact, sums rtol 1e-5, cross sums as expectations within 1e-5
 of the logit spread, gradients within 1 bf16 ulp (fp32: rtol 1e-5).

@@ -1,11 +1,13 @@
-"""Megatron process-group collections for a model that lives on its own mesh inside the job.
+"""Megatron process groups and meshes for a model that lives on its own mesh inside the job.
 
 Why this file exists: megatron's ``parallel_state`` holds one global configuration, but in MOPD
 the teachers and the student each have their own mesh (TP, CP, DP, PP) inside one job.
 megatron-core accepts explicit groups per model (``pg_collection=`` on the model, the schedule
 and ``finalize_model_grads``); :func:`megatron_process_groups` builds them from a
 :class:`~mopd.bridge.mesh.Mesh`, through a :class:`~mopd.bridge.groups.GroupPool`, so every rank
-creates every group in the same order. Megatron is imported on use only.
+creates every group in the same order; :func:`mesh_from_pg_collection` and
+:func:`mesh_from_parallel_state` read a mesh back off megatron's groups. Megatron is imported on
+use only.
 
 Mixture-of-experts layers see the ranks of one pipeline stage differently: the ``tp x cp x dp``
 ranks of a stage are ``expert_tp x ep x expt_dp`` (megatron's expert rank order, expert TP
@@ -19,11 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from mopd.bridge.mesh import Mesh, mesh_from_groups
+
 if TYPE_CHECKING:
     from mopd.bridge.groups import GroupPool
-    from mopd.bridge.mesh import Mesh
 
-__all__ = ["megatron_process_groups", "mesh_group_ranks"]
+__all__ = [
+    "megatron_process_groups",
+    "mesh_from_parallel_state",
+    "mesh_from_pg_collection",
+    "mesh_group_ranks",
+]
 
 
 def _expert_sizes(mesh: Mesh, ep: int, expert_tp: int | None) -> tuple[int, int, int]:
@@ -127,3 +135,34 @@ def megatron_process_groups(
         mine[alias] = mine[same]
     mine["inter_dist_opt"] = None  # one distributed-optimizer instance
     return ProcessGroupCollection(**mine)
+
+
+def mesh_from_parallel_state(*, name: str = "", parallel_state: Any | None = None) -> Mesh:
+    """The mesh of the live ``megatron.core.parallel_state`` setup, checked against its groups."""
+    if parallel_state is None:
+        from megatron.core import parallel_state as ps
+
+        parallel_state = ps
+    return mesh_from_groups(
+        global_rank=dist.get_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_group=parallel_state.get_context_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(with_context_parallel=False),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        name=name,
+    )
+
+
+def mesh_from_pg_collection(
+    pg_collection: Any, *, global_rank: int | None = None, name: str = ""
+) -> Mesh:
+    """The mesh of a model built on a megatron ``ProcessGroupCollection`` (its ``tp``, ``cp``,
+    ``dp`` (without CP) and ``pp`` groups; a missing one counts as size 1), checked against them."""
+    return mesh_from_groups(
+        global_rank=dist.get_rank() if global_rank is None else global_rank,
+        tp_group=getattr(pg_collection, "tp", None),
+        cp_group=getattr(pg_collection, "cp", None),
+        dp_group=getattr(pg_collection, "dp", None),
+        pp_group=getattr(pg_collection, "pp", None),
+        name=name,
+    )

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.unit.torchrun_fixtures._common import world
+from tests.launch.torchrun_fixtures._common import world
 
 TORCHRUN_NPROC = 2
 TORCHRUN_TIMEOUT = 120

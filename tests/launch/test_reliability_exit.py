@@ -1,6 +1,6 @@
-"""Tier 1 driving real 3-rank torchrun jobs: a rank that exits during a step leaves clear errors.
+"""Tier 2 (launch): real 3-rank torchrun jobs where a rank exits during a step leave clear errors.
 
-Why a unit test: a rank that calls ``os._exit`` takes the pytest under torchrun down with it (and
+Why its own launch: a rank that calls ``os._exit`` takes the pytest under torchrun down with it (and
 the harness's per-test agreement), so the job runs this file as a plain script under
 ``torch.distributed.run`` and the survivors write what they saw (error type, message, elapsed,
 where they stopped, the micro-batches they received exact) as JSON into a directory given by

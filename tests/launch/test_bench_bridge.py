@@ -1,4 +1,4 @@
-"""Tier 1: ``mopd bench bridge`` on CPU ranks: the step API's rows exact, bytes at the minimum.
+"""Tier 2 (launch): ``mopd bench bridge`` on CPU ranks: the step API's rows exact, bytes at the minimum.
 
 The benchmark starts its own gloo ranks (two here, tiny sizes); its times mean nothing on a
 CPU, so what is checked is what a GPU run would move: every delivered row bit for bit, the

@@ -1,2 +1,0 @@
-"""Small tier-2 modules that tests/unit/test_torchrun_harness.py launches (not collected on their
-own: their names do not start with ``test_``)."""
