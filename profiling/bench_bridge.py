@@ -35,7 +35,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mopd.profiling.extras import can_draw
+from mopd.profiling.launch import free_port
 from mopd.profiling.mesh_arg import OneLineParser
 
 if TYPE_CHECKING:
@@ -432,7 +432,7 @@ def _init() -> torch.device:
             )
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
                 rank=0,
@@ -523,12 +523,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawned(local_rank: int, nproc: int, port: int, argd: dict[str, Any]) -> None:
     os.environ.update(
         RANK=str(local_rank),
@@ -580,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(r, nproc, port, vars(args))) for r in range(nproc)]
     for p in procs:
         p.start()

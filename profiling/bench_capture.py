@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mopd.profiling.extras import can_draw
+from mopd.profiling.launch import free_port
 from mopd.profiling.mesh_arg import OneLineParser
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ def _init(cuda: bool) -> torch.device:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **kw)
         return device
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timeout, **kw)
     return device
 

@@ -10,11 +10,20 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["kill_tree", "run_torchrun"]
+__all__ = ["free_port", "kill_tree", "run_torchrun"]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that no process listens on now, for a one-process rendezvous
+    (``MASTER_PORT``): a fixed port collides with any other job on the machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def kill_tree(pid: int) -> None:

@@ -79,7 +79,7 @@ def test_bad_flags_fail_before_torch_is_imported() -> None:
 
 
 def test_capture_quick_cpu_run_is_labelled_functional(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29577")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the benchmark picks a free port
     res = subprocess.run(
         [sys.executable, "-m", "mopd.profiling.bench_capture", "--quick", "--iters", "2",
          "--results-dir", str(tmp_path)],
