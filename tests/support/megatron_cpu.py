@@ -8,6 +8,7 @@ tiny configs, model builders, and gathering / loading full parameter states.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "gather_vocab_shards",
     "init_parallel",
     "load_full_state",
+    "megatron_world",
     "tiny_config",
 ]
 
@@ -51,6 +53,24 @@ def destroy_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def megatron_world() -> Iterator[None]:
+    """A module fixture's body for megatron on this torchrun world (gloo): the CPU patches, a
+    TP=PP=1 ``parallel_state`` (the models under test take explicit ``pg_collection`` groups)
+    and megatron's RNG tracker seeded; ``parallel_state`` is torn down afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from tests.support.dist import ensure_world
+
+    ensure_world()
+    apply()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(7)
+    yield
+    parallel_state.destroy_model_parallel()
 
 
 def tiny_config(**overrides: Any):

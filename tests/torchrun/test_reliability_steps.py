@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.megatron_cpu import megatron_world
 from tests.support.reliability import everyone, outcome
 
 TORCHRUN_NPROC = 4
@@ -51,21 +52,7 @@ class Injected(RuntimeError):
     """The fault a test injects."""
 
 
-@pytest.fixture(scope="module")
-def world() -> Any:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from mopd.mcore import cpu
-    from tests.support.dist import ensure_world
-
-    ensure_world()
-    cpu.apply()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(7)
-    yield
-    parallel_state.destroy_model_parallel()
+world = pytest.fixture(scope="module")(megatron_world)
 
 
 class Job:
