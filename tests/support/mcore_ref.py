@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExtraLoss", "compare_grads", "load_sharded", "reference_step", "shard_of", "unwrapped"]
+__all__ = [
+    "ExtraLoss",
+    "compare_grads",
+    "load_sharded",
+    "masked_padded_micro_batches",
+    "reference_step",
+    "shard_of",
+    "unwrapped",
+]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -156,3 +164,39 @@ def compare_grads(
 def unwrapped(model: Any) -> torch.nn.Module:
     """The GPTModel inside megatron's DDP wrapper."""
     return model.module if hasattr(model, "module") else model
+
+
+def masked_padded_micro_batches(
+    mesh: Any,
+    rank: int,
+    micro_batch_ids: Sequence[Sequence[int]],
+    toks: dict[int, torch.Tensor],
+    mask: dict[int, torch.Tensor],
+    *,
+    seq_len: int,
+    masked: bool,
+) -> list[Any]:
+    """Global rank ``rank``'s padded micro-batches of ``mesh``: for each list of global sample ids,
+    this DP rank's share, ``tokens_BS`` ``[B, seq_len]`` zero-padded from ``toks[s]`` ``[L_s]``,
+    with the real lengths and (if ``masked``) the loss mask ``mask[s]`` ``[L_s]`` as ``[B, seq_len]``.
+    """
+    from mopd.mcore import padded_micro_batch, split_samples
+
+    coord = mesh.coord(rank)
+    mbs = []
+    for ids in micro_batch_ids:
+        mine = split_samples(list(ids), mesh.dp, coord.dp_rank)
+        tokens_BS = torch.zeros(len(mine), seq_len, dtype=torch.int64)
+        mask_BS = torch.zeros(len(mine), seq_len, dtype=torch.bool)
+        for b, s in enumerate(mine):
+            tokens_BS[b, : toks[s].numel()] = toks[s]
+            mask_BS[b, : toks[s].numel()] = mask[s]
+        mbs.append(
+            padded_micro_batch(
+                mine,
+                tokens_BS,
+                lengths=[toks[s].numel() for s in mine],
+                loss_mask_BS=mask_BS if masked else None,
+            )
+        )
+    return mbs

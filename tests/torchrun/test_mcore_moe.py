@@ -76,7 +76,7 @@ def _load_ep(model: Any, full: dict[str, torch.Tensor], ep_rank: int) -> dict[st
 
 
 def _micro_batches(step: int, mesh: Any, *, masked: bool) -> tuple[list[Any], dict, dict]:
-    from mopd.mcore import padded_micro_batch, split_samples
+    from tests.support.mcore_ref import masked_padded_micro_batches
 
     g = torch.Generator().manual_seed(step)
     ids = list(range(16 * step, 16 * step + 8))
@@ -88,23 +88,12 @@ def _micro_batches(step: int, mesh: Any, *, masked: bool) -> tuple[list[Any], di
         s: torch.arange(t.numel()) >= int(torch.randint(1, t.numel() - 1, (), generator=g))
         for s, t in toks.items()
     }
-    c = mesh.coord(dist.get_rank())
-    mbs = []
-    for i in range(2):  # 2 micro-batches of 4 samples, one per DP rank
-        mine = split_samples(ids[4 * i : 4 * i + 4], mesh.dp, c.dp_rank)
-        tokens = torch.zeros(len(mine), S, dtype=torch.int64)
-        m_BS = torch.zeros(len(mine), S, dtype=torch.bool)
-        for b, s in enumerate(mine):
-            tokens[b, : toks[s].numel()] = toks[s]
-            m_BS[b, : toks[s].numel()] = mask[s]
-        mbs.append(
-            padded_micro_batch(
-                mine,
-                tokens,
-                lengths=[toks[s].numel() for s in mine],
-                loss_mask_BS=m_BS if masked else None,
-            )
-        )
+    groups = [
+        ids[4 * i : 4 * i + 4] for i in range(2)
+    ]  # 2 micro-batches of 4 samples, one per DP rank
+    mbs = masked_padded_micro_batches(
+        mesh, dist.get_rank(), groups, toks, mask, seq_len=S, masked=masked
+    )
     return mbs, toks, mask
 
 
@@ -118,7 +107,7 @@ def test_moe_teacher_and_student_ep2_match_direct(world: Any) -> None:
     from tests.support.mcore_ref import compare_grads, reference_step, unwrapped
 
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     tmesh, smesh = Mesh(dp=4, name="teacher"), Mesh(dp=4, name="student")
     tpg = megatron_process_groups(tmesh, pool, ep=EP)
     spg = megatron_process_groups(smesh, pool, ep=EP)

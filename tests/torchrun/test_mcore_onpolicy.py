@@ -287,7 +287,7 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
     n_teachers = spec.get("teachers", 1)
     loss_kind = spec.get("loss", "kl")
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     tmeshes = [Mesh(tp=2, dp=2, pp=2, name="teacher0")]
     if n_teachers == 2:  # ranks 4-7: teacher 0's second stage and all of teacher 1
         tmeshes.append(Mesh(dp=4, rank_offset=4, name="teacher1"))

@@ -89,7 +89,7 @@ def _chunks(mesh: Any, pg: Any, full: dict, *, batch_p2p: bool, per_token: bool)
 
 
 def _micro_batches(seed: int, mesh: Any, *, masked: bool) -> tuple[list[Any], dict, dict]:
-    from mopd.mcore import padded_micro_batch, split_samples
+    from tests.support.mcore_ref import masked_padded_micro_batches
 
     g = torch.Generator().manual_seed(seed)
     ids = list(range(100 * seed, 100 * seed + 8))
@@ -98,23 +98,12 @@ def _micro_batches(seed: int, mesh: Any, *, masked: bool) -> tuple[list[Any], di
         L = int(torch.randint(4, S + 1, (), generator=g))
         toks[s] = torch.randint(0, V, (L,), generator=g)
         mask[s] = torch.arange(L) >= int(torch.randint(1, L - 1, (), generator=g))
-    c = mesh.coord(dist.get_rank())
-    mbs = []
-    for i in range(4):  # 4 micro-batches of 2 samples (VPP at PP=2 wants a multiple of 2)
-        mine = split_samples(ids[2 * i : 2 * i + 2], mesh.dp, c.dp_rank)
-        tokens = torch.zeros(len(mine), S, dtype=torch.int64)
-        m_BS = torch.zeros(len(mine), S, dtype=torch.bool)
-        for b, s in enumerate(mine):
-            tokens[b, : toks[s].numel()] = toks[s]
-            m_BS[b, : toks[s].numel()] = mask[s]
-        mbs.append(
-            padded_micro_batch(
-                mine,
-                tokens,
-                lengths=[toks[s].numel() for s in mine],
-                loss_mask_BS=m_BS if masked else None,
-            )
-        )
+    groups = [
+        ids[2 * i : 2 * i + 2] for i in range(4)
+    ]  # 4 micro-batches of 2 samples (VPP at PP=2 wants a multiple of 2)
+    mbs = masked_padded_micro_batches(
+        mesh, dist.get_rank(), groups, toks, mask, seq_len=S, masked=masked
+    )
     return mbs, toks, mask
 
 
@@ -129,7 +118,7 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
     from tests.support.mcore_ref import compare_grads, reference_step
 
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     tmesh, smesh = Mesh(dp=4, name="teacher"), Mesh(dp=2, pp=2, name="student")
     tpg = megatron_process_groups(tmesh, pool)
     spg = megatron_process_groups(smesh, pool)
@@ -230,7 +219,7 @@ def test_packed_student_at_pp2_without_variable_lengths_fails_early_everywhere(w
     from tests.support.megatron_cpu import tiny_config
 
     rank = dist.get_rank()
-    pool = GroupPool()
+    pool = GroupPool(timeout_s=120)
     tmesh, smesh = Mesh(dp=4, name="teacher"), Mesh(dp=2, pp=2, name="student")
     tpg = megatron_process_groups(tmesh, pool)
     spg = megatron_process_groups(smesh, pool)
