@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "ExtraLoss",
     "compare_grads",
+    "compare_loss",
     "load_sharded",
     "masked_padded_micro_batches",
     "reference_step",
@@ -126,6 +127,15 @@ def reference_step(
         n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None
     }
     return float(loss), grads
+
+
+def compare_loss(loss: float, ref: float, *, rtol: float, worst: list[float]) -> list[str]:
+    """A step's loss against the reference's: problems found (``[]``: none). ``worst`` is
+    appended with the relative error (for reporting, as :func:`compare_grads` does)."""
+    worst.append(abs(loss - ref) / abs(ref))
+    if abs(loss - ref) > rtol * abs(ref):
+        return [f"loss {loss:.8f} vs direct {ref:.8f}"]
+    return []
 
 
 def compare_grads(
