@@ -597,7 +597,7 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
 
 
 #: The link classes of one step, in report order: ``(key, what)``.
-LINK_CLASSES = (
+_LINK_CLASSES = (
     ("cross", "cross-rank point-to-point (the bridge's crossing)"),
     ("local", "colocated local copies"),
     ("teacher_tp", "teacher TP links (the capture's SP all-gather)"),
@@ -803,7 +803,7 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     add("== bytes per link class, per step (beside the minimum) ==")
     links, floor = f["link_bytes"], f["link_bytes_minimum"]
     add(f"{'link class':<52}{'bytes':>14}{'minimum':>14}")
-    for key, what in LINK_CLASSES:
+    for key, what in _LINK_CLASSES:
         low = "" if key in ("cross", "local") else _fmt_bytes(floor[key])
         add(f"{what:<52}{_fmt_bytes(links[key]):>14}{low:>14}")
     add(
