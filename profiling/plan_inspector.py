@@ -20,7 +20,9 @@ Batch model (one training step of one teacher; sample ids ``0 .. B-1``):
   its capture's ``[S_pad / cp, b, H]``; the student wants its logits' ``[b, S_pad / cp]`` order
   (each SP slice's ``[S_pad / cp / tp, b]`` rows when it keeps its SP slice). ``S_pad`` is ``S``
   rounded up to a multiple of ``2 cp`` (times ``tp`` under sequence parallelism); rows past
-  ``S`` are padding and never move;
+  ``S`` are padding and never move. Under teacher SP each teacher TP rank holds its own
+  ``[S_pad / cp / tp, b, H]`` slice and is a source of its own (``--teacher-sp-replicas``: the
+  capture's gathered buffer on every TP rank, replicas);
 - packed (``--packed-lengths L0,L1,...``): THD, each sample padded to that multiple separately.
 
 Figures (bytes; ``row = hidden_size * dtype_bytes``; sums over the step's micro-batches):
@@ -33,6 +35,12 @@ Figures (bytes; ``row = hidden_size * dtype_bytes``; sums over the step's micro-
   of the slowest rank, added over the micro-batches. Without student sequence parallelism the
   student then all-gathers each micro-batch inside each student TP group (ring: each rank sends
   and receives ``tp - 1`` slices), timed at ``--nvlink-gbps``;
+- bytes per link class (the step's): the crossing (point to point between ranks), colocated
+  local copies, the teacher's TP links (the capture's SP all-gather, ``(tp - 1) / tp`` of each
+  teacher buffer to every TP rank, when a teacher under SP sends from replicas; nothing when
+  each TP rank sends its own SP shard, the default) and the student's TP all-gather, beside the
+  minimum: each needed row once to each student ``(dp, cp)`` group (crossing and local copies
+  together), nothing on the teacher's TP links, and the student TP all-gather its layout needs;
 - logits instead of hidden states: ``vocab_size * dtype_bytes`` per token to every student rank
   that needs it (all ``tp`` ranks of the token's student group), and the best case of sending
   each rank only its ``vocab / tp`` slice;
@@ -755,7 +763,8 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     per_mb = b // m
     sp_note = ", each rank its own SP slice" if req.keeps_sp_slice else ""
     add(
-        f"buffers per micro-batch: teacher {_rows_text(report.teacher_rows)} rows per (dp, cp) "
+        f"buffers per micro-batch: teacher {_rows_text(report.teacher_rows)} rows per "
+        f"{'TP rank (its SP shard) of a ' if req.sources_from_shards else ''}(dp, cp) "
         f"shard ({per_mb // t.dp} samples), student {_rows_text(report.student_rows)} rows "
         f"({per_mb // s.dp} samples{sp_note}); padding rows never move"
     )
@@ -876,7 +885,8 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     if f["bytes_local"]:
         nz = np.flatnonzero(report.local_W).tolist()
         add(f"local copies: ranks {_ranges(nz)}, {_fmt_bytes(f['bytes_local'])} in all")
-    add(f"teacher TP replica balance: max/mean {f['replica_imbalance']:.4f}")
+    if not req.sources_from_shards:  # a source is one rank: nothing to balance within it
+        add(f"teacher TP replica balance: max/mean {f['replica_imbalance']:.4f}")
     add("")
     add("== bytes compared (ratio = bytes / this plan's total) ==")
     tot = f["bytes_total"]
