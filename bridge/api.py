@@ -97,11 +97,18 @@ class TeacherSpec:
         dtype: the captured rows' dtype (e.g. ``torch.bfloat16``); needed to plan a step
             before the teacher has run (the students allocate their buffers from it). ``None``
             is allowed with :meth:`HiddenStateBridge.exchange`, which reads it off the buffer.
+        sp_shards: the teacher runs with sequence parallelism and each last-stage TP rank
+            sends from its own SP shard: its layouts and buffers are that rank's
+            ``[S/tp, B, H]`` slice (``micro_batch_layout(..., sp_size=tp, sp_rank=tp_rank)``,
+            the capture's :meth:`~mopd.capture.OutputLayerInputCapture.get_local_hidden_states`),
+            each rank is its own source and nothing is all-gathered. ``False``: the TP ranks are
+            replicas of the full ``[S, B, H]`` buffer (no SP, or SP undone by the capture).
     """
 
     mesh: Mesh
     hidden_size: int
     dtype: torch.dtype | None = None
+    sp_shards: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -112,6 +119,8 @@ class TeacherSpec:
             raise ValueError(f"{self.mesh}: hidden_size must be >= 1, got {self.hidden_size}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"{self.mesh}: dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.sp_shards, bool):
+            raise ValueError(f"{self.mesh}: sp_shards must be a bool, got {self.sp_shards!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,7 +278,10 @@ class HiddenStateBridge:
         self.config = config or BridgeConfig()
         self.rank = dist.get_rank()
         self.topology = Topology.build(
-            [t.mesh for t in self.teachers], student, per_rank_dests=self.config.keep_sp_shard
+            [t.mesh for t in self.teachers],
+            student,
+            per_rank_dests=self.config.keep_sp_shard,
+            shard_sources=[t.sp_shards for t in self.teachers],
         )
         if tuple(groups.members) != self.topology.members:
             raise ValueError(
@@ -295,7 +307,7 @@ class HiddenStateBridge:
         )
         self._tp_group_error = self._check_student_tp_group()
         sig = repr(
-            [(*t.mesh.as_ints(), t.hidden_size) for t in self.teachers]
+            [(*t.mesh.as_ints(), t.hidden_size, t.sp_shards) for t in self.teachers]
             + [
                 student.as_ints(),
                 self.config.local_copy,
@@ -361,7 +373,8 @@ class HiddenStateBridge:
             teacher_layouts: on a teacher's last-stage ranks, ``teacher index -> `` one layout
                 per micro-batch of the rows that rank will :meth:`BridgeStep.send` (its
                 captured buffer's flat ``[R, H]`` rows: ``[S, B, H]`` order for a padded
-                batch, THD for packed; SP undone, CP not); ``None`` elsewhere.
+                batch, THD for packed; SP undone, CP not; each rank's own SP slice with
+                :attr:`TeacherSpec.sp_shards`); ``None`` elsewhere.
             student_layouts: on the student's last-stage ranks, one layout per micro-batch of
                 the rows it wants (typically the order of its logits, ``[B, S]``; identical on
                 the ranks of one student TP group, or each rank's own slice with
@@ -572,7 +585,7 @@ class HiddenStateBridge:
             counts[f"teacher {o}'s layouts"] = len(lays)
             sections[o] = Section(
                 layouts=lays,
-                send_runs=c.tp_rank == 0,
+                send_runs=self.topology.leads_source(o, self.rank),  # a replica sends digests
                 dtype=dtype,
                 hidden=spec.hidden_size,
                 device=self.device,

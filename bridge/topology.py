@@ -1,8 +1,9 @@
 """The groups a bridge's meshes form, and the planner's view of one gathered micro-batch.
 
 Why this file exists: the meshes fix, once, which ranks replicate which buffer (a teacher's
-last-stage TP group per ``(dp, cp)`` shard) and which ranks share one crossing (the student's
-last-stage TP group per shard, or each rank alone when it keeps its SP slice). Every rank derives
+last-stage TP group per ``(dp, cp)`` shard, or each of its ranks alone when it sends from its own
+sequence-parallel shard) and which ranks share one crossing (the student's last-stage TP group
+per shard, or each rank alone when it keeps its SP slice). Every rank derives
 the same :class:`Topology` from the meshes alone; per micro-batch, :meth:`Topology.catalog` turns
 the gathered step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
 decoding more than the groups the caller asks about.
@@ -72,13 +73,18 @@ class Topology:
     Attributes:
         members: the bridge group's global ranks, sorted (member index = position).
         sources: per teacher and ``(dp, cp)`` shard (teacher major, :meth:`Mesh.shards` order),
-            the last-stage TP group; ``num_rows`` is 0 here (it varies per micro-batch).
+            the last-stage TP group (replicas of one buffer); for a teacher in
+            ``shard_sources``, each rank of that group alone, in TP order (each holds its own
+            sequence-parallel slice: disjoint rows). ``num_rows`` is 0 here (it varies per
+            micro-batch).
         source_section: ``[G]`` the section (teacher index) of each source group.
         source_leader: ``[G]`` member index of each source group's first rank.
         dests: per student shard the last-stage TP group, or with ``per_rank_dests`` each
             last-stage student rank alone.
         dest_leader: ``[D]`` member index of each destination group's first rank.
         student_section: the section index of the student (``len(teachers)``).
+        shard_sources: per teacher, whether its sources are single ranks holding their own
+            sequence-parallel shard (``True``) or TP groups of replicas (``False``).
 
     :attr:`index` (the groups' :class:`~mopd.bridge.plan.GroupIndex`) is built on first use and
     shared by every catalog of the topology.
@@ -91,23 +97,50 @@ class Topology:
     dests: tuple[DestGroup, ...]
     dest_leader: np.ndarray
     student_section: int
+    shard_sources: tuple[bool, ...] = ()
 
     @staticmethod
-    def build(teachers: Sequence[Mesh], student: Mesh, *, per_rank_dests: bool = False) -> Topology:
-        """The groups of ``teachers`` and ``student`` (pure, the same on every rank)."""
+    def build(
+        teachers: Sequence[Mesh],
+        student: Mesh,
+        *,
+        per_rank_dests: bool = False,
+        shard_sources: Sequence[bool] | None = None,
+    ) -> Topology:
+        """The groups of ``teachers`` and ``student`` (pure, the same on every rank).
+
+        ``shard_sources``: per teacher, make each of its last-stage ranks its own source (it
+        sends from its sequence-parallel shard, ``[S/tp, B, H]``, rows no other rank holds)
+        instead of one source group of TP replicas. Default: replicas for every teacher.
+        """
+        shards = (
+            (False,) * len(teachers)
+            if shard_sources is None
+            else tuple(bool(x) for x in shard_sources)
+        )
+        if len(shards) != len(teachers):
+            raise ValueError(
+                f"shard_sources has {len(shards)} entries for {len(teachers)} teachers"
+            )
         members = bridge_members(teachers, student)
         index = {r: i for i, r in enumerate(members)}
         sources, section, leader = [], [], []
         for o, mesh in enumerate(teachers):
             for d, c in mesh.shards():
                 group = mesh.tp_group_ranks(dp_rank=d, cp_rank=c)
-                sources.append(
-                    SourceGroup(
-                        owner=o, ranks=group, num_rows=0, label=f"teacher {o} (dp={d}, cp={c})"
+                label = f"teacher {o} (dp={d}, cp={c})"
+                split = [(r,) for r in group] if shards[o] else [group]
+                for t, ranks in enumerate(split):
+                    sources.append(
+                        SourceGroup(
+                            owner=o,
+                            ranks=ranks,
+                            num_rows=0,
+                            label=label[:-1] + f", tp={t})" if shards[o] else label,
+                        )
                     )
-                )
-                section.append(o)
-                leader.append(index[group[0]])
+                    section.append(o)
+                    leader.append(index[ranks[0]])
         dests, dest_leader = [], []
         for d, c in student.shards():
             group = student.tp_group_ranks(dp_rank=d, cp_rank=c)
@@ -128,6 +161,15 @@ class Topology:
             dests=tuple(dests),
             dest_leader=np.asarray(dest_leader, dtype=_I64),
             student_section=len(teachers),
+            shard_sources=shards,
+        )
+
+    def leads_source(self, section: int, global_rank: int) -> bool:
+        """Whether ``global_rank`` is the first rank of a source group of teacher ``section``
+        (its record carries that teacher's runs; a replica's carries digests only)."""
+        return any(
+            int(self.source_section[g]) == section and self.sources[g].ranks[0] == global_rank
+            for g in self.index.source_groups.get(global_rank, ())
         )
 
     def first_leader(self, section: int) -> int:

@@ -6,8 +6,10 @@ its logits (``V`` floats per token). The tensor to ship is exactly what Megatron
 This module is a drop-in for NeMo-RL's ``nemo_rl.models.megatron.opd_full_capture`` (same names;
 by default the same answer in every case a NeMo-RL caller meets) plus what real Megatron setups
 add to it: virtual-pipeline chunk lists, any ``.module`` wrapper chain, the head called with a
-keyword input, the gather over the output layer's own TP group, and a zero-allocation path into a
-buffer the caller owns (``out=`` or ``buffer=``), which the bridge path uses.
+keyword input, the gather over the output layer's own TP group, a zero-allocation path into a
+buffer the caller owns (``out=`` or ``buffer=``), and the local shard as it is, with no gather
+(:meth:`OutputLayerInputCapture.get_local_hidden_states`: the bridge path, where each TP rank
+sends from its own sequence-parallel shard).
 
 Typical use on the teacher::
 
@@ -123,6 +125,8 @@ class OutputLayerInputCapture:
         self._pending_sp = self._sequence_parallel
         self._pending_stream: torch.cuda.Stream | None = None
         self._result: torch.Tensor | None = None
+        self._local: torch.Tensor | None = None
+        self._local_sharded = False
 
     # ---- NeMo-RL's API ---------------------------------------------------------------------
 
@@ -139,7 +143,7 @@ class OutputLayerInputCapture:
         x = args[0]
         is_tensor = isinstance(x, torch.Tensor)
         self._pending = x.detach() if is_tensor else x
-        self._result = None
+        self._result = self._local = None
         # Megatron may switch the layer's SP flag per forward (e.g. dynamic-batching inference):
         # read it at the call unless the caller fixed it; remember the producing stream.
         self._pending_sp = (
@@ -176,7 +180,7 @@ class OutputLayerInputCapture:
                 "this capture's context is already active: one capture_context at a time per "
                 "capture (make a second OutputLayerInputCapture to capture twice at once)"
             )
-        self._pending, self._result = None, None
+        self._pending, self._result, self._local = None, None, None
         if layer is None:
             yield
             return
@@ -199,6 +203,25 @@ class OutputLayerInputCapture:
         """
         if self._result is not None:
             return self._result
+        local_SBH = self._take_local()
+        if local_SBH is None:
+            return None
+        sp = self._local_sharded
+        if sp or self._out is not None:
+            world = dist.get_world_size(self._tp_group) if sp else 1
+            shape = (local_SBH.shape[0] * world, *local_SBH.shape[1:])
+            target_SBH = self._target(shape, local_SBH.dtype, local_SBH.device)
+            result = gather_sequence_parallel(local_SBH, self._tp_group if sp else None, target_SBH)
+        else:
+            result = local_SBH
+        self._result = result
+        return result
+
+    def _take_local(self) -> torch.Tensor | None:
+        """The captured input, checked, with the current stream after the forward's (once per
+        capture); records whether it is a sequence-parallel shard."""
+        if self._local is not None:
+            return self._local
         local_SBH = self._pending
         if local_SBH is None:
             return None
@@ -218,24 +241,39 @@ class OutputLayerInputCapture:
                 "the output layer ran sequence-parallel but no tensor-parallel group is known: "
                 "pass tp_group= to OutputLayerInputCapture"
             )
-        sp = self._pending_sp and world > 1
         producer = self._pending_stream
         if producer is not None:  # the forward may have run on another stream than this call's
             current = torch.cuda.current_stream(local_SBH.device)
             if producer != current:
                 current.wait_stream(producer)
                 local_SBH.record_stream(current)
-        if sp or self._out is not None:
-            shape = (local_SBH.shape[0] * (world if sp else 1), *local_SBH.shape[1:])
-            target_SBH = self._target(shape, local_SBH.dtype, local_SBH.device)
-            result = gather_sequence_parallel(local_SBH, self._tp_group if sp else None, target_SBH)
-        else:
-            result = local_SBH
         self._pending = None
-        self._result = result
-        return result
+        self._local = local_SBH
+        self._local_sharded = self._pending_sp and world > 1
+        return local_SBH
 
     # ---- beyond NeMo-RL --------------------------------------------------------------------
+
+    def get_local_hidden_states(self) -> torch.Tensor | None:
+        """The captured hidden states as this rank holds them, detached, no copy and no
+        communication: under sequence parallelism this rank's shard ``[S/tp, B, H]`` (rows
+        ``[tp_rank * S/tp, (tp_rank + 1) * S/tp)`` of the full tensor, Megatron's split),
+        otherwise the full ``[S, B, H]``. :attr:`sequence_sharded` says which.
+
+        The bridge's sources-from-shards path uses it (each TP rank sends its own rows); it
+        does not write into ``out`` or ``buffer``. Valid until the next forward overwrites the
+        layer's input. ``None`` as for :meth:`get_hidden_states`.
+
+        Raises:
+            ValueError: as :meth:`get_hidden_states`.
+        """
+        return self._take_local()
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """Whether the last captured hidden states are a sequence-parallel shard (the layer ran
+        with SP over a TP group of more than one rank); read after a ``get_*`` call."""
+        return self._local_sharded
 
     def _target(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -127,6 +127,11 @@ class Distiller:
         kl_config: the loss's settings (``reduction`` must stay ``"sum"``).
         teacher_weights: one non-negative weight per teacher: a token's KL counts with its
             teacher's weight in the stock loss (:attr:`TeacherSignal.weight_T`); default all 1.
+        teacher_sp_shards: a teacher whose ``TransformerConfig`` has ``sequence_parallel`` (at
+            ``tp > 1``) sends from where its rows are: each last-stage TP rank sends its own
+            SP shard (:attr:`~mopd.bridge.api.TeacherSpec.sp_shards`), and its capture does
+            no all-gather. ``False``: the capture undoes SP on every TP rank and the TP ranks
+            send as replicas (each a share of the full buffer).
     """
 
     def __init__(
@@ -138,7 +143,10 @@ class Distiller:
         bridge_config: BridgeConfig | None = None,
         kl_config: KLConfig | None = None,
         teacher_weights: Sequence[float] | None = None,
+        teacher_sp_shards: bool = True,
     ) -> None:
+        if not isinstance(teacher_sp_shards, bool):
+            raise ValueError(f"teacher_sp_shards must be a bool, got {teacher_sp_shards!r}")
         if not teachers:
             raise ValueError("Distiller needs at least one teacher")
         if teacher_weights is not None and (
@@ -152,8 +160,9 @@ class Distiller:
             None if teacher_weights is None else tuple(map(float, teacher_weights))
         )
         self.teachers = tuple(teachers)
-        # one recycled buffer per teacher for its capture's SP gather, kept across steps: the
-        # teacher pass allocates nothing per step at a steady shape (send takes the rows at once)
+        # one recycled buffer per teacher for its capture's SP gather (a teacher sending from
+        # replicas), kept across steps: the teacher pass allocates nothing per step at a steady
+        # shape (send takes the rows at once); a teacher sending its SP shards never uses it
         self._capture_buffers = tuple(ReusableBuffer() for _ in self.teachers)
         self.student = student
         self.rank = dist.get_rank()
@@ -174,19 +183,34 @@ class Distiller:
         if spg is not None and student.last_stage(self.rank) and student.mesh.tp > 1:
             groups = dataclasses.replace(groups, student_tp=spg.tp)
         self.groups = groups
-        # every rank needs each teacher's hidden size; the teacher ranks know it
-        hidden = torch.zeros(len(self.teachers), dtype=torch.int64)
+        # every rank needs each teacher's hidden size and whether it runs sequence-parallel;
+        # the teacher ranks know them
+        hidden_sp = torch.zeros(2, len(self.teachers), dtype=torch.int64)
         for o, t in enumerate(self.teachers):
             if t.model is not None:
-                hidden[o] = int(model_config(t.model).hidden_size)
+                cfg = model_config(t.model)
+                hidden_sp[0, o] = int(cfg.hidden_size)
+                hidden_sp[1, o] = int(bool(getattr(cfg, "sequence_parallel", False)))
         meta = groups.metadata_group
         cdist.all_reduce(
-            hidden, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
+            hidden_sp, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
+        )
+        #: per teacher, whether its TP ranks send their own SP shards (see ``teacher_sp_shards``)
+        self.teacher_sp_shards = tuple(
+            teacher_sp_shards and bool(hidden_sp[1, o]) and t.mesh.tp > 1
+            for o, t in enumerate(self.teachers)
         )
         specs = []
         for o, t in enumerate(self.teachers):
             dtype = _hidden_dtype(model_config(t.model)) if t.model is not None else None
-            specs.append(TeacherSpec(mesh=t.mesh, hidden_size=int(hidden[o]), dtype=dtype))
+            specs.append(
+                TeacherSpec(
+                    mesh=t.mesh,
+                    hidden_size=int(hidden_sp[0, o]),
+                    dtype=dtype,
+                    sp_shards=self.teacher_sp_shards[o],
+                )
+            )
         self.bridge = HiddenStateBridge(
             teachers=specs, student=student.mesh, groups=groups, config=self.bridge_config
         )
@@ -232,8 +256,15 @@ class Distiller:
         teacher_layouts = {}
         for o, (t, mbs) in enumerate(zip(self.teachers, teachers, strict=True)):
             if t.last_stage(rank):
+                tc = t.mesh.coord(rank)
+                assert tc is not None
                 teacher_layouts[o] = _layouts(
-                    mbs, t, rows="hidden", what=f"teacher {o}", mask=False
+                    mbs,
+                    t,
+                    rows="hidden",
+                    what=f"teacher {o}",
+                    mask=False,
+                    sp=(t.mesh.tp, tc.tp_rank) if self.teacher_sp_shards[o] else (1, 0),
                 )
         student_layouts = None
         keep = self.bridge_config.keep_sp_shard
@@ -271,6 +302,7 @@ class Distiller:
                     on_hidden=step._teacher_rows(o, clone=not last),
                     forward=t.forward,
                     buffer=self._capture_buffers[o],
+                    sp_shards=self.teacher_sp_shards[o],
                 )
             step._flush_teacher_rows()
         except BaseException as exc:  # the step is planned everywhere: fail it, as its block would

@@ -4,9 +4,11 @@ Why this file exists: the frozen teacher runs before the student's schedule (its
 cannot nest inside the student's ``forward_step``), through megatron's own forward-only schedule
 so that a teacher with PP > 1 works as it does in training. Each micro-batch's pre-LM-head hidden
 states are captured on the last stage (:mod:`mopd.capture`) and handed to a callback right away
-(the bridge's :meth:`~mopd.bridge.api.BridgeStep.send`, which takes the rows at the call, so the
-capture writes every micro-batch into one recycled buffer: no allocation per micro-batch). The teacher's own full-vocabulary logits
-are not needed: by default its ``output_layer`` is skipped during the pass.
+(the bridge's :meth:`~mopd.bridge.api.BridgeStep.send`, which takes the rows at the call). Under
+sequence parallelism the bridge path hands each TP rank's own shard as it is (``sp_shards``: no
+all-gather, each rank a source of its own rows); otherwise the capture undoes SP into one
+recycled buffer (no allocation per micro-batch). The teacher's own full-vocabulary logits are not
+needed: by default its ``output_layer`` is skipped during the pass.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def run_teacher(
     forward: Forward | None = None,
     skip_lm_head: bool = True,
     buffer: ReusableBuffer | None = None,
+    sp_shards: bool = False,
 ) -> None:
     """Run the teacher over ``micro_batches`` with megatron's forward-only schedule.
 
@@ -105,7 +108,9 @@ def run_teacher(
     it, with its own micro-batches, the same count on every rank). On the last stage,
     ``on_hidden(i, hidden)`` receives micro-batch ``i``'s captured ``[S_local, B, H]`` (padded)
     or ``[T_local, 1, H]`` (THD) hidden states, SP undone, contiguous, valid until the next
-    micro-batch (under SP they live in ``buffer``, which the next micro-batch overwrites).
+    micro-batch (under SP they live in ``buffer``, which the next micro-batch overwrites). With
+    ``sp_shards`` it receives this TP rank's sequence-parallel shard instead, ``[S_local/tp, B,
+    H]`` or ``[T_local/tp, 1, H]``, as the output layer got it (no all-gather, ``buffer`` unused).
 
     Args:
         model: the (wrapped) teacher model, or its list of virtual-pipeline chunks.
@@ -114,9 +119,12 @@ def run_teacher(
         skip_lm_head: skip the teacher's ``output_layer`` (its logits are not used).
         buffer: the recycled buffer the SP gather writes into; pass the same one every step
             (default: one for this call, so one allocation per call at a steady shape).
+        sp_shards: hand each TP rank's own SP shard (the teacher must run with sequence
+            parallelism when ``tp > 1``).
     Raises:
         ValueError: micro-batches of different shapes without ``config.variable_seq_lengths``
-            (megatron's pipeline then needs it to exchange activation shapes).
+            (megatron's pipeline then needs it to exchange activation shapes); ``sp_shards``
+            while the output layer ran without sequence parallelism at ``tp > 1``.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -127,6 +135,7 @@ def run_teacher(
     chunks = list(model) if isinstance(model, list | tuple) else [model]
     config = model_config(model)
     pp = pg_collection.pp.size()
+    tp = pg_collection.tp.size()
     check_pipeline_shapes(
         micro_batches, config=config, pp=pp, cp_size=pg_collection.cp.size(), what="teacher"
     )
@@ -145,7 +154,17 @@ def run_teacher(
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
             i = state["next"]
             state["next"] += 1
-            hidden = capture.get_hidden_states()
+            if sp_shards:
+                hidden = capture.get_local_hidden_states()
+                if hidden is not None and not capture.sequence_sharded and tp > 1:
+                    raise ValueError(
+                        f"the teacher's output layer ran without sequence parallelism at tp={tp}, "
+                        "but its rows were planned as SP shards (sp_shards=True): every TP rank "
+                        "holds the whole sequence; run it with sequence_parallel=True or plan "
+                        "it as replicas"
+                    )
+            else:
+                hidden = capture.get_hidden_states()
             if hidden is not None:
                 with ranges.span("capture", i):
                     on_hidden(i, hidden.contiguous())

@@ -20,7 +20,9 @@ Batch model (one training step of one teacher; sample ids ``0 .. B-1``):
   its capture's ``[S_pad / cp, b, H]``; the student wants its logits' ``[b, S_pad / cp]`` order
   (each SP slice's ``[S_pad / cp / tp, b]`` rows when it keeps its SP slice). ``S_pad`` is ``S``
   rounded up to a multiple of ``2 cp`` (times ``tp`` under sequence parallelism); rows past
-  ``S`` are padding and never move;
+  ``S`` are padding and never move. Under teacher SP each teacher TP rank holds its own
+  ``[S_pad / cp / tp, b, H]`` slice and is a source of its own (``--teacher-sp-replicas``: the
+  capture's gathered buffer on every TP rank, replicas);
 - packed (``--packed-lengths L0,L1,...``): THD, each sample padded to that multiple separately.
 
 Figures (bytes; ``row = hidden_size * dtype_bytes``; sums over the step's micro-batches):
@@ -33,6 +35,12 @@ Figures (bytes; ``row = hidden_size * dtype_bytes``; sums over the step's micro-
   of the slowest rank, added over the micro-batches. Without student sequence parallelism the
   student then all-gathers each micro-batch inside each student TP group (ring: each rank sends
   and receives ``tp - 1`` slices), timed at ``--nvlink-gbps``;
+- bytes per link class (the step's): the crossing (point to point between ranks), colocated
+  local copies, the teacher's TP links (the capture's SP all-gather, ``(tp - 1) / tp`` of each
+  teacher buffer to every TP rank, when a teacher under SP sends from replicas; nothing when
+  each TP rank sends its own SP shard, the default) and the student's TP all-gather, beside the
+  minimum: each needed row once to each student ``(dp, cp)`` group (crossing and local copies
+  together), nothing on the teacher's TP links, and the student TP all-gather its layout needs;
 - logits instead of hidden states: ``vocab_size * dtype_bytes`` per token to every student rank
   that needs it (all ``tp`` ranks of the token's student group), and the best case of sending
   each rank only its ``vocab / tp`` slice;
@@ -103,6 +111,10 @@ class PlanRequest:
         micro_batches: the step's micro-batches (the same on both sides).
         teacher_sp, student_sp: sequence parallelism on that side (the student then keeps its
             SP slice: every student rank is its own destination, no all-gather).
+        teacher_sp_shards: with teacher SP, each teacher TP rank sends from its own SP shard
+            (every rank its own source, no all-gather on the teacher's TP links: the
+            ``Distiller``'s default); ``False``: the capture all-gathers the sequence and the
+            TP ranks send as replicas (``TeacherSpec(sp_shards=False)``).
         link_gbps, nvlink_gbps, pcie_gbps: per-rank, per-direction bandwidths in Gb/s.
     """
 
@@ -116,6 +128,7 @@ class PlanRequest:
     micro_batches: int = 1
     teacher_sp: bool = False
     student_sp: bool = False
+    teacher_sp_shards: bool = True
     link_gbps: float = 400.0
     nvlink_gbps: float = 3600.0
     pcie_gbps: float = 400.0
@@ -161,6 +174,11 @@ class PlanRequest:
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
+
+    @property
+    def sources_from_shards(self) -> bool:
+        """Each teacher TP rank is a source of its own SP shard (``TeacherSpec(sp_shards=True)``)."""
+        return self.teacher_sp and self.teacher_sp_shards and self.teacher.tp > 1
 
     @property
     def keeps_sp_slice(self) -> bool:
@@ -221,21 +239,25 @@ def _layout(
 
 def build_layouts(
     req: PlanRequest,
-) -> tuple[list[dict[tuple[int, int], TokenLayout]], list[dict[Any, TokenLayout]]]:
-    """Per micro-batch, the teacher's captured layouts (``(dp, cp) ->``) and the student's
-    wanted ones (``(dp, cp) ->``, or ``global rank ->`` when it keeps its SP slice)."""
+) -> tuple[list[dict[Any, TokenLayout]], list[dict[Any, TokenLayout]]]:
+    """Per micro-batch, the teacher's captured layouts (``(dp, cp) ->``, or ``global rank ->``
+    when each TP rank sends its SP shard) and the student's wanted ones (``(dp, cp) ->``, or
+    ``global rank ->`` when it keeps its SP slice)."""
     t, s = req.teacher, req.student
     t_pad = _pad_rule(t, sp=req.teacher_sp)
     s_pad = _pad_rule(s, sp=req.student_sp)
-    teacher: list[dict[tuple[int, int], TokenLayout]] = []
+    teacher: list[dict[Any, TokenLayout]] = []
     student: list[dict[Any, TokenLayout]] = []
     for i in range(req.micro_batches):
-        teacher.append(
-            {
-                (d, c): _layout(req, _micro_batch_ids(req, i, t, d), t, c, pad=t_pad, order="sbh")
-                for d, c in t.shards()
-            }
-        )
+        held: dict[Any, TokenLayout] = {}
+        for d, c in t.shards():
+            ids = _micro_batch_ids(req, i, t, d)
+            if req.sources_from_shards:
+                for j, r in enumerate(t.tp_group_ranks(dp_rank=d, cp_rank=c)):
+                    held[r] = _layout(req, ids, t, c, pad=t_pad, order="sbh", sp=(t.tp, j))
+            else:
+                held[(d, c)] = _layout(req, ids, t, c, pad=t_pad, order="sbh")
+        teacher.append(held)
         mine: dict[Any, TokenLayout] = {}
         for d, c in s.shards():
             ids = _micro_batch_ids(req, i, s, d)
@@ -267,7 +289,7 @@ class SimulatedStep:
     matrix: StepMatrix
     catalogs: tuple[RunCatalog, ...]
     plans: tuple[dict[int, RankPlan], ...]
-    teacher_layouts: tuple[dict[tuple[int, int], TokenLayout], ...]
+    teacher_layouts: tuple[dict[Any, TokenLayout], ...]
     student_layouts: tuple[dict[Any, TokenLayout], ...]
 
 
@@ -286,15 +308,22 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
 
     t, s = req.teacher, req.student
     t_lay, s_lay = build_layouts(req)
-    topo = Topology.build([t], s, per_rank_dests=req.keeps_sp_slice)
+    topo = Topology.build(
+        [t], s, per_rank_dests=req.keeps_sp_slice, shard_sources=[req.sources_from_shards]
+    )
     m = req.micro_batches
     cache: dict[tuple[Any, Any], np.ndarray] = {}
     records: list[np.ndarray] = []
     for r in topo.members:
         tc, sc = t.coord(r), s.coord(r)
-        t_key = s_key = None
-        if tc is not None and tc.pp_rank == t.pp - 1:
-            t_key = (tc.dp_rank, tc.cp_rank, tc.tp_rank == 0)
+        t_key: tuple[Any, bool] | None = None
+        s_key = None
+        if tc is not None and tc.pp_rank == t.pp - 1:  # (its layouts' key, it sends runs)
+            t_key = (
+                (r, True)
+                if req.sources_from_shards
+                else ((tc.dp_rank, tc.cp_rank), tc.tp_rank == 0)
+            )
         if sc is not None and sc.pp_rank == s.pp - 1:
             s_key = r if req.keeps_sp_slice else (sc.dp_rank, sc.cp_rank, sc.tp_rank == 0)
         key = (t_key, s_key)
@@ -302,8 +331,8 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
             sections: list[Section | None] = [None, None]
             if t_key is not None:
                 sections[0] = Section(
-                    layouts=[t_lay[i][t_key[:2]] for i in range(m)],
-                    send_runs=t_key[2],
+                    layouts=[t_lay[i][t_key[0]] for i in range(m)],
+                    send_runs=t_key[1],
                     dtype=torch.bfloat16,  # the planner does not read it; bytes use dtype_bytes
                     hidden=req.hidden_size,
                 )
@@ -357,6 +386,9 @@ class PlanReport:
         local_MW: ``[M, W]`` int64 bytes of local copies (by the receiving rank).
         allgather_MW: ``[M, W]`` int64 bytes each student rank sends (= receives) in the TP
             all-gather after the crossing.
+        teacher_gather_MW: ``[M, W]`` int64 bytes each teacher rank receives (= sends) in the
+            capture's SP all-gather over the teacher's TP group (replica sources under teacher
+            SP; zero when the sources are the SP shards or the teacher has no SP).
         d2h_MW, h2d_MW: ``[M, W]`` int64 PCIe bytes per rank on the host path.
         teacher_rows, student_rows: rows of each side's buffer per shard, per micro-batch.
         tokens_per_group: real tokens each student ``(dp, cp)`` group needs (whole step), in
@@ -372,9 +404,10 @@ class PlanReport:
     recv_MW: np.ndarray
     local_MW: np.ndarray
     allgather_MW: np.ndarray
+    teacher_gather_MW: np.ndarray
     d2h_MW: np.ndarray
     h2d_MW: np.ndarray
-    teacher_rows: dict[tuple[int, int], tuple[int, ...]]
+    teacher_rows: dict[Any, tuple[int, ...]]
     student_rows: dict[Any, tuple[int, ...]]
     tokens_per_group: tuple[int, ...]
     figures: dict[str, Any] = field(default_factory=dict)
@@ -460,6 +493,7 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
         -1, 3
     )
     d2h = send + local  # on the host path every row leaves its teacher GPU, local ones too
+    gather = _teacher_gather(req, step)
 
     tokens = []
     for d, c in s.shards():
@@ -490,6 +524,7 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
         if send_W[list(g.ranks)].sum()
     ]
     pcie = int(d2h.sum() + h2d.sum())
+    links = _link_classes(req, step, cross=cross, local=loc, gather=gather, allgather=allgather)
     figures: dict[str, Any] = {
         "tokens": req.num_tokens,
         "tokens_needed": needed,
@@ -539,6 +574,10 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
         "time_host_h2d_s": t_h2d,
         "time_host_s": t_host,
         "host_time_ratio": t_host / (t_cross + t_gather) if (t_cross + t_gather) else 0.0,
+        "sources_from_shards": req.sources_from_shards,
+        "teacher_tp_gather_bytes": int(gather.sum()),
+        "time_teacher_tp_gather_s": _slowest(gather, req.nvlink_gbps),
+        **links,
     }
     return PlanReport(
         request=req,
@@ -549,6 +588,7 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
         recv_MW=recv,
         local_MW=local,
         allgather_MW=allgather,
+        teacher_gather_MW=gather,
         d2h_MW=d2h,
         h2d_MW=h2d,
         teacher_rows={
@@ -562,6 +602,79 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
         tokens_per_group=tuple(tokens),
         figures=figures,
     )
+
+
+#: The link classes of one step, in report order: ``(key, what)``.
+_LINK_CLASSES = (
+    ("cross", "cross-rank point-to-point (the bridge's crossing)"),
+    ("local", "colocated local copies"),
+    ("teacher_tp", "teacher TP links (the capture's SP all-gather)"),
+    ("student_tp", "student TP links (all-gather after the crossing)"),
+)
+
+
+def _teacher_gather(req: PlanRequest, step: SimulatedStep) -> np.ndarray:
+    """``[M, W]`` bytes each teacher last-stage rank receives in the capture's SP all-gather:
+    ``(tp - 1) / tp`` of its ``(dp, cp)`` shard's full buffer (padding rows included: the gather
+    moves the whole buffer) when the teacher runs SP and its TP ranks are replicas; else 0."""
+    t = req.teacher
+    w = max(t.rank_offset + t.size, req.student.rank_offset + req.student.size)
+    out = np.zeros((req.micro_batches, w), dtype=_I64)
+    if not (req.teacher_sp and t.tp > 1) or req.sources_from_shards:
+        return out
+    for i, held in enumerate(step.teacher_layouts):
+        for (d, c), lay in held.items():
+            share = lay.num_rows // t.tp  # one rank's shard; it receives the other tp - 1
+            for r in t.tp_group_ranks(dp_rank=d, cp_rank=c):
+                out[i, r] = (t.tp - 1) * share * req.row_bytes
+    return out
+
+
+def _link_classes(
+    req: PlanRequest,
+    step: SimulatedStep,
+    *,
+    cross: int,
+    local: int,
+    gather: np.ndarray,
+    allgather: np.ndarray,
+) -> dict[str, Any]:
+    """Bytes per link class of the step beside the minimum (``link_bytes``,
+    ``link_bytes_minimum``, their totals and ``links_at_minimum``).
+
+    The minimum: each needed row once to each student ``(dp, cp)`` group (the crossing and the
+    local copies together: which of the two serves a row depends on placement), nothing on the
+    teacher's TP links (the rows are where the capture left them), and the student TP
+    all-gather its layout needs (``tp - 1`` of ``tp`` slices of each group's buffer to every
+    rank, or nothing when each rank keeps its SP slice).
+    """
+    s, rb = req.student, req.row_bytes
+    needed = sum(
+        lay.num_tokens for held in step.student_layouts for lay in held.values()
+    )  # each student group's tokens once (SP slices are disjoint)
+    student_min = 0
+    if not req.keeps_sp_slice and s.tp > 1:
+        for held in step.student_layouts:
+            for lay in held.values():
+                per = -(-lay.num_rows // s.tp)  # the shared crossing's slice, rounded up
+                student_min += s.tp * (s.tp - 1) * per * rb
+    got = {
+        "cross": cross,
+        "local": local,
+        "teacher_tp": int(gather.sum()),
+        "student_tp": int(allgather.sum()),
+    }
+    floor = {"cross_plus_local": needed * rb, "teacher_tp": 0, "student_tp": student_min}
+    total = sum(got.values())
+    total_min = sum(floor.values())
+    return {
+        "link_bytes": got,
+        "link_bytes_minimum": floor,
+        "link_bytes_total": total,
+        "link_bytes_total_minimum": total_min,
+        "links_at_minimum": total == total_min
+        and got["cross"] + got["local"] == floor["cross_plus_local"],
+    }
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -650,7 +763,8 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     per_mb = b // m
     sp_note = ", each rank its own SP slice" if req.keeps_sp_slice else ""
     add(
-        f"buffers per micro-batch: teacher {_rows_text(report.teacher_rows)} rows per (dp, cp) "
+        f"buffers per micro-batch: teacher {_rows_text(report.teacher_rows)} rows per "
+        f"{'TP rank (its SP shard) of a ' if req.sources_from_shards else ''}(dp, cp) "
         f"shard ({per_mb // t.dp} samples), student {_rows_text(report.student_rows)} rows "
         f"({per_mb // s.dp} samples{sp_note}); padding rows never move"
     )
@@ -670,8 +784,11 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
                 )
     if req.teacher_sp and t.tp > 1:
         add(
-            "note: teacher SP only changes padding: capture all-gathers the sequence over the "
-            "teacher's TP group before the bridge"
+            "note: teacher SP: each teacher TP rank sends from its own SP shard (its own source, "
+            "no all-gather on the teacher's TP links)"
+            if req.sources_from_shards
+            else "note: teacher SP with replica sources: the capture all-gathers the sequence "
+            "over the teacher's TP group before the bridge (--teacher-sp-replicas)"
         )
     add("")
     add("== plan (mopd.bridge.plan.plan_rank on every rank, every micro-batch) ==")
@@ -690,6 +807,32 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         f"bytes: {_fmt_bytes(f['bytes_total'])} total = {_fmt_bytes(f['bytes_cross'])} across ranks "
         f"+ {_fmt_bytes(f['bytes_local'])} local copies ({f['bytes_total']} B, {minimum}: "
         "tokens x row)"
+    )
+    add("")
+    add("== bytes per link class, per step (beside the minimum) ==")
+    links, floor = f["link_bytes"], f["link_bytes_minimum"]
+    add(f"{'link class':<52}{'bytes':>14}{'minimum':>14}")
+    for key, what in _LINK_CLASSES:
+        low = "" if key in ("cross", "local") else _fmt_bytes(floor[key])
+        add(f"{what:<52}{_fmt_bytes(links[key]):>14}{low:>14}")
+    add(
+        f"{'  crossing + local copies (each needed row once)':<52}"
+        f"{_fmt_bytes(links['cross'] + links['local']):>14}"
+        f"{_fmt_bytes(floor['cross_plus_local']):>14}"
+    )
+    add(
+        f"{'total':<52}{_fmt_bytes(f['link_bytes_total']):>14}"
+        f"{_fmt_bytes(f['link_bytes_total_minimum']):>14}"
+    )
+    add(
+        "at the minimum"
+        if f["links_at_minimum"]
+        else f"above the minimum by {_fmt_bytes(f['link_bytes_total'] - f['link_bytes_total_minimum'])}"
+        + (
+            " (the teacher's SP all-gather: send from the shards, the default)"
+            if links["teacher_tp"]
+            else ""
+        )
     )
     add("")
     add("== transfer matrix: bytes, source global rank (row) -> destination (column) ==")
@@ -742,7 +885,8 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     if f["bytes_local"]:
         nz = np.flatnonzero(report.local_W).tolist()
         add(f"local copies: ranks {_ranges(nz)}, {_fmt_bytes(f['bytes_local'])} in all")
-    add(f"teacher TP replica balance: max/mean {f['replica_imbalance']:.4f}")
+    if not req.sources_from_shards:  # a source is one rank: nothing to balance within it
+        add(f"teacher TP replica balance: max/mean {f['replica_imbalance']:.4f}")
     add("")
     add("== bytes compared (ratio = bytes / this plan's total) ==")
     tot = f["bytes_total"]
@@ -785,6 +929,11 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         f"{_fmt_bytes(int(report.send_W[slow]))}, recv {_fmt_bytes(int(report.recv_W[slow]))})"
     )
     add(f"student TP all-gather (NVLink): {_fmt_time(f['time_student_allgather_s'])}")
+    if f["teacher_tp_gather_bytes"]:
+        add(
+            "teacher SP all-gather before the bridge (NVLink): "
+            f"{_fmt_time(f['time_teacher_tp_gather_s'])}"
+        )
     add(f"bridge total: {_fmt_time(f['time_bridge_s'])}")
     add(
         f"logits, same routing: full {_fmt_time(f['time_logits_full_s'])}, "
@@ -806,7 +955,7 @@ def report_to_dict(report: PlanReport) -> dict[str, Any]:
     """Every number of ``report`` as JSON-ready data (the matrix as its nonzero entries)."""
     req = report.request
 
-    def mesh(x: Mesh, sp: bool) -> dict[str, Any]:
+    def mesh(x: Mesh, sp: bool, **more: Any) -> dict[str, Any]:
         return {
             "tp": x.tp,
             "pp": x.pp,
@@ -814,10 +963,12 @@ def report_to_dict(report: PlanReport) -> dict[str, Any]:
             "dp": x.dp,
             "rank_offset": x.rank_offset,
             "sp": sp,
+            **more,
         }
 
     return {
-        "teacher": mesh(req.teacher, req.teacher_sp),
+        "teacher": mesh(req.teacher, req.teacher_sp, sp_shards=req.sources_from_shards),
+        "sources_from_shards": req.sources_from_shards,
         "student": mesh(req.student, req.student_sp),
         "batch": {
             "kind": "padded" if req.padded_seq_len is not None else "packed",
@@ -836,6 +987,7 @@ def report_to_dict(report: PlanReport) -> dict[str, Any]:
         "send_bytes_per_micro_batch": report.send_MW.tolist(),
         "recv_bytes_per_micro_batch": report.recv_MW.tolist(),
         "student_allgather_bytes_per_rank": report.allgather_MW.sum(0).tolist(),
+        "teacher_tp_gather_bytes_per_rank": report.teacher_gather_MW.sum(0).tolist(),
         "host_d2h_bytes_per_rank": report.d2h_MW.sum(0).tolist(),
         "host_h2d_bytes_per_rank": report.h2d_MW.sum(0).tolist(),
         "teacher_rows": {_shard_key(k): list(v) for k, v in sorted(report.teacher_rows.items())},
@@ -1103,8 +1255,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--sequence-parallel",
         choices=("teacher", "student", "both"),
         default=None,
-        help="teacher: pads sequences to a multiple of tp (capture undoes SP); student: each TP "
-        "rank keeps its SP slice (keep_sp_shard: no all-gather after the crossing)",
+        help="teacher: pads sequences to a multiple of tp, each teacher TP rank sends its own "
+        "SP shard; student: each TP rank keeps its SP slice (keep_sp_shard: no all-gather "
+        "after the crossing)",
+    )
+    p.add_argument(
+        "--teacher-sp-replicas",
+        action="store_true",
+        help="with teacher SP: the capture all-gathers the sequence and the teacher TP ranks "
+        "send as replicas (TeacherSpec(sp_shards=False); shows its bytes on the teacher's TP "
+        "links)",
     )
     p.add_argument("--link-gbps", type=_positive_float, default=400.0, help="per rank, Gb/s (400)")
     p.add_argument(
@@ -1182,6 +1342,13 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     student = s_spec.mesh(name="student", rank_offset=s_off)
     sp = args.sequence_parallel
     student_sp = sp in ("student", "both")
+    teacher_sp = sp in ("teacher", "both")
+    if args.teacher_sp_replicas and not (teacher_sp and teacher.tp > 1):
+        warnings.warn(
+            f"--teacher-sp-replicas ignored: the teacher runs no sequence parallelism "
+            f"(tp={teacher.tp}, --sequence-parallel {sp})",
+            stacklevel=2,
+        )
     nvlink = args.nvlink_gbps if args.nvlink_gbps is not None else 3600.0
     if args.nvlink_gbps is not None and (student_sp or student.tp == 1):
         warnings.warn(
@@ -1198,8 +1365,9 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         vocab_size=args.vocab_size,
         dtype_bytes=args.dtype_bytes,
         micro_batches=args.micro_batches,
-        teacher_sp=sp in ("teacher", "both"),
+        teacher_sp=teacher_sp,
         student_sp=student_sp,
+        teacher_sp_shards=not args.teacher_sp_replicas,
         link_gbps=args.link_gbps,
         nvlink_gbps=nvlink,
         pcie_gbps=args.pcie_gbps,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,11 +145,12 @@ def keys_of(layout: TokenLayout) -> np.ndarray:
 
 def key_sources(
     teachers: Sequence[Mesh],
-    teacher_layouts: Sequence[Mapping[tuple[int, int], TokenLayout]],
+    teacher_layouts: Sequence[Mapping[Any, TokenLayout]],
     members: Sequence[int],
 ) -> dict[tuple[int, int], np.ndarray]:
     """:func:`deliver`'s ``sources``: every rank's rows of every owner hold their keys (an empty
-    buffer where the rank holds nothing of that owner)."""
+    buffer where the rank holds nothing of that owner). A teacher's layouts are keyed by
+    ``(dp, cp)`` shard, or by global rank where each rank holds its own SP shard."""
     out: dict[tuple[int, int], np.ndarray] = {}
     for o, mesh in enumerate(teachers):
         for r in members:
@@ -156,7 +158,8 @@ def key_sources(
             if c is None or c.pp_rank != mesh.pp - 1:
                 out[(r, o)] = np.zeros(0, dtype=np.int64)
             else:
-                out[(r, o)] = keys_of(teacher_layouts[o][(c.dp_rank, c.cp_rank)])
+                held = teacher_layouts[o]
+                out[(r, o)] = keys_of(held[r] if r in held else held[(c.dp_rank, c.cp_rank)])
     return out
 
 

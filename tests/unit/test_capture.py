@@ -207,3 +207,33 @@ def test_get_opd_full_capture_context_passes_capture_options():
     with ctx:
         model(x_SBH())
     assert cap.get_hidden_states() is out
+
+
+def test_local_hidden_states_are_the_layers_input_as_is():
+    """``get_local_hidden_states``: the input as this rank holds it (no copy, ``out`` untouched,
+    not a shard without SP); ``get_hidden_states`` afterwards keeps its own contract; the
+    checks are the same."""
+    model = TinyLM()
+    out = torch.full((5, 3, H), float("nan"))
+    cap = OutputLayerInputCapture(model, out=out)
+    seen = []
+    model.output_layer.register_forward_pre_hook(lambda m, a: seen.append(a[0]) and None)
+    x = x_SBH(seed=4)
+    with cap.capture_context():
+        model(x)
+    local = cap.get_local_hidden_states()
+    assert local is not None and local.data_ptr() == seen[0].data_ptr()
+    assert not local.requires_grad and not cap.sequence_sharded
+    assert torch.isnan(out).all() and cap.allocations == 0  # nothing written into out
+    assert cap.get_local_hidden_states() is local
+    assert cap.get_hidden_states() is out  # the full-[S, B, H] contract, into out as before
+    torch.testing.assert_close(out, local, rtol=0, atol=0)
+    with cap.capture_context():
+        pass
+    assert cap.get_local_hidden_states() is None  # a new context clears it
+    holder = torch.nn.Module()
+    holder.output_layer = Head()
+    bad = OutputLayerInputCapture(holder)
+    bad._pre_hook(holder.output_layer, (torch.zeros(4, H),))
+    with pytest.raises(ValueError, match="expected rank 3"):
+        bad.get_local_hidden_states()

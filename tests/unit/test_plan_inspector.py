@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from mopd.profiling import cli
 from mopd.profiling.plan_inspector import PlanReport, PlanRequest, inspect_plan, main
@@ -289,8 +290,10 @@ def test_packed_cp_sp_micro_batches(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert data["figures"]["student_allgather_bytes"] == 0  # the student keeps its SP slices
     assert data["figures"]["host_h2d_bytes"] == sum(lengths) * hidden * 4
     assert data["batch"]["micro_batches"] == 2 and data["figures"]["micro_batches"] == 2
-    # the teacher's (dp=0, cp=0) buffer of micro-batch 0: samples 0-2 padded to 8 (2*cp*tp), /cp
-    assert data["teacher_rows"]["dp0_cp0"][0] == sum(-(-n // 8) * 8 for n in lengths[:3]) // 2
+    # the teacher's (dp=0, cp=0) buffer of micro-batch 0: samples 0-2 padded to 8 (2*cp*tp), /cp;
+    # each of its TP ranks (last stage 8, 9) is a source of its own SP half of it
+    full = sum(-(-n // 8) * 8 for n in lengths[:3]) // 2
+    assert data["teacher_rows"]["rank8"][0] == data["teacher_rows"]["rank9"][0] == full // 2
     # every student rank is its own destination: rows of its own SP slice
     assert sorted(data["student_rows"]) == sorted(f"rank{r}" for r in range(16, 34))
 
@@ -409,3 +412,133 @@ def test_png_in_a_missing_folder_is_refused_not_created(
     err = capsys.readouterr().err
     assert f"--png: {target}: folder {target.parent} does not exist" in err
     assert not (tmp_path / "no").exists()
+
+
+# --- sources from the teacher's SP shards ---------------------------------------------------
+
+SHARD_CASES = {
+    # name: (teacher mesh, student mesh, batch keywords, student keeps its SP slice)
+    "padded tp4-dp2 -> tp2-cp2-dp2 colocated": (
+        {"tp": 4, "dp": 2},
+        {"tp": 2, "cp": 2, "dp": 2},
+        {"lengths": (24,) * 8, "padded_seq_len": 24},
+        False,
+    ),
+    "packed tp2-cp2-dp2-pp2 -> tp2-cp3-dp3 sp, disjoint": (
+        {"tp": 2, "cp": 2, "dp": 2, "pp": 2},
+        {"tp": 2, "cp": 3, "dp": 3, "rank_offset": 16},
+        {"lengths": (37, 5, 64, 100, 1, 23, 70, 2, 9, 51, 13, 40), "padded_seq_len": None},
+        True,
+    ),
+    "padded tp2-pp2 -> tp2-dp3, partial overlap": (
+        {"tp": 2, "cp": 1, "pp": 2},
+        {"tp": 2, "dp": 3, "rank_offset": 2},
+        {"lengths": (20,) * 6, "padded_seq_len": 20},
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHARD_CASES))
+def test_sources_from_sp_shards_send_every_row_once_and_gather_nothing(case: str) -> None:
+    """Teacher SP with each TP rank its own source: the sources are the SP shards (one rank,
+    its own ``1/tp`` of the buffer, no key held twice: ``check_rank`` passes on every rank),
+    the plans deliver every wanted row once, and nothing crosses the teacher's TP links. The
+    replica path on the same step pays ``tp - 1`` shards per teacher rank there instead."""
+    t_kw, s_kw, batch, s_sp = SHARD_CASES[case]
+    common: dict[str, Any] = {
+        "teacher": t_kw,
+        "student": s_kw,
+        "hidden_size": 8,
+        "vocab_size": 50,
+        "micro_batches": 2,
+        "teacher_sp": True,
+        "student_sp": s_sp,
+        **batch,
+    }
+    shards = inspect_plan(_request(**common))
+    replicas = inspect_plan(_request(**common, teacher_sp_shards=False))
+    req, step = shards.request, shards.step
+    t, rb = req.teacher, req.row_bytes
+    assert req.sources_from_shards and not replicas.request.sources_from_shards
+    # the sources: every last-stage teacher rank alone, in TP order within each (dp, cp) shard
+    want = [(r,) for d, c in t.shards() for r in t.tp_group_ranks(dp_rank=d, cp_rank=c)]
+    assert [g.ranks for g in step.topology.sources] == want
+    assert step.topology.shard_sources == (True,)
+    # each holds its own SP slice: 1/tp of the replica buffer, and the slices tile it
+    for i, held in enumerate(replicas.step.teacher_layouts):
+        for (d, c), full in held.items():
+            parts = [step.teacher_layouts[i][r] for r in t.tp_group_ranks(dp_rank=d, cp_rank=c)]
+            assert [p.num_rows for p in parts] == [full.num_rows // t.tp] * t.tp
+            assert torch.equal(torch.cat([p.sample_id_R for p in parts]), full.sample_id_R)
+            assert torch.equal(torch.cat([p.position_R for p in parts]), full.position_R)
+    _check_plans(shards)  # every wanted key lands in its row, each token crosses once
+    _check_plans(replicas)
+    f, g = shards.figures, replicas.figures
+    assert f["bytes_total"] == f["bytes_minimum"] == g["bytes_total"] == req.num_tokens * rb
+    assert f["link_bytes"]["teacher_tp"] == 0 and f["links_at_minimum"]
+    assert not shards.teacher_gather_MW.any()
+    full_rows = sum(lay.num_rows for held in replicas.step.teacher_layouts for lay in held.values())
+    assert g["link_bytes"]["teacher_tp"] == (t.tp - 1) * full_rows * rb
+    assert g["link_bytes_total"] - f["link_bytes_total"] == g["link_bytes"]["teacher_tp"] + (
+        g["link_bytes"]["student_tp"] - f["link_bytes"]["student_tp"]
+    )
+    assert not g["links_at_minimum"]
+
+
+def _links(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    out, data = _run([*argv, "--no-png"], tmp_path, capsys)
+    f = data["figures"]
+    row = data["hidden_size"] * data["dtype_bytes"]
+    links, floor = f["link_bytes"], f["link_bytes_minimum"]
+    assert set(links) == {"cross", "local", "teacher_tp", "student_tp"}
+    assert links["cross"] == f["bytes_cross"] and links["local"] == f["bytes_local"]
+    assert links["student_tp"] == f["student_allgather_bytes"]
+    assert floor["cross_plus_local"] == f["tokens_needed"] * row
+    assert f["link_bytes_total"] == sum(links.values())
+    assert f["link_bytes_total_minimum"] == sum(floor.values())
+    assert data["sources_from_shards"] == f["sources_from_shards"]
+    assert data["teacher"]["sp_shards"] == f["sources_from_shards"]
+    assert sum(data["teacher_tp_gather_bytes_per_rank"]) == links["teacher_tp"]
+    assert "== bytes per link class, per step (beside the minimum) ==" in out
+    assert ("\nat the minimum\n" in out) == f["links_at_minimum"]
+    return f
+
+
+def test_link_classes_of_the_readme_example_at_the_minimum(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's ``mopd plan`` meshes (smaller batch): at the minimum without teacher SP and
+    with it (sources from the SP shards); the replica path is above it by the SP gather."""
+    base = [
+        "--teacher", "tp=8,pp=2", "--student", "tp=4,cp=2,dp=2",
+        "--batch", "4", "--seq-len", "256", "--hidden-size", "512",
+    ]  # fmt: skip
+    plain = _links(base, tmp_path, capsys)
+    assert plain["links_at_minimum"] and not plain["sources_from_shards"]
+    sp = _links([*base, "--sequence-parallel", "teacher"], tmp_path, capsys)
+    assert sp["links_at_minimum"] and sp["sources_from_shards"]
+    assert sp["link_bytes"] == plain["link_bytes"]
+    old = _links(
+        [*base, "--sequence-parallel", "teacher", "--teacher-sp-replicas"], tmp_path, capsys
+    )
+    assert not old["links_at_minimum"] and not old["sources_from_shards"]
+    # the gather: each of the 8 last-stage ranks receives 7/8 of the 4 x 256 rows
+    assert old["link_bytes"]["teacher_tp"] == 8 * (4 * 256 // 8) * 7 * 512 * 2
+    assert old["link_bytes_total"] == plain["link_bytes_total"] + old["link_bytes"]["teacher_tp"]
+
+
+@pytest.mark.parametrize("teacher", ["tp=2,dp=2", "tp=4,rank_offset=4"])
+def test_link_classes_of_the_demo_meshes_at_the_minimum(
+    teacher: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's meshes, one teacher at a time with its share of a step (its teachers run
+    SP): student TP2 CP2 DP2 on all 8 ranks, THD, 2 micro-batches, sources from SP shards."""
+    argv = [
+        "--teacher", teacher, "--student", "tp=2,cp=2,dp=2,rank_offset=0",
+        "--packed-lengths", "17,32,9,25", "--micro-batches", "2", "--hidden-size", "64",
+        "--sequence-parallel", "teacher",
+    ]  # fmt: skip
+    f = _links(argv, tmp_path, capsys)
+    assert f["links_at_minimum"] and f["sources_from_shards"]
+    assert f["link_bytes"]["teacher_tp"] == 0 and f["link_bytes"]["student_tp"] > 0
