@@ -181,10 +181,14 @@ def _source_group(sim: SimStep, owner: int, rank: int) -> int:
 # --- (a) - (d): plans ------------------------------------------------------------------------
 
 
-def _check_plans(ex: Exchange, sim: SimStep, plans: dict[int, RankPlan]) -> None:
+def _check_plans(
+    ex: Exchange, sim: SimStep, plans: dict[int, RankPlan], *, compact: bool = False
+) -> None:
     cat, members = sim.catalog, sim.topology.members
     # (a) the local plans, put together, are the oracle's global plan
-    assert compose(plans) == compose(oracle_plans(cat, local_copy=ex.local_copy, ranks=members))
+    assert compose(plans) == compose(
+        oracle_plans(cat, local_copy=ex.local_copy, ranks=members, compact=compact)
+    )
     # (b) every destination row gets its key, bit-exact; rows nobody fills stay untouched
     sources = key_sources(ex.teachers, ex.teacher_layouts, members)
     got = deliver(plans, sources)
@@ -213,7 +217,8 @@ def _check_plans(ex: Exchange, sim: SimStep, plans: dict[int, RankPlan]) -> None
             src, dst = token_pairs(t.segments_S5)
             dest = plans[t.dst_rank].dest
             assert dest is not None
-            assert ((dst >= 0) & (dst < dest.slice_rows)).all()
+            n = dest.slice_real(t.owner) if dest.compact else dest.slice_rows
+            assert ((dst >= 0) & (dst < n)).all()
             assert ((src >= 0) & (src < sources[(t.src_rank, t.owner)].size)).all()
             assert (np.diff(dst) > 0).all()  # destination-row order
             seg = t.segments_S5
@@ -247,6 +252,25 @@ def test_local_plans_compose_to_the_oracle_and_deliver_every_key(ex: Exchange) -
     assert all(check_rank(sim.catalog, r) == [] for r in members)
     plans = {r: plan_rank(sim.catalog, r, local_copy=ex.local_copy) for r in members}
     _check_plans(ex, sim, plans)
+
+
+@given(ex=exchanges())
+@SETTINGS
+def test_compact_plans_compose_to_the_oracle_and_deliver_each_owners_rows_in_order(
+    ex: Exchange,
+) -> None:
+    """Compact space: owner ``k``'s rows of a destination group, one per token it owns there in
+    layout-row order, sliced into ``ceil(N_k / ranks)`` rows per rank; both ends agree."""
+    sim = ex.sim()
+    members = sim.topology.members
+    plans = {r: plan_rank(sim.catalog, r, local_copy=ex.local_copy, compact=True) for r in members}
+    _check_plans(ex, sim, plans, compact=True)
+    for p in plans.values():
+        if p.dest is None or p.owner_N is None:
+            continue
+        for o in range(len(ex.teachers)):
+            assert p.dest.out_rows(o) == int((p.owner_N == o).sum())
+            assert 0 <= p.dest.padded(o) - p.dest.out_rows(o) < max(p.dest.group_size, 1)
 
 
 def test_rotation_spreads_the_remainders_over_the_replicas() -> None:
