@@ -12,8 +12,8 @@ inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
    (:mod:`mopd.bridge.plan`, work proportional to its own runs and its peers').
 2. Per micro-batch, point to point only: :meth:`BridgeStep.send` on teacher ranks takes the
    captured rows at the call (the buffer may be reused as soon as it returns) and posts the
-   transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns the rows in
-   the student's own order; :meth:`BridgeStep.finish` (every rank, after the schedule) waits for
+   transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns each
+   teacher's rows compact, in the student's own order (one row per token); :meth:`BridgeStep.finish` (every rank, after the schedule) waits for
    the sends and releases the buffers.
 
 Ordering (why this cannot deadlock): every rank issues its micro-batches in order, one batch of
@@ -833,7 +833,9 @@ class BridgeStep:
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
             for i, catalog in enumerate(self._catalogs):
-                plan = plan_rank(catalog, bridge.rank, local_copy=bridge.config.local_copy)
+                plan = plan_rank(
+                    catalog, bridge.rank, local_copy=bridge.config.local_copy, compact=True
+                )
                 sched = None
                 if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
                     nominal = 0
@@ -851,9 +853,10 @@ class BridgeStep:
     # --- figures -------------------------------------------------------------------------------
 
     def owner(self, micro_batch: int) -> torch.Tensor | None:
-        """``[N]`` int64 on the bridge's device: which teacher fills each row this rank receives
-        for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing. Still
-        readable after :meth:`finish` (like the rows it describes)."""
+        """``[N]`` int64 on the bridge's device: which teacher owns each row of this rank's
+        layout for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing.
+        Teacher ``k``'s compact rows from :meth:`receive` are the rows where it equals ``k``,
+        in order. Still readable after :meth:`finish` (like the rows it describes)."""
         self._check_index(micro_batch, finished_ok=True)
         sched = self._slots[micro_batch].schedule
         if sched is None or sched.owner_N is None:
@@ -1012,14 +1015,20 @@ class BridgeStep:
         self._release_done()
 
     def receive(self, micro_batch: int) -> dict[int, torch.Tensor]:
-        """Wait for micro-batch ``micro_batch`` and return ``teacher -> [N, H]`` rows (point to point).
+        """Wait for micro-batch ``micro_batch`` and return ``teacher -> [N_k, H_k]`` rows
+        (point to point).
 
-        On the student's last-stage ranks: the rows in the order of this rank's layout for that
-        micro-batch (its own slice with ``keep_sp_shard``); a row no teacher ``i`` fills is zero
-        in teacher ``i``'s buffer (:meth:`owner` says which teacher filled each row). Earlier
-        micro-batches not received yet are completed first (in order). Other ranks get ``{}``.
-        Every rank of a student TP group calls it for the same micro-batches (the rows are
-        all-gathered over that group).
+        On the student's last-stage ranks: for every teacher ``k``, compact rows: exactly the
+        ``N_k`` tokens of this rank's layout for that micro-batch (its own slice with
+        ``keep_sp_shard``) that teacher ``k`` owns, in the layout's row order, i.e. the rows
+        ``r`` with ``owner(micro_batch)[r] == k``; no zero rows for tokens of other teachers
+        or for padding (``N_k`` may be 0). This is the compact form the KL takes
+        (:func:`mopd.kernels.kl.vocab_parallel_kl` with ``teacher_index_T = owner`` and the
+        counted tokens as its mask); :func:`mopd.bridge.layout_rows` scatters them back into
+        the layout's order. With one teacher that is every real token, padding rows dropped.
+        Earlier micro-batches not received yet are completed first (in order). Other ranks get
+        ``{}``. Every rank of a student TP group calls it for the same micro-batches (the rows
+        are all-gathered over that group).
         """
         self._check_index(micro_batch)
         b = self._bridge
@@ -1036,8 +1045,7 @@ class BridgeStep:
         sched = slot.schedule
         if sched is None or sched.dest is None:
             return {}
-        n = sched.dest.num_rows
-        rows = {o: t[:n] for o, t in slot.outputs.items()}
+        rows = {o: t[: sched.out_rows(o)] for o, t in slot.outputs.items()}
         if b.config.check_finite and rows:
             self._check_finite(slot, rows)
         return rows
@@ -1072,7 +1080,7 @@ class BridgeStep:
         b = self._bridge
         sched = slot.schedule
         assert sched is not None and sched.dest is not None
-        n = sched.slice_rows
+        n = sched.slice_rows_of(owner)
         j, rel = divmod(row, max(n, 1))
         if j != sched.dest.slot:
             tp = b.groups.student_tp
@@ -1154,7 +1162,8 @@ class ExchangeHandle:
 
     @property
     def owner_N(self) -> torch.Tensor | None:
-        """``[N]`` which teacher fills each received row (``-1``: padding); ``None`` elsewhere."""
+        """``[N]`` which teacher owns each row of the student's layout (``-1``: padding);
+        ``None`` elsewhere. Teacher ``k``'s rows from :meth:`wait` are the rows where it is ``k``."""
         return self.step.owner(0)
 
     @property
@@ -1164,7 +1173,9 @@ class ExchangeHandle:
     def wait(self) -> dict[int, torch.Tensor]:
         """Complete the exchange; every rank calls it (teacher-only ranks too). Idempotent.
 
-        Returns ``teacher -> [N, H]`` on student ranks, ``{}`` elsewhere.
+        Returns ``teacher -> [N_k, H_k]`` compact rows on student ranks (as
+        :meth:`BridgeStep.receive`: teacher ``k``'s tokens in layout order, see
+        :attr:`owner_N`), ``{}`` elsewhere.
         """
         if self._outputs is None:
             self._outputs = self.step.receive(0)

@@ -427,8 +427,10 @@ class Executor:
     def _targets(self, slot: Slot, sched: RankSchedule) -> dict[int, torch.Tensor]:
         """``owner -> `` this rank's slice of each output buffer."""
         assert sched.dest is not None
-        off = sched.slice_rows * sched.dest.slot
-        return {o: t[off : off + sched.slice_rows] for o, t in slot.outputs.items()}
+        return {
+            o: t[sched.slice_start(o) : sched.slice_start(o) + sched.slice_rows_of(o)]
+            for o, t in slot.outputs.items()
+        }
 
     def _outputs(
         self,
@@ -444,7 +446,7 @@ class Executor:
             return
         for owner, (hidden, dtype) in output_specs.items():
             slot.outputs[owner] = torch.empty(
-                (sched.dest.padded_rows, hidden), dtype=dtype, device=device
+                (sched.padded_rows(owner), hidden), dtype=dtype, device=device
             )
         targets = self._targets(slot, sched)
         for owner, fill in sched.fill.items():
@@ -647,7 +649,7 @@ class Executor:
         if self.integrity:
             slice_sums = {o: row_checksum(t) for o, t in targets.items()}
             self._check_crossing(slot, sched, slice_sums, dev)
-        group_size = sched.dest.padded_rows // max(1, sched.slice_rows)
+        group_size = sched.dest.group_size
         if group_size > 1:
             if tp_group is None:
                 raise AssertionError("a destination group of several ranks needs its TP group")
@@ -740,7 +742,7 @@ class Executor:
         """Every slice of the TP all-gather against its sender's checksums (all owners at once)."""
         assert sched.dest is not None
         owners = sorted(slot.outputs)
-        rows = sched.slice_rows
+        rows = [sched.slice_rows_of(o) for o in owners]
         mine = torch.cat([slice_sums[o] for o in owners])
         every = torch.empty(group_size * mine.numel(), dtype=torch.int64, device=mine.device)
         ranks = dist.get_process_group_ranks(tp_group)
@@ -754,27 +756,25 @@ class Executor:
             f"the checksums of the student TP all-gather (integrity, micro-batch {slot.index}, "
             f"over global ranks {ranks})",
         )
-        expected = every.view(group_size, len(owners), rows)
+        expected = every.view(group_size, mine.numel()).split(rows, dim=1)
         peers = [j for j in range(group_size) if j != sched.dest.slot]
         if self.debug_hook is not None:
             self.debug_hook(
                 "gathered",
                 [
-                    (o, ranks[j], slot.outputs[o][j * rows : (j + 1) * rows])
-                    for o in owners
+                    (o, ranks[j], slot.outputs[o][j * n : (j + 1) * n])
+                    for o, n in zip(owners, rows, strict=True)
                     for j in peers
                 ],
             )
-        for i, o in enumerate(owners):
-            got = row_checksum(slot.outputs[o]).view(group_size, rows)
+        for i, (o, n) in enumerate(zip(owners, rows, strict=True)):
+            got = row_checksum(slot.outputs[o]).view(group_size, n)
             for j in range(group_size):
-                dst_rows = (
-                    torch.arange(j * rows, (j + 1) * rows) - sched.slice_rows * sched.dest.slot
-                )
+                dst_rows = torch.arange(j * n, (j + 1) * n) - sched.slice_start(o)
                 slot.findings.append(
                     (
-                        got[j] != expected[j, i],
-                        (o, ranks[j], dst_rows, torch.arange(rows), TP_GATHER),
+                        got[j] != expected[i][j],
+                        (o, ranks[j], dst_rows, torch.arange(n), TP_GATHER),
                     )
                 )
 
@@ -796,7 +796,7 @@ class Executor:
                 idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
                 off = 0
                 if slot.schedule is not None and slot.schedule.dest is not None:
-                    off = slot.schedule.slice_rows * slot.schedule.dest.slot
+                    off = slot.schedule.slice_start(owner)
                 found.append(
                     BlockMismatch(
                         owner=owner,

@@ -317,9 +317,9 @@ class Driver:
         assert self.step.num_tokens(i) == lay.num_tokens
         got = self.received[i]
         assert sorted(got) == list(range(len(self.case.teachers)))
-        for o, rows in got.items():
+        for o, rows in got.items():  # compact: teacher o's tokens of the layout, in order
             want = key_pattern(lay, hidden_of(o), self.case.dtype, salt=salt(o, i, self.step_no))
-            want[want_owner != o] = 0
+            want = want[want_owner == o]
             assert rows.shape == want.shape, f"{self.name} mb {i} teacher {o}: {rows.shape}"
             assert torch.equal(bits(rows), bits(want)), f"{self.name} mb {i} teacher {o} differ"
 
