@@ -16,9 +16,7 @@ import torch
 __all__ = ["compact_rows", "layout_rows"]
 
 
-def layout_rows(
-    rows: Mapping[int, torch.Tensor], owner_N: torch.Tensor
-) -> dict[int, torch.Tensor]:
+def layout_rows(rows: Mapping[int, torch.Tensor], owner_N: torch.Tensor) -> dict[int, torch.Tensor]:
     """``teacher -> [N, H_k]``: each teacher's compact ``[N_k, H_k]`` rows put back at the
     rows of the layout it owns (``owner_N == k``, in order), zero elsewhere.
 

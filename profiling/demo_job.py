@@ -573,12 +573,7 @@ class _Job:
                     )
                     continue
                 if not torch.equal(got, ref_rows[pos.to(dev)]):
-                    diff = (
-                        (got != ref_rows[pos.to(dev)])
-                        .any(dim=1)
-                        .nonzero()
-                        .reshape(-1)
-                    )
+                    diff = (got != ref_rows[pos.to(dev)]).any(dim=1).nonzero().reshape(-1)
                     first = int(mine[diff[0]])
                     problems.append(
                         f"teacher {k} micro-batch {i}: {diff.numel()} of {mine.numel()} rows differ "
