@@ -20,7 +20,8 @@ Nothing here imports megatron: what reads megatron's objects (process groups, me
 groups, LM heads off its models) is :mod:`mopd.mcore`'s.
 
 Internals live in their modules (:mod:`.plan`, :mod:`.metadata`, :mod:`.topology`,
-:mod:`.schedule`, :mod:`.executor`, :mod:`.integrity`).
+:mod:`.schedule`, :mod:`.order`, :mod:`.executor`, :mod:`.transport`, :mod:`.integrity`,
+:mod:`.compact`).
 """
 
 from __future__ import annotations
