@@ -10,9 +10,10 @@ Once, on every rank (group creation is collective, in a fixed order)::
 
 Per step: :meth:`HiddenStateBridge.plan_step` outside the training schedule (one metadata
 collective for all micro-batches), then per micro-batch ``step.send(i, {0: h_SBH})`` on teacher
-ranks and ``step.receive(i)[0]`` on student ranks (each teacher's rows compact, one per token it
-owns, in the student's order; :func:`layout_rows` puts them back in the layout's rows) (point to point, safe inside Megatron's
-``forward_step_func`` / ``loss_func``), and ``step.finish()`` after the schedule on every rank.
+ranks and ``step.receive(i)[0]`` on student ranks (point to point, safe inside Megatron's
+``forward_step_func`` / ``loss_func``; each teacher's rows arrive compact, one per token it
+owns, in the student's order, and :func:`layout_rows` puts them back in the layout's rows),
+and ``step.finish()`` after the schedule on every rank.
 :meth:`HiddenStateBridge.exchange` does one micro-batch in one call. The teachers' LM heads move
 into the student's vocab partition once (:func:`reshard_lm_head`).
 

@@ -13,10 +13,12 @@ inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
 2. Per micro-batch, point to point only: :meth:`BridgeStep.send` on teacher ranks takes the
    captured rows at the call (the buffer may be reused as soon as it returns) and posts the
    transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns each
-   teacher's rows compact, in the student's own order (one row per token); :meth:`BridgeStep.finish` (every rank, after the schedule) waits for
-   the sends and releases the buffers.
+   teacher's rows compact, in the student's own order (one row per token);
+   :meth:`BridgeStep.finish` (every rank, after the schedule) waits for the sends and releases
+   the buffers.
 
-Ordering (why this cannot deadlock): every rank issues its micro-batches in order, one batch of
+Ordering (why this cannot deadlock; :class:`~mopd.bridge.order.StepOrder` keeps it): every
+rank issues its micro-batches in order, one batch of
 point-to-point operations per micro-batch holding all of that rank's sends and receives for it.
 A micro-batch with receives only is issued at the latest when it is received, or when a later
 one is; one with sends waits for its :meth:`~BridgeStep.send`. So any two ranks meet in the same
