@@ -445,16 +445,21 @@ def _meets(range_X2: np.ndarray, lo: int, hi: int) -> set[int]:
     return set(np.flatnonzero((a <= b) & (a <= hi) & (b >= lo) & (lo <= hi)).tolist())
 
 
-def _reads(sim: SimStep, rank: int, local_copy: bool) -> tuple[set[int], set[int], RankPlan]:
+def _reads(
+    sim: SimStep, rank: int, local_copy: bool, *, compact: bool = False
+) -> tuple[set[int], set[int], RankPlan]:
     """Source and destination groups whose runs ``rank`` reads to plan and check."""
     cat = sim.topology.catalog(sim.matrix, 0)
     counting, read_s, read_d = cat.recording_reads()
-    plan = plan_rank(counting, rank, local_copy=local_copy)
+    plan = plan_rank(counting, rank, local_copy=local_copy, compact=compact)
     assert check_rank(counting, rank) == []
     return read_s, read_d, plan
 
 
-def _allowed(sim: SimStep, rank: int) -> tuple[set[int], set[int]]:
+def _allowed(sim: SimStep, rank: int, *, compact: bool = False) -> tuple[set[int], set[int]]:
+    """What ``rank`` may read: its groups, the groups whose sample range meets theirs and, in
+    compact space, for each destination group it sends to, the source groups of the same
+    owner whose range meets that group (its peers' peers of its own teacher, nothing wider)."""
     cat = sim.catalog
     ix = cat.index()
     own_s, own_d = set(ix.source_groups.get(rank, ())), set(ix.dest_groups.get(rank, ()))
@@ -463,7 +468,12 @@ def _allowed(sim: SimStep, rank: int) -> tuple[set[int], set[int]]:
         ok_s |= _meets(cat.source_range_G2, *cat.dest_range_D2[d].tolist())
     for g in own_s:
         ok_s |= _meets(cat.source_range_G2, *cat.source_range_G2[g].tolist())
-        ok_d |= _meets(cat.dest_range_D2, *cat.source_range_G2[g].tolist())
+        ds = _meets(cat.dest_range_D2, *cat.source_range_G2[g].tolist())
+        ok_d |= ds
+        if compact:
+            for d in ds:
+                same = _meets(cat.source_range_G2, *cat.dest_range_D2[d].tolist())
+                ok_s |= {h for h in same if ix.owner_G[h] == ix.owner_G[g]}
     return ok_s, ok_d
 
 
@@ -477,6 +487,12 @@ def test_a_rank_reads_only_groups_whose_sample_range_meets_its_own(ex: Exchange)
         ok_s, ok_d = _allowed(sim, r)
         assert read_s <= ok_s and read_d <= ok_d, (r, read_s - ok_s, read_d - ok_d)
     _check_plans(ex, sim, plans)
+    compact = {}
+    for r in sim.topology.members:  # compact space: its owner's peers of its peers, no wider
+        read_s, read_d, compact[r] = _reads(sim, r, ex.local_copy, compact=True)
+        ok_s, ok_d = _allowed(sim, r, compact=True)
+        assert read_s <= ok_s and read_d <= ok_d, (r, read_s - ok_s, read_d - ok_d)
+    _check_plans(ex, sim, compact, compact=True)
 
 
 def test_contiguous_samples_make_the_reads_local() -> None:
