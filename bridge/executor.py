@@ -142,8 +142,8 @@ def _local(src_NH: torch.Tensor, op: _Local, out_NH: torch.Tensor, dev: DeviceIn
 class _StagePool:
     """Staging buffers reused across slots: per ``(kind, owner, dtype, device, H)`` a free list.
 
-    A buffer is held by one slot until its sends (receives) complete; one too small for a new
-    slot is replaced by a larger one.
+    A buffer is held by one slot until its sends (receives) complete; a slot gets the smallest
+    free buffer that fits, and when none does the largest is replaced by a larger one.
     """
 
     def __init__(self) -> None:
@@ -153,11 +153,15 @@ class _StagePool:
         self.buffers = 0
 
     def acquire(self, key: tuple[Any, ...], rows: int, like: torch.Tensor) -> torch.Tensor:
+        """The smallest free buffer of ``key`` with at least ``rows`` rows; if none fits, the
+        largest free one is replaced by a new one of ``rows`` rows (so the pool converges to the
+        sizes its slots need together, whatever order they come in)."""
         free = self._free.get(key)
         if free:
-            t = free.pop()
-            if t.shape[0] >= rows:
-                return t
+            fits = [i for i, t in enumerate(free) if t.shape[0] >= rows]
+            if fits:
+                return free.pop(min(fits, key=lambda i: free[i].shape[0]))
+            t = free.pop(max(range(len(free)), key=lambda i: free[i].shape[0]))
             self.bytes -= t.numel() * t.element_size()
             self.buffers -= 1
         t = torch.empty((rows, like.shape[1]), dtype=like.dtype, device=like.device)

@@ -335,13 +335,16 @@ def _teacher_slots(
             # the run [start, stop) of the token layout, rows [0, stop - start) of a compact one
             first = 0 if forms[k] != "token" else start
             slots.append(TeacherSlot(h[first : first + stop - start], w, None, start, stop))
+        elif forms[k] == "counted" or (forms[k] == "all" and mask_T is None):
+            # compact rows of the counted tokens, in token order: exactly this teacher's run of
+            # the processing order (active tokens grouped by teacher, stable), so its rows are
+            # read as they are, no gather
+            slots.append(TeacherSlot(h[: stop - start], w, None, start, stop))
         elif forms[k] != "token":
-            # row of each token among teacher k's rows (all of its tokens, or the counted ones)
+            # row of each token among teacher k's rows (all of its tokens)
             mine_T = torch.ones(T, dtype=torch.bool, device=order_N.device)
             if index_T is not None:
                 mine_T = index_T == k
-            if forms[k] == "counted" and mask_T is not None:
-                mine_T = mine_T & (mask_T != 0)
             rank_T = torch.cumsum(mine_T.to(torch.int64), 0) - 1
             slots.append(TeacherSlot(h, w, rank_T[order_N[start:stop]], start, stop))
         else:

@@ -232,6 +232,13 @@ def test_compact_rows_of_the_counted_tokens_match_the_float64_reference(
         b = vocab_parallel_kl(x, counted, weight, config=cfg, **kw)
         logits = x
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    job = kl_prepare.prepare(kl_prepare.KLArgs(
+        student_TX=s_TV, student_weight_VH=None, teacher_hidden=counted, teacher_weight=weight,
+        vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index, group=None,
+        config=cfg,
+    ))  # fmt: skip
+    # the counted rows are already in the order the KL reads them: no gather of teacher rows
+    assert all(t.rows_M is None for t in job.teachers)
     ref = reference_kl(
         logits, counted, weight, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index,
         reduction="none",

@@ -297,6 +297,19 @@ def test_stage_pool_reuses_and_grows():
     c = pool.acquire(("k",), 1, like)  # b is busy: a second buffer
     assert c is not b and pool.buffers == 2 and pool.allocations == 3
     assert pool.bytes == (5 + 1) * 4 * 4
+    # best fit: a slot gets the smallest free buffer that holds it, whatever order they
+    # were returned in, so small and large slots alternating allocate nothing more
+    pool.release(("k",), b)
+    pool.release(("k",), c)
+    for rows in (5, 1, 5, 1):
+        got = pool.acquire(("k",), rows, like)
+        assert got is (b if rows == 5 else c)
+        pool.release(("k",), got)
+    pool.release(("k",), pool.acquire(("k",), 1, like))
+    assert pool.allocations == 3
+    # none fits: the largest free one is replaced
+    d = pool.acquire(("k",), 7, like)
+    assert d.shape == (7, 4) and pool.buffers == 2 and pool.allocations == 4
 
 
 # --- one rank: the step API end to end, local copies only -------------------------------------
