@@ -11,7 +11,9 @@ Once, on every rank (group creation is collective, in a fixed order)::
 Per step: :meth:`HiddenStateBridge.plan_step` outside the training schedule (one metadata
 collective for all micro-batches), then per micro-batch ``step.send(i, {0: h_SBH})`` on teacher
 ranks and ``step.receive(i)[0]`` on student ranks (point to point, safe inside Megatron's
-``forward_step_func`` / ``loss_func``), and ``step.finish()`` after the schedule on every rank.
+``forward_step_func`` / ``loss_func``; each teacher's rows arrive compact, one per token it
+owns, in the student's order, and :func:`layout_rows` puts them back in the layout's rows),
+and ``step.finish()`` after the schedule on every rank.
 :meth:`HiddenStateBridge.exchange` does one micro-batch in one call. The teachers' LM heads move
 into the student's vocab partition once (:func:`reshard_lm_head`).
 
@@ -19,12 +21,14 @@ Nothing here imports megatron: what reads megatron's objects (process groups, me
 groups, LM heads off its models) is :mod:`mopd.mcore`'s.
 
 Internals live in their modules (:mod:`.plan`, :mod:`.metadata`, :mod:`.topology`,
-:mod:`.schedule`, :mod:`.executor`, :mod:`.integrity`).
+:mod:`.schedule`, :mod:`.order`, :mod:`.executor`, :mod:`.transport`, :mod:`.integrity`,
+:mod:`.compact`).
 """
 
 from __future__ import annotations
 
 from mopd.bridge.api import BridgeConfig, BridgeStep, ExchangeHandle, HiddenStateBridge, TeacherSpec
+from mopd.bridge.compact import compact_rows, layout_rows
 from mopd.bridge.errors import (
     BridgeCommError,
     BridgeError,
@@ -58,8 +62,10 @@ __all__ = [
     "TeacherSpec",
     "TokenLayout",
     "VocabSpec",
+    "compact_rows",
     "concat_layouts",
     "create_bridge_groups",
+    "layout_rows",
     "mesh_from_groups",
     "packed_layout",
     "padded_layout",

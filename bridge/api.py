@@ -12,11 +12,13 @@ inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
    (:mod:`mopd.bridge.plan`, work proportional to its own runs and its peers').
 2. Per micro-batch, point to point only: :meth:`BridgeStep.send` on teacher ranks takes the
    captured rows at the call (the buffer may be reused as soon as it returns) and posts the
-   transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns the rows in
-   the student's own order; :meth:`BridgeStep.finish` (every rank, after the schedule) waits for
-   the sends and releases the buffers.
+   transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns each
+   teacher's rows compact, in the student's own order (one row per token);
+   :meth:`BridgeStep.finish` (every rank, after the schedule) waits for the sends and releases
+   the buffers.
 
-Ordering (why this cannot deadlock): every rank issues its micro-batches in order, one batch of
+Ordering (why this cannot deadlock; :class:`~mopd.bridge.order.StepOrder` keeps it): every
+rank issues its micro-batches in order, one batch of
 point-to-point operations per micro-batch holding all of that rank's sends and receives for it.
 A micro-batch with receives only is issued at the latest when it is received, or when a later
 one is; one with sends waits for its :meth:`~BridgeStep.send`. So any two ranks meet in the same
@@ -52,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
-from mopd.bridge.executor import Executor, Slot, comm_failure
+from mopd.bridge.executor import Executor, Slot
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
@@ -67,9 +69,11 @@ from mopd.bridge.metadata import (
     encode_step_record,
     gather_step_matrix,
 )
+from mopd.bridge.order import StepOrder
 from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
+from mopd.bridge.transport import comm_failure
 from mopd.common import dist as cdist
 from mopd.common import ranges
 
@@ -826,11 +830,9 @@ class BridgeStep:
         #: this step's number on its bridge (the same on every rank); its transfers carry it
         self.seq = seq
         self._catalogs = list(catalogs)  # the ones plan_step checked: their decoded runs are kept
-        n_slots = self.num_micro_batches = len(self._catalogs)
+        self.num_micro_batches = len(self._catalogs)
         self._sections = list(sections)
         self.finished = False
-        self._cursor = 0  # next micro-batch to issue
-        self._received = 0  # micro-batches received (in order)
         topo = bridge.topology
         n = len(bridge.teachers)
         # per owner (hidden, dtype) from the teacher's first leader: the students' buffers
@@ -841,12 +843,13 @@ class BridgeStep:
             assert dtype is not None
             self._specs[o] = (spec.hidden_size, dtype)
         self._slots: list[Slot] = []
-        self._given: list[set[int]] = [set() for _ in range(n_slots)]
         ex = bridge.executor
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
             for i, catalog in enumerate(self._catalogs):
-                plan = plan_rank(catalog, bridge.rank, local_copy=bridge.config.local_copy)
+                plan = plan_rank(
+                    catalog, bridge.rank, local_copy=bridge.config.local_copy, compact=True
+                )
                 sched = None
                 if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
                     nominal = 0
@@ -860,13 +863,24 @@ class BridgeStep:
                     )
                 self._slots.append(Slot(index=i, schedule=sched))
         self._owner_dev: dict[int, torch.Tensor] = {}
+        self._order = StepOrder(
+            self._slots,
+            executor=ex,
+            rank=bridge.rank,
+            output_specs=self._specs,
+            device=bridge.device,
+            group=bridge.groups.bridge,
+            tag=self.tag,
+            tp_group=bridge.groups.student_tp,
+        )
 
     # --- figures -------------------------------------------------------------------------------
 
     def owner(self, micro_batch: int) -> torch.Tensor | None:
-        """``[N]`` int64 on the bridge's device: which teacher fills each row this rank receives
-        for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing. Still
-        readable after :meth:`finish` (like the rows it describes)."""
+        """``[N]`` int64 on the bridge's device: which teacher owns each row of this rank's
+        layout for ``micro_batch`` (``-1``: padding); ``None`` on ranks that receive nothing.
+        Teacher ``k``'s compact rows from :meth:`receive` are the rows where it equals ``k``,
+        in order. Still readable after :meth:`finish` (like the rows it describes)."""
         self._check_index(micro_batch, finished_ok=True)
         sched = self._slots[micro_batch].schedule
         if sched is None or sched.owner_N is None:
@@ -927,22 +941,15 @@ class BridgeStep:
         if self.finished and not finished_ok:
             raise BridgeStateError("this step is finished; plan the next one with plan_step")
 
-    def _owners_needed(self, i: int) -> set[int]:
-        """Owners whose rows this rank must give for micro-batch ``i`` (sends, local copies)."""
-        sched = self._slots[i].schedule
-        if sched is None:
-            return set()
-        return {op.owner for op in sched.sends} | {x.owner for x in sched.locals}
-
     @property
     def posted(self) -> int:
         """Micro-batches this rank has posted (in order)."""
-        return self._cursor
+        return self._order.posted
 
     def unposted(self) -> bool:
         """True while this rank has micro-batches of the step left to post (it is open on the
         wire: a later step's transfers would pair with them)."""
-        return not self.finished and self._cursor < self.num_micro_batches
+        return not self.finished and self._order.posted < self.num_micro_batches
 
     @property
     def tag(self) -> int:
@@ -951,24 +958,7 @@ class BridgeStep:
 
     def _issue_through(self, i: int, *, why: str) -> None:
         """Post every micro-batch up to ``i`` in order (their rows must have been given)."""
-        b = self._bridge
-        while self._cursor <= i:
-            slot = self._slots[self._cursor]
-            missing = self._owners_needed(slot.index) - self._given[slot.index]
-            if missing:
-                raise BridgeStateError(
-                    f"global rank {b.rank}: {why} needs micro-batch {slot.index} posted first, "
-                    f"and this rank holds rows of teacher(s) {sorted(missing)} for it: call "
-                    f"send({slot.index}, ...) before (micro-batches go in order)"
-                )
-            b.executor.post(
-                slot,
-                output_specs=self._specs,
-                device=b.device,
-                group=b.groups.bridge,
-                tag=self.tag,
-            )
-            self._cursor += 1
+        self._order.post_through(i, why=why)
 
     def send(self, micro_batch: int, hidden: Mapping[int, torch.Tensor]) -> None:
         """Give micro-batch ``micro_batch``'s teacher rows; they are taken now (point to point).
@@ -999,7 +989,7 @@ class BridgeStep:
             sec = self._sections[o]
             if sec is None:
                 raise ValueError(f"this rank holds no rows of teacher {o} (not its last stage)")
-            if o in self._given[micro_batch]:
+            if o in self._order.given[micro_batch]:
                 raise BridgeStateError(
                     f"teacher {o}'s rows of micro-batch {micro_batch} were already sent"
                 )
@@ -1012,45 +1002,41 @@ class BridgeStep:
                 sec.dtype,
                 b.device,
             )
-        need = self._owners_needed(micro_batch)
-        if micro_batch < self._cursor and need & set(flat):
+        need = self._order.needed(micro_batch)
+        if micro_batch < self._order.posted and need & set(flat):
             raise BridgeStateError(f"micro-batch {micro_batch} was already posted")
         slot = self._slots[micro_batch]
         take = {o: f for o, f in flat.items() if o in need}
         if take:
             b.executor.take(slot, take, output_specs=self._specs, device=b.device)
-        self._given[micro_batch] |= set(flat)
-        if not need - self._given[micro_batch] and micro_batch >= self._cursor:
-            self._issue_through(micro_batch, why=f"send({micro_batch})")
-        self._release_done()
+        self._order.give(micro_batch, flat)
 
     def receive(self, micro_batch: int) -> dict[int, torch.Tensor]:
-        """Wait for micro-batch ``micro_batch`` and return ``teacher -> [N, H]`` rows (point to point).
+        """Wait for micro-batch ``micro_batch`` and return ``teacher -> [N_k, H_k]`` rows
+        (point to point).
 
-        On the student's last-stage ranks: the rows in the order of this rank's layout for that
-        micro-batch (its own slice with ``keep_sp_shard``); a row no teacher ``i`` fills is zero
-        in teacher ``i``'s buffer (:meth:`owner` says which teacher filled each row). Earlier
-        micro-batches not received yet are completed first (in order). Other ranks get ``{}``.
-        Every rank of a student TP group calls it for the same micro-batches (the rows are
-        all-gathered over that group).
+        On the student's last-stage ranks: for every teacher ``k``, compact rows: exactly the
+        ``N_k`` tokens of this rank's layout for that micro-batch (its own slice with
+        ``keep_sp_shard``) that teacher ``k`` owns, in the layout's row order, i.e. the rows
+        ``r`` with ``owner(micro_batch)[r] == k``; no zero rows for tokens of other teachers
+        or for padding (``N_k`` may be 0). This is the compact form the KL takes
+        (:func:`mopd.kernels.kl.vocab_parallel_kl` with ``teacher_index_T = owner`` and the
+        counted tokens as its mask); :func:`mopd.bridge.layout_rows` scatters them back into
+        the layout's order. With one teacher that is every real token, padding rows dropped.
+        Earlier micro-batches not received yet are completed first (in order). Other ranks get
+        ``{}``. Every rank of a student TP group calls it for the same micro-batches (the rows
+        are all-gathered over that group).
         """
         self._check_index(micro_batch)
         b = self._bridge
         b.executor.check_usable()
-        self._issue_through(micro_batch, why=f"receive({micro_batch})")
-        deadline = time.monotonic() + b.config.timeout_s
-        while self._received <= micro_batch:
-            b.executor.complete(
-                self._slots[self._received], tp_group=b.groups.student_tp, deadline=deadline
-            )
-            self._received += 1
-        self._release_done()
+        self._order.complete_through(micro_batch, deadline=time.monotonic() + b.config.timeout_s)
+        self._order.release_done()
         slot = self._slots[micro_batch]
         sched = slot.schedule
         if sched is None or sched.dest is None:
             return {}
-        n = sched.dest.num_rows
-        rows = {o: t[:n] for o, t in slot.outputs.items()}
+        rows = {o: t[: sched.out_rows(o)] for o, t in slot.outputs.items()}
         if b.config.check_finite and rows:
             self._check_finite(slot, rows)
         return rows
@@ -1085,7 +1071,7 @@ class BridgeStep:
         b = self._bridge
         sched = slot.schedule
         assert sched is not None and sched.dest is not None
-        n = sched.slice_rows
+        n = sched.slice_rows_of(owner)
         j, rel = divmod(row, max(n, 1))
         if j != sched.dest.slot:
             tp = b.groups.student_tp
@@ -1099,13 +1085,6 @@ class BridgeStep:
                 return f"a local copy on global rank {b.rank}"
         return "a padding row"
 
-    def _release_done(self) -> None:
-        """Return the staging buffers of issued micro-batches whose sends have completed."""
-        ex = self._bridge.executor
-        for slot in self._slots[: self._cursor]:
-            if not slot.released and ex.sends_done(slot):
-                ex.release(slot, deadline=time.monotonic() + 1.0)
-
     def finish(self) -> None:
         """Complete the step on this rank: every micro-batch issued, received and sent.
 
@@ -1117,15 +1096,8 @@ class BridgeStep:
             return
         b = self._bridge
         b.executor.check_usable()
-        self._issue_through(self.num_micro_batches - 1, why="finish()")
         deadline = time.monotonic() + b.config.timeout_s
-        while self._received < self.num_micro_batches:
-            b.executor.complete(
-                self._slots[self._received], tp_group=b.groups.student_tp, deadline=deadline
-            )
-            self._received += 1
-        for slot in self._slots:
-            b.executor.release(slot, deadline=deadline)
+        self._order.finish(deadline=deadline)
         self.finished = True
         if b.config.integrity:
             meta = b.groups.metadata_group
@@ -1145,8 +1117,8 @@ class BridgeStep:
         b = self._bridge
         what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
         b.executor.mark_abandoned(
-            f"step {self.seq} abandoned on global rank {b.rank} after {self._cursor} of "
-            f"{self.num_micro_batches} micro-batches posted, {self._received} received: "
+            f"step {self.seq} abandoned on global rank {b.rank} after {self._order.posted} of "
+            f"{self.num_micro_batches} micro-batches posted, {self._order.received} received: "
             f"{what}"
         )
         self.finished = True
@@ -1167,7 +1139,8 @@ class ExchangeHandle:
 
     @property
     def owner_N(self) -> torch.Tensor | None:
-        """``[N]`` which teacher fills each received row (``-1``: padding); ``None`` elsewhere."""
+        """``[N]`` which teacher owns each row of the student's layout (``-1``: padding);
+        ``None`` elsewhere. Teacher ``k``'s rows from :meth:`wait` are the rows where it is ``k``."""
         return self.step.owner(0)
 
     @property
@@ -1177,7 +1150,9 @@ class ExchangeHandle:
     def wait(self) -> dict[int, torch.Tensor]:
         """Complete the exchange; every rank calls it (teacher-only ranks too). Idempotent.
 
-        Returns ``teacher -> [N, H]`` on student ranks, ``{}`` elsewhere.
+        Returns ``teacher -> [N_k, H_k]`` compact rows on student ranks (as
+        :meth:`BridgeStep.receive`: teacher ``k``'s tokens in layout order, see
+        :attr:`owner_N`), ``{}`` elsewhere.
         """
         if self._outputs is None:
             self._outputs = self.step.receive(0)

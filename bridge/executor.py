@@ -1,24 +1,25 @@
-"""The executor: moves one rank's share of one micro-batch, point to point.
+"""The executor: moves one rank's share of one micro-batch, and nothing else.
 
 Why this file exists: the planner says which rows go where; this file moves them, touching each
 row at most once on each side, with no collective over the bridge group (so it can run inside a
-training schedule). Per micro-batch a rank has one :class:`Slot`:
+training schedule). Per micro-batch a rank has one :class:`Slot`, which owns its buffers (the
+output buffers it delivers into, the staging buffers it holds from the pool):
 
 - :meth:`Executor.take` takes a teacher's rows at that moment: packs this rank's sends into
   staging buffers (one kernel launch per owner for all peers: ``copy_runs`` for long runs, a
-  gather otherwise; a contiguous side is copied as one block), checksums them in integrity mode
-  and runs the local copies (a source replica on this rank). Afterwards the caller may overwrite
-  its buffer: the bridge never reads it again.
-- :meth:`Executor.post` zero-fills the rows no transfer writes and posts all of the slot's sends
-  and receives in one ``batch_isend_irecv``.
-- :meth:`Executor.complete` waits for the slot's receives (a host wait with a deadline on gloo; a
-  stream wait on NCCL), unpacks them (one launch per owner), and all-gathers each owner's buffer
-  over the student TP group when the destination group has more than one rank.
+  gather otherwise; a contiguous side is copied as one block) and runs the local copies (a
+  source replica on this rank). Afterwards the caller may overwrite its buffer: the bridge
+  never reads it again.
+- :meth:`Executor.post` zero-fills the padding rows no transfer writes and hands the slot's
+  sends and receives to the transport in one batch (:mod:`mopd.bridge.transport`).
+- :meth:`Executor.complete` waits for the slot's receives (a host wait with a deadline on gloo;
+  a stream wait on NCCL), unpacks them (one launch per owner), and all-gathers each owner's
+  buffer over the student TP group when the destination group has more than one rank.
 - :meth:`Executor.release` waits for the slot's sends and returns their staging buffers.
 
-Ordering: every rank posts its slots in micro-batch order, one batch per slot holding both its
-sends and its receives, so the point-to-point operations of any two ranks meet in the same order
-(on NCCL a communicator runs a rank's batches in issue order; see :mod:`mopd.bridge.api`).
+The order in which a step's slots are posted, completed and released is not decided here:
+:class:`mopd.bridge.order.StepOrder` owns it (every rank posts its slots in micro-batch order,
+one batch per slot holding both its sends and its receives).
 
 Data never leaves the device of its tensors: CUDA tensors go over NCCL, CPU tensors over gloo.
 Kernels run with ``check_bounds=False``: plan rows are in range by construction and buffer row
@@ -28,9 +29,9 @@ Reliability: a failed or timed-out wait raises :class:`~mopd.bridge.errors.Bridg
 :class:`~mopd.bridge.errors.BridgeCommError` naming this rank, the pending peers and the timeout;
 the executor then refuses further work (:class:`~mopd.bridge.errors.BridgeStateError`): the
 process group may still hold operations of the failed slot that a later one could match.
-Integrity mode (:mod:`mopd.bridge.integrity`) checksums every delivered row; the checks run on
-the device at :meth:`Executor.complete` and are judged together, on every rank alike, by
-:meth:`Executor.verdict`.
+Integrity mode (:mod:`mopd.bridge.integrity`) wraps the transport (checksums travel beside the
+rows) and plugs its checks into the data path's check points; they run on the device and are
+judged together, on every rank alike, by :meth:`Executor.verdict`.
 """
 
 from __future__ import annotations
@@ -45,26 +46,25 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.errors import (
-    BridgeCommError,
-    BridgeError,
-    BridgeIntegrityError,
-    BridgeStateError,
-    BridgeTimeoutError,
-)
+from mopd.bridge.errors import BridgeError, BridgeStateError
 from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.integrity import (
-    CROSSING,
-    TP_GATHER,
-    BlockMismatch,
-    decode_mismatches,
-    encode_mismatches,
-    format_mismatches,
-    row_checksum,
+    IntegrityTransport,
+    NoChecks,
+    RowChecks,
+    SlotChecks,
+    integrity_verdict,
 )
 from mopd.bridge.plan import RankPlan
-from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op, _Side, plan_digest
-from mopd.common import dist as cdist
+from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Side, plan_digest
+from mopd.bridge.transport import (
+    Message,
+    P2PTransport,
+    Posted,
+    Transport,
+    comm_failure,
+    time_left,
+)
 from mopd.common import ranges
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
@@ -76,15 +76,7 @@ __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 #: blocks: tests corrupt bytes in flight or fail a rank mid-exchange through it
 #: (``Executor.debug_hook``).
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
-#: One integrity check: ``[R]`` bool "row differs" and (owner, peer, destination rows relative
-#: to the slice, source rows, stage) to report it.
 _T = TypeVar("_T")
-_Check = tuple[torch.Tensor, tuple[int, int, torch.Tensor, torch.Tensor, int]]
-
-
-def _left(deadline: float) -> float:
-    """Seconds until ``deadline`` (``time.monotonic()`` clock), at least 1 ms."""
-    return max(deadline - time.monotonic(), 1e-3)
 
 
 def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
@@ -147,35 +139,11 @@ def _local(src_NH: torch.Tensor, op: _Local, out_NH: torch.Tensor, dev: DeviceIn
         )
 
 
-def comm_failure(
-    exc: BaseException, *, rank: int, what: str, timeout_s: float, elapsed_s: float
-) -> BridgeError:
-    """A :class:`BridgeTimeoutError` or :class:`BridgeCommError` for a failed wait on ``what``.
-
-    A failure counts as a timeout when the transport says so or when the full timeout elapsed.
-    """
-    msg = str(exc)
-    low = msg.lower()
-    said_timeout = any(k in low for k in ("timed out", "timeout", "timing out", "time out"))
-    if said_timeout or elapsed_s >= 0.98 * timeout_s:
-        return BridgeTimeoutError(
-            f"global rank {rank}: {what} did not complete within BridgeConfig.timeout_s="
-            f"{timeout_s:g} s (waited {elapsed_s:.1f} s): a rank of the bridge group did not call "
-            "the bridge (called on some ranks only), raised or exited before its part, or is "
-            f"slower than the timeout. Transport said: {msg}"
-        )
-    return BridgeCommError(
-        f"global rank {rank}: {what} failed after {elapsed_s:.1f} s (timeout_s={timeout_s:g}): "
-        f"the transport reported an error, typically because a peer process died or aborted. "
-        f"Transport said: {msg}"
-    )
-
-
 class _StagePool:
     """Staging buffers reused across slots: per ``(kind, owner, dtype, device, H)`` a free list.
 
-    A buffer is held by one slot until its sends (receives) complete; one too small for a new
-    slot is replaced by a larger one.
+    A buffer is held by one slot until its sends (receives) complete; a slot gets the smallest
+    free buffer that fits, and when none does the largest is replaced by a larger one.
     """
 
     def __init__(self) -> None:
@@ -185,11 +153,15 @@ class _StagePool:
         self.buffers = 0
 
     def acquire(self, key: tuple[Any, ...], rows: int, like: torch.Tensor) -> torch.Tensor:
+        """The smallest free buffer of ``key`` with at least ``rows`` rows; if none fits, the
+        largest free one is replaced by a new one of ``rows`` rows (so the pool converges to the
+        sizes its slots need together, whatever order they come in)."""
         free = self._free.get(key)
         if free:
-            t = free.pop()
-            if t.shape[0] >= rows:
-                return t
+            fits = [i for i, t in enumerate(free) if t.shape[0] >= rows]
+            if fits:
+                return free.pop(min(fits, key=lambda i: free[i].shape[0]))
+            t = free.pop(max(range(len(free)), key=lambda i: free[i].shape[0]))
             self.bytes -= t.numel() * t.element_size()
             self.buffers -= 1
         t = torch.empty((rows, like.shape[1]), dtype=like.dtype, device=like.device)
@@ -209,12 +181,17 @@ class _StagePool:
 
 @dataclass(kw_only=True, eq=False)
 class Slot:
-    """One rank's micro-batch of a step: its schedule, buffers and transfers in flight.
+    """One rank's micro-batch of a step: its schedule, the buffers it owns, its messages.
 
     Attributes:
         index: the micro-batch.
         schedule: this rank's schedule (``None``: nothing to do on this rank).
-        outputs: ``owner -> [padded_rows, H]`` output buffers (destination ranks, from issue).
+        outputs: ``owner -> [padded_rows, H]`` output buffers (destination ranks, from issue):
+            compact, one row per token of that owner plus the all-gather's padding.
+        staged: ``(pool key, buffer)`` staging buffers this slot holds from the pool.
+        send_bufs: ``send index -> rows`` taken for each send, until posted.
+        posted: its messages in flight (the transport's handles), once posted.
+        checks: integrity state (:class:`~mopd.bridge.integrity.SlotChecks`) or ``None``.
         issued, received, released: progress (posted, receives completed, sends completed).
     """
 
@@ -224,20 +201,42 @@ class Slot:
     issued: bool = False
     received: bool = False
     released: bool = False
-    send_works: list[Any] = field(default_factory=list)
-    recv_works: list[Any] = field(default_factory=list)
-    send_descs: list[str] = field(default_factory=list)
-    recv_descs: list[str] = field(default_factory=list)
+    posted: Posted | None = None
     staged: list[tuple[tuple[Any, ...], torch.Tensor]] = field(default_factory=list)
+    send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
     recv_stage: dict[int, torch.Tensor] = field(default_factory=dict)
     recv_blocks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
-    checks: list[tuple[_Op | _Local, torch.Tensor]] = field(default_factory=list)
     taken: set[int] = field(default_factory=set)
-    send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
-    send_sums: dict[int, torch.Tensor] = field(default_factory=dict)
-    findings: list[_Check] = field(default_factory=list)
+    checks: SlotChecks | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dev: DeviceIndices | None = None
+
+    def hold(
+        self, pool: _StagePool, kind: str, owner: int, rows: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """A staging buffer of at least ``rows`` rows like ``like``, held by this slot."""
+        key = (kind, owner, like.dtype, like.device, like.shape[1])
+        t = pool.acquire(key, rows, like)
+        self.staged.append((key, t))
+        return t
+
+    def give_back(self, pool: _StagePool, *, receives: bool) -> None:
+        """Return the receive (``receives``) or send staging buffers to ``pool``."""
+        keep = []
+        for key, t in self.staged:
+            if (key[0] == "recv") == receives:
+                pool.release(key, t)
+            else:
+                keep.append((key, t))
+        self.staged = keep
+        if receives:
+            self.recv_stage = {}
+
+    def drop(self, pool: _StagePool) -> None:
+        """Forget every staging buffer (a failed slot's peers may still write into them)."""
+        for _key, t in self.staged:
+            pool.forget(t)
+        self.staged.clear()
 
 
 class Executor:
@@ -248,16 +247,29 @@ class Executor:
         timeout_s: deadline of each wait (host-side on gloo; NCCL waits rely on the process
             groups' own timeout).
         max_schedules: schedules kept (least recently used dropped first).
-        integrity: checksum every delivered row (:mod:`mopd.bridge.integrity`).
+        integrity: checksum every delivered row (:mod:`mopd.bridge.integrity`): the transport
+            is wrapped and the data path's check points run :class:`~mopd.bridge.integrity.
+            RowChecks` (chosen here, once).
+        transport: the transport to move data with (default :class:`~mopd.bridge.transport.
+            P2PTransport`).
     """
 
     def __init__(
-        self, *, rank: int, timeout_s: float, max_schedules: int = 64, integrity: bool = False
+        self,
+        *,
+        rank: int,
+        timeout_s: float,
+        max_schedules: int = 64,
+        integrity: bool = False,
+        transport: Transport | None = None,
     ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         self.max_schedules = max_schedules
         self.integrity = integrity
+        inner = transport or P2PTransport(rank=rank, timeout_s=timeout_s)
+        self.transport: Transport = IntegrityTransport(inner) if integrity else inner
+        self._checks: NoChecks = RowChecks() if integrity else NoChecks()
         #: see :data:`DebugHook` (tests only)
         self.debug_hook: DebugHook | None = None
         self._schedules: OrderedDict[str, RankSchedule] = OrderedDict()
@@ -337,10 +349,16 @@ class Executor:
         key = (sched.digest, str(device))
         d = self._devs.get(key)
         if d is None:
-            d = DeviceIndices(sched.data_path_indices(integrity=self.integrity), device)
+            d = DeviceIndices(sched.data_path_indices(integrity=self._checks.indices), device)
             if sched.digest in self._schedules:  # an evicted one's live with its slot only
                 self._devs[key] = d
         return d
+
+    def _state(self, slot: Slot) -> SlotChecks | None:
+        """The slot's integrity state (made on first use; ``None`` when nothing is checked)."""
+        if slot.checks is None and self._checks.indices:
+            slot.checks = SlotChecks()
+        return slot.checks
 
     # --- issue ---------------------------------------------------------------------------------
 
@@ -354,9 +372,9 @@ class Executor:
     ) -> None:
         """Take the rows of ``sources`` (some or all owners) for ``slot`` now.
 
-        Packs their sends into staging (a contiguous block is copied too), checksums them in
-        integrity mode, and runs their local copies; afterwards the caller may overwrite the
-        buffers. :meth:`post` sends once every owner the slot reads has been taken.
+        Packs their sends into staging (a contiguous block is copied too) and runs their local
+        copies; afterwards the caller may overwrite the buffers. :meth:`post` sends once every
+        owner the slot reads has been taken.
 
         Args:
             sources: ``owner -> [R, H]`` flat rows this rank holds as a replica (contiguous).
@@ -403,7 +421,7 @@ class Executor:
         try:
             with ranges.span("issue", slot.index):
                 self._outputs(slot, sched, output_specs, device)
-                self._post(slot, sched, output_specs, device, group, tag)
+                self._post(slot, sched, device, group, tag)
         except BaseException as exc:
             self._fail_slot(slot, exc)
             raise
@@ -412,23 +430,15 @@ class Executor:
         # peers' messages may still arrive for this rank and its posted receives may still land
         # in the staging buffers: neither is reused
         self.mark_failed(exc)
-        for _key, t in slot.staged:
-            self._pool.forget(t)
-        slot.staged.clear()
-
-    def _stage(
-        self, slot: Slot, kind: str, owner: int, rows: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        key = (kind, owner, like.dtype, like.device, like.shape[1])
-        t = self._pool.acquire(key, rows, like)
-        slot.staged.append((key, t))
-        return t
+        slot.drop(self._pool)
 
     def _targets(self, slot: Slot, sched: RankSchedule) -> dict[int, torch.Tensor]:
         """``owner -> `` this rank's slice of each output buffer."""
         assert sched.dest is not None
-        off = sched.slice_rows * sched.dest.slot
-        return {o: t[off : off + sched.slice_rows] for o, t in slot.outputs.items()}
+        return {
+            o: t[sched.slice_start(o) : sched.slice_start(o) + sched.slice_rows_of(o)]
+            for o, t in slot.outputs.items()
+        }
 
     def _outputs(
         self,
@@ -444,7 +454,7 @@ class Executor:
             return
         for owner, (hidden, dtype) in output_specs.items():
             slot.outputs[owner] = torch.empty(
-                (sched.dest.padded_rows, hidden), dtype=dtype, device=device
+                (sched.padded_rows(owner), hidden), dtype=dtype, device=device
             )
         targets = self._targets(slot, sched)
         for owner, fill in sched.fill.items():
@@ -457,42 +467,33 @@ class Executor:
         if owner in slot.taken:
             raise AssertionError(f"owner {owner} of micro-batch {slot.index} taken twice")
         slot.taken.add(owner)
-        sums = None
-        if self.integrity and owner in sched.src_span:  # checksums of the source rows
-            lo, hi = sched.src_span[owner]
-            sums = row_checksum(src[lo:hi])
+        self._checks.taken(self._state(slot), sched, dev, owner, src)
         n = sched.send_stage_rows.get(owner, 0)
         if n:
             with ranges.span("pack"):
-                stage = self._stage(slot, "send", owner, n, src)
+                stage = slot.hold(self._pool, "send", owner, n, src)
                 _pack(src, sched.pack_sides[owner], stage[:n], dev)
         for i, op in enumerate(sched.sends):
             if op.owner != owner:
                 continue
             if op.side.mode == "view":
                 # a contiguous block is copied too: the caller may reuse its buffer at once
-                buf = self._stage(slot, "send1", owner, op.count, src)[: op.count]
+                buf = slot.hold(self._pool, "send1", owner, op.count, src)[: op.count]
                 buf.copy_(src[op.side.first : op.side.first + op.count])
             else:
                 buf = stage[op.stage_off : op.stage_off + op.count]
             slot.send_bufs[i] = buf
-            if sums is not None:
-                slot.send_sums[i] = sums[dev(sched.send_src_rel[i])]
         if sched.dest is not None:
             targets = self._targets(slot, sched)
             with ranges.span("local_copy"):
-                for i, lop in enumerate(sched.locals):
-                    if lop.owner != owner:
-                        continue
-                    if sums is not None:
-                        slot.checks.append((lop, sums[dev(sched.local_src_rel[i])]))
-                    _local(src, lop, targets[owner], dev)
+                for lop in sched.locals:
+                    if lop.owner == owner:
+                        _local(src, lop, targets[owner], dev)
 
     def _post(
         self,
         slot: Slot,
         sched: RankSchedule,
-        output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,
         group: dist.ProcessGroup | None,
         tag: int,
@@ -500,100 +501,59 @@ class Executor:
         missing = sorted({op.owner for op in sched.sends} - slot.taken)
         if missing:
             raise AssertionError(f"micro-batch {slot.index}: rows of owners {missing} not taken")
-        ops: list[dist.P2POp] = []
-        kinds: list[bool] = []  # True: a receive
-        send_blocks: list[tuple[int, int, torch.Tensor]] = []
-        for i, op in enumerate(sched.sends):
-            buf = slot.send_bufs[i]
-            send_blocks.append((op.owner, op.peer, buf))
-            ops.append(dist.P2POp(dist.isend, buf, op.peer, group=group, tag=tag))
-            kinds.append(False)
-            slot.send_descs.append(
-                f"send to global rank {op.peer} (micro-batch {slot.index}, teacher {op.owner}, "
-                f"{op.count} rows)"
+        state = self._state(slot)
+        sends = [
+            Message(
+                peer=op.peer,
+                rows=slot.send_bufs[i],
+                what=f"send to global rank {op.peer} (micro-batch {slot.index}, teacher "
+                f"{op.owner}, {op.count} rows)",
+                checksums=self._checks.send_checksums(state, i),
             )
-            if self.integrity:
-                ops.append(dist.P2POp(dist.isend, slot.send_sums[i], op.peer, group=group, tag=tag))
-                kinds.append(False)
-                slot.send_descs.append(f"send to global rank {op.peer} (checksums)")
+            for i, op in enumerate(sched.sends)
+        ]
         targets = self._targets(slot, sched) if sched.dest is not None else {}
-        like = {
-            o: torch.empty((0, h), dtype=d, device=device) for o, (h, d) in output_specs.items()
-        }
         slot.recv_stage = {
-            o: self._stage(slot, "recv", o, n, like[o]) for o, n in sched.recv_stage_rows.items()
+            o: slot.hold(self._pool, "recv", o, n, slot.outputs[o])
+            for o, n in sched.recv_stage_rows.items()
         }
+        recvs = []
         for op in sched.recvs:
             if op.side.mode == "view":
                 buf = targets[op.owner][op.side.first : op.side.first + op.count]
             else:
                 buf = slot.recv_stage[op.owner][op.stage_off : op.stage_off + op.count]
             slot.recv_blocks.append((op.owner, op.peer, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, op.peer, group=group, tag=tag))
-            kinds.append(True)
-            slot.recv_descs.append(
-                f"receive from global rank {op.peer} (micro-batch {slot.index}, teacher "
-                f"{op.owner}, {op.count} rows)"
+            recvs.append(
+                Message(
+                    peer=op.peer,
+                    rows=buf,
+                    what=f"receive from global rank {op.peer} (micro-batch {slot.index}, "
+                    f"teacher {op.owner}, {op.count} rows)",
+                )
             )
-            if self.integrity:
-                sums = torch.empty(op.count, dtype=torch.int64, device=device)
-                slot.checks.append((op, sums))
-                ops.append(dist.P2POp(dist.irecv, sums, op.peer, group=group, tag=tag))
-                kinds.append(True)
-                slot.recv_descs.append(f"receive from global rank {op.peer} (checksums)")
         if self.debug_hook is not None:
-            self.debug_hook("packed", send_blocks)
-        try:
-            with ranges.span("send_recv", slot.index):
-                works = dist.batch_isend_irecv(ops) if ops else []
-        except Exception as exc:
-            raise comm_failure(
-                exc,
-                rank=self.rank,
-                what="posting the bridge's sends/receives",
-                timeout_s=self.timeout_s,
-                elapsed_s=0.0,
-            ) from exc
-        if len(works) == len(ops):
-            slot.send_works = [w for w, k in zip(works, kinds, strict=True) if not k]
-            slot.recv_works = [w for w, k in zip(works, kinds, strict=True) if k]
-        else:  # one coalesced work for the whole batch (NCCL): it covers both directions
-            slot.send_works = list(works)
-            slot.recv_works = list(works)
-            slot.send_descs = slot.recv_descs = ["; ".join(slot.send_descs + slot.recv_descs)]
+            self.debug_hook(
+                "packed",
+                [(op.owner, op.peer, m.rows) for op, m in zip(sched.sends, sends, strict=True)],
+            )
+        slot.posted = self.transport.post(
+            sends, recvs, index=slot.index, device=device, group=group, tag=tag
+        )
+        self._checks.posted(state, sched, slot.posted)
         slot.send_bufs.clear()
-        slot.send_sums.clear()
         if self.debug_hook is not None:
             self.debug_hook("posted", [])
 
     # --- complete ------------------------------------------------------------------------------
 
-    def _wait_all(
-        self, works: Sequence[Any], descs: Sequence[str], device: torch.device, deadline: float
-    ) -> None:
-        t0 = time.monotonic()
-        for i, w in enumerate(works):
-            try:
-                cdist.wait(w, device=device, timeout_s=_left(deadline))
-            except Exception as exc:
-                pending = []
-                tail = list(descs)[i:] if len(descs) == len(works) else [""] * (len(works) - i)
-                for w2, d in zip(works[i:], tail, strict=True):
-                    try:
-                        completed = bool(w2.is_completed()) and w2 is not w
-                    except Exception:
-                        completed = False
-                    if not completed and d and d not in pending:
-                        pending.append(d)
-                err = comm_failure(
-                    exc,
-                    rank=self.rank,
-                    what="the bridge exchange (incomplete: " + "; ".join(pending) + ")",
-                    timeout_s=self.timeout_s,
-                    elapsed_s=time.monotonic() - t0,
-                )
-                self.mark_failed(err)
-                raise err from exc
+    def _wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
+        """The transport's wait; a failure refuses further work."""
+        try:
+            self.transport.wait(posted, sends=sends, deadline=deadline)
+        except BridgeError as err:
+            self.mark_failed(err)
+            raise
 
     def timed(self, fn: Callable[[], _T], what: str | Callable[[], str]) -> _T:
         """``fn()``'s value; a failure becomes a named timeout / comm error (``what``: the phase,
@@ -633,21 +593,19 @@ class Executor:
         if sched is None or sched.dest is None:
             return
         dev = slot.dev
-        assert dev is not None
+        assert dev is not None and slot.posted is not None
         with ranges.span("recv_wait", slot.index):
-            self._wait_all(slot.recv_works, slot.recv_descs, slot.device, deadline)
-        slot.recv_works = []  # done: drop them (a coalesced work stays in send_works until released)
+            self._wait(slot.posted, sends=False, deadline=deadline)
+        slot.posted.recv_works = []  # done (a coalesced work stays in send_works until released)
         if self.debug_hook is not None:
             self.debug_hook("received", slot.recv_blocks)
         targets = self._targets(slot, sched)
         with ranges.span("unpack", slot.index):
             for o, side in sched.unpack_sides.items():  # one launch per owner, all peers
                 _unpack(slot.recv_stage[o][: sched.recv_stage_rows[o]], side, targets[o], dev)
-        slice_sums: dict[int, torch.Tensor] = {}
-        if self.integrity:
-            slice_sums = {o: row_checksum(t) for o, t in targets.items()}
-            self._check_crossing(slot, sched, slice_sums, dev)
-        group_size = sched.dest.padded_rows // max(1, sched.slice_rows)
+        state = self._state(slot)
+        self._checks.delivered(state, sched, targets, dev, self.rank)
+        group_size = sched.dest.group_size
         if group_size > 1:
             if tp_group is None:
                 raise AssertionError("a destination group of several ranks needs its TP group")
@@ -659,7 +617,7 @@ class Executor:
                             slot.outputs[owner],
                             targets[owner],
                             group=tp_group,
-                            timeout_s=_left(deadline),
+                            timeout_s=time_left(deadline),
                         ),
                         lambda: (
                             f"the student TP all-gather after the crossing (micro-batch "
@@ -667,169 +625,55 @@ class Executor:
                             f"{dist.get_process_group_ranks(tp_group)})"
                         ),
                     )
-            if self.integrity:
-                self._check_gather(slot, sched, slice_sums, tp_group, group_size, deadline)
-        for key, t in [(k, t) for k, t in slot.staged if k[0] == "recv"]:
-            self._pool.release(key, t)
-        slot.staged = [(k, t) for k, t in slot.staged if k[0] != "recv"]
-        slot.recv_stage = {}
+            self._checks.gathered(
+                state,
+                index=slot.index,
+                sched=sched,
+                outputs=slot.outputs,
+                tp_group=tp_group,
+                group_size=group_size,
+                deadline=deadline,
+                timed=self.timed,
+                hook=self.debug_hook,
+            )
+        slot.give_back(self._pool, receives=True)
 
     def release(self, slot: Slot, *, deadline: float) -> None:
         """Wait for ``slot``'s sends and return their staging buffers (idempotent)."""
         if slot.released:
             return
         slot.released = True
-        if slot.schedule is not None and slot.issued:
+        posted = slot.posted
+        if posted is not None and slot.schedule is not None and slot.issued:
             with ranges.span("send_wait", slot.index):
-                self._wait_all(slot.send_works, slot.send_descs, slot.device, deadline)
+                self._wait(posted, sends=True, deadline=deadline)
         # completed work objects are dropped: one that outlives its process group at exit aborts
         # (a coalesced work also covers the receives: it goes once they are complete too)
-        if slot.send_works is not slot.recv_works or slot.received:
-            slot.send_works = []
-        for key, t in slot.staged:
-            if key[0] != "recv":
-                self._pool.release(key, t)
-        slot.staged = [(k, t) for k, t in slot.staged if k[0] == "recv"]
+        if posted is not None and (posted.send_works is not posted.recv_works or slot.received):
+            posted.send_works = []
+        slot.give_back(self._pool, receives=False)
 
     def sends_done(self, slot: Slot) -> bool:
         """True once every send of ``slot`` has completed (a poll, no wait)."""
-        try:
-            return all(bool(w.is_completed()) for w in slot.send_works)
-        except Exception:
-            return False
+        return slot.posted is None or self.transport.sends_done(slot.posted)
 
     # --- integrity -----------------------------------------------------------------------------
-
-    def _check_crossing(
-        self,
-        slot: Slot,
-        sched: RankSchedule,
-        actual: Mapping[int, torch.Tensor],
-        dev: DeviceIndices,
-    ) -> None:
-        for op, expected in slot.checks:
-            if isinstance(op, _Op):
-                dst_rows, src_rows, peer = op.side.rows, op.peer_side.rows, op.peer
-            else:
-                dst_rows, src_rows, peer = op.dst.rows, op.src.rows, self.rank
-            slot.findings.append(
-                (
-                    actual[op.owner][dev(dst_rows)] != expected,
-                    (op.owner, peer, dst_rows, src_rows, CROSSING),
-                )
-            )
-        for owner, inside in sched.fill_checked.items():
-            if inside.numel():
-                slot.findings.append(
-                    (
-                        actual[owner][dev(inside)] != 0,
-                        (owner, -1, inside, torch.empty(0, dtype=torch.int64), CROSSING),
-                    )
-                )
-        slot.checks = []
-
-    def _check_gather(
-        self,
-        slot: Slot,
-        sched: RankSchedule,
-        slice_sums: Mapping[int, torch.Tensor],
-        tp_group: dist.ProcessGroup | None,
-        group_size: int,
-        deadline: float,
-    ) -> None:
-        """Every slice of the TP all-gather against its sender's checksums (all owners at once)."""
-        assert sched.dest is not None
-        owners = sorted(slot.outputs)
-        rows = sched.slice_rows
-        mine = torch.cat([slice_sums[o] for o in owners])
-        every = torch.empty(group_size * mine.numel(), dtype=torch.int64, device=mine.device)
-        ranks = dist.get_process_group_ranks(tp_group)
-        self.timed(
-            lambda: all_gather_flat(
-                every,
-                mine,
-                group=tp_group,
-                timeout_s=_left(deadline),
-            ),
-            f"the checksums of the student TP all-gather (integrity, micro-batch {slot.index}, "
-            f"over global ranks {ranks})",
-        )
-        expected = every.view(group_size, len(owners), rows)
-        peers = [j for j in range(group_size) if j != sched.dest.slot]
-        if self.debug_hook is not None:
-            self.debug_hook(
-                "gathered",
-                [
-                    (o, ranks[j], slot.outputs[o][j * rows : (j + 1) * rows])
-                    for o in owners
-                    for j in peers
-                ],
-            )
-        for i, o in enumerate(owners):
-            got = row_checksum(slot.outputs[o]).view(group_size, rows)
-            for j in range(group_size):
-                dst_rows = (
-                    torch.arange(j * rows, (j + 1) * rows) - sched.slice_rows * sched.dest.slot
-                )
-                slot.findings.append(
-                    (
-                        got[j] != expected[j, i],
-                        (o, ranks[j], dst_rows, torch.arange(rows), TP_GATHER),
-                    )
-                )
 
     def verdict(
         self, slots: Sequence[Slot], *, group: dist.ProcessGroup | None, deadline: float
     ) -> None:
-        """Integrity: judge every slot's checks; the same :class:`BridgeIntegrityError` everywhere.
+        """Integrity: judge every slot's checks; the same
+        :class:`~mopd.bridge.errors.BridgeIntegrityError` everywhere.
 
         Collective over ``group`` (the gloo metadata group): every rank calls it once per step.
         """
-        found: list[BlockMismatch] = []
-        flags = [(s, f) for s in slots for f in s.findings]
-        if flags:
-            counts = torch.stack([b.sum() for _, (b, _) in flags]).tolist()  # the one host sync
-            for (slot, (b, info)), n in zip(flags, counts, strict=True):
-                if not n:
-                    continue
-                owner, peer, dst_rows, src_rows, stage = info
-                idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
-                off = 0
-                if slot.schedule is not None and slot.schedule.dest is not None:
-                    off = slot.schedule.slice_rows * slot.schedule.dest.slot
-                found.append(
-                    BlockMismatch(
-                        owner=owner,
-                        src_rank=peer,
-                        dst_rank=self.rank,
-                        rows=int(dst_rows.numel()),
-                        bad=int(n),
-                        dst_rows=tuple((dst_rows[idx] + off).tolist()),
-                        src_rows=tuple(src_rows[idx].tolist()) if src_rows.numel() else (),
-                        stage=stage,
-                        micro_batch=slot.index,
-                    )
-                )
-        for s in slots:
-            s.findings = []
-        mine = encode_mismatches(found)
-        device = cdist.group_device(group)
-        n = dist.get_world_size(group)
-        every = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
-        ranks = dist.get_process_group_ranks(group)
-        self.timed(
-            lambda: all_gather_flat(
-                every,
-                mine.to(device),
-                group=group,
-                timeout_s=_left(deadline),
-            ),
-            f"the integrity verdict (all-gather over global ranks {ranks})",
+        integrity_verdict(
+            [(s.index, s.schedule, s.checks) for s in slots],
+            rank=self.rank,
+            group=group,
+            deadline=deadline,
+            timed=self.timed,
         )
-        rows = every.cpu().view(n, -1)
-        reports = [(ranks[j], *decode_mismatches(rows[j])) for j in range(n)]
-        if any(count for _, count, _ in reports):
-            raise BridgeIntegrityError(format_mismatches(reports))
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -18,6 +18,10 @@ checks every delivered row end to end, and this module holds the pieces it uses:
 - With student TP > 1 the crossing fills each TP rank's slice, and the TP all-gather assembles
   the full buffer: every rank all-gathers its slice's checksums with it and compares them with
   the gathered rows, so the all-gather is covered too (``stage=TP_GATHER`` blocks).
+- :class:`IntegrityTransport` wraps the executor's transport (:mod:`mopd.bridge.transport`): a
+  checksum message beside every send and receive; :class:`RowChecks` is what the executor's
+  data path calls at each point (sources taken, rows delivered, slices gathered, the verdict),
+  :class:`NoChecks` the same calls doing nothing, so the data path has no integrity branch.
 - :class:`BlockMismatch` names a failed block (owner, source and destination global rank, rows);
   :func:`encode_mismatches` / :func:`decode_mismatches` pack up to :data:`MAX_REPORTED` of them
   into a fixed-size int64 vector that the executor all-gathers over the bridge group, so every rank
@@ -27,16 +31,27 @@ checks every delivered row end to end, and this module holds the pieces it uses:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from mopd.bridge.errors import BridgeIntegrityError
+from mopd.bridge.groups import all_gather_flat
+from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op
+from mopd.bridge.transport import Message, Posted, Transport, time_left
+from mopd.common import dist as cdist
 
 __all__ = [
     "CROSSING",
     "MAX_REPORTED",
     "TP_GATHER",
     "BlockMismatch",
+    "IntegrityTransport",
+    "NoChecks",
+    "RowChecks",
     "decode_mismatches",
     "encode_mismatches",
     "format_mismatches",
@@ -192,6 +207,270 @@ def format_mismatches(per_rank: Sequence[tuple[int, int, list[BlockMismatch]]]) 
         f"{ranks}: " + "; ".join(parts) + ". The rows' bytes changed between the sender's "
         "checksum of its source rows and the receiver's checksum of its output rows (transport, "
         "staging buffers, a layout kernel or the student TP all-gather); destination rows count in "
-        "the student shard's full buffer of that micro-batch, source rows in the teacher's flat "
-        "buffer of it."
+        "that teacher's compact rows of the student shard's micro-batch (its tokens, in layout "
+        "order), source rows in the teacher's flat buffer of it."
     )
+
+
+# --- the wrapper around the transport, and the checks on the data path -----------------------
+
+
+class IntegrityTransport:
+    """A :class:`~mopd.bridge.transport.Transport` that sends each message's checksums beside
+    it (``Message.checksums``) and receives the peer's beside each receive
+    (``Posted.recv_checksums``, in order): one small message more per transfer."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.timeout_s = inner.timeout_s
+
+    def post(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        *,
+        index: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        tag: int,
+    ) -> Posted:
+        out_s: list[Message] = []
+        for m in sends:
+            assert m.checksums is not None, f"{m.what}: no checksums in integrity mode"
+            out_s += [
+                m,
+                Message(
+                    peer=m.peer, rows=m.checksums, what=f"send to global rank {m.peer} (checksums)"
+                ),
+            ]
+        out_r: list[Message] = []
+        sums = []
+        for m in recvs:
+            t = torch.empty(m.rows.shape[0], dtype=_I64, device=device)
+            sums.append(t)
+            out_r += [
+                m,
+                Message(peer=m.peer, rows=t, what=f"receive from global rank {m.peer} (checksums)"),
+            ]
+        posted = self.inner.post(out_s, out_r, index=index, device=device, group=group, tag=tag)
+        posted.recv_checksums = sums
+        return posted
+
+    def wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
+        self.inner.wait(posted, sends=sends, deadline=deadline)
+
+    def sends_done(self, posted: Posted) -> bool:
+        return self.inner.sends_done(posted)
+
+
+#: One finding: ``[R]`` bool "row differs" and (owner, peer, destination rows relative to the
+#: slice, source rows, stage) to report it.
+_Finding = tuple[torch.Tensor, tuple[int, int, torch.Tensor, torch.Tensor, int]]
+#: ``timed(fn, what)``: the executor's wrapper naming a failed collective (see ``Executor.timed``).
+Timed = Callable[[Callable[[], Any], str], Any]
+#: ``hook(point, blocks)``: the executor's debug hook (tests), or ``None``.
+Hook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None] | None
+
+
+@dataclass(kw_only=True, eq=False)
+class SlotChecks:
+    """One slot's integrity state: the checksums its sends carry, the expected checksums of
+    what it receives and copies locally, and its findings until the verdict."""
+
+    send_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    expected: list[tuple[_Op | _Local, torch.Tensor]] = field(default_factory=list)
+    slice_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    findings: list[_Finding] = field(default_factory=list)
+
+
+class NoChecks:
+    """The data path's check points when nothing is checked (every call does nothing)."""
+
+    indices = False
+
+    def taken(
+        self, state: Any, sched: RankSchedule, dev: DeviceIndices, owner: int, src_RH: torch.Tensor
+    ) -> None:
+        """Teacher ``owner``'s rows ``src_RH`` taken for a slot."""
+
+    def send_checksums(self, state: Any, i: int) -> torch.Tensor | None:
+        """The checksums send ``i`` carries."""
+        return None
+
+    def posted(self, state: Any, sched: RankSchedule, posted: Posted) -> None:
+        """The slot's messages posted."""
+
+    def delivered(
+        self,
+        state: Any,
+        sched: RankSchedule,
+        targets: Mapping[int, torch.Tensor],
+        dev: DeviceIndices,
+        rank: int,
+    ) -> None:
+        """This rank's slices unpacked (before the TP all-gather)."""
+
+    def gathered(self, state: Any, **kw: Any) -> None:
+        """The TP all-gather done."""
+
+
+class RowChecks(NoChecks):
+    """Integrity mode's check points (see the module doc); state per slot in
+    :class:`SlotChecks`."""
+
+    indices = True
+
+    def taken(
+        self, state: Any, sched: RankSchedule, dev: DeviceIndices, owner: int, src_RH: torch.Tensor
+    ) -> None:
+        if owner not in sched.src_span:
+            return
+        lo, hi = sched.src_span[owner]
+        sums = row_checksum(src_RH[lo:hi])  # the source rows, before packing
+        for i, op in enumerate(sched.sends):
+            if op.owner == owner:
+                state.send_sums[i] = sums[dev(sched.send_src_rel[i])]
+        if sched.dest is not None:
+            for i, lop in enumerate(sched.locals):
+                if lop.owner == owner:
+                    state.expected.append((lop, sums[dev(sched.local_src_rel[i])]))
+
+    def send_checksums(self, state: Any, i: int) -> torch.Tensor | None:
+        return state.send_sums.pop(i)
+
+    def posted(self, state: Any, sched: RankSchedule, posted: Posted) -> None:
+        state.expected += list(zip(sched.recvs, posted.recv_checksums, strict=True))
+
+    def delivered(
+        self,
+        state: Any,
+        sched: RankSchedule,
+        targets: Mapping[int, torch.Tensor],
+        dev: DeviceIndices,
+        rank: int,
+    ) -> None:
+        """Every delivered row against the sender's checksum; rows no transfer writes zero."""
+        actual = {o: row_checksum(t) for o, t in targets.items()}
+        state.slice_sums = actual
+        for op, expected in state.expected:
+            if isinstance(op, _Op):
+                dst_rows, src_rows, peer = op.side.rows, op.peer_side.rows, op.peer
+            else:
+                dst_rows, src_rows, peer = op.dst.rows, op.src.rows, rank
+            state.findings.append(
+                (
+                    actual[op.owner][dev(dst_rows)] != expected,
+                    (op.owner, peer, dst_rows, src_rows, CROSSING),
+                )
+            )
+        for owner, inside in sched.fill_checked.items():
+            if inside.numel():
+                state.findings.append(
+                    (
+                        actual[owner][dev(inside)] != 0,
+                        (owner, -1, inside, torch.empty(0, dtype=_I64), CROSSING),
+                    )
+                )
+        state.expected = []
+
+    def gathered(  # type: ignore[override]
+        self,
+        state: Any,
+        *,
+        index: int,
+        sched: RankSchedule,
+        outputs: Mapping[int, torch.Tensor],
+        tp_group: dist.ProcessGroup | None,
+        group_size: int,
+        deadline: float,
+        timed: Timed,
+        hook: Hook,
+    ) -> None:
+        """Every slice of the TP all-gather against its sender's checksums (all owners at once)."""
+        assert sched.dest is not None
+        owners = sorted(outputs)
+        rows = [sched.slice_rows_of(o) for o in owners]
+        mine = torch.cat([state.slice_sums[o] for o in owners])
+        every = torch.empty(group_size * mine.numel(), dtype=_I64, device=mine.device)
+        ranks = dist.get_process_group_ranks(tp_group)
+        timed(
+            lambda: all_gather_flat(every, mine, group=tp_group, timeout_s=time_left(deadline)),
+            f"the checksums of the student TP all-gather (integrity, micro-batch {index}, "
+            f"over global ranks {ranks})",
+        )
+        expected = every.view(group_size, mine.numel()).split(rows, dim=1)
+        peers = [j for j in range(group_size) if j != sched.dest.slot]
+        if hook is not None:
+            hook(
+                "gathered",
+                [
+                    (o, ranks[j], outputs[o][j * n : (j + 1) * n])
+                    for o, n in zip(owners, rows, strict=True)
+                    for j in peers
+                ],
+            )
+        for i, (o, n) in enumerate(zip(owners, rows, strict=True)):
+            got = row_checksum(outputs[o]).view(group_size, n)
+            for j in range(group_size):
+                dst_rows = torch.arange(j * n, (j + 1) * n) - sched.slice_start(o)
+                state.findings.append(
+                    (
+                        got[j] != expected[i][j],
+                        (o, ranks[j], dst_rows, torch.arange(n), TP_GATHER),
+                    )
+                )
+
+
+def integrity_verdict(
+    slots: Sequence[tuple[int, RankSchedule | None, SlotChecks | None]],
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    deadline: float,
+    timed: Timed,
+) -> None:
+    """Judge every slot's findings; the same :class:`BridgeIntegrityError` on every rank.
+
+    ``slots``: ``(micro-batch, schedule, state)`` of each slot. Collective over ``group`` (the
+    gloo metadata group): every rank calls it once per step.
+    """
+    found: list[BlockMismatch] = []
+    flags = [(i, sched, f) for i, sched, st in slots if st is not None for f in st.findings]
+    if flags:
+        counts = torch.stack([b.sum() for _, _, (b, _) in flags]).tolist()  # the one host sync
+        for (index, sched, (b, info)), n in zip(flags, counts, strict=True):
+            if not n:
+                continue
+            owner, peer, dst_rows, src_rows, stage = info
+            idx = torch.nonzero(b.cpu()).reshape(-1)[:4]
+            off = sched.slice_start(owner) if sched is not None and sched.dest is not None else 0
+            found.append(
+                BlockMismatch(
+                    owner=owner,
+                    src_rank=peer,
+                    dst_rank=rank,
+                    rows=int(dst_rows.numel()),
+                    bad=int(n),
+                    dst_rows=tuple((dst_rows[idx] + off).tolist()),
+                    src_rows=tuple(src_rows[idx].tolist()) if src_rows.numel() else (),
+                    stage=stage,
+                    micro_batch=index,
+                )
+            )
+    for _, _, st in slots:
+        if st is not None:
+            st.findings = []
+    mine = encode_mismatches(found)
+    device = cdist.group_device(group)
+    n = dist.get_world_size(group)
+    every = torch.empty(n * mine.numel(), dtype=_I64, device=device)
+    ranks = dist.get_process_group_ranks(group)
+    timed(
+        lambda: all_gather_flat(every, mine.to(device), group=group, timeout_s=time_left(deadline)),
+        f"the integrity verdict (all-gather over global ranks {ranks})",
+    )
+    rows = every.cpu().view(n, -1)
+    reports = [(ranks[j], *decode_mismatches(rows[j])) for j in range(n)]
+    if any(count for _, count, _ in reports):
+        raise BridgeIntegrityError(format_mismatches(reports))

@@ -271,14 +271,25 @@ class Transfer:
 class DestSlot:
     """Where a receiving rank's slice sits.
 
+    Two forms. The *layout* form (``owner_rows == ()``, :func:`plan_rank` with
+    ``compact=False``): every owner's buffer has the group's ``num_rows`` rows in the order of
+    its layout, cut into near-equal slices. The *compact* form (``compact=True``): owner ``k``'s
+    buffer holds only the ``owner_rows[k]`` rows it owns, in the layout's row order, cut into
+    slices of ``ceil(owner_rows[k] / group_size)`` rows (:meth:`slice_nominal`), so that a TP
+    all-gather of equal slices lands them in place.
+
     Attributes:
         group: index into :attr:`RunCatalog.dests`.
         slot: this rank's slice index in the group.
-        row_offset: first row of the slice in the group's full buffer.
-        slice_rows: rows of the slice (may be fewer than the group's ``slice_rows`` at the end).
-        num_rows: rows of the group's full buffer.
-        padded_rows: ``len(ranks) * DestGroup.slice_rows``: the rows a buffer needs for an
-            all-gather of equal slices.
+        row_offset: layout form: first row of the slice in the group's full buffer.
+        slice_rows: layout form: rows of the slice (may be fewer than the group's
+            ``slice_rows`` at the end).
+        num_rows: rows of the group's layout.
+        padded_rows: layout form: ``len(ranks) * DestGroup.slice_rows``, the rows a buffer
+            needs for an all-gather of equal slices.
+        group_size: ranks of the destination group.
+        owner_rows: compact form: rows owner ``k`` delivers to the group (its tokens there);
+            ``()`` in the layout form.
     """
 
     group: int
@@ -287,6 +298,38 @@ class DestSlot:
     slice_rows: int
     num_rows: int
     padded_rows: int
+    group_size: int = 1
+    owner_rows: tuple[int, ...] = ()
+
+    @property
+    def compact(self) -> bool:
+        return bool(self.owner_rows)
+
+    def out_rows(self, owner: int) -> int:
+        """Rows of ``owner``'s delivered buffer (``owner_rows[owner]``, or ``num_rows``)."""
+        if not self.owner_rows:
+            return self.num_rows
+        return self.owner_rows[owner] if owner < len(self.owner_rows) else 0
+
+    def slice_nominal(self, owner: int) -> int:
+        """Rows of every slice of ``owner``'s buffer (the all-gather's equal slices)."""
+        return -(-self.out_rows(owner) // max(1, self.group_size))
+
+    def padded(self, owner: int) -> int:
+        """Rows ``owner``'s buffer needs for the all-gather: ``group_size * slice_nominal``
+        (at most ``group_size - 1`` more than :meth:`out_rows`)."""
+        return self.group_size * self.slice_nominal(owner)
+
+    def slice_start(self, owner: int) -> int:
+        """First row of this rank's slice in ``owner``'s buffer."""
+        return self.slot * self.slice_nominal(owner)
+
+    def slice_real(self, owner: int) -> int:
+        """Rows of this rank's slice of ``owner``'s buffer that hold tokens (the rest: padding)."""
+        n = self.out_rows(owner)
+        return max(0, min(self.slice_start(owner) + self.slice_nominal(owner), n)) - min(
+            self.slice_start(owner), n
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -712,6 +755,44 @@ def _fill_owners(owner_N: np.ndarray, p: _Pieces, owner_G: np.ndarray) -> None:
     owner_N[p.dst_row[i] + t * p.dst_step[i]] = own[i]
 
 
+def _compact(p: _Pieces, own_P: np.ndarray, num_owners: int) -> tuple[_Pieces, np.ndarray]:
+    """Pieces with destination rows moved to compact space: ``(pieces, [num_owners] rows)``.
+
+    ``p`` must hold *every* piece of one destination group for each owner in ``own_P`` (the
+    owner of each piece). A row owned by ``k`` moves to its rank among the rows ``k`` owns
+    there, in row order (the order the loss reads teacher ``k``'s rows). Run form when every
+    piece advances by one row (the pieces of one owner never overlap: a sort by row and a
+    prefix sum of lengths); otherwise the tokens of the destination group are ranked and cut
+    back into segments, piece by piece (both ends of a transfer cut them alike).
+    """
+    rows_K = np.bincount(own_P, weights=p.length, minlength=num_owners).astype(_I64)
+    if not p.size:
+        return p, rows_K
+    if bool((p.dst_step == 1).all()):
+        o = np.lexsort((p.dst_row, own_P))
+        q, own = p.take(o), own_P[o]
+        cum = np.cumsum(q.length) - q.length
+        q.dst_row = cum - cum[np.searchsorted(own, own, side="left")]
+        return q, rows_K
+    i, t = _fan_out(p.length)
+    row_M, own_M = p.dst_row[i] + t * p.dst_step[i], own_P[i]
+    o = np.lexsort((row_M, own_M))
+    pos_M = np.empty(i.size, dtype=_I64)
+    pos_M[o] = np.arange(i.size, dtype=_I64) - np.searchsorted(own_M[o], own_M[o], side="left")
+    src_M = p.src_row[i] + t * p.src_step[i]
+    brk = np.ones(i.size, dtype=bool)
+    brk[1:] = i[1:] != i[:-1]
+    head = _token_segments(src_M, pos_M, brk)
+    n_seg = np.diff(head, append=i.size)
+    nxt = np.minimum(head + 1, i.size - 1)
+    multi = n_seg > 1
+    out = p.take(i[head])
+    out.src_row, out.dst_row, out.length = src_M[head], pos_M[head], n_seg
+    out.src_step = np.where(multi, src_M[nxt] - src_M[head], 1)
+    out.dst_step = np.where(multi, pos_M[nxt] - pos_M[head], 1)
+    return out, rows_K
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 
@@ -736,13 +817,54 @@ def _transfers(
     return out
 
 
-def plan_rank(catalog: RunCatalog, rank: int, *, local_copy: bool = True) -> RankPlan:
+def _slice_pieces(
+    catalog: RunCatalog, d: int, p: _Pieces, *, compact: bool, num_owners: int
+) -> tuple[_Pieces, np.ndarray]:
+    """Destination group ``d``'s joined pieces cut into slices, with destination rows relative
+    to the receiving slice: ``(pieces, [K] rows per owner)``.
+
+    In compact space (``compact``) ``p`` must hold every piece of each of its owners in ``d``
+    (positions are ranks among all of an owner's rows there); each owner's slices have
+    ``ceil(rows / len(ranks))`` rows. In the layout form every slice is the group's
+    (:attr:`DestGroup.slice_rows`).
+    """
+    ix = catalog.index()
+    group = catalog.dests[d]
+    own = ix.owner_G[p.grp]
+    if compact:
+        p, rows_K = _compact(p, own, num_owners)
+        nominal_K = -(-rows_K // len(group.ranks))
+    else:
+        rows_K = np.bincount(own, weights=p.length, minlength=num_owners).astype(_I64)
+        nominal_K = np.full(num_owners, group.slice_rows, dtype=_I64)
+    slot0 = int(ix.slot_off_D1[d])
+    p = _cut_slices(p, nominal_K[ix.owner_G[p.grp]], np.full(p.size, slot0, dtype=_I64))
+    p.dst_row = p.dst_row - (p.slot - slot0) * nominal_K[ix.owner_G[p.grp]]
+    return p, rows_K
+
+
+def _join_dest(catalog: RunCatalog, d: int, cands: np.ndarray) -> _Pieces:
+    """The pieces of source groups ``cands`` in destination group ``d``."""
+    src, src_grp = _tagged(catalog, "s", cands)
+    dst = _runs(catalog, "d", d)
+    return _join(src, src_grp, dst, np.full(dst.shape[0], d, dtype=_I64))
+
+
+def plan_rank(
+    catalog: RunCatalog, rank: int, *, local_copy: bool = True, compact: bool = False
+) -> RankPlan:
     """Global rank ``rank``'s sends, receives and local copies (pure, deterministic).
 
     Assumes input that :func:`check_rank` passes on every rank (each needed token held once).
     Reads the runs of the rank's own groups and of the groups whose sample range meets theirs.
+
+    ``compact``: destination rows in compact space (see :class:`DestSlot`): each owner's
+    rows arrive in a buffer of their own, one row per token it owns, in the layout's row order.
+    A sender then also reads, for each destination group it serves, the runs of its owner's
+    other source groups that meet that group (to place its pieces among theirs).
     """
     ix = catalog.index()
+    num_owners = int(ix.owner_G.max()) + 1 if ix.owner_G.size else 0
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     locals_: list[Transfer] = []
@@ -755,6 +877,18 @@ def plan_rank(catalog: RunCatalog, rank: int, *, local_copy: bool = True) -> Ran
         j = group.ranks.index(rank)
         s = int(ix.slot_off_D1[d]) + j
         start, stop = group.slice_bounds(j)
+        owner_N = np.full(group.num_rows, -1, dtype=_I64)
+        rows_K = np.zeros(num_owners, dtype=_I64)
+        lo, hi = (int(x) for x in catalog.dest_range_D2[d])
+        cands = _overlapping(catalog.source_range_G2, lo, hi)
+        if cands.size:
+            p = _join_dest(catalog, d, cands)
+            _fill_owners(owner_N, p, ix.owner_G)
+            p, rows_K = _slice_pieces(catalog, d, p, compact=compact, num_owners=num_owners)
+            p = p.take(p.slot == s)
+            ch = _chunk(p, ix, local_copy=local_copy)
+            for local, t in _transfers(ch, ix.owner_G, None, rank):
+                (locals_ if local else recvs).append(t)
         dest = DestSlot(
             group=d,
             slot=j,
@@ -762,36 +896,37 @@ def plan_rank(catalog: RunCatalog, rank: int, *, local_copy: bool = True) -> Ran
             slice_rows=stop - start,
             num_rows=group.num_rows,
             padded_rows=group.slice_rows * len(group.ranks),
+            group_size=len(group.ranks),
+            owner_rows=tuple(int(x) for x in rows_K.tolist()) if compact else (),
         )
-        owner_N = np.full(group.num_rows, -1, dtype=_I64)
-        lo, hi = (int(x) for x in catalog.dest_range_D2[d])
-        cands = _overlapping(catalog.source_range_G2, lo, hi)
-        if cands.size:
-            src, src_grp = _tagged(catalog, "s", cands)
-            dst = _runs(catalog, "d", d)
-            p = _join(src, src_grp, dst, np.full(dst.shape[0], d, dtype=_I64))
-            _fill_owners(owner_N, p, ix.owner_G)
-            n = group.slice_rows
-            p = _cut_slices(p, np.full(p.size, n, dtype=_I64), np.full(p.size, s - j, dtype=_I64))
-            p = p.take(p.slot == s)
-            p.dst_row = p.dst_row - start
-            ch = _chunk(p, ix, local_copy=local_copy)
-            for local, t in _transfers(ch, ix.owner_G, None, rank):
-                (locals_ if local else recvs).append(t)
     for g in ix.source_groups.get(rank, ()):
         lo, hi = (int(x) for x in catalog.source_range_G2[g])
         ds = _overlapping(catalog.dest_range_D2, lo, hi)
         if not ds.size:
             continue
-        src = _runs(catalog, "s", g)
-        dst, dst_id = _tagged(catalog, "d", ds)
-        p = _join(src, np.full(src.shape[0], g, dtype=_I64), dst, dst_id)
+        if compact:  # per destination group, among every source group of this owner there
+            parts = []
+            for d in ds.tolist():
+                dlo, dhi = (int(x) for x in catalog.dest_range_D2[d])
+                cands = _overlapping(catalog.source_range_G2, dlo, dhi)
+                cands = cands[ix.owner_G[cands] == ix.owner_G[g]]
+                p = _join_dest(catalog, d, cands)
+                p, _ = _slice_pieces(catalog, d, p, compact=True, num_owners=num_owners)
+                parts.append(p.take(p.grp == g))
+            p = _Pieces.concat(parts)
+        else:
+            src = _runs(catalog, "s", g)
+            dst, dst_id = _tagged(catalog, "d", ds)
+            p = _join(src, np.full(src.shape[0], g, dtype=_I64), dst, dst_id)
+            if p.size:
+                n_X = np.asarray([catalog.dests[d].slice_rows for d in ds.tolist()], dtype=_I64)
+                n_P = n_X[np.searchsorted(ds, p.dst)]
+                p = _cut_slices(p, n_P, ix.slot_off_D1[p.dst])
+                # destination rows relative to the receiving slice
+                n_P = n_X[np.searchsorted(ds, p.dst)]
+                p.dst_row = p.dst_row - (p.slot - ix.slot_off_D1[p.dst]) * n_P
         if not p.size:
             continue
-        n_X = np.asarray([catalog.dests[d].slice_rows for d in ds.tolist()], dtype=_I64)
-        p = _cut_slices(p, n_X[np.searchsorted(ds, p.dst)], ix.slot_off_D1[p.dst])
-        # destination rows relative to the receiving slice
-        p.dst_row = p.dst_row - (p.slot - ix.slot_off_D1[p.dst]) * n_X[np.searchsorted(ds, p.dst)]
         ch = _chunk(p, ix, local_copy=local_copy, send_rank=rank)
         sends.extend(t for _, t in _transfers(ch, ix.owner_G, ix.slot_rank_S, rank))
     sends.sort(key=lambda t: (t.owner, t.dst_rank))

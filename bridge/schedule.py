@@ -209,10 +209,13 @@ class RankSchedule:
         dest: this rank's slice, or ``None``.
         owner_N: ``[N]`` int64 owner of each row of the destination group's buffer (``-1``:
             none), or ``None``.
-        fill: ``owner -> [F]`` slice-relative rows no transfer of that owner writes (zeroed),
-            the padding rows of a buffer sized for an all-gather of equal slices included.
-        slice_rows: rows of this rank's slice in the output buffer (equal for every rank of
-            the destination group, so the TP all-gather moves equal slices).
+        fill: ``owner -> [F]`` slice-relative rows no transfer of that owner writes (zeroed):
+            in the compact form only the padding rows of a buffer sized for an all-gather of
+            equal slices (at most one per slice); in the layout form also the rows another
+            owner fills.
+        slice_rows: layout form: rows of this rank's slice in every output buffer (equal for
+            every rank of the destination group, so the TP all-gather moves equal slices);
+            compact form: per owner, :meth:`slice_rows_of`.
         send_stage_rows, recv_stage_rows: ``owner -> rows`` of its send / receive staging buffer.
         pack_sides, unpack_sides: ``owner -> side`` over all of its staged sends' / receives'
             rows, in staging order (one launch per owner and direction).
@@ -245,13 +248,44 @@ class RankSchedule:
     def local_src_rel(self) -> tuple[torch.Tensor, ...]:
         return tuple(x.src.rows - self.src_span[x.owner][0] for x in self.locals)
 
+    def slice_rows_of(self, owner: int) -> int:
+        """Rows of this rank's slice of ``owner``'s output buffer (the all-gather's equal
+        slices; compact form: per owner)."""
+        d = self.dest
+        if d is None:
+            return self.slice_rows
+        return d.slice_nominal(owner) if d.compact else self.slice_rows
+
+    def slice_start(self, owner: int) -> int:
+        """First row of this rank's slice in ``owner``'s output buffer."""
+        return 0 if self.dest is None else self.dest.slot * self.slice_rows_of(owner)
+
+    def real_rows(self, owner: int) -> int:
+        """Rows of this rank's slice of ``owner``'s buffer that hold tokens or layout rows
+        (the rest pads the all-gather)."""
+        d = self.dest
+        if d is None:
+            return 0
+        return d.slice_real(owner) if d.compact else d.slice_rows
+
+    def out_rows(self, owner: int) -> int:
+        """Rows of ``owner``'s delivered buffer (compact: its tokens; else the layout's)."""
+        return 0 if self.dest is None else self.dest.out_rows(owner)
+
+    def padded_rows(self, owner: int) -> int:
+        """Rows of ``owner``'s output buffer (room for an all-gather of equal slices)."""
+        d = self.dest
+        if d is None:
+            return 0
+        return d.padded(owner) if d.compact else d.padded_rows
+
     @functools.cached_property
     def fill_checked(self) -> dict[int, torch.Tensor]:
         """``owner -> `` the :attr:`fill` rows inside this rank's real slice (integrity checks
         that they are zero); the same tensor as in :attr:`fill` when all of them are."""
-        n = self.dest.slice_rows if self.dest is not None else self.slice_rows
         out = {}
         for owner, rows in self.fill.items():
+            n = self.real_rows(owner)
             inside = rows < n
             out[owner] = rows if bool(inside.all()) else rows[inside]
         return out
@@ -306,10 +340,16 @@ class RankSchedule:
             d = plan.dest
             assert plan.owner_N is not None
             owner_N = _t(plan.owner_N)
-            mine = np.full(slice_rows, -1, dtype=np.int64)
-            mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
-            for owner in range(num_owners):
-                fill[owner] = _t(np.flatnonzero(mine != owner))
+            if d.compact:  # every real row is written: only the all-gather's padding is left
+                for owner in range(num_owners):
+                    fill[owner] = torch.arange(
+                        d.slice_real(owner), d.slice_nominal(owner), dtype=_I64
+                    )
+            else:
+                mine = np.full(slice_rows, -1, dtype=np.int64)
+                mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
+                for owner in range(num_owners):
+                    fill[owner] = _t(np.flatnonzero(mine != owner))
         return RankSchedule(
             rank=plan.rank,
             digest=plan_digest(plan) if digest is None else digest,

@@ -184,7 +184,9 @@ def vocab_parallel_kl(
             (Megatron's ``output_layer`` output flattened to tokens), columns contiguous.
         teacher_hidden: the bridged teacher hidden states, one tensor per teacher: ``[T, H_k]``
             (row t is token t) or ``[T_k, H_k]`` (only the tokens with ``teacher_index == k``,
-            in token order). No gradient flows to them.
+            in token order; or only those of them the mask counts, ``loss_mask_T != 0``: the
+            rows :meth:`mopd.bridge.BridgeStep.receive` delivers). Told apart by the row count
+            (where two counts are equal the forms hold the same rows). No gradient flows to them.
         teacher_weight: one ``[V_local, H_k]`` LM-head shard per teacher, the same vocab range
             as the student's shard, or the resharded shards themselves
             (:class:`~mopd.bridge.lm_head.LMHeadShard`, which carry ``vocab_start`` and

@@ -42,7 +42,8 @@ class KLArgs:
             when ``student_weight_VH`` is given.
         student_weight_VH: ``[V_local, H_s]`` student output-weight shard (fused path) or ``None``
             (logits path).
-        teacher_hidden: one ``[T, H_k]`` or ``[T_k, H_k]`` tensor per teacher.
+        teacher_hidden: one ``[T, H_k]`` or compact ``[T_k, H_k]`` tensor per teacher (the
+            tokens with ``teacher_index == k``, or only those with ``loss_mask_T != 0``).
         teacher_weight: one ``[V_local, H_k]`` LM-head shard per teacher.
         vocab_start, vocab_size, loss_mask_T, teacher_index_T, group, config: as the public
             functions take them (``config`` already defaulted).
@@ -65,7 +66,8 @@ class TeacherSlot:
     """One teacher's part of the processing order.
 
     Attributes:
-        hidden_XH: ``[T, H_k]`` or ``[T_k, H_k]`` hidden states (detached).
+        hidden_XH: ``[T, H_k]``, or ``[T_k, H_k]`` compact hidden states (detached): the tokens
+            with ``teacher_index == k``, or only those the mask counts, in token order.
         weight_VH: ``[V_local, H_k]`` LM-head shard (detached).
         rows_M: ``[stop - start]`` hidden rows of this teacher's active tokens in processing
             order, or ``None`` when they are the contiguous rows ``hidden_XH[0 : stop - start]``.
@@ -257,23 +259,37 @@ def _check_index(index: object, T: int, K: int, device: torch.device) -> torch.T
 
 
 def _compact_layouts(
-    hiddens: list[torch.Tensor], T: int, index_T: torch.Tensor | None
-) -> list[bool]:
-    """Per teacher: are its hidden rows ``[T_k, H_k]`` (compact) rather than ``[T, H_k]``?"""
+    hiddens: list[torch.Tensor], T: int, index_T: torch.Tensor | None, mask_T: torch.Tensor | None
+) -> list[str]:
+    """Per teacher, the form of its hidden rows: ``"token"`` (``[T, H_k]``), ``"all"`` (one row
+    per token with ``teacher_index == k``) or ``"counted"`` (one row per such token that the
+    mask counts, ``mask != 0``). Told apart by the row count; where two counts are equal the two
+    forms hold the same rows."""
     K = len(hiddens)
-    counts_K = [T] if index_T is None else torch.bincount(index_T, minlength=K).tolist()
-    compact_K = []
+    all_K = [T] if index_T is None else torch.bincount(index_T, minlength=K).tolist()
+    counted_K = all_K
+    if mask_T is not None:
+        counted = mask_T != 0
+        counted_K = (
+            [int(counted.sum())]
+            if index_T is None
+            else torch.bincount(index_T[counted], minlength=K).tolist()
+        )
+    forms = []
     for k, h in enumerate(hiddens):
         if h.shape[0] == T:
-            compact_K.append(False)
-        elif h.shape[0] == counts_K[k]:
-            compact_K.append(True)
+            forms.append("token")
+        elif h.shape[0] == all_K[k]:
+            forms.append("all")
+        elif h.shape[0] == counted_K[k]:
+            forms.append("counted")
         else:
             raise ValueError(
-                f"teacher_hidden[{k}] has {h.shape[0]} rows: expected T={T} (token layout) or "
-                f"{counts_K[k]} (the tokens with teacher_index == {k})"
+                f"teacher_hidden[{k}] has {h.shape[0]} rows: expected T={T} (token layout), "
+                f"{all_K[k]} (the tokens with teacher_index == {k}) or {counted_K[k]} (those "
+                "of them the loss mask counts)"
             )
-    return compact_K
+    return forms
 
 
 def _nonfinite_inputs(
@@ -300,8 +316,10 @@ def _nonfinite_inputs(
 def _teacher_slots(
     hiddens: list[torch.Tensor],
     weights: list[torch.Tensor],
-    compact_K: list[bool],
+    forms: list[str],
+    T: int,
     index_T: torch.Tensor | None,
+    mask_T: torch.Tensor | None,
     order_N: torch.Tensor,
     seg_counts: list[int],
     identity: bool,
@@ -315,10 +333,19 @@ def _teacher_slots(
         if identity:
             # every token active and tokens already grouped by teacher: teacher k's tokens are
             # the run [start, stop) of the token layout, rows [0, stop - start) of a compact one
-            first = 0 if compact_K[k] and index_T is not None else start
+            first = 0 if forms[k] != "token" else start
             slots.append(TeacherSlot(h[first : first + stop - start], w, None, start, stop))
-        elif compact_K[k] and index_T is not None:
-            rank_T = torch.cumsum((index_T == k).to(torch.int64), 0) - 1
+        elif forms[k] == "counted" or (forms[k] == "all" and mask_T is None):
+            # compact rows of the counted tokens, in token order: exactly this teacher's run of
+            # the processing order (active tokens grouped by teacher, stable), so its rows are
+            # read as they are, no gather
+            slots.append(TeacherSlot(h[: stop - start], w, None, start, stop))
+        elif forms[k] != "token":
+            # row of each token among teacher k's rows (all of its tokens)
+            mine_T = torch.ones(T, dtype=torch.bool, device=order_N.device)
+            if index_T is not None:
+                mine_T = index_T == k
+            rank_T = torch.cumsum(mine_T.to(torch.int64), 0) - 1
             slots.append(TeacherSlot(h, w, rank_T[order_N[start:stop]], start, stop))
         else:
             slots.append(TeacherSlot(h, w, order_N[start:stop], start, stop))
@@ -375,7 +402,7 @@ def prepare(args: KLArgs) -> KLJob:
     tp_size, n_valid = _check_vocab(args, v_local)
     mask_T = _check_mask(args.loss_mask_T, T, device)
     index_T = _check_index(args.teacher_index_T, T, len(hiddens), device)
-    compact_K = _compact_layouts(hiddens, T, index_T)
+    forms = _compact_layouts(hiddens, T, index_T, mask_T)
     nonfinite = _nonfinite_inputs(args, hiddens, weights, mask_T, tp_size) if config.debug else ()
 
     order_N, seg_counts, identity = _processing_order(T, mask_T, index_T, len(hiddens), device)
@@ -384,7 +411,9 @@ def prepare(args: KLArgs) -> KLJob:
         torch.ones(N, dtype=torch.float32, device=device) if mask_T is None else mask_T[order_N]
     )
     total_weight = torch.full((), float(T), device=device) if mask_T is None else mask_T.sum()
-    teachers = _teacher_slots(hiddens, weights, compact_K, index_T, order_N, seg_counts, identity)
+    teachers = _teacher_slots(
+        hiddens, weights, forms, T, index_T, mask_T, order_N, seg_counts, identity
+    )
 
     # the logits in at least fp32 (never rounded to a bf16 input's dtype), the gradient in the
     # student's dtype: the row-wise passes see (s, u) and (s, u, gradient) of these dtypes

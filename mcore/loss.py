@@ -94,6 +94,9 @@ def teacher_signal(
 ) -> TeacherSignal:
     """Receive ``micro_batch``'s teacher rows and compute the per-token KL (see the class).
 
+    The rows arrive compact per teacher (:meth:`~mopd.bridge.api.BridgeStep.receive`) and go
+    to the KL as they are, with the step's owner per row as ``teacher_index_T``.
+
     Collective over the student's TP group (the vocab-parallel KL); call it on the student's
     last stage, inside ``loss_func``, once per micro-batch.
 
@@ -135,12 +138,15 @@ def teacher_signal(
         if n == 0:  # nothing counts here (and on the TP peers, which share the layout)
             kl_T[kind] = logits_TV.sum(-1).float() * 0.0
             continue
+        # each teacher's rows arrive compact (its counted tokens, in order): the KL reads them
+        # as they are, no scatter into [T, H] buffers
         hidden = []
         for o, head in enumerate(lm_heads):
             h = rows.get(o)
-            hidden.append(
-                h if h is not None else head.weight_VH.new_zeros((T, head.weight_VH.shape[1]))
-            )
+            if h is None:  # a teacher with no rows here
+                n_o = int((owner == o).sum())
+                h = head.weight_VH.new_zeros((n_o, head.weight_VH.shape[1]))
+            hidden.append(h)
         kl_T[kind] = vocab_parallel_kl(
             logits_TV,
             hidden,

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from mopd.bridge import BridgeStep, GroupPool, Mesh, TokenLayout
 
-__all__ = ["Case", "bench_case", "cases_for", "main", "plot"]
+__all__ = ["Case", "bench_case", "cases_for", "main", "plot", "receive_memory"]
 
 _TIMEOUT_S = 120.0
 
@@ -284,8 +284,8 @@ def bench_case(
     wants = [key_pattern(x, hidden, dtype).to(device).view(int_view) for x in s_mine or []]
     for i, (got, owner) in enumerate(outs):
         want = wants[i]
-        real = owner >= 0
-        ok &= bool(torch.equal(got.view(int_view)[real], want[real]))
+        real = owner >= 0  # compact: one row per real token (one teacher), in layout order
+        ok &= bool(torch.equal(got.view(int_view), want[real]))
         ok &= bool(real.sum() == s_mine[i].num_tokens)  # type: ignore[index]
     naive()
     for i, x in enumerate(naive_mb):
@@ -359,6 +359,131 @@ def bench_case(
         "exact": tops[2] == 0,
         **extra,
     }
+
+
+def receive_memory(
+    *,
+    pool: GroupPool,
+    samples: int,
+    max_len: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    micro_batches: int = 2,
+) -> list[dict[str, Any]]:
+    """Peak receive memory per student rank on a two-teacher step (collective over the world).
+
+    Two teachers (each sample routed to one) and a student padded ``[B, S]`` with TP 2 where
+    the world allows, colocated on every rank. One step: every micro-batch sent and received,
+    all returned rows held until ``finish`` (as a loss that reads them per micro-batch would).
+    Per student rank: ``receive bytes`` = the storage of the buffers the bridge delivered
+    into (measured off the tensors), against ``K x [N, H]`` (the per-teacher layout-order
+    buffers the bridge allocated before compact delivery: ``K`` teachers x ``tp * ceil(N / tp)``
+    rows each), ``[N, H]`` (every row of the layout once) and ``tokens x H`` (one row per
+    token: the floor). Every delivered row is also checked bit for bit.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from mopd.bridge import (
+        BridgeConfig,
+        HiddenStateBridge,
+        Mesh,
+        TeacherSpec,
+        create_bridge_groups,
+    )
+    from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = 2 if world % 2 == 0 else 1
+    teachers = [Mesh(dp=world), Mesh(tp=world)]
+    student = Mesh(tp=tp, dp=world // tp)
+    groups = create_bridge_groups(pool, teachers, student)
+    bridge = HiddenStateBridge(
+        teachers=[TeacherSpec(mesh=m, hidden_size=hidden, dtype=dtype) for m in teachers],
+        student=student,
+        groups=groups,
+        config=BridgeConfig(timeout_s=_TIMEOUT_S),
+    )
+    steps = [
+        synthetic_step(
+            teachers=teachers,
+            student=student,
+            num_samples=samples,
+            max_len=max_len,
+            teacher_formats=[SideFormat(kind="thd", micro_batch=4)] * 2,
+            student_format=SideFormat(kind="bsh", micro_batch=2, pad_multiple=tp),
+            seed=7 + i,
+        )
+        for i in range(micro_batches)
+    ]
+    by = [i * 3 * samples for i in range(micro_batches)]
+    t_lays = {}
+    for o, m in enumerate(teachers):
+        c = m.coord(rank)
+        if c is not None:
+            t_lays[o] = [
+                _shifted(st.teacher_layouts[o][(c.dp_rank, c.cp_rank)], b)
+                for st, b in zip(steps, by, strict=True)
+            ]
+    sc = student.coord(rank)
+    assert sc is not None
+    s_lays = [
+        _shifted(st.student_layouts[(sc.dp_rank, sc.cp_rank)], b)
+        for st, b in zip(steps, by, strict=True)
+    ]
+    step = bridge.plan_step(teacher_layouts=t_lays, student_layouts=s_lays)
+    got = []
+    for i in range(micro_batches):
+        step.send(
+            i,
+            {
+                o: key_pattern(lays[i], hidden, dtype, salt=o).to(device)
+                for o, lays in t_lays.items()
+            },
+        )
+        got.append(step.receive(i))
+    exact = True
+    new_b = old_b = layout_b = token_b = 0
+    seen: set[int] = set()
+    row_bytes = hidden * dtype.itemsize
+    for i, rows in enumerate(got):
+        owner = step.owner(i)
+        assert owner is not None
+        for o, t in rows.items():
+            want = key_pattern(s_lays[i], hidden, dtype, salt=o).to(device)[owner == o]
+            exact &= bool(torch.equal(t.view(torch.uint8), want.view(torch.uint8)))
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                new_b += storage.nbytes()
+        n = owner.numel()
+        old_b += len(teachers) * tp * -(-n // tp) * row_bytes
+        layout_b += n * row_bytes
+        token_b += int((owner >= 0).sum()) * row_bytes
+    step.finish()
+    mine = torch.tensor([new_b, old_b, layout_b, token_b, int(exact)], device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    out = []
+    for r, e in enumerate(every):
+        new_r, old_r, lay_r, tok_r, ok = (int(x) for x in e.tolist())
+        out.append(
+            {
+                "student rank": r,
+                "teachers": len(teachers),
+                "student": str(student),
+                "micro-batches": micro_batches,
+                "K x [N, H] bytes (before)": old_r,
+                "receive bytes (compact)": new_r,
+                "[N, H] bytes": lay_r,
+                "tokens x H bytes": tok_r,
+                "compact / [N, H]": round(new_r / max(lay_r, 1), 4),
+                "before / compact": round(old_r / max(new_r, 1), 3),
+                "exact": bool(ok),
+            }
+        )
+    return out
 
 
 def plot(rows: Sequence[dict[str, Any]], png: Path, title: str, *, caveat: str | None) -> Path:
@@ -488,11 +613,24 @@ def _run(args: argparse.Namespace) -> int:
             bar.step()
             if args.json and rank == 0:
                 print(json.dumps(row), flush=True)
+    mem_rows = receive_memory(
+        pool=pool,
+        samples=samples,
+        max_len=max_len,
+        hidden=hidden,
+        dtype=torch.bfloat16,
+        device=device,
+    )
+    if args.json and rank == 0:
+        for row in mem_rows:
+            print(json.dumps({"receive_memory": row}), flush=True)
     if rank == 0:
         if not args.json:
             if cpu:
                 print(f"{CPU_CAVEAT}: {world} gloo ranks share this machine's cores.")
             print(format_table(rows))
+            print("Receive memory per student rank, two-teacher step:")
+            print(format_table(mem_rows))
         if not args.no_record:
             notes = (
                 "Bridge step (plan_step + send/receive per micro-batch + finish) against the "
@@ -508,6 +646,22 @@ def _run(args: argparse.Namespace) -> int:
             )
             csv_path, md_path = record("bridge", rows, out_dir=args.results_dir, notes=notes)
             recorded = [csv_path, md_path]
+            recorded += record(
+                "bridge-receive-memory",
+                mem_rows,
+                out_dir=args.results_dir,
+                notes=(
+                    "Peak receive memory per student rank on a two-teacher step (all returned "
+                    "rows held until finish). 'receive bytes (compact)': the storage of the "
+                    "buffers the bridge delivered into, measured off the returned tensors "
+                    "(each teacher's tokens, one row each, plus at most tp - 1 padding rows "
+                    "for the TP all-gather). 'K x [N, H] bytes (before)': the per-teacher "
+                    "layout-order buffers (tp * ceil(N / tp) rows each) the bridge allocated "
+                    "before compact delivery, for the same layouts. '[N, H] bytes': every "
+                    "layout row once; 'tokens x H bytes': one row per token (the floor). "
+                    "'exact': every delivered row bit for bit."
+                ),
+            )
             if can_draw("mopd bench bridge"):
                 recorded.append(
                     plot(
@@ -520,7 +674,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"recorded {', '.join(map(str, recorded))}", file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()
-    return 0 if all(r["exact"] for r in rows) else 1
+    return 0 if all(r["exact"] for r in rows + mem_rows) else 1
 
 
 def _spawned(local_rank: int, nproc: int, port: int, argd: dict[str, Any]) -> None:

@@ -74,7 +74,9 @@ def _worker(scenario: str, out_dir: Path) -> None:
                 if scenario == "exit-between-sends" and rank == 1 and i == 1:
                     # dies later in its schedule: micro-batch 0's rows have left (an exit
                     # right after posting would lose them in flight too)
-                    for work in step._slots[0].send_works:
+                    posted = step._slots[0].posted
+                    assert posted is not None
+                    for work in posted.send_works:
                         work.wait(datetime.timedelta(seconds=TIMEOUT_S))
                     os._exit(0)
                 seen["where"] = f"send {i}"

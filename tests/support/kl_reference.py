@@ -41,7 +41,8 @@ def reference_kl(
         student_logits_TV: ``[T, V_pad]`` full (unsharded) student logits, any float dtype; the
             result is differentiable with respect to it (the math runs in float64).
         teacher_hidden: one tensor per teacher, ``[T, H_k]`` (row t is token t) or ``[T_k, H_k]``
-            (the rows of the tokens with ``teacher_index == k``, in token order).
+            (the rows of the tokens with ``teacher_index == k``, in token order; or of only the
+            counted ones among them, ``loss_mask_T != 0``).
         teacher_weight: one ``[V_pad, H_k]`` full LM-head weight per teacher.
         vocab_size: the real vocabulary; columns ``>= vocab_size`` are padding and ignored.
         kind: ``"reverse"`` (KL(p_S || p_T)), ``"forward"`` (KL(p_T || p_S)) or ``"mixed"``
@@ -60,10 +61,19 @@ def reference_kl(
         if teacher_index_T is None
         else teacher_index_T
     )
-    u_TV = torch.empty_like(s_TV)
+    u_TV = torch.zeros_like(s_TV)  # a token no teacher row reaches (not counted): zero logits
+    counted_T = (
+        torch.ones(T, dtype=torch.bool, device=dev) if loss_mask_T is None else loss_mask_T != 0
+    )
     for k, (h_XH, w_VH) in enumerate(zip(teacher_hidden, teacher_weight, strict=True)):
         rows_N = torch.nonzero(index_T == k).flatten()
-        h_NH = h_XH.double() if h_XH.shape[0] != T else h_XH.double()[rows_N]
+        if h_XH.shape[0] == T:
+            h_NH = h_XH.double()[rows_N]
+        elif h_XH.shape[0] != rows_N.numel():  # compact over the counted tokens only
+            rows_N = torch.nonzero((index_T == k) & counted_T).flatten()
+            h_NH = h_XH.double()
+        else:
+            h_NH = h_XH.double()
         u_TV[rows_N] = h_NH @ w_VH.double()[:vocab_size].T
     log_ps_TV = torch.log_softmax(s_TV, dim=1)
     log_pt_TV = torch.log_softmax(u_TV, dim=1)

@@ -99,9 +99,17 @@ def _transfer(owner: int, src: int, dst: int, src_M: np.ndarray, dst_M: np.ndarr
 
 
 def oracle_plans(
-    catalog: RunCatalog, *, local_copy: bool = True, ranks: Iterable[int] = ()
+    catalog: RunCatalog,
+    *,
+    local_copy: bool = True,
+    ranks: Iterable[int] = (),
+    compact: bool = False,
 ) -> dict[int, RankPlan]:
     """Every rank's :class:`RankPlan`, from one per-token join of the whole exchange.
+
+    ``compact``: destination rows in compact space (each owner's tokens of a destination
+    group ranked by layout row, sliced in ``ceil(count / ranks)`` rows), as
+    :func:`~mopd.bridge.plan.plan_rank` with ``compact=True``.
 
     Ranks: every rank of every group, and ``ranks`` (e.g. the bridge's members). Assumes input :func:`oracle_verdicts` passes (where a
     token is held twice, the lowest source group index serves it).
@@ -121,10 +129,24 @@ def oracle_plans(
     t_d, t_row = dst.group_M[ok], dst.row_M[ok]
     n_slots = np.asarray([len(x.ranks) for x in dests], dtype=_I64)
     slot_off = np.concatenate([[0], np.cumsum(n_slots)]).astype(_I64)
-    slice_rows = np.asarray([max(x.slice_rows, 1) for x in dests], dtype=_I64)
-    t_j = t_row // slice_rows[t_d] if t_d.size else t_d
-    t_slot = slot_off[t_d] + t_j
     owner_G = np.asarray([s.owner for s in sources], dtype=_I64)
+    n_owners = int(owner_G.max()) + 1 if owner_G.size else 0
+    t_own = owner_G[t_g]
+    counts_DK = np.zeros((len(dests), max(n_owners, 1)), dtype=_I64)
+    np.add.at(counts_DK, (t_d, t_own), 1)
+    if compact:  # rank of each token among its owner's tokens of its group, by row
+        t_pos = np.empty(t_row.size, dtype=_I64)
+        for d in range(len(dests)):
+            for k in range(n_owners):
+                sel = np.flatnonzero((t_d == d) & (t_own == k))
+                t_pos[sel[np.argsort(t_row[sel])]] = np.arange(sel.size)
+        nominal = np.maximum(-(-counts_DK[t_d, t_own] // n_slots[t_d]), 1)
+    else:
+        t_pos = t_row
+        nominal = np.asarray([max(x.slice_rows, 1) for x in dests], dtype=_I64)[t_d]
+    t_j = t_pos // nominal if t_d.size else t_d
+    t_rel = t_pos - t_j * nominal
+    t_slot = slot_off[t_d] + t_j
 
     every = {r for s in sources for r in s.ranks} | {r for x in dests for r in x.ranks}
     ranks = sorted(every | set(ranks))
@@ -132,16 +154,17 @@ def oracle_plans(
     recvs: dict[int, list[Transfer]] = {r: [] for r in ranks}
     locals_: dict[int, list[Transfer]] = {r: [] for r in ranks}
     # blocks (g, slot): tokens in destination-row order
-    order = np.lexsort((t_row, t_slot, t_g))
-    t_g, t_src, t_d, t_row, t_j, t_slot = (a[order] for a in (t_g, t_src, t_d, t_row, t_j, t_slot))
+    order = np.lexsort((t_rel, t_slot, t_g))
+    t_g, t_src, t_d, t_row, t_j, t_slot, t_rel = (
+        a[order] for a in (t_g, t_src, t_d, t_row, t_j, t_slot, t_rel)
+    )
     blk = np.flatnonzero(np.diff(np.concatenate([[-1], t_g * (slot_off[-1] + 1) + t_slot])))
     ends = np.concatenate([blk[1:], [t_g.size]])
     for a, b in zip(blk.tolist(), ends.tolist(), strict=True):
         g, s, d, j = int(t_g[a]), int(t_slot[a]), int(t_d[a]), int(t_j[a])
-        start = dests[d].slice_bounds(j)[0]
         slot_rank = dests[d].ranks[j]
         reps = sources[g].ranks
-        src_M, dst_M = t_src[a:b], t_row[a:b] - start
+        src_M, dst_M = t_src[a:b], t_rel[a:b]
         owner = int(owner_G[g])
         if local_copy and slot_rank in reps:
             locals_[slot_rank].append(_transfer(owner, slot_rank, slot_rank, src_M, dst_M))
@@ -171,6 +194,8 @@ def oracle_plans(
                     slice_rows=stop - start,
                     num_rows=x.num_rows,
                     padded_rows=x.slice_rows * len(x.ranks),
+                    group_size=len(x.ranks),
+                    owner_rows=tuple(int(c) for c in counts_DK[d, :n_owners]) if compact else (),
                 )
                 owner_N = np.full(x.num_rows, -1, dtype=_I64)
                 sel = t_d == d

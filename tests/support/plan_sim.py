@@ -123,7 +123,9 @@ def deliver(
         if plan.dest is None:
             continue
         owners = {o for (_, o) in sources}
-        bufs = {o: np.full(plan.dest.slice_rows, -2, dtype=np.int64) for o in owners}
+        dest = plan.dest
+        n = {o: dest.slice_real(o) if dest.compact else dest.slice_rows for o in owners}
+        bufs = {o: np.full(n[o], -2, dtype=np.int64) for o in owners}
         for t in plan.recvs:
             values, dst_sent = box.pop((t.owner, t.src_rank, r))
             _, dst = expand_segments(t.segments_S5)
@@ -165,8 +167,15 @@ def key_sources(
 
 def expected_slice(plan: RankPlan, dest_layout: TokenLayout, owner: int) -> np.ndarray:
     """What :func:`deliver` must leave in ``owner``'s slice of ``plan``'s rank: the key of every
-    row that owner fills (``plan.owner_N``), ``-2`` (untouched) elsewhere."""
+    row that owner fills (``plan.owner_N``), ``-2`` (untouched) elsewhere; in compact form
+    (``plan.dest.compact``) the keys of the rows that owner fills, in row order, this rank's
+    slice of them."""
     assert plan.dest is not None and plan.owner_N is not None
+    if plan.dest.compact:
+        mine = keys_of(dest_layout)[plan.owner_N == owner]
+        assert mine.size == plan.dest.out_rows(owner)
+        a = plan.dest.slice_start(owner)
+        return mine[a : a + plan.dest.slice_real(owner)]
     a = plan.dest.row_offset
     b = a + plan.dest.slice_rows
     return np.where(plan.owner_N[a:b] == owner, keys_of(dest_layout)[a:b], -2)

@@ -90,7 +90,7 @@ CASES: dict[str, Case] = {
         t_kinds=["thd", "thd"],
         s_kind="thd",
         sizes=[12, 8, 1],
-        max_len=48,
+        max_len=160,
         paths={"view", "runs", "index"},
         empty=True,
         dtype=torch.bfloat16,
@@ -236,12 +236,15 @@ def side_of(name: str, id_shift: int) -> Side:
 
 
 def paths_of(step: BridgeStep) -> set[str]:
-    """The data paths this rank's schedules of ``step`` take for teacher rows."""
+    """The data paths this rank's schedules of ``step`` take for teacher rows (either end of a
+    transfer, and the staging passes)."""
     found: set[str] = set()
     for slot in step._slots:
         s = slot.schedule
         if s is not None:
-            found |= {op.side.mode for op in s.sends}
+            found |= {op.side.mode for op in (*s.sends, *s.recvs)}
+            # the staging kernels: one pack / unpack pass per owner over all peers
+            found |= {x.mode for x in (*s.pack_sides.values(), *s.unpack_sides.values())}
             found |= {"local"} if s.locals else set()
     return found
 
@@ -317,9 +320,9 @@ class Driver:
         assert self.step.num_tokens(i) == lay.num_tokens
         got = self.received[i]
         assert sorted(got) == list(range(len(self.case.teachers)))
-        for o, rows in got.items():
+        for o, rows in got.items():  # compact: teacher o's tokens of the layout, in order
             want = key_pattern(lay, hidden_of(o), self.case.dtype, salt=salt(o, i, self.step_no))
-            want[want_owner != o] = 0
+            want = want[want_owner == o]
             assert rows.shape == want.shape, f"{self.name} mb {i} teacher {o}: {rows.shape}"
             assert torch.equal(bits(rows), bits(want)), f"{self.name} mb {i} teacher {o} differ"
 

@@ -38,6 +38,7 @@ from mopd.bridge import (
 )
 from mopd.bridge import api as api_mod
 from mopd.bridge import executor as executor_mod
+from mopd.bridge import integrity as integrity_mod
 from mopd.bridge.lm_head import VocabSpec, reshard_lm_head
 from mopd.profiling.synthetic import key_pattern
 from tests.support.reliability import everyone, fresh_bridge
@@ -566,7 +567,8 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
         return real_flat(output, input_, group=group, timeout_s=timeout_s)
 
     monkeypatch.setattr(api_mod, "gather_step_matrix", gather)
-    monkeypatch.setattr(executor_mod, "all_gather_flat", flat)
+    monkeypatch.setattr(executor_mod, "all_gather_flat", flat)  # the TP all-gather
+    monkeypatch.setattr(integrity_mod, "all_gather_flat", flat)  # checksums and the verdict
     b = HiddenStateBridge(
         teachers=[TeacherSpec(mesh=TEACHER, hidden_size=H)],
         student=STUDENT,

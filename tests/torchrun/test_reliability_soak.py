@@ -97,8 +97,7 @@ def steps() -> list[dict[str, Any]]:
                 d["rows"].append(key_pattern(lay, H, DTYPE, salt=i))
             c = STUDENT.coord(rank)
             stu = step.student_layouts[(c.dp_rank, c.cp_rank)]
-            want = key_pattern(stu, H, DTYPE, salt=i)
-            want[stu.sample_id_R < 0] = 0
+            want = key_pattern(stu, H, DTYPE, salt=i)[stu.sample_id_R >= 0]  # compact
             d["s"].append(stu)
             d["want"].append(want)
         out.append(d)

@@ -21,6 +21,8 @@ import torch
 from mopd.bridge.api import BridgeStep
 from mopd.bridge.errors import BridgeStateError, BridgeTimeoutError
 from mopd.bridge.executor import Executor, Slot
+from mopd.bridge.order import StepOrder
+from mopd.bridge.transport import Posted
 from mopd.common import dist as cdist
 
 CUDA = torch.device("cuda", 0)
@@ -65,8 +67,11 @@ def _issued_slot(works: list[FakeWork], device: torch.device) -> Slot:
         index=0,
         schedule=SimpleNamespace(),  # type: ignore[arg-type]
         issued=True,
-        send_works=list(works),
-        send_descs=[f"send {i}" for i in range(len(works))],
+        posted=Posted(
+            device=device,
+            send_works=list(works),
+            send_descs=[f"send {i}" for i in range(len(works))],
+        ),
         device=device,
     )
 
@@ -97,7 +102,12 @@ def test_a_failed_wait_names_what_was_pending_and_retires_the_executor():
     ex = Executor(rank=3, timeout_s=1.0)
     works = [FakeWork(), FakeWork(fail="Operation timed out!"), FakeWork()]
     slot = _issued_slot(works, CPU)
-    slot.send_descs = ["send to global rank 1", "send to global rank 2", "send to global rank 5"]
+    assert slot.posted is not None
+    slot.posted.send_descs = [
+        "send to global rank 1",
+        "send to global rank 2",
+        "send to global rank 5",
+    ]
     with pytest.raises(BridgeTimeoutError, match="global rank 3") as info:
         ex.release(slot, deadline=time.monotonic() + 1.0)
     msg = str(info.value)
@@ -154,8 +164,17 @@ def _step(n: int, timeout_s: float, sleep_s: float) -> tuple[BridgeStep, Recordi
     step.num_micro_batches = n
     step.finished = False
     step._slots = [Slot(index=i, schedule=None, issued=True) for i in range(n)]
-    step._cursor = n
-    step._received = 0
+    step._order = StepOrder(
+        step._slots,
+        executor=ex,
+        rank=0,
+        output_specs={},
+        device=CPU,
+        group=None,
+        tag=1,
+        tp_group=None,
+    )
+    step._order.posted = n
     return step, ex
 
 
@@ -217,10 +236,12 @@ def test_releasing_the_sends_keeps_the_receives_to_wait_for(coalesced: bool) -> 
     ex = Executor(rank=0, timeout_s=5.0)
     recv = FakeWork()
     slot = _issued_slot([] if not coalesced else [recv], CPU)
-    slot.recv_works = slot.send_works if coalesced else [recv]
-    slot.recv_descs = ["receive"]
+    posted = slot.posted
+    assert posted is not None
+    posted.recv_works = posted.send_works if coalesced else [recv]
+    posted.recv_descs = ["receive"]
     assert ex.sends_done(slot) or coalesced
     ex.release(slot, deadline=time.monotonic() + 5.0)
-    assert slot.recv_works == [recv]  # still there to wait for
-    ex._wait_all(slot.recv_works, slot.recv_descs, slot.device, time.monotonic() + 5.0)
+    assert posted.recv_works == [recv]  # still there to wait for
+    ex.transport.wait(posted, sends=False, deadline=time.monotonic() + 5.0)
     assert recv.calls, "the receive was never waited for"

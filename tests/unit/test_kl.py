@@ -200,6 +200,68 @@ def test_token_layout_and_compact_teacher_rows_agree() -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n_teachers", [1, 2, 3])
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_compact_rows_of_the_counted_tokens_match_the_float64_reference(
+    n_teachers: int, fused: bool
+) -> None:
+    """Teacher rows of only the counted tokens (``mask != 0`` and ``teacher_index == k``, in
+    token order: what the bridge delivers) give the token layout's KL and gradient, against a
+    float64 reference; the row counts tell the forms apart."""
+    T, V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, g = _case(
+        51 + n_teachers, n_teachers=n_teachers, compact=False
+    )
+    mask_T[0] = False  # at least one uncounted token (its teacher's row is not sent)
+    index_T[0] = 0
+    index = index_T if n_teachers > 1 else None
+    own_T = index_T if n_teachers > 1 else torch.zeros_like(index_T)
+    counted = [h[(own_T == k) & mask_T] for k, h in enumerate(hidden)]
+    assert counted[0].shape[0] < int((own_T == 0).sum())  # a third form, not the "all" one
+    cfg = KLConfig(reduction="none", chunk_tokens=7)
+    kw = dict(vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index)
+    if fused:
+        H_s = 5
+        x = torch.randn(T, H_s, generator=g, dtype=torch.float64, requires_grad=True)
+        w_s = torch.randn(V_pad, H_s, generator=g, dtype=torch.float64)
+        a = fused_vocab_parallel_kl(x, w_s, hidden, weight, config=cfg, **kw)
+        b = fused_vocab_parallel_kl(x, w_s, counted, weight, config=cfg, **kw)
+        logits = x @ w_s.T
+    else:
+        x = s_TV.requires_grad_(True)
+        a = vocab_parallel_kl(x, hidden, weight, config=cfg, **kw)
+        b = vocab_parallel_kl(x, counted, weight, config=cfg, **kw)
+        logits = x
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    job = kl_prepare.prepare(kl_prepare.KLArgs(
+        student_TX=s_TV, student_weight_VH=None, teacher_hidden=counted, teacher_weight=weight,
+        vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index, group=None,
+        config=cfg,
+    ))  # fmt: skip
+    # the counted rows are already in the order the KL reads them: no gather of teacher rows
+    assert all(t.rows_M is None for t in job.teachers)
+    ref = reference_kl(
+        logits, counted, weight, vocab_size=V_real, loss_mask_T=mask_T, teacher_index_T=index,
+        reduction="none",
+    )  # fmt: skip
+    _close(b, ref)
+    up = torch.randn(T, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad(b, x, up.float())
+    (want,) = torch.autograd.grad(ref, x, up)
+    _close(got, want, atol=1e-6 * max(1.0, float(up.abs().max())))
+
+
+def test_teacher_rows_of_no_known_count_name_all_three_forms() -> None:
+    T, _V_pad, V_real, hidden, weight, index_T, mask_T, s_TV, _ = _case(
+        57, n_teachers=2, compact=False
+    )
+    bad = [hidden[0][:1].repeat(T + 1, 1), hidden[1]]
+    with pytest.raises(ValueError, match=r"expected T=.*teacher_index == 0.*loss mask counts"):
+        vocab_parallel_kl(
+            s_TV, bad, weight, vocab_start=0, vocab_size=V_real, loss_mask_T=mask_T,
+            teacher_index_T=index_T,
+        )  # fmt: skip
+
+
 def test_unmasked_sorted_tokens_take_the_gather_free_path() -> None:
     """All tokens active and grouped by teacher: no processing order is built (slices only)."""
     _T, _V_pad, V_real, hidden, weight, index_T, _, s_TV, _ = _case(31, n_teachers=2, compact=True)

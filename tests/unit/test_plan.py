@@ -181,10 +181,14 @@ def _source_group(sim: SimStep, owner: int, rank: int) -> int:
 # --- (a) - (d): plans ------------------------------------------------------------------------
 
 
-def _check_plans(ex: Exchange, sim: SimStep, plans: dict[int, RankPlan]) -> None:
+def _check_plans(
+    ex: Exchange, sim: SimStep, plans: dict[int, RankPlan], *, compact: bool = False
+) -> None:
     cat, members = sim.catalog, sim.topology.members
     # (a) the local plans, put together, are the oracle's global plan
-    assert compose(plans) == compose(oracle_plans(cat, local_copy=ex.local_copy, ranks=members))
+    assert compose(plans) == compose(
+        oracle_plans(cat, local_copy=ex.local_copy, ranks=members, compact=compact)
+    )
     # (b) every destination row gets its key, bit-exact; rows nobody fills stay untouched
     sources = key_sources(ex.teachers, ex.teacher_layouts, members)
     got = deliver(plans, sources)
@@ -213,7 +217,8 @@ def _check_plans(ex: Exchange, sim: SimStep, plans: dict[int, RankPlan]) -> None
             src, dst = token_pairs(t.segments_S5)
             dest = plans[t.dst_rank].dest
             assert dest is not None
-            assert ((dst >= 0) & (dst < dest.slice_rows)).all()
+            n = dest.slice_real(t.owner) if dest.compact else dest.slice_rows
+            assert ((dst >= 0) & (dst < n)).all()
             assert ((src >= 0) & (src < sources[(t.src_rank, t.owner)].size)).all()
             assert (np.diff(dst) > 0).all()  # destination-row order
             seg = t.segments_S5
@@ -247,6 +252,25 @@ def test_local_plans_compose_to_the_oracle_and_deliver_every_key(ex: Exchange) -
     assert all(check_rank(sim.catalog, r) == [] for r in members)
     plans = {r: plan_rank(sim.catalog, r, local_copy=ex.local_copy) for r in members}
     _check_plans(ex, sim, plans)
+
+
+@given(ex=exchanges())
+@SETTINGS
+def test_compact_plans_compose_to_the_oracle_and_deliver_each_owners_rows_in_order(
+    ex: Exchange,
+) -> None:
+    """Compact space: owner ``k``'s rows of a destination group, one per token it owns there in
+    layout-row order, sliced into ``ceil(N_k / ranks)`` rows per rank; both ends agree."""
+    sim = ex.sim()
+    members = sim.topology.members
+    plans = {r: plan_rank(sim.catalog, r, local_copy=ex.local_copy, compact=True) for r in members}
+    _check_plans(ex, sim, plans, compact=True)
+    for p in plans.values():
+        if p.dest is None or p.owner_N is None:
+            continue
+        for o in range(len(ex.teachers)):
+            assert p.dest.out_rows(o) == int((p.owner_N == o).sum())
+            assert 0 <= p.dest.padded(o) - p.dest.out_rows(o) < max(p.dest.group_size, 1)
 
 
 def test_rotation_spreads_the_remainders_over_the_replicas() -> None:
@@ -421,16 +445,21 @@ def _meets(range_X2: np.ndarray, lo: int, hi: int) -> set[int]:
     return set(np.flatnonzero((a <= b) & (a <= hi) & (b >= lo) & (lo <= hi)).tolist())
 
 
-def _reads(sim: SimStep, rank: int, local_copy: bool) -> tuple[set[int], set[int], RankPlan]:
+def _reads(
+    sim: SimStep, rank: int, local_copy: bool, *, compact: bool = False
+) -> tuple[set[int], set[int], RankPlan]:
     """Source and destination groups whose runs ``rank`` reads to plan and check."""
     cat = sim.topology.catalog(sim.matrix, 0)
     counting, read_s, read_d = cat.recording_reads()
-    plan = plan_rank(counting, rank, local_copy=local_copy)
+    plan = plan_rank(counting, rank, local_copy=local_copy, compact=compact)
     assert check_rank(counting, rank) == []
     return read_s, read_d, plan
 
 
-def _allowed(sim: SimStep, rank: int) -> tuple[set[int], set[int]]:
+def _allowed(sim: SimStep, rank: int, *, compact: bool = False) -> tuple[set[int], set[int]]:
+    """What ``rank`` may read: its groups, the groups whose sample range meets theirs and, in
+    compact space, for each destination group it sends to, the source groups of the same
+    owner whose range meets that group (its peers' peers of its own teacher, nothing wider)."""
     cat = sim.catalog
     ix = cat.index()
     own_s, own_d = set(ix.source_groups.get(rank, ())), set(ix.dest_groups.get(rank, ()))
@@ -439,7 +468,12 @@ def _allowed(sim: SimStep, rank: int) -> tuple[set[int], set[int]]:
         ok_s |= _meets(cat.source_range_G2, *cat.dest_range_D2[d].tolist())
     for g in own_s:
         ok_s |= _meets(cat.source_range_G2, *cat.source_range_G2[g].tolist())
-        ok_d |= _meets(cat.dest_range_D2, *cat.source_range_G2[g].tolist())
+        ds = _meets(cat.dest_range_D2, *cat.source_range_G2[g].tolist())
+        ok_d |= ds
+        if compact:
+            for d in ds:
+                same = _meets(cat.source_range_G2, *cat.dest_range_D2[d].tolist())
+                ok_s |= {h for h in same if ix.owner_G[h] == ix.owner_G[g]}
     return ok_s, ok_d
 
 
@@ -453,6 +487,12 @@ def test_a_rank_reads_only_groups_whose_sample_range_meets_its_own(ex: Exchange)
         ok_s, ok_d = _allowed(sim, r)
         assert read_s <= ok_s and read_d <= ok_d, (r, read_s - ok_s, read_d - ok_d)
     _check_plans(ex, sim, plans)
+    compact = {}
+    for r in sim.topology.members:  # compact space: its owner's peers of its peers, no wider
+        read_s, read_d, compact[r] = _reads(sim, r, ex.local_copy, compact=True)
+        ok_s, ok_d = _allowed(sim, r, compact=True)
+        assert read_s <= ok_s and read_d <= ok_d, (r, read_s - ok_s, read_d - ok_d)
+    _check_plans(ex, sim, compact, compact=True)
 
 
 def test_contiguous_samples_make_the_reads_local() -> None:

@@ -297,6 +297,19 @@ def test_stage_pool_reuses_and_grows():
     c = pool.acquire(("k",), 1, like)  # b is busy: a second buffer
     assert c is not b and pool.buffers == 2 and pool.allocations == 3
     assert pool.bytes == (5 + 1) * 4 * 4
+    # best fit: a slot gets the smallest free buffer that holds it, whatever order they
+    # were returned in, so small and large slots alternating allocate nothing more
+    pool.release(("k",), b)
+    pool.release(("k",), c)
+    for rows in (5, 1, 5, 1):
+        got = pool.acquire(("k",), rows, like)
+        assert got is (b if rows == 5 else c)
+        pool.release(("k",), got)
+    pool.release(("k",), pool.acquire(("k",), 1, like))
+    assert pool.allocations == 3
+    # none fits: the largest free one is replaced
+    d = pool.acquire(("k",), 7, like)
+    assert d.shape == (7, 4) and pool.buffers == 2 and pool.allocations == 4
 
 
 # --- one rank: the step API end to end, local copies only -------------------------------------
@@ -347,9 +360,8 @@ def rows(lay: Any, i: int) -> torch.Tensor:
 
 
 def want(lay: Any, i: int) -> torch.Tensor:
-    w = rows(lay, i)
-    w[lay.sample_id_R < 0] = 0
-    return w
+    """The rows ``receive`` returns for one teacher: its tokens of ``lay``, compact."""
+    return rows(lay, i)[lay.sample_id_R >= 0]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -579,9 +591,10 @@ def test_non_finite_teacher_rows_are_named_where_they_arrive(one_rank_world):
         bad[real[2], 1] = float("nan")
         bad[real[0], 0] = float("inf")
         key = (int(t[1].sample_id_R[real[0]]), int(t[1].position_R[real[0]]))
-        first = next(
-            r
-            for r in range(s[1].num_rows)
+        real_s = [r for r in range(s[1].num_rows) if int(s[1].sample_id_R[r]) >= 0]
+        first = next(  # among the compact rows: the real rows of the student's layout
+            j
+            for j, r in enumerate(real_s)
             if (int(s[1].sample_id_R[r]), int(s[1].position_R[r])) == key
         )
         step.send(1, {0: bad})
@@ -593,7 +606,7 @@ def test_non_finite_teacher_rows_are_named_where_they_arrive(one_rank_world):
             step.receive(1)
         text = (
             "global rank 0: non-finite (NaN/Inf) teacher rows arrived in micro-batch 1 of step 0: "
-            f"teacher 0: 2 of {s[1].num_rows} rows (first: row {first}, a local copy on global "
+            f"teacher 0: 2 of {len(real_s)} rows (first: row {first}, a local copy on global "
             "rank 0)"
         )
         assert str(err.value) == text

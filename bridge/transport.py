@@ -1,0 +1,218 @@
+"""The transport: posts one micro-batch's messages between ranks and waits for them.
+
+Why this file exists: the executor decides what moves where (schedules, staging, kernels); the
+transport only moves bytes, behind two calls: :meth:`Transport.post` (a micro-batch's sends and
+receives, one batch) and :meth:`Transport.wait` (its receives or its sends, against a deadline).
+:class:`P2PTransport` is the point-to-point implementation (``batch_isend_irecv`` on the bridge
+group; NCCL for CUDA tensors, gloo for CPU tensors). Integrity mode wraps it
+(:class:`mopd.bridge.integrity.IntegrityTransport` adds a checksum message beside each), so the
+data path has no branch for it.
+
+Failures: a failed post or wait raises :class:`~mopd.bridge.errors.BridgeTimeoutError` or
+:class:`~mopd.bridge.errors.BridgeCommError` (:func:`comm_failure`) naming this rank, what was
+still pending and the timeout; the caller decides what that means for later work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
+from mopd.common import dist as cdist
+from mopd.common import ranges
+
+__all__ = ["Message", "P2PTransport", "Posted", "Transport", "comm_failure", "time_left"]
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()`` clock), at least 1 ms."""
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+def comm_failure(
+    exc: BaseException, *, rank: int, what: str, timeout_s: float, elapsed_s: float
+) -> BridgeError:
+    """A :class:`BridgeTimeoutError` or :class:`BridgeCommError` for a failed wait on ``what``.
+
+    A failure counts as a timeout when the transport says so or when the full timeout elapsed.
+    """
+    msg = str(exc)
+    low = msg.lower()
+    said_timeout = any(k in low for k in ("timed out", "timeout", "timing out", "time out"))
+    if said_timeout or elapsed_s >= 0.98 * timeout_s:
+        return BridgeTimeoutError(
+            f"global rank {rank}: {what} did not complete within BridgeConfig.timeout_s="
+            f"{timeout_s:g} s (waited {elapsed_s:.1f} s): a rank of the bridge group did not call "
+            "the bridge (called on some ranks only), raised or exited before its part, or is "
+            f"slower than the timeout. Transport said: {msg}"
+        )
+    return BridgeCommError(
+        f"global rank {rank}: {what} failed after {elapsed_s:.1f} s (timeout_s={timeout_s:g}): "
+        f"the transport reported an error, typically because a peer process died or aborted. "
+        f"Transport said: {msg}"
+    )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Message:
+    """One send or receive of a micro-batch.
+
+    Attributes:
+        peer: the other end's global rank.
+        rows: ``[R, ...]`` contiguous tensor sent from / received into (owned by the caller
+            until the matching wait returns).
+        what: for messages (``"send to global rank 3 (micro-batch 0, teacher 0, 4 rows)"``).
+        checksums: integrity mode, a send: ``[R]`` int64 checksums of its rows (a wrapping
+            transport sends them beside it); ignored by :class:`P2PTransport`.
+    """
+
+    peer: int
+    rows: torch.Tensor
+    what: str
+    checksums: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True, eq=False)
+class Posted:
+    """A micro-batch's messages in flight: the transport's handles, with what each covers.
+
+    ``recv_checksums``: integrity mode, one ``[R]`` int64 buffer per receive (in order) that the
+    sender's checksums land in; empty otherwise.
+    """
+
+    device: torch.device
+    send_works: list[Any] = field(default_factory=list)
+    recv_works: list[Any] = field(default_factory=list)
+    send_descs: list[str] = field(default_factory=list)
+    recv_descs: list[str] = field(default_factory=list)
+    recv_checksums: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def coalesced(self) -> bool:
+        """One set of works covers both directions (NCCL's coalesced batch)."""
+        return bool(self.send_works) and self.send_works is self.recv_works
+
+
+class Transport(Protocol):
+    """What the executor needs to move a micro-batch (see the module doc)."""
+
+    rank: int
+    timeout_s: float
+
+    def post(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        *,
+        index: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        tag: int,
+    ) -> Posted:
+        """Post ``sends`` and ``recvs`` in one batch (sends first, each list in order)."""
+        ...
+
+    def wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
+        """Wait for ``posted``'s sends (``sends=True``) or receives, until ``deadline``."""
+        ...
+
+    def sends_done(self, posted: Posted) -> bool:
+        """True once every send of ``posted`` has completed (a poll, no wait)."""
+        ...
+
+
+class P2PTransport:
+    """Point to point over ``torch.distributed``: one ``batch_isend_irecv`` per micro-batch.
+
+    Args:
+        rank: this process's global rank (messages).
+        timeout_s: the phase timeout the messages name (each wait runs against its deadline:
+            a host wait on gloo; a stream wait on NCCL, whose hangs the process groups' own
+            timeout catches).
+    """
+
+    def __init__(self, *, rank: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.timeout_s = timeout_s
+
+    def post(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        *,
+        index: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        tag: int,
+    ) -> Posted:
+        """Post every message in one batch (``tag``: the step's fence on the wire; gloo matches
+        by it, NCCL pairs in issue order)."""
+        ops = [dist.P2POp(dist.isend, m.rows, m.peer, group=group, tag=tag) for m in sends]
+        ops += [dist.P2POp(dist.irecv, m.rows, m.peer, group=group, tag=tag) for m in recvs]
+        posted = Posted(
+            device=device,
+            send_descs=[m.what for m in sends],
+            recv_descs=[m.what for m in recvs],
+        )
+        try:
+            with ranges.span("send_recv", index):
+                works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as exc:
+            raise comm_failure(
+                exc,
+                rank=self.rank,
+                what="posting the bridge's sends/receives",
+                timeout_s=self.timeout_s,
+                elapsed_s=0.0,
+            ) from exc
+        if len(works) == len(ops):
+            posted.send_works = list(works[: len(sends)])
+            posted.recv_works = list(works[len(sends) :])
+        else:  # one coalesced work for the whole batch (NCCL): it covers both directions
+            posted.send_works = posted.recv_works = list(works)
+            both = ["; ".join(posted.send_descs + posted.recv_descs)]
+            posted.send_descs = posted.recv_descs = both
+        return posted
+
+    def wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
+        works = posted.send_works if sends else posted.recv_works
+        descs = posted.send_descs if sends else posted.recv_descs
+        self.wait_works(works, descs, posted.device, deadline)
+
+    def wait_works(
+        self, works: Sequence[Any], descs: Sequence[str], device: torch.device, deadline: float
+    ) -> None:
+        """Wait for ``works`` in order against ``deadline``; a failure names what is pending."""
+        t0 = time.monotonic()
+        for i, w in enumerate(works):
+            try:
+                cdist.wait(w, device=device, timeout_s=time_left(deadline))
+            except Exception as exc:
+                pending = []
+                tail = list(descs)[i:] if len(descs) == len(works) else [""] * (len(works) - i)
+                for w2, d in zip(works[i:], tail, strict=True):
+                    try:
+                        completed = bool(w2.is_completed()) and w2 is not w
+                    except Exception:
+                        completed = False
+                    if not completed and d and d not in pending:
+                        pending.append(d)
+                raise comm_failure(
+                    exc,
+                    rank=self.rank,
+                    what="the bridge exchange (incomplete: " + "; ".join(pending) + ")",
+                    timeout_s=self.timeout_s,
+                    elapsed_s=time.monotonic() - t0,
+                ) from exc
+
+    def sends_done(self, posted: Posted) -> bool:
+        try:
+            return all(bool(w.is_completed()) for w in posted.send_works)
+        except Exception:
+            return False
