@@ -1,0 +1,223 @@
+"""What one rank contributes to a step, and what it reads back of everyone's: one rule, no group.
+
+Why this file exists: the live bridge (:meth:`~mopd.bridge.api.HiddenStateBridge.plan_step`),
+the plan inspector, the plan benchmark and the tests must build a step's records and read the
+gathered matrix by the same rule, or a change to the record leaves the tools checking another
+rule than the one that runs. Everything here is pure (no process group): the all-gather between
+:func:`rank_sections` / :func:`~mopd.bridge.metadata.encode_step_record` and :func:`read_step`
+is the caller's (the bridge's :func:`~mopd.bridge.metadata.gather_step_matrix`, or
+:func:`stack_records` in one process).
+
+The rule (:func:`rank_roles`): a rank holds a teacher's section when it is on that teacher's
+last pipeline stage, the student's when it is on the student's last stage. The first rank of a
+group of replicas (a TP group) sends its runs; the others send only their slot tables, whose
+digests must match the leader's. With ``keep_sp_shard`` every student rank is its own
+destination and sends its own runs.
+
+Reading back (:func:`read_step`) costs one strided slice of the leaders' slot tables per
+section for the whole step (rows, sample ranges, digests, token counts of every group and
+micro-batch), then per micro-batch a lazy :class:`~mopd.bridge.plan.RunCatalog`. From the same
+tables, :meth:`StepView.plan_keys` hashes what a rank's plan and checks of a micro-batch depend
+on: its own groups and the groups whose sample range meets theirs (ids, rows, ranges, digests).
+Equal keys, equal plans: a rank's schedule cache is keyed on them, so a repeated micro-batch
+runs no planner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mopd.bridge.layout import TokenLayout
+from mopd.bridge.mesh import Mesh
+from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
+from mopd.bridge.plan import RunCatalog
+from mopd.bridge.topology import Topology
+
+__all__ = [
+    "StepView",
+    "rank_roles",
+    "rank_sections",
+    "read_step",
+    "stack_records",
+]
+
+_I64 = np.int64
+_ROWS, _SMIN, _SMAX, _DIGEST, _TOKENS = (
+    SLOT_COLUMNS.index(c) for c in ("n_rows", "sample_min", "sample_max", "digest", "n_tokens")
+)
+_KEY_COLS = np.asarray([_ROWS, _SMIN, _SMAX, _DIGEST], dtype=_I64)
+
+
+def rank_roles(
+    rank: int, teachers: Sequence[Mesh], student: Mesh, *, keep_sp_shard: bool = False
+) -> tuple[bool | None, ...]:
+    """What global rank ``rank`` contributes, per section (teachers in order, then the student):
+    ``None`` where it holds no such rows (not on that mesh's last stage), else whether it sends
+    the section's runs (``True``: the first rank of its TP group, or every student rank with
+    ``keep_sp_shard``; ``False``: a replica that sends its digests)."""
+    roles: list[bool | None] = []
+    for mesh in teachers:
+        c = mesh.coord(rank)
+        roles.append(None if c is None or c.pp_rank != mesh.pp - 1 else c.tp_rank == 0)
+    c = student.coord(rank)
+    if c is None or c.pp_rank != student.pp - 1:
+        roles.append(None)
+    else:
+        roles.append(keep_sp_shard or c.tp_rank == 0)
+    return tuple(roles)
+
+
+def rank_sections(
+    roles: Sequence[bool | None],
+    *,
+    teacher_layouts: Mapping[int, Sequence[TokenLayout]],
+    student_layouts: Sequence[TokenLayout] | None,
+    dtypes: Sequence[torch.dtype | None],
+    hiddens: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> list[Section | None]:
+    """The sections of a rank with ``roles`` (:func:`rank_roles`), for
+    :func:`~mopd.bridge.metadata.encode_step_record`: teacher ``o``'s from
+    ``teacher_layouts[o]`` with ``dtypes[o]`` / ``hiddens[o]``, the student's from
+    ``student_layouts`` (each one layout per micro-batch; the caller has checked that the rank
+    gives exactly the layouts its roles call for)."""
+    n = len(roles) - 1
+    sections: list[Section | None] = []
+    for o in range(n):
+        send = roles[o]
+        if send is None:
+            sections.append(None)
+            continue
+        sections.append(
+            Section(
+                layouts=teacher_layouts[o],
+                send_runs=send,
+                dtype=dtypes[o],
+                hidden=hiddens[o],
+                device=device,
+            )
+        )
+    send = roles[n]
+    if send is None or student_layouts is None:
+        sections.append(None)
+    else:
+        sections.append(Section(layouts=student_layouts, send_runs=send, device=device))
+    return sections
+
+
+def stack_records(records: Sequence[torch.Tensor | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """What the metadata all-gather returns, in one process: ``([n, width] int64, sizes [n])``,
+    record ``j`` in row ``j`` zero-padded to the widest."""
+    arrays = [r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r) for r in records]
+    sizes = np.asarray([a.size for a in arrays], dtype=_I64)
+    matrix = np.zeros((len(arrays), int(sizes.max()) if arrays else 0), dtype=_I64)
+    for j, a in enumerate(arrays):
+        matrix[j, : a.size] = a
+    return matrix, sizes
+
+
+def _overlap(
+    lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndarray
+) -> np.ndarray:
+    """``[X, I]`` whether each group's non-empty range meets ``[lo_I, hi_I]`` (non-empty)."""
+    return (lo_XI <= hi_I) & (hi_XI >= lo_I) & (lo_XI <= hi_XI) & (lo_I <= hi_I)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepView:
+    """One rank's reading of a gathered, agreed step (:func:`read_step`).
+
+    Attributes:
+        topology: the bridge's groups.
+        matrix: the gathered records.
+        n_slots: micro-batches of the step.
+        source_GIF: ``[G, n_slots, SLOT_FIELDS]`` every source group leader's slot tables
+            (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`).
+        dest_DIF: ``[D, n_slots, SLOT_FIELDS]`` every destination group leader's.
+        catalogs: per micro-batch, the planner's lazy catalog.
+    """
+
+    topology: Topology
+    matrix: StepMatrix
+    n_slots: int
+    source_GIF: np.ndarray
+    dest_DIF: np.ndarray
+    catalogs: tuple[RunCatalog, ...]
+
+    def tokens_I(self) -> np.ndarray:
+        """``[n_slots]`` real tokens the student wants per micro-batch over all its
+        destination groups (each token once): a sum of the leaders' ``n_tokens``."""
+        return self.dest_DIF[:, :, _TOKENS].sum(axis=0)
+
+    def plan_keys(self, rank: int, extra: bytes = b"") -> list[bytes]:
+        """Per micro-batch, a hash of everything ``rank``'s plan and verdicts of it read.
+
+        That is its own source and destination groups and every group whose sample range meets
+        one of theirs (``plan_rank`` and ``check_rank`` read no other): their indices, rows,
+        sample ranges and layout digests; ``extra``: what else the caller's schedule depends
+        on (row widths, settings). Vectorized over the groups; hashing is per micro-batch.
+        """
+        ix = self.topology.index
+        own_s = np.asarray(ix.source_groups.get(rank, ()), dtype=_I64)
+        own_d = np.asarray(ix.dest_groups.get(rank, ()), dtype=_I64)
+        src, dst = self.source_GIF, self.dest_DIF
+        meet_s = np.zeros((src.shape[0], self.n_slots), dtype=bool)
+        meet_d = np.zeros((dst.shape[0], self.n_slots), dtype=bool)
+        meet_s[own_s] = True
+        meet_d[own_d] = True
+        own = [src[g] for g in own_s.tolist()] + [dst[d] for d in own_d.tolist()]
+        for table_IF in own:
+            lo, hi = table_IF[:, _SMIN], table_IF[:, _SMAX]
+            meet_s |= _overlap(src[:, :, _SMIN], src[:, :, _SMAX], lo, hi)
+            meet_d |= _overlap(dst[:, :, _SMIN], dst[:, :, _SMAX], lo, hi)
+        keys = []
+        for i in range(self.n_slots):
+            gs, ds = np.flatnonzero(meet_s[:, i]), np.flatnonzero(meet_d[:, i])
+            h = hashlib.blake2b(extra, digest_size=16)
+            for ids, table in ((gs, src), (ds, dst)):
+                h.update(np.asarray([ids.size], dtype=_I64).tobytes())
+                h.update(ids.astype(_I64).tobytes())
+                h.update(np.ascontiguousarray(table[ids, i][:, _KEY_COLS]).tobytes())
+            keys.append(h.digest())
+        return keys
+
+
+def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
+    """The step as one rank reads it: every group leader's slot tables (one strided slice per
+    section, the same column in every record: :meth:`~mopd.bridge.metadata.StepMatrix.
+    slot_tables`) and the per-micro-batch catalogs built on them. The step must be agreed
+    (same ``n_slots`` everywhere, no errors: the bridge's fence and checks ran)."""
+    n_sec = topology.student_section + 1
+    src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
+    sections = topology.source_section
+    for o in range(topology.student_section):
+        sel = np.flatnonzero(sections == o)
+        if sel.size:
+            src[sel] = matrix.slot_tables(
+                topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
+            )
+    dst = matrix.slot_tables(
+        topology.dest_leader, topology.student_section, n_sections=n_sec, n_slots=n_slots
+    )
+    cols = [_ROWS, _SMIN, _SMAX]
+    catalogs = tuple(
+        topology.catalog(
+            matrix,
+            i,
+            fields=(np.ascontiguousarray(src[:, i, cols]), np.ascontiguousarray(dst[:, i, cols])),
+        )
+        for i in range(n_slots)
+    )
+    return StepView(
+        topology=topology,
+        matrix=matrix,
+        n_slots=n_slots,
+        source_GIF=src,
+        dest_DIF=dst,
+        catalogs=catalogs,
+    )
