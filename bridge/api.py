@@ -409,6 +409,38 @@ class HiddenStateBridge:
                 stacklevel=2,
             )
         self._open_steps = open_steps
+        record, sections = self._local_record(
+            teacher_layouts, student_layouts, _buffers, check, open_steps
+        )
+        with ranges.span("metadata"):
+            meta_group = self.groups.metadata_group
+            m, _sizes = self._executor.timed(
+                lambda: gather_step_matrix(
+                    record,
+                    group=meta_group,
+                    n_members=len(self.topology.members),
+                    device=cdist.group_device(meta_group),
+                    timeout_s=self.config.timeout_s,
+                    nodes=self.groups.meta_nodes,
+                ),
+                lambda: (
+                    "the bridge's metadata all-gather over global ranks "
+                    f"{list(self.topology.members)}"
+                ),
+            )
+        return self._agree_and_plan(StepMatrix(m), sections)
+
+    def _local_record(
+        self,
+        teacher_layouts: Any,
+        student_layouts: Any,
+        buffers: Mapping[Any, Any] | None,
+        check: Callable[[], Mapping[str, int] | None] | None,
+        open_steps: Sequence[BridgeStep],
+    ) -> tuple[torch.Tensor, list[Section | None]]:
+        """This rank's step record and sections (local; a ``ValueError`` of the input becomes
+        the record's error text, which every rank reads after the all-gather)."""
+        ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)
         n_slots = -1
@@ -427,7 +459,7 @@ class HiddenStateBridge:
             if state == STATE_READY:
                 try:
                     n_slots = self._local_sections(
-                        teacher_layouts, student_layouts, _buffers, sections, check
+                        teacher_layouts, student_layouts, buffers, sections, check
                     )
                 except ValueError as exc:
                     error = f"global rank {self.rank}: {exc}"
@@ -440,21 +472,13 @@ class HiddenStateBridge:
                 state=state,
                 step=self.steps,
             )
-            meta_group = self.groups.metadata_group
-            m, _sizes = self._executor.timed(
-                lambda: gather_step_matrix(
-                    record,
-                    group=meta_group,
-                    n_members=len(self.topology.members),
-                    device=cdist.group_device(meta_group),
-                    timeout_s=self.config.timeout_s,
-                ),
-                lambda: (
-                    "the bridge's metadata all-gather over global ranks "
-                    f"{list(self.topology.members)}"
-                ),
-            )
-        matrix = StepMatrix(m)
+        return record, sections
+
+    def _agree_and_plan(self, matrix: StepMatrix, sections: list[Section | None]) -> BridgeStep:
+        """From the gathered matrix: the fence, the shared verdict on the input, this rank's
+        plans (or cached schedules); the step. Collective only in the verdict."""
+        ex = self._executor
+        meta_group = self.groups.metadata_group
         self._agreed_state(matrix)  # the fence: the same error everywhere
         n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
         agreed = False

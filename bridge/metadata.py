@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.groups import all_gather_flat
+from mopd.bridge.groups import NodeGroups, all_gather_flat, all_gather_nodes
 from mopd.bridge.layout import TokenLayout, layout_to_runs
 
 __all__ = [
@@ -217,22 +217,31 @@ def gather_step_matrix(
     n_members: int,
     device: torch.device,
     timeout_s: float | None,
+    nodes: NodeGroups | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """All-gather every member's record: ``([n, width] int64, sizes [n])``, the same everywhere.
 
     Row ``j`` is member ``j``'s record (members in group-rank order, zero-padded to the widest).
-    Two all-gathers: the sizes, then the padded records. Tensors travel on ``device`` (CPU for a
-    gloo group).
+    Two all-gathers: the sizes, then the padded records, each flat over ``group`` or, with
+    ``nodes``, in two levels (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same
+    bytes). Tensors travel on ``device`` (CPU for a gloo group).
     """
+
+    def all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
+        if nodes is not None:
+            all_gather_nodes(out, inp, nodes=nodes, timeout_s=timeout_s)
+        else:
+            all_gather_flat(out, inp, group=group, timeout_s=timeout_s)
+
     size = torch.tensor([record.numel()], dtype=torch.int64, device=device)
     sizes = torch.empty(n_members, dtype=torch.int64, device=device)
-    all_gather_flat(sizes, size, group=group, timeout_s=timeout_s)
+    all_gather(sizes, size)
     sizes_n = sizes.cpu().numpy()
     width = int(sizes_n.max())
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
-    all_gather_flat(every, padded, group=group, timeout_s=timeout_s)
+    all_gather(every, padded)
     return every.cpu().numpy().reshape(n_members, width), sizes_n
 
 
