@@ -235,10 +235,10 @@ def packed_layout(
         cp_size, cp_rank: per-sequence zigzag; each padded length must divide ``2 * cp``.
         sp_size, sp_rank: split of the local ``T`` into ``sp`` slices.
     """
-    sample_N = torch.as_tensor(sample_ids, dtype=_I64).reshape(-1)
-    len_N = torch.as_tensor(seq_lens, dtype=_I64).reshape(-1)
-    if sample_N.numel() != len_N.numel():
-        raise ValueError(f"{sample_N.numel()} sample ids but {len_N.numel()} sequence lengths")
+    sample_N = _ints(sample_ids)
+    len_N = _ints(seq_lens)
+    if sample_N.size != len_N.size:
+        raise ValueError(f"{sample_N.size} sample ids but {len_N.size} sequence lengths")
     if bool((sample_N < 0).any()) or bool((len_N < 0).any()):
         raise ValueError("sample ids and sequence lengths must be non-negative")
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
@@ -247,10 +247,10 @@ def packed_layout(
         mult = megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)  # the rule's multiple
         pad_N = (len_N + mult - 1) // mult * mult
     else:
-        cu = torch.as_tensor(cu_seqlens_padded, dtype=_I64).reshape(-1)
-        if cu.numel() != len_N.numel() + 1 or int(cu[0]) != 0:
+        cu = _ints(cu_seqlens_padded)
+        if cu.size != len_N.size + 1 or int(cu[0]) != 0:
             raise ValueError(
-                f"cu_seqlens_padded must be {len_N.numel() + 1} offsets from 0, got {cu.tolist()}"
+                f"cu_seqlens_padded must be {len_N.size + 1} offsets from 0, got {cu.tolist()}"
             )
         pad_N = cu[1:] - cu[:-1]
         if bool((pad_N < len_N).any()):
@@ -260,47 +260,64 @@ def packed_layout(
     if cp_size > 1:
         bad = pad_N % (2 * cp_size) != 0
         if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+            i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"packed sequence {i} (sample {int(sample_N[i])}) has padded length {int(pad_N[i])}, "
                 f"not divisible by 2*cp = {2 * cp_size} (context parallelism)"
             )
     local_N = pad_N // cp_size
     chunk_N = pad_N // (2 * cp_size) if cp_size > 1 else pad_N
-    seq_T = torch.repeat_interleave(torch.arange(sample_N.numel(), dtype=_I64), local_N)
-    starts = torch.cumsum(local_N, 0) - local_N
+    sl = _sp_slice(int(local_N.sum()), sp_size, sp_rank, "local packed length")
+    if np.unique(sample_N).size == sample_N.size:
+        # the runs from the sequences' CP chunks, the rows from the runs: no per-row key sort
+        runs = _packed_runs(sample_N, len_N, local_N, chunk_N, cp_size, cp_rank, sl.start, sl.stop)
+        return _from_built_runs(runs, sl.stop - sl.start)
+    # a sample id twice: rows first, runs from the rows (layout_to_runs)
+    n = torch.from_numpy(local_N)
+    seq_T = torch.repeat_interleave(torch.arange(sample_N.size, dtype=_I64), n)
+    starts = torch.cumsum(n, 0) - n
     j_T = torch.arange(seq_T.numel(), dtype=_I64) - starts[seq_T]
     if cp_size > 1:
-        c_T = chunk_N[seq_T]
+        c_T = torch.from_numpy(chunk_N)[seq_T]
         second = j_T >= c_T
         pos_T = torch.where(
             second, (2 * cp_size - 1 - cp_rank) * c_T + (j_T - c_T), cp_rank * c_T + j_T
         )
     else:
         pos_T = j_T
-    sl = _sp_slice(pos_T.numel(), sp_size, sp_rank, "local packed length")
     seq_T, pos_T = seq_T[sl], pos_T[sl]
-    valid = pos_T < len_N[seq_T]
+    valid = pos_T < torch.from_numpy(len_N)[seq_T]
     minus = torch.full((), -1, dtype=_I64)
-    layout = TokenLayout(
-        sample_id_R=torch.where(valid, sample_N[seq_T], minus).contiguous(),
+    return TokenLayout(
+        sample_id_R=torch.where(valid, torch.from_numpy(sample_N)[seq_T], minus).contiguous(),
         position_R=torch.where(valid, pos_T, minus).contiguous(),
     )
-    sample_n = sample_N.numpy()
-    if np.unique(sample_n).size == sample_n.size:  # else the per-row path
-        _attach_runs(
-            layout,
-            _packed_runs(
-                sample_n,
-                len_N.numpy(),
-                local_N.numpy(),
-                chunk_N.numpy(),
-                cp_size,
-                cp_rank,
-                sl.start,
-                sl.stop,
-            ),
-        )
+
+
+def _ints(x: Sequence[int] | torch.Tensor) -> np.ndarray:
+    """``x`` as a flat int64 NumPy array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=_I64).reshape(-1).numpy()
+    return np.asarray(x, dtype=np.int64).reshape(-1)
+
+
+def _from_built_runs(runs_K5: np.ndarray, num_rows: int) -> TokenLayout:
+    """The layout of ``num_rows`` rows that ``runs_K5`` describes (runs of :func:`_segment_runs`:
+    disjoint rows, valid keys), built from the runs and carrying them."""
+    sample_R = np.full(num_rows, -1, dtype=np.int64)
+    pos_R = np.full(num_rows, -1, dtype=np.int64)
+    if runs_K5.shape[0]:
+        length = runs_K5[:, 4]
+        off = np.cumsum(length) - length
+        k = np.repeat(np.arange(runs_K5.shape[0]), length)
+        i = np.arange(int(length.sum()), dtype=np.int64) - off[k]
+        rows = runs_K5[k, 2] + i * runs_K5[k, 3]
+        sample_R[rows] = runs_K5[k, 0]
+        pos_R[rows] = runs_K5[k, 1] + i
+    layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
+    object.__setattr__(layout, "sample_id_R", torch.from_numpy(sample_R))
+    object.__setattr__(layout, "position_R", torch.from_numpy(pos_R))
+    _attach_runs(layout, runs_K5)
     return layout
 
 

@@ -4,6 +4,8 @@ so the record's runs and digests do not depend on which path built them."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -84,10 +86,53 @@ def packed_cases(draw: st.DrawFn) -> dict:
     }
 
 
+def _packed_rows(case: dict) -> tuple[list[int], list[int]]:
+    """The packed layout's rows written out sequence by sequence (the oracle)."""
+    cp, r = case["cp_size"], case["cp_rank"]
+    lens = case["seq_lens"]
+    cu = case["cu_seqlens_padded"]
+    if cu is None:
+        pads = [megatron_padded_length(x, cp_size=cp, sp_size=case["sp_size"]) for x in lens]
+    else:
+        pads = [b - a for a, b in itertools.pairwise(cu)]
+    sample, pos = [], []
+    for sid, n, pad in zip(case["sample_ids"], lens, pads, strict=True):
+        if cp > 1:
+            c = pad // (2 * cp)
+            mine = [*range(r * c, (r + 1) * c), *range((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+        else:
+            mine = list(range(pad))
+        for p in mine:
+            sample.append(sid if p < n else -1)
+            pos.append(p if p < n else -1)
+    k = len(sample) // case["sp_size"]
+    sl = slice(case["sp_rank"] * k, (case["sp_rank"] + 1) * k)
+    return sample[sl], pos[sl]
+
+
 @given(case=packed_cases())
 @SETTINGS
 def test_packed_layout_runs_equal_the_per_row_runs(case: dict) -> None:
-    _same_runs(packed_layout(**case))
+    lay = packed_layout(**case)
+    sample, pos = _packed_rows(case)  # the rows too: built from the runs, they must be right
+    assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
+    _same_runs(lay)
+
+
+def test_packed_layout_with_a_repeated_sample_id_builds_its_rows() -> None:
+    case = {
+        "sample_ids": [5, 5, 2],
+        "seq_lens": [3, 6, 1],
+        "cu_seqlens_padded": None,
+        "cp_size": 2,
+        "cp_rank": 1,
+        "sp_size": 2,
+        "sp_rank": 0,
+    }
+    lay = packed_layout(**case)
+    assert "_runs_K5" not in lay.__dict__
+    sample, pos = _packed_rows(case)
+    assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
 
 
 def test_a_repeated_sample_id_takes_the_per_row_path() -> None:
