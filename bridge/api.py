@@ -711,7 +711,7 @@ class HiddenStateBridge:
                 + "; ".join(matrix.error(j) for j in bad)
             )
         slots = matrix.n_slots_N()
-        known = sorted(set(slots[slots >= 0].tolist()))
+        known = np.unique(slots[slots >= 0]).tolist()
         if len(known) != 1:
             by: dict[int, list[int]] = {}
             for j, s in enumerate(slots.tolist()):
@@ -751,13 +751,15 @@ class HiddenStateBridge:
             for d in mine:
                 lo, hi = (int(x) for x in rng[d])
                 a, b = rng[:d, 0], rng[:d, 1]
-                earlier = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b)) if lo <= hi else []
-                if not len(earlier):
+                if lo > hi:
+                    continue
+                earlier = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+                if not earlier.size:
                     continue
                 dp = _dp_of(self.student, topo.dests[d].ranks[0])
                 wanted = np.unique(catalog.dest_runs(d)[:, 0])
                 first: dict[int, int] = {}  # sample -> DP rank of the first group wanting it
-                for e in np.asarray(earlier).tolist():
+                for e in earlier.tolist():
                     dp_e = _dp_of(self.student, topo.dests[e].ranks[0])
                     runs = catalog.dest_runs(e)
                     for sample in np.intersect1d(wanted, runs[:, 0]).tolist():

@@ -380,7 +380,8 @@ def _pieces(pos_S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(first position, first index, length)`` of each stretch of consecutive positions of
     ``pos_S``, in position order (CP chunks of a column)."""
     if pos_S.size == 0:
-        return (np.empty(0, dtype=np.int64),) * 3  # type: ignore[return-value]
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
     cut = np.flatnonzero(pos_S[1:] != pos_S[:-1] + 1) + 1
     start = np.concatenate([[0], cut]).astype(np.int64)
     length = np.diff(np.concatenate([start, [pos_S.size]])).astype(np.int64)

@@ -157,26 +157,33 @@ class StepView:
     def plan_keys(self, rank: int, extra: bytes = b"") -> list[bytes]:
         """Per micro-batch, a hash of everything ``rank``'s plan and verdicts of it read.
 
-        That is its own source and destination groups and every group whose sample range meets
-        one of theirs (``plan_rank`` and ``check_rank`` read no other): their indices, rows,
-        sample ranges and layout digests; ``extra``: what else the caller's schedule depends
-        on (row widths, settings). Vectorized over the groups; hashing is per micro-batch.
+        ``plan_rank`` and ``check_rank`` read the rank's own source and destination groups and
+        the groups whose sample range meets one of theirs, nothing else. The key covers its own
+        groups and every group whose range meets the hull of their ranges (a superset: a key
+        that covers more only misses more often): their indices, rows, sample ranges and layout
+        digests; ``extra``: what else the caller's schedule depends on (row widths). One
+        vectorized comparison per side for the whole step; hashing is per micro-batch.
         """
         ix = self.topology.index
         own_s = np.asarray(ix.source_groups.get(rank, ()), dtype=_I64)
         own_d = np.asarray(ix.dest_groups.get(rank, ()), dtype=_I64)
         src, dst = self.source_GIF, self.dest_DIF
-        meet_s = np.zeros((src.shape[0], self.n_slots), dtype=bool)
-        meet_d = np.zeros((dst.shape[0], self.n_slots), dtype=bool)
+        own = np.concatenate([src[own_s], dst[own_d]])  # [own, I, F]
+        n_i = self.n_slots
+        if own.shape[0]:
+            live = own[:, :, _SMIN] <= own[:, :, _SMAX]
+            big = np.iinfo(_I64)
+            lo_I = np.where(live, own[:, :, _SMIN], big.max).min(axis=0)
+            hi_I = np.where(live, own[:, :, _SMAX], big.min).max(axis=0)
+            meet_s = _overlap(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
+            meet_d = _overlap(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
+        else:
+            meet_s = np.zeros((src.shape[0], n_i), dtype=bool)
+            meet_d = np.zeros((dst.shape[0], n_i), dtype=bool)
         meet_s[own_s] = True
         meet_d[own_d] = True
-        own = [src[g] for g in own_s.tolist()] + [dst[d] for d in own_d.tolist()]
-        for table_IF in own:
-            lo, hi = table_IF[:, _SMIN], table_IF[:, _SMAX]
-            meet_s |= _overlap(src[:, :, _SMIN], src[:, :, _SMAX], lo, hi)
-            meet_d |= _overlap(dst[:, :, _SMIN], dst[:, :, _SMAX], lo, hi)
         keys = []
-        for i in range(self.n_slots):
+        for i in range(n_i):
             gs, ds = np.flatnonzero(meet_s[:, i]), np.flatnonzero(meet_d[:, i])
             h = hashlib.blake2b(extra, digest_size=16)
             for ids, table in ((gs, src), (ds, dst)):
