@@ -255,24 +255,33 @@ class StepMatrix:
 
     def __init__(self, matrix: np.ndarray) -> None:
         self.matrix = matrix
+        self._header: np.ndarray | None = None
+
+    def header_NH(self) -> np.ndarray:
+        """``[n_members, HEADER]`` every record's fixed header, copied once: one pass over the
+        matrix's rows for all the header columns (a column of a wide matrix touches a page per
+        row)."""
+        if self._header is None:
+            self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
+        return self._header
 
     def magic_N(self) -> np.ndarray:
-        return self.matrix[:, 0]
+        return self.header_NH()[:, 0]
 
     def config_sig_N(self) -> np.ndarray:
-        return self.matrix[:, 1]
+        return self.header_NH()[:, 1]
 
     def n_slots_N(self) -> np.ndarray:
-        return self.matrix[:, 2]
+        return self.header_NH()[:, 2]
 
     def error_bytes_N(self) -> np.ndarray:
-        return self.matrix[:, 3]
+        return self.header_NH()[:, 3]
 
     def state_N(self) -> np.ndarray:
-        return self.matrix[:, 5]
+        return self.header_NH()[:, 5]
 
     def step_N(self) -> np.ndarray:
-        return self.matrix[:, 6]
+        return self.header_NH()[:, 6]
 
     def error(self, j: int) -> str:
         """Member ``j``'s local error text (``""``: none)."""

@@ -212,13 +212,11 @@ def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
         topology.dest_leader, topology.student_section, n_sections=n_sec, n_slots=n_slots
     )
     cols = [_ROWS, _SMIN, _SMAX]
+    # (n_rows, sample_min, sample_max) per micro-batch, each [X, 3] contiguous: one copy a side
+    src_I = np.ascontiguousarray(src[:, :, cols].transpose(1, 0, 2))
+    dst_I = np.ascontiguousarray(dst[:, :, cols].transpose(1, 0, 2))
     catalogs = tuple(
-        topology.catalog(
-            matrix,
-            i,
-            fields=(np.ascontiguousarray(src[:, i, cols]), np.ascontiguousarray(dst[:, i, cols])),
-        )
-        for i in range(n_slots)
+        topology.catalog(matrix, i, fields=(src_I[i], dst_I[i])) for i in range(n_slots)
     )
     return StepView(
         topology=topology,
