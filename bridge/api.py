@@ -479,13 +479,17 @@ class HiddenStateBridge:
         plans (or cached schedules); the step. Collective only in the verdict."""
         ex = self._executor
         meta_group = self.groups.metadata_group
-        self._agreed_state(matrix)  # the fence: the same error everywhere
-        n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
+        n_slots_ok = matrix.uniform_slots()  # every record ready and agreeing (one pass)
+        if n_slots_ok is None:
+            self._agreed_state(matrix)  # the fence: the same error everywhere
+            n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
+        else:
+            n_slots = n_slots_ok
         agreed = False
         try:
             with ranges.span("verdict"):
                 view = read_step(self.topology, matrix, n_slots)
-                catalogs = list(view.catalogs)
+                catalogs = view.catalogs  # built on first use (a cached micro-batch needs none)
                 keys = view.plan_keys(self.rank, self._key_extra(matrix))
                 cached = [ex.lookup(k) for k in keys]
                 problems = self._checks(matrix, catalogs, skip=[hit for hit, _ in cached])
@@ -711,7 +715,10 @@ class HiddenStateBridge:
                 + "; ".join(matrix.error(j) for j in bad)
             )
         slots = matrix.n_slots_N()
-        known = np.unique(slots[slots >= 0]).tolist()
+        given = slots[slots >= 0]
+        known = [] if not given.size else [int(given.min())]
+        if given.size and given.max() != given.min():
+            known = np.unique(given).tolist()
         if len(known) != 1:
             by: dict[int, list[int]] = {}
             for j, s in enumerate(slots.tolist()):
@@ -744,9 +751,10 @@ class HiddenStateBridge:
             if topo.dests[d].ranks[0] == self.rank
         ]
         problems: list[str] = []
-        for i, catalog in enumerate(catalogs):
-            if skip[i]:
+        for i in range(len(catalogs)):
+            if skip[i] or not mine:
                 continue
+            catalog = catalogs[i]
             rng = catalog.dest_range_D2
             for d in mine:
                 lo, hi = (int(x) for x in rng[d])
@@ -848,9 +856,11 @@ class HiddenStateBridge:
             problems += self._duplicate_samples(catalogs, skip)
         # the planner's checks: tokens held twice or by nobody
         with ranges.span("plan", "checks"):
-            for i, catalog in enumerate(catalogs):
+            for i in range(n_slots):
                 if not skip[i]:
-                    problems += [f"micro-batch {i}: {p}" for p in check_rank(catalog, self.rank)]
+                    problems += [
+                        f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], self.rank)
+                    ]
         return problems
 
 
@@ -898,7 +908,7 @@ class BridgeStep:
         self._tokens_I: np.ndarray | None = None  # global_tokens, read once
         #: this step's number on its bridge (the same on every rank); its transfers carry it
         self.seq = seq
-        self._catalogs = list(catalogs)  # the ones plan_step checked: their decoded runs are kept
+        self._catalogs = catalogs  # the ones plan_step checked: their decoded runs are kept
         n_slots = self.num_micro_batches = len(self._catalogs)
         self._sections = list(sections)
         self.finished = False
@@ -918,9 +928,10 @@ class BridgeStep:
         ex = bridge.executor
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
-            for i, catalog in enumerate(self._catalogs):
+            for i in range(n_slots):
                 hit, sched = cached[i] if cached is not None else (False, None)
                 if not hit:  # plan inputs not seen before (or their schedule was evicted)
+                    catalog = self._catalogs[i]
                     plan = plan_rank(catalog, bridge.rank, local_copy=bridge.config.local_copy)
                     if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
                         nominal = 0

@@ -265,6 +265,24 @@ class StepMatrix:
             self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
         return self._header
 
+    def uniform_slots(self) -> int | None:
+        """The step's micro-batch count when every record is of this format, built with one
+        config, error-free, ready, at one step, and every count given agrees; else ``None``
+        (the caller then looks for what differs). A few passes over the headers."""
+        h = self.header_NH()
+        if not h.shape[0]:
+            return None
+        first = h[0]
+        if first[0] != MAGIC or first[3] != 0 or first[5] != STATE_READY:
+            return None
+        if (h[:, :2] != first[:2]).any() or (h[:, 3:] != first[3:]).any():
+            return None
+        slots = h[:, 2]
+        given = slots[slots >= 0]
+        if not given.size or given.min() != given.max():
+            return None
+        return int(given[0])
+
     def magic_N(self) -> np.ndarray:
         return self.header_NH()[:, 0]
 

@@ -26,8 +26,10 @@ runs no planner.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -121,11 +123,51 @@ def stack_records(records: Sequence[torch.Tensor | np.ndarray]) -> tuple[np.ndar
     return matrix, sizes
 
 
-def _overlap(
-    lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndarray
-) -> np.ndarray:
-    """``[X, I]`` whether each group's non-empty range meets ``[lo_I, hi_I]`` (non-empty)."""
-    return (lo_XI <= hi_I) & (hi_XI >= lo_I) & (lo_XI <= hi_XI) & (lo_I <= hi_I)
+def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndarray) -> np.ndarray:
+    """``[I, X]`` whether group ``x``'s range in micro-batch ``i`` meets ``[lo_I, hi_I]`` (a
+    superset of the planner's test: an empty group's ``(1, 0)`` may count as meeting)."""
+    return (hi_I[:, None] >= lo_XI.T) & (lo_I[:, None] <= hi_XI.T) & (lo_I <= hi_I)[:, None]
+
+
+class _Catalogs(Sequence[RunCatalog]):
+    """A step's catalogs, each built on first access (a micro-batch a rank has planned before
+    needs none); the columns they read are copied once, on the first."""
+
+    def __init__(
+        self, topology: Topology, matrix: StepMatrix, src: np.ndarray, dst: np.ndarray
+    ) -> None:
+        self._topology, self._matrix, self._src, self._dst = topology, matrix, src, dst
+        self._built: dict[int, RunCatalog] = {}
+        self._fields: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return int(self._src.shape[1])
+
+    @overload
+    def __getitem__(self, i: int) -> RunCatalog: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[RunCatalog, ...]: ...
+    def __getitem__(self, i: int | slice) -> RunCatalog | tuple[RunCatalog, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        j = operator.index(i)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"micro-batch {i} of {len(self)}")
+        got = self._built.get(j)
+        if got is None:
+            if self._fields is None:
+                # (n_rows, sample_min, sample_max) per micro-batch, [X, 3] contiguous
+                cols = [_ROWS, _SMIN, _SMAX]
+                self._fields = (
+                    np.ascontiguousarray(self._src[:, :, cols].transpose(1, 0, 2)),
+                    np.ascontiguousarray(self._dst[:, :, cols].transpose(1, 0, 2)),
+                )
+            src_I, dst_I = self._fields
+            got = self._topology.catalog(self._matrix, j, fields=(src_I[j], dst_I[j]))
+            self._built[j] = got
+        return got
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -139,7 +181,7 @@ class StepView:
         source_GIF: ``[G, n_slots, SLOT_FIELDS]`` every source group leader's slot tables
             (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`).
         dest_DIF: ``[D, n_slots, SLOT_FIELDS]`` every destination group leader's.
-        catalogs: per micro-batch, the planner's lazy catalog.
+        catalogs: per micro-batch, the planner's lazy catalog (each built on first access).
     """
 
     topology: Topology
@@ -147,7 +189,7 @@ class StepView:
     n_slots: int
     source_GIF: np.ndarray
     dest_DIF: np.ndarray
-    catalogs: tuple[RunCatalog, ...]
+    catalogs: Sequence[RunCatalog]
 
     def tokens_I(self) -> np.ndarray:
         """``[n_slots]`` real tokens the student wants per micro-batch over all its
@@ -175,16 +217,16 @@ class StepView:
             big = np.iinfo(_I64)
             lo_I = np.where(live, own[:, :, _SMIN], big.max).min(axis=0)
             hi_I = np.where(live, own[:, :, _SMAX], big.min).max(axis=0)
-            meet_s = _overlap(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
-            meet_d = _overlap(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
+            meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
+            meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
         else:
-            meet_s = np.zeros((src.shape[0], n_i), dtype=bool)
-            meet_d = np.zeros((dst.shape[0], n_i), dtype=bool)
-        meet_s[own_s] = True
-        meet_d[own_d] = True
+            meet_s = np.zeros((n_i, src.shape[0]), dtype=bool)
+            meet_d = np.zeros((n_i, dst.shape[0]), dtype=bool)
+        meet_s[:, own_s] = True
+        meet_d[:, own_d] = True
         keys = []
         for i in range(n_i):
-            gs, ds = np.flatnonzero(meet_s[:, i]), np.flatnonzero(meet_d[:, i])
+            gs, ds = np.flatnonzero(meet_s[i]), np.flatnonzero(meet_d[i])
             h = hashlib.blake2b(extra, digest_size=16)
             for ids, table in ((gs, src), (ds, dst)):
                 h.update(np.asarray([ids.size], dtype=_I64).tobytes())
@@ -197,27 +239,25 @@ class StepView:
 def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
     """The step as one rank reads it: every group leader's slot tables (one strided slice per
     section, the same column in every record: :meth:`~mopd.bridge.metadata.StepMatrix.
-    slot_tables`) and the per-micro-batch catalogs built on them. The step must be agreed
+    slot_tables`) and the per-micro-batch catalogs on them (built when first looked at: a
+    micro-batch whose schedule is cached is never decoded). The step must be agreed
     (same ``n_slots`` everywhere, no errors: the bridge's fence and checks ran)."""
     n_sec = topology.student_section + 1
-    src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
     sections = topology.source_section
-    for o in range(topology.student_section):
-        sel = np.flatnonzero(sections == o)
-        if sel.size:
-            src[sel] = matrix.slot_tables(
-                topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
-            )
+    if topology.student_section == 1:  # one teacher: every source group is its
+        src = matrix.slot_tables(topology.source_leader, 0, n_sections=n_sec, n_slots=n_slots)
+    else:
+        src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
+        for o in range(topology.student_section):
+            sel = np.flatnonzero(sections == o)
+            if sel.size:
+                src[sel] = matrix.slot_tables(
+                    topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
+                )
     dst = matrix.slot_tables(
         topology.dest_leader, topology.student_section, n_sections=n_sec, n_slots=n_slots
     )
-    cols = [_ROWS, _SMIN, _SMAX]
-    # (n_rows, sample_min, sample_max) per micro-batch, each [X, 3] contiguous: one copy a side
-    src_I = np.ascontiguousarray(src[:, :, cols].transpose(1, 0, 2))
-    dst_I = np.ascontiguousarray(dst[:, :, cols].transpose(1, 0, 2))
-    catalogs = tuple(
-        topology.catalog(matrix, i, fields=(src_I[i], dst_I[i])) for i in range(n_slots)
-    )
+    catalogs = _Catalogs(topology, matrix, src, dst)
     return StepView(
         topology=topology,
         matrix=matrix,
