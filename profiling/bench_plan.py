@@ -344,14 +344,21 @@ def _tokens(bs: BridgeStep) -> int:
     return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
 
 
+def _fresh(step: Step) -> np.ndarray:
+    """A new copy of the gathered matrix (not timed): each step reads a matrix the all-gather
+    has just written, not one whose headers the previous step left in the caches."""
+    return step.matrix_NW.copy()
+
+
 def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on today's path; seconds per part."""
+    gathered = _fresh(step)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, bridge.rank)
     t0 = time.perf_counter()
     record_, sections = bridge._local_record({0: t_lay}, s_lay, None, None, [])
     t1 = time.perf_counter()
-    bs = bridge._agree_and_plan(StepMatrix(step.matrix_NW), sections)
+    bs = bridge._agree_and_plan(StepMatrix(gathered), sections)
     t2 = time.perf_counter()
     _tokens(bs)
     t3 = time.perf_counter()
@@ -369,6 +376,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on the path before the record-keyed cache (the calls the
     bridge made then, the retired ones written out here); seconds per part."""
     topo, rank = step.topology, bridge.rank
+    gathered = _fresh(step)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, rank)
     t0 = time.perf_counter()
@@ -377,7 +385,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     s_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in s_lay]
     bridge._local_record({0: t_rows}, s_rows, None, None, [])
     t1 = time.perf_counter()
-    matrix = StepMatrix(step.matrix_NW)
+    matrix = StepMatrix(gathered)
     bridge._agreed_state(matrix)
     n_slots = bridge._agreed_slots(matrix)
     catalogs = [topo.catalog(matrix, i) for i in range(n_slots)]
@@ -648,7 +656,9 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "every verdict and plan_rank each step, one rank reading every student group for "
         "duplicate samples, global_tokens decoding every student group per call), with the same "
         "layout constructors (their runs dropped, so the record derives them from the rows); "
-        f"`*_old_ms` its parts. Medians of up to {args.repeats} steps (old and miss: a third of that), "
+        "`*_old_ms` its parts. Each timed step reads a fresh copy of the gathered matrix (as "
+        "after an all-gather; the copy is not timed). "
+        f"Medians of up to {args.repeats} steps (old and miss: a third of that), "
         "the slowest of three ranks (rank 0, one in the middle, the last teacher leader).",
         "`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one "
         "micro-batch of one rank, as before; `global_plan_ms`: the retired global planner "
