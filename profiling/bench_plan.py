@@ -23,8 +23,8 @@ bridge object without process groups (:func:`offline_bridge`):
   ``plan_rank`` every step (its schedule found by the plan's digest), the duplicate-sample check
   of every student group on one rank, ``global_tokens`` decoding every student group's runs.
 
-Each is the slowest rank's median. ``plan_ms`` is, as before, decoding + ``plan_rank`` +
-``check_rank`` of one micro-batch. Beside them, at the recorded setup (one micro-batch, 4096
+Each is the slowest rank's least of several steps. ``plan_ms`` is, as before, decoding +
+``plan_rank`` + ``check_rank`` of one micro-batch. Beside them, at the recorded setup (one micro-batch, 4096
 tokens per rank), the retired global planner's recorded figures, read from ``profiling/results/``
 in a checkout (:data:`BASELINE`). Each rank count prints a line on stderr as it starts and ends.
 Figures are one CPU thread of this machine.
@@ -431,40 +431,42 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     }
 
 
-def _median_parts(
+def _best_parts(
     run: Callable[[], dict[str, float]], repeats: int, budget_s: float
 ) -> dict[str, float]:
-    """Per-part medians (ms) of ``repeats`` runs (fewer once ``budget_s`` is spent, at least
-    one), and ``total`` (the median of the sums)."""
+    """Per-part minima (ms) of ``repeats`` runs (fewer once ``budget_s`` is spent, at least
+    one), ``total`` (the least sum) and ``bridge`` (the least sum without the layouts): on a
+    shared machine the least disturbed run is the figure, old and new alike."""
     runs: list[dict[str, float]] = []
     start = time.perf_counter()
     while len(runs) < repeats and (not runs or time.perf_counter() - start < budget_s):
         runs.append(run())
-    out = {k: 1e3 * statistics.median(r[k] for r in runs) for k in runs[0]}
-    out["total"] = 1e3 * statistics.median(sum(r.values()) for r in runs)
-    out["bridge"] = 1e3 * statistics.median(sum(r.values()) - r["layouts"] for r in runs)
+    out = {k: 1e3 * min(r[k] for r in runs) for k in runs[0]}
+    out["total"] = 1e3 * min(sum(r.values()) for r in runs)
+    out["bridge"] = 1e3 * min(sum(r.values()) - r["layouts"] for r in runs)
     return out
 
 
 def measure_step(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, float]:
     """Per-step host time of each rank in ``ranks`` on today's path (cache hits; and an empty
-    cache: ``miss``) and on the old one; for each figure the slowest rank's median (ms)."""
+    cache: ``miss``) and on the old one; for each figure the slowest rank's least of several
+    steps (ms)."""
     new, miss, old = [], [], []
     for r in ranks:
         bridge = offline_bridge(step, r)
         _new_step(step, bridge)  # warm-up: plans and caches every micro-batch
         built = bridge.executor.schedules_built
-        new.append(_median_parts(lambda b=bridge: _new_step(step, b), repeats, 5.0))
+        new.append(_best_parts(lambda b=bridge: _new_step(step, b), repeats, 5.0))
         if bridge.executor.schedules_built != built:
             raise AssertionError(f"rank {r}: a repeated step built schedules")
 
         def cold(r: int = r) -> dict[str, float]:
             return _new_step(step, offline_bridge(step, r))
 
-        miss.append(_median_parts(cold, max(repeats // 3, 1), 5.0))
+        miss.append(_best_parts(cold, max(repeats // 3, 1), 5.0))
         ob = offline_bridge(step, r)
         _old_step(step, ob)  # warm-up: its schedules are built once, found by digest after
-        old.append(_median_parts(lambda b=ob: _old_step(step, b), max(repeats // 3, 1), 10.0))
+        old.append(_best_parts(lambda b=ob: _old_step(step, b), max(repeats // 3, 1), 10.0))
 
     def worst(rows: list[dict[str, float]], k: str) -> float:
         return max(x[k] for x in rows)
@@ -658,7 +660,8 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "layout constructors (their runs dropped, so the record derives them from the rows); "
         "`*_old_ms` its parts. Each timed step reads a fresh copy of the gathered matrix (as "
         "after an all-gather; the copy is not timed). "
-        f"Medians of up to {args.repeats} steps (old and miss: a third of that), "
+        f"The least of up to {args.repeats} steps (old and miss: a third of that; on this "
+        "shared machine the least disturbed step is the figure, for every path alike), "
         "the slowest of three ranks (rank 0, one in the middle, the last teacher leader).",
         "`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one "
         "micro-batch of one rank, as before; `global_plan_ms`: the retired global planner "
