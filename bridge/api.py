@@ -414,7 +414,7 @@ class HiddenStateBridge:
         )
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
-            m, _sizes = self._executor.timed(
+            m, _sizes, header = self._executor.timed(
                 lambda: gather_step_matrix(
                     record,
                     group=meta_group,
@@ -428,7 +428,7 @@ class HiddenStateBridge:
                     f"{list(self.topology.members)}"
                 ),
             )
-        return self._agree_and_plan(StepMatrix(m), sections)
+        return self._agree_and_plan(StepMatrix(m, header), sections)
 
     def _local_record(
         self,

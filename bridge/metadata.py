@@ -218,11 +218,14 @@ def gather_step_matrix(
     device: torch.device,
     timeout_s: float | None,
     nodes: NodeGroups | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """All-gather every member's record: ``([n, width] int64, sizes [n])``, the same everywhere.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All-gather every member's record: ``([n, width] int64, sizes [n], headers [n, HEADER])``,
+    the same everywhere.
 
     Row ``j`` is member ``j``'s record (members in group-rank order, zero-padded to the widest).
-    Two all-gathers: the sizes, then the padded records, each flat over ``group`` or, with
+    Two all-gathers: each record's size with its fixed header (so that the fence and verdicts
+    read every rank's header from one compact array, :class:`StepMatrix` ``header_NH``, not a
+    word per row of the wide matrix), then the padded records, each flat over ``group`` or, with
     ``nodes``, in two levels (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same
     bytes). Tensors travel on ``device`` (CPU for a gloo group).
     """
@@ -233,16 +236,19 @@ def gather_step_matrix(
         else:
             all_gather_flat(out, inp, group=group, timeout_s=timeout_s)
 
-    size = torch.tensor([record.numel()], dtype=torch.int64, device=device)
-    sizes = torch.empty(n_members, dtype=torch.int64, device=device)
-    all_gather(sizes, size)
-    sizes_n = sizes.cpu().numpy()
+    head = torch.zeros(HEADER + 1, dtype=torch.int64)
+    head[0] = record.numel()
+    head[1 : 1 + min(HEADER, record.numel())] = record[:HEADER]
+    heads = torch.empty(n_members * (HEADER + 1), dtype=torch.int64, device=device)
+    all_gather(heads, head.to(device))
+    heads_n = heads.cpu().numpy().reshape(n_members, HEADER + 1)
+    sizes_n = np.ascontiguousarray(heads_n[:, 0])
     width = int(sizes_n.max())
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
     all_gather(every, padded)
-    return every.cpu().numpy().reshape(n_members, width), sizes_n
+    return every.cpu().numpy().reshape(n_members, width), sizes_n, heads_n[:, 1:].copy()
 
 
 class StepMatrix:
@@ -253,13 +259,15 @@ class StepMatrix:
     front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
     """
 
-    def __init__(self, matrix: np.ndarray) -> None:
+    def __init__(self, matrix: np.ndarray, header_NH: np.ndarray | None = None) -> None:
         self.matrix = matrix
-        self._header: np.ndarray | None = None
+        #: ``[n, HEADER]`` the records' headers when the gather brought them apart
+        #: (:func:`gather_step_matrix`), else copied from the matrix on first use
+        self._header = header_NH
 
     def header_NH(self) -> np.ndarray:
-        """``[n_members, HEADER]`` every record's fixed header, copied once: one pass over the
-        matrix's rows for all the header columns (a column of a wide matrix touches a page per
+        """``[n_members, HEADER]`` every record's fixed header: as gathered apart, or copied
+        once in one pass over the matrix's rows (a column of a wide matrix touches a page per
         row)."""
         if self._header is None:
             self._header = np.ascontiguousarray(self.matrix[:, :HEADER])

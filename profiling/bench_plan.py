@@ -65,7 +65,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import StepMatrix, encode_step_record
+from mopd.bridge.metadata import HEADER, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, stack_records
 from mopd.bridge.topology import Topology
@@ -344,10 +344,11 @@ def _tokens(bs: BridgeStep) -> int:
     return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
 
 
-def _fresh(step: Step) -> np.ndarray:
-    """A new copy of the gathered matrix (not timed): each step reads a matrix the all-gather
-    has just written, not one whose headers the previous step left in the caches."""
-    return step.matrix_NW.copy()
+def _fresh(step: Step) -> StepMatrix:
+    """A new copy of the gathered matrix and headers, as :func:`~mopd.bridge.metadata.
+    gather_step_matrix` returns them (not timed): each step reads what the all-gather has just
+    written, not what the previous step left in the caches."""
+    return StepMatrix(step.matrix_NW.copy(), np.ascontiguousarray(step.matrix_NW[:, :HEADER]))
 
 
 def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
@@ -358,7 +359,7 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     t0 = time.perf_counter()
     record_, sections = bridge._local_record({0: t_lay}, s_lay, None, None, [])
     t1 = time.perf_counter()
-    bs = bridge._agree_and_plan(StepMatrix(gathered), sections)
+    bs = bridge._agree_and_plan(gathered, sections)
     t2 = time.perf_counter()
     _tokens(bs)
     t3 = time.perf_counter()
@@ -385,7 +386,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     s_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in s_lay]
     bridge._local_record({0: t_rows}, s_rows, None, None, [])
     t1 = time.perf_counter()
-    matrix = StepMatrix(gathered)
+    matrix = StepMatrix(gathered.matrix)  # the headers were read off the matrix then
     bridge._agreed_state(matrix)
     n_slots = bridge._agreed_slots(matrix)
     catalogs = [topo.catalog(matrix, i) for i in range(n_slots)]
@@ -496,8 +497,8 @@ class AllGatherModel:
         bytes_per_rank: mean record bytes (what a rank contributes before padding).
         padded_bytes_per_rank: the widest record (every record travels padded to it).
         gathered_bytes: what every rank receives and holds (``n`` padded records).
-        ring_ms: flat ring, two all-gathers (sizes, then records):
-            ``2 (n - 1) alpha + (n - 1) w / beta``.
+        ring_ms: flat ring, two all-gathers (sizes with the 7-word headers, then records):
+            ``2 (n - 1) alpha + (n - 1) (w + 64) / beta``.
         hier_ms: the two-level exchange the bridge runs (:func:`~mopd.bridge.groups.
             all_gather_nodes`, nodes of ``NODE`` ranks), both all-gathers: a gather to the
             node leader over NVLink (``(k - 1) (alpha_nvl + w / beta_nvl)``), the leaders'
@@ -526,13 +527,13 @@ def _two_level_s(n: int, w: float) -> float:
 def model_allgather(n: int, sizes_N: np.ndarray) -> AllGatherModel:
     """The model of :class:`AllGatherModel` for records of ``sizes_N`` int64 words."""
     w = int(sizes_N.max()) * 8
-    ring = 2 * (n - 1) * ALPHA_S + (n - 1) * w / BETA_BPS
+    ring = 2 * (n - 1) * ALPHA_S + (n - 1) * (w + 8 * (HEADER + 1)) / BETA_BPS
     return AllGatherModel(
         bytes_per_rank=float(sizes_N.mean()) * 8,
         padded_bytes_per_rank=w,
         gathered_bytes=n * w,
         ring_ms=1e3 * ring,
-        hier_ms=1e3 * (_two_level_s(n, 8) + _two_level_s(n, w)),
+        hier_ms=1e3 * (_two_level_s(n, 8 * (HEADER + 1)) + _two_level_s(n, w)),
     )
 
 
@@ -669,7 +670,8 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "4096 tokens per rank). `peak_mib` = `matrix_mib` (the gathered metadata every rank "
         "holds) + `plan_alloc_mib` (tracemalloc peak of planning one micro-batch).",
         f"All-gather model: records padded to the widest (`metadata_padded_bytes_per_rank`), "
-        f"two collectives (sizes, records); ring: 2 (n-1) alpha + (n-1) w / beta with alpha = "
+        f"two collectives (sizes with the headers, 64 bytes a rank; records); ring: "
+        f"2 (n-1) alpha + (n-1) (w + 64) / beta with alpha = "
         f"{ALPHA_S * 1e6:g} us per hop and beta = {BETA_BPS / 1e9:g} GB/s; two-level (what "
         f"the bridge runs from create_bridge_groups(metadata_nodes_from=...) on): nodes of "
         f"{NODE} (NVLink alpha {ALPHA_NVL_S * 1e6:g} us, {BETA_NVL_BPS / 1e9:g} GB/s), a "
