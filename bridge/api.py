@@ -71,6 +71,7 @@ from mopd.bridge.metadata import (
 )
 from mopd.bridge.order import StepOrder
 from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
+from mopd.bridge.record import StepView, rank_roles, rank_sections, read_step
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
 from mopd.bridge.transport import comm_failure
@@ -310,6 +311,14 @@ class HiddenStateBridge:
             integrity=self.config.integrity,
         )
         self._tp_group_error = self._check_student_tp_group()
+        #: what this rank contributes per section (:func:`~mopd.bridge.record.rank_roles`)
+        self._roles = rank_roles(
+            self.rank,
+            [t.mesh for t in self.teachers],
+            student,
+            keep_sp_shard=self.config.keep_sp_shard,
+            shard_sources=[t.sp_shards for t in self.teachers],
+        )
         sig = repr(
             [(*t.mesh.as_ints(), t.hidden_size, t.sp_shards) for t in self.teachers]
             + [
@@ -418,6 +427,38 @@ class HiddenStateBridge:
                 stacklevel=2,
             )
         self._open_steps = open_steps
+        record, sections = self._local_record(
+            teacher_layouts, student_layouts, _buffers, check, open_steps
+        )
+        with ranges.span("metadata"):
+            meta_group = self.groups.metadata_group
+            m, _sizes, header = self._executor.timed(
+                lambda: gather_step_matrix(
+                    record,
+                    group=meta_group,
+                    n_members=len(self.topology.members),
+                    device=cdist.group_device(meta_group),
+                    timeout_s=self.config.timeout_s,
+                    nodes=self.groups.meta_nodes,
+                ),
+                lambda: (
+                    "the bridge's metadata all-gather over global ranks "
+                    f"{list(self.topology.members)}"
+                ),
+            )
+        return self._agree_and_plan(StepMatrix(m, header), sections)
+
+    def _local_record(
+        self,
+        teacher_layouts: Any,
+        student_layouts: Any,
+        buffers: Mapping[Any, Any] | None,
+        check: Callable[[], Mapping[str, int] | None] | None,
+        open_steps: Sequence[BridgeStep],
+    ) -> tuple[torch.Tensor, list[Section | None]]:
+        """This rank's step record and sections (local; a ``ValueError`` of the input becomes
+        the record's error text, which every rank reads after the all-gather)."""
+        ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)
         n_slots = -1
@@ -436,7 +477,7 @@ class HiddenStateBridge:
             if state == STATE_READY:
                 try:
                     n_slots = self._local_sections(
-                        teacher_layouts, student_layouts, _buffers, sections, check
+                        teacher_layouts, student_layouts, buffers, sections, check
                     )
                 except ValueError as exc:
                     error = f"global rank {self.rank}: {exc}"
@@ -449,28 +490,27 @@ class HiddenStateBridge:
                 state=state,
                 step=self.steps,
             )
-            meta_group = self.groups.metadata_group
-            m, _sizes = self._executor.timed(
-                lambda: gather_step_matrix(
-                    record,
-                    group=meta_group,
-                    n_members=len(self.topology.members),
-                    device=cdist.group_device(meta_group),
-                    timeout_s=self.config.timeout_s,
-                ),
-                lambda: (
-                    "the bridge's metadata all-gather over global ranks "
-                    f"{list(self.topology.members)}"
-                ),
-            )
-        matrix = StepMatrix(m)
-        self._agreed_state(matrix)  # the fence: the same error everywhere
-        n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
+        return record, sections
+
+    def _agree_and_plan(self, matrix: StepMatrix, sections: list[Section | None]) -> BridgeStep:
+        """From the gathered matrix: the fence, the shared verdict on the input, this rank's
+        plans (or cached schedules); the step. Collective only in the verdict."""
+        ex = self._executor
+        meta_group = self.groups.metadata_group
+        n_slots_ok = matrix.uniform_slots()  # every record ready and agreeing (one pass)
+        if n_slots_ok is None:
+            self._agreed_state(matrix)  # the fence: the same error everywhere
+            n_slots = self._agreed_slots(matrix)  # raises the same ValueError everywhere
+        else:
+            n_slots = n_slots_ok
         agreed = False
         try:
             with ranges.span("verdict"):
-                catalogs = [self.topology.catalog(matrix, i) for i in range(n_slots)]
-                problems = self._checks(matrix, catalogs)
+                view = read_step(self.topology, matrix, n_slots)
+                catalogs = view.catalogs  # built on first use (a cached micro-batch needs none)
+                keys = view.plan_keys(self.rank, self._key_extra(matrix))
+                cached = [ex.lookup(k) for k in keys]
+                problems = self._checks(matrix, catalogs, skip=[hit for hit, _ in cached])
                 t0 = time.monotonic()
                 try:
                     cdist.same_verdict(
@@ -491,7 +531,16 @@ class HiddenStateBridge:
                         timeout_s=self.config.timeout_s,
                         elapsed_s=time.monotonic() - t0,
                     ) from exc
-            step = BridgeStep(self, matrix, catalogs, sections, seq=self.steps)
+            step = BridgeStep(
+                self,
+                matrix,
+                catalogs,
+                sections,
+                seq=self.steps,
+                view=view,
+                keys=keys,
+                cached=cached,
+            )
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
                 self._executor.mark_failed(exc)
@@ -559,9 +608,12 @@ class HiddenStateBridge:
         for o in [*given, *(buffers or {})]:
             if not (isinstance(o, int) and 0 <= o < n):
                 raise ValueError(f"teacher index {o!r} outside [0, {n})")
+        roles = self._roles
+        t_lays: dict[int, list[TokenLayout]] = {}
+        dtypes: list[torch.dtype | None] = [None] * n
+        s_lays: list[TokenLayout] | None = None
         for o, spec in enumerate(self.teachers):
-            c = spec.mesh.coord(self.rank)
-            holds = c is not None and c.pp_rank == spec.mesh.pp - 1
+            holds = roles[o] is not None
             if holds != (o in given):
                 want = "must pass" if holds else "must not pass"
                 raise ValueError(
@@ -571,7 +623,6 @@ class HiddenStateBridge:
                 if buffers is not None and o in buffers:
                     raise ValueError(f"this rank holds no rows of teacher {o} (not its last stage)")
                 continue
-            assert c is not None
             lays = _layout_list(given[o], f"teacher_layouts[{o}]")
             dtype = spec.dtype
             if buffers is not None:
@@ -587,34 +638,29 @@ class HiddenStateBridge:
                     "step before the teacher has run"
                 )
             counts[f"teacher {o}'s layouts"] = len(lays)
-            sections[o] = Section(
-                layouts=lays,
-                send_runs=self.topology.leads_source(o, self.rank),  # a replica sends digests
-                dtype=dtype,
-                hidden=spec.hidden_size,
-                device=self.device,
-            )
-        c = self.student.coord(self.rank)
-        is_student = c is not None and c.pp_rank == self.student.pp - 1
+            t_lays[o], dtypes[o] = lays, dtype
+        is_student = roles[n] is not None
         if is_student != (student_layouts is not None):
             want = "must pass" if is_student else "must not pass"
             raise ValueError(f"student ({self.student}): this rank {want} student_layouts")
         if is_student:
-            assert c is not None
             if self._tp_group_error:
                 raise ValueError(self._tp_group_error)
-            lays = _layout_list(student_layouts, "student_layouts")
-            counts["the student's layouts"] = len(lays)
-            sections[n] = Section(
-                layouts=lays,
-                send_runs=self.config.keep_sp_shard or c.tp_rank == 0,
-                device=self.device,
-            )
+            s_lays = _layout_list(student_layouts, "student_layouts")
+            counts["the student's layouts"] = len(s_lays)
         if len(set(counts.values())) > 1:
             raise ValueError(
                 "this rank gives different micro-batch counts: "
                 + ", ".join(f"{k} {v}" for k, v in counts.items())
             )
+        sections[:] = rank_sections(
+            roles,
+            teacher_layouts=t_lays,
+            student_layouts=s_lays,
+            dtypes=dtypes,
+            hiddens=[t.hidden_size for t in self.teachers],
+            device=self.device,
+        )
         return next(iter(counts.values())) if counts else -1
 
     # --- global phase: same data, same verdict on every rank -----------------------------------
@@ -687,7 +733,10 @@ class HiddenStateBridge:
                 + "; ".join(matrix.error(j) for j in bad)
             )
         slots = matrix.n_slots_N()
-        known = sorted(set(slots[slots >= 0].tolist()))
+        given = slots[slots >= 0]
+        known = [] if not given.size else [int(given.min())]
+        if given.size and given.max() != given.min():
+            known = np.unique(given).tolist()
         if len(known) != 1:
             by: dict[int, list[int]] = {}
             for j, s in enumerate(slots.tolist()):
@@ -701,30 +750,70 @@ class HiddenStateBridge:
             )
         return known[0]
 
-    def _duplicate_samples(self, catalogs: Sequence[RunCatalog]) -> list[str]:
+    def _key_extra(self, matrix: StepMatrix) -> bytes:
+        """What a rank's schedules depend on beside its plan inputs: the teachers' dtype codes
+        (row widths), as every rank reads them off the matrix."""
+        topo = self.topology
+        codes = [matrix.section_head(topo.first_leader(o), o)[0] for o in range(len(self.teachers))]
+        return np.asarray(codes, dtype=np.int64).tobytes()
+
+    def _duplicate_samples(self, catalogs: Sequence[RunCatalog], skip: Sequence[bool]) -> list[str]:
         """Sample ids the student wants on two DP ranks in one micro-batch (it would train on
-        them twice); one rank checks, reading every student group's runs once."""
+        them twice). Each destination group's first rank checks its group against the earlier
+        groups whose sample range meets it (its peers, not the job); ``skip``: micro-batches
+        whose inputs this rank has seen pass before."""
+        topo = self.topology
+        mine = [
+            d
+            for d in topo.index.dest_groups.get(self.rank, ())
+            if topo.dests[d].ranks[0] == self.rank
+        ]
         problems: list[str] = []
-        for i, catalog in enumerate(catalogs):
-            seen: dict[int, int] = {}  # sample -> DP rank
-            for d, dest in enumerate(catalog.dests):
-                dp = _dp_of(self.student, dest.ranks[0])
-                runs = catalog.dest_runs(d)
-                for sample in np.unique(runs[:, 0]).tolist() if runs.size else []:
-                    first = seen.setdefault(sample, dp)
-                    if first != dp and sample >= 0 and len(problems) < 4:
+        for i in range(len(catalogs)):
+            if skip[i] or not mine:
+                continue
+            catalog = catalogs[i]
+            rng = catalog.dest_range_D2
+            for d in mine:
+                lo, hi = (int(x) for x in rng[d])
+                a, b = rng[:d, 0], rng[:d, 1]
+                if lo > hi:
+                    continue
+                earlier = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+                if not earlier.size:
+                    continue
+                dp = _dp_of(self.student, topo.dests[d].ranks[0])
+                wanted = np.unique(catalog.dest_runs(d)[:, 0])
+                first: dict[int, int] = {}  # sample -> DP rank of the first group wanting it
+                for e in earlier.tolist():
+                    dp_e = _dp_of(self.student, topo.dests[e].ranks[0])
+                    runs = catalog.dest_runs(e)
+                    for sample in np.intersect1d(wanted, runs[:, 0]).tolist():
+                        first.setdefault(sample, dp_e)
+                for sample, dp0 in sorted(first.items()):
+                    if dp0 != dp and len(problems) < 4:
                         problems.append(
                             f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
-                            f"{first} and {dp}: it would be trained on twice; give each sample "
+                            f"{dp0} and {dp}: it would be trained on twice; give each sample "
                             "to one DP rank, or BridgeConfig(duplicate_samples=True) if that is "
                             "meant"
                         )
         return problems
 
-    def _checks(self, matrix: StepMatrix, catalogs: Sequence[RunCatalog]) -> list[str]:
+    def _checks(
+        self,
+        matrix: StepMatrix,
+        catalogs: Sequence[RunCatalog],
+        *,
+        skip: Sequence[bool] | None = None,
+    ) -> list[str]:
         """The problems this rank is responsible for finding (its share of the global checks);
-        ``catalogs``: the step's micro-batches, in order."""
+        ``catalogs``: the step's micro-batches, in order; ``skip``: micro-batches whose plan
+        inputs (:meth:`~mopd.bridge.record.StepView.plan_keys`) this rank saw pass before: the
+        planner's verdicts on them are those of then (none), so they are not run again."""
         n_slots = len(catalogs)
+        skip = [False] * n_slots if skip is None else list(skip)
+        n_sec = len(self.teachers) + 1
         me = self.topology.members.index(self.rank)
         topo = self.topology
         problems: list[str] = []
@@ -742,7 +831,7 @@ class HiddenStateBridge:
                     f"{source.ranks[0]}'s {matrix.section_head(leader, o)[:3]}"
                 )
                 continue
-            i = _first_differing_slot(matrix, me, leader, o, n_slots)
+            i = _first_differing_slot(matrix, me, leader, o, n_slots, n_sec)
             if i is not None:
                 problems.append(
                     f"teacher {o} TP replicas {list(source.ranks)} ({source.label}) hold "
@@ -753,7 +842,7 @@ class HiddenStateBridge:
             if self.rank == dest.ranks[0]:
                 continue
             leader = int(topo.dest_leader[d])
-            i = _first_differing_slot(matrix, me, leader, topo.student_section, n_slots)
+            i = _first_differing_slot(matrix, me, leader, topo.student_section, n_slots, n_sec)
             if i is not None:
                 problems.append(
                     f"student TP ranks {list(dest.ranks)} ({dest.label}) want different "
@@ -781,12 +870,15 @@ class HiddenStateBridge:
                 )
             if code_dtype(head[0]) is None:
                 problems.append(f"teacher {o} on global rank {self.rank}: unsupported dtype")
-        if not self.config.duplicate_samples and topo.dests and self.rank == topo.dests[0].ranks[0]:
-            problems += self._duplicate_samples(catalogs)
+        if not self.config.duplicate_samples:
+            problems += self._duplicate_samples(catalogs, skip)
         # the planner's checks: tokens held twice or by nobody
         with ranges.span("plan", "checks"):
-            for i, catalog in enumerate(catalogs):
-                problems += [f"micro-batch {i}: {p}" for p in check_rank(catalog, self.rank)]
+            for i in range(n_slots):
+                if not skip[i]:
+                    problems += [
+                        f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], self.rank)
+                    ]
         return problems
 
 
@@ -797,15 +889,15 @@ def _dp_of(student: Mesh, rank: int) -> int:
 
 
 def _first_differing_slot(
-    matrix: StepMatrix, me: int, leader: int, section: int, n_slots: int
+    matrix: StepMatrix, me: int, leader: int, section: int, n_slots: int, n_sections: int
 ) -> int | None:
     """The first micro-batch where member ``me``'s layout (rows, digest) differs from its
-    replica leader's, or ``None``."""
-    for i in range(n_slots):
-        f = matrix.slot_fields(np.asarray([me, leader]), section, i)
-        if f[0, 0] != f[1, 0] or f[0, 5] != f[1, 5]:
-            return i
-    return None
+    replica leader's, or ``None`` (one read of both slot tables)."""
+    t = matrix.slot_tables(
+        np.asarray([me, leader]), section, n_sections=n_sections, n_slots=n_slots
+    )
+    differ = np.flatnonzero((t[0, :, 0] != t[1, :, 0]) | (t[0, :, 5] != t[1, :, 5]))
+    return int(differ[0]) if differ.size else None
 
 
 class BridgeStep:
@@ -825,12 +917,17 @@ class BridgeStep:
         sections: Sequence[Section | None],
         *,
         seq: int = 0,
+        view: StepView | None = None,
+        keys: Sequence[bytes] | None = None,
+        cached: Sequence[tuple[bool, RankSchedule | None]] | None = None,
     ) -> None:
         self._bridge = bridge
+        self._view = view
+        self._tokens_I: np.ndarray | None = None  # global_tokens, read once
         #: this step's number on its bridge (the same on every rank); its transfers carry it
         self.seq = seq
-        self._catalogs = list(catalogs)  # the ones plan_step checked: their decoded runs are kept
-        self.num_micro_batches = len(self._catalogs)
+        self._catalogs = catalogs  # the ones plan_step checked: their decoded runs are kept
+        n_slots = self.num_micro_batches = len(self._catalogs)
         self._sections = list(sections)
         self.finished = False
         topo = bridge.topology
@@ -846,21 +943,25 @@ class BridgeStep:
         ex = bridge.executor
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
-            for i, catalog in enumerate(self._catalogs):
-                plan = plan_rank(
-                    catalog, bridge.rank, local_copy=bridge.config.local_copy, compact=True
-                )
-                sched = None
-                if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
-                    nominal = 0
-                    if plan.dest is not None:
-                        nominal = catalog.dests[plan.dest.group].slice_rows
-                    sched = ex.schedule(
-                        plan,
-                        slice_rows=nominal,
-                        num_owners=n,
-                        row_bytes=row_bytes,
+            for i in range(n_slots):
+                hit, sched = cached[i] if cached is not None else (False, None)
+                if not hit:  # plan inputs not seen before (or their schedule was evicted)
+                    catalog = self._catalogs[i]
+                    plan = plan_rank(
+                        catalog, bridge.rank, local_copy=bridge.config.local_copy, compact=True
                     )
+                    if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
+                        nominal = 0
+                        if plan.dest is not None:
+                            nominal = catalog.dests[plan.dest.group].slice_rows
+                        sched = ex.schedule(
+                            plan,
+                            slice_rows=nominal,
+                            num_owners=n,
+                            row_bytes=row_bytes,
+                        )
+                    if keys is not None:
+                        ex.remember(keys[i], sched)
                 self._slots.append(Slot(index=i, schedule=sched))
         self._owner_dev: dict[int, torch.Tensor] = {}
         self._order = StepOrder(
@@ -922,14 +1023,24 @@ class BridgeStep:
 
     def global_tokens(self, micro_batch: int | None = None) -> int:
         """Real tokens the student wants in ``micro_batch`` over all its shards (each once), or
-        in the whole step with ``None``. Read from the gathered metadata (no communication)."""
-        slots = range(self.num_micro_batches) if micro_batch is None else [micro_batch]
-        total = 0
-        for i in slots:
-            catalog = self._catalogs[i]
-            for d in range(len(catalog.dests)):
-                total += int(catalog.dest_runs(d)[:, 4].sum())
-        return total
+        in the whole step with ``None``. Read from the gathered metadata (no communication):
+        the destination leaders' token counts, summed once per step."""
+        if self._tokens_I is None:
+            if self._view is not None:
+                self._tokens_I = self._view.tokens_I()
+            else:  # a step built without a view: the same count from the runs
+                self._tokens_I = np.asarray(
+                    [
+                        sum(int(c.dest_runs(d)[:, 4].sum()) for d in range(len(c.dests)))
+                        for c in self._catalogs
+                    ],
+                    dtype=np.int64,
+                )
+        if micro_batch is None:
+            return int(self._tokens_I.sum())
+        if isinstance(micro_batch, bool) or not 0 <= micro_batch < self.num_micro_batches:
+            raise ValueError(f"micro-batch {micro_batch!r} outside [0, {self.num_micro_batches})")
+        return int(self._tokens_I[micro_batch])
 
     # --- the data phase ------------------------------------------------------------------------
 

@@ -273,6 +273,9 @@ class Executor:
         #: see :data:`DebugHook` (tests only)
         self.debug_hook: DebugHook | None = None
         self._schedules: OrderedDict[str, RankSchedule] = OrderedDict()
+        #: plan-input key (:meth:`~mopd.bridge.record.StepView.plan_keys`) -> the plan digest
+        #: its schedule is kept under, ``None``: nothing to do (LRU-bounded like the schedules)
+        self._inputs: OrderedDict[bytes, str | None] = OrderedDict()
         self._devs: dict[tuple[str, str], DeviceIndices] = {}
         self._pool = _StagePool()
         self._zeros: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -286,6 +289,30 @@ class Executor:
         self.slots_issued = 0
 
     # --- bookkeeping ---------------------------------------------------------------------------
+
+    def lookup(self, inputs: bytes) -> tuple[bool, RankSchedule | None]:
+        """``(hit, schedule)`` for a micro-batch whose plan inputs hash to ``inputs``: a hit
+        needs no planning (``schedule`` ``None``: this rank has nothing to do in it)."""
+        if inputs not in self._inputs:
+            return False, None
+        digest = self._inputs[inputs]
+        self._inputs.move_to_end(inputs)
+        if digest is None:
+            return True, None
+        s = self._schedules.get(digest)
+        if s is None:  # its schedule was evicted: plan again
+            del self._inputs[inputs]
+            return False, None
+        self._schedules.move_to_end(digest)
+        return True, s
+
+    def remember(self, inputs: bytes, schedule: RankSchedule | None) -> None:
+        """Key ``schedule`` (from :meth:`schedule`, or ``None``: nothing to do) by its plan
+        inputs for :meth:`lookup` (only for micro-batches whose verdict passed)."""
+        self._inputs[inputs] = None if schedule is None else schedule.digest
+        self._inputs.move_to_end(inputs)
+        while len(self._inputs) > 4 * self.max_schedules:
+            self._inputs.popitem(last=False)
 
     def schedule(
         self, plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]

@@ -20,6 +20,15 @@ with the same meshes, in the same program order as its other ``new_group`` calls
    when the pool's backend is ``"gloo"``: the bridge's collectives and its point-to-point then
    never share a group (their per-rank counts differ, which ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
    reads as a collective mismatch), and CPU jobs have the GPU jobs' groups.
+4. only when the bridge group has at least ``metadata_nodes_from`` members: the two-level
+   metadata groups (gloo, :class:`NodeGroups`): the members cut in order into nodes of
+   ``metadata_node_size``, one group per node (in node order), then one group of the nodes'
+   first ranks (the leaders).
+
+The step metadata goes over 3. as one flat all-gather (:func:`all_gather_flat`), or, with the
+groups of 4., in two levels (:func:`all_gather_nodes`): a gather to each node's leader, a
+log-depth all-gather among the leaders, a broadcast inside each node. The result is the same
+bytes; the flat ring costs ``n - 1`` latency hops, the two-level form about ``log2(n / k)``.
 
 Group 1.'s members also pass one barrier on it when it is created: NCCL sets a
 communicator up in the group's first collective, which needs every member, while the bridge's
@@ -48,11 +57,20 @@ from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
 
-__all__ = ["BridgeGroups", "GroupPool", "all_gather_flat", "create_bridge_groups"]
+__all__ = [
+    "BridgeGroups",
+    "GroupPool",
+    "NodeGroups",
+    "all_gather_flat",
+    "all_gather_nodes",
+    "create_bridge_groups",
+    "create_node_groups",
+    "node_ranks",
+]
 
 #: The purposes of the bridge's own groups in a :class:`GroupPool`: groups of their own, never
 #: shared with a model's groups over the same ranks (point-to-point and collectives apart).
-_DATA, _META = "bridge data", "bridge metadata"
+_DATA, _META, _NODE = "bridge data", "bridge metadata", "bridge metadata nodes"
 
 
 def all_gather_flat(
@@ -70,6 +88,117 @@ def all_gather_flat(
     """
     work = all_gather_into(output, input_, group=group, async_op=True)
     cdist.wait(work, device=output.device, timeout_s=timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class NodeGroups:
+    """One rank's groups of the two-level metadata all-gather (:func:`all_gather_nodes`).
+
+    Attributes:
+        node: gloo group over this rank's node (``node_members``).
+        leaders: gloo group over every node's first rank; ``None`` on ranks that lead no node.
+        node_members: global ranks of this rank's node, ascending (the first is its leader).
+        leader_ranks: global ranks of every node's leader, in node order.
+        node_size: ranks per node (the last node may hold fewer).
+    """
+
+    node: dist.ProcessGroup | None
+    leaders: dist.ProcessGroup | None
+    node_members: tuple[int, ...]
+    leader_ranks: tuple[int, ...]
+    node_size: int
+
+
+def node_ranks(members: Sequence[int], node_size: int) -> list[tuple[int, ...]]:
+    """``members`` (sorted global ranks) cut in order into nodes of ``node_size``."""
+    if node_size < 1:
+        raise ValueError(f"node_size must be >= 1, got {node_size}")
+    m = sorted(members)
+    return [tuple(m[i : i + node_size]) for i in range(0, len(m), node_size)]
+
+
+def create_node_groups(
+    pool: GroupPool, members: Sequence[int], node_size: int
+) -> NodeGroups | None:
+    """Create (collectively over the default group, every rank in the same order) the groups of
+    the two-level all-gather over ``members``: one gloo group per node, in node order, then the
+    leaders' group. Returns this rank's (``None`` on ranks outside ``members``)."""
+    nodes = node_ranks(members, node_size)
+    for ranks in nodes:
+        pool.create(ranks, backend="gloo", purpose=_NODE)
+    leaders = tuple(ranks[0] for ranks in nodes)
+    pool.create(leaders, backend="gloo", purpose=_NODE)
+    me = dist.get_rank()
+    mine = [ranks for ranks in nodes if me in ranks]
+    if not mine:
+        return None
+    return NodeGroups(
+        node=pool.get(mine[0], backend="gloo", purpose=_NODE),
+        leaders=pool.get(leaders, backend="gloo", purpose=_NODE),
+        node_members=mine[0],
+        leader_ranks=leaders,
+        node_size=node_size,
+    )
+
+
+def all_gather_nodes(
+    output: torch.Tensor,
+    input_: torch.Tensor,
+    *,
+    nodes: NodeGroups,
+    timeout_s: float | None,
+) -> None:
+    """:func:`all_gather_flat` in two levels over ``nodes`` (CPU tensors, gloo groups).
+
+    ``input_``: ``[c]`` this rank's part; ``output``: ``[n * c]`` every member's part in member
+    order, the same bytes as the flat all-gather. 1. each node gathers its parts on its leader;
+    2. the leaders all-gather the node blocks (``node_size * c``, the last one padded) in
+    ``ceil(log2(leaders))`` point-to-point rounds (Bruck: in round ``j`` a leader passes the
+    ``2^j`` blocks it holds to the leader ``2^j`` before it); 3. each leader broadcasts the
+    result inside its node. Every wait is a host wait of at most ``timeout_s``.
+    """
+    c = input_.numel()
+    k = nodes.node_size
+    members = nodes.node_members
+    me = dist.get_rank()
+    leader = members[0]
+    dev = output.device
+    n_total = output.numel() // max(c, 1) if c else 0
+    if me == leader:
+        parts = [torch.empty_like(input_) for _ in members] if len(members) > 1 else [input_]
+    if len(members) > 1:
+        work = dist.gather(
+            input_, parts if me == leader else None, dst=leader, group=nodes.node, async_op=True
+        )
+        cdist.wait(work, device=dev, timeout_s=timeout_s)
+    if me == leader:
+        n_lead = len(nodes.leader_ranks)
+        at = nodes.leader_ranks.index(me)
+        block = torch.zeros(k * c, dtype=input_.dtype, device=dev)
+        block[: len(members) * c] = torch.cat([p.reshape(-1) for p in parts])
+        held = [block]  # blocks of leaders at, at + 1, ... (mod n_lead)
+        have, rnd = 1, 0
+        while have < n_lead:
+            cnt = min(have, n_lead - have)
+            send = torch.cat(held[:cnt]) if cnt > 1 else held[0]
+            recv = torch.empty(cnt * k * c, dtype=input_.dtype, device=dev)
+            to = nodes.leader_ranks[(at - have) % n_lead]
+            frm = nodes.leader_ranks[(at + have) % n_lead]
+            ops = [
+                dist.P2POp(dist.isend, send, to, group=nodes.leaders, tag=rnd),
+                dist.P2POp(dist.irecv, recv, frm, group=nodes.leaders, tag=rnd),
+            ]
+            for w in dist.batch_isend_irecv(ops):
+                cdist.wait(w, device=dev, timeout_s=timeout_s)
+            held.extend(recv.split(k * c))
+            have += cnt
+            rnd += 1
+        # held[i] is leader (at + i)'s block: rotate into node order and drop the padding
+        ordered = held[n_lead - at :] + held[: n_lead - at]
+        output.copy_(torch.cat(ordered)[: n_total * c])
+    if len(members) > 1:
+        work = dist.broadcast(output, src=leader, group=nodes.node, async_op=True)
+        cdist.wait(work, device=dev, timeout_s=timeout_s)
 
 
 class GroupPool:
@@ -158,12 +287,15 @@ class BridgeGroups:
         members: global ranks of the bridge group, sorted.
         meta: a gloo group over ``members`` for the host-side step metadata and verdicts
             (``None``: use ``bridge``).
+        meta_nodes: the two-level metadata groups (:func:`all_gather_nodes`), or ``None``: the
+            metadata goes as one flat all-gather over :attr:`metadata_group`.
     """
 
     bridge: dist.ProcessGroup | None
     student_tp: dist.ProcessGroup | None
     members: tuple[int, ...]
     meta: dist.ProcessGroup | None = None
+    meta_nodes: NodeGroups | None = None
 
     @property
     def metadata_group(self) -> dist.ProcessGroup | None:
@@ -172,9 +304,32 @@ class BridgeGroups:
         return self.meta if self.meta is not None else self.bridge
 
 
-def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mesh) -> BridgeGroups:
+#: Bridge groups of at least this many ranks exchange their step metadata in two levels.
+METADATA_NODES_FROM = 512
+#: Ranks per node of the two-level metadata exchange (the GPUs of one machine).
+METADATA_NODE_SIZE = 8
+
+
+def create_bridge_groups(
+    pool: GroupPool,
+    teachers: Sequence[Mesh],
+    student: Mesh,
+    *,
+    metadata_nodes_from: int = METADATA_NODES_FROM,
+    metadata_node_size: int = METADATA_NODE_SIZE,
+) -> BridgeGroups:
     """Create the bridge's groups (collective over the default group, order in the module doc)
-    and return this rank's."""
+    and return this rank's.
+
+    ``metadata_nodes_from``: from this many bridge ranks on, the step metadata goes in two
+    levels over nodes of ``metadata_node_size`` consecutive ranks (:func:`all_gather_nodes`);
+    below it, one flat all-gather."""
+    for name, v in (
+        ("metadata_nodes_from", metadata_nodes_from),
+        ("metadata_node_size", metadata_node_size),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     members = bridge_members(teachers, student)
     world = dist.get_world_size()
     if members[-1] >= world:
@@ -197,6 +352,9 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
     pool.create(members, backend="gloo", purpose=_META)
+    nodes = None
+    if len(members) >= metadata_nodes_from and 1 < metadata_node_size < len(members):
+        nodes = create_node_groups(pool, members, metadata_node_size)
     me = dist.get_rank()
     tp_group = None
     coord = student.coord(me)
@@ -207,4 +365,5 @@ def create_bridge_groups(pool: GroupPool, teachers: Sequence[Mesh], student: Mes
         student_tp=tp_group,
         members=members,
         meta=pool.get(members, backend="gloo", purpose=_META),
+        meta_nodes=nodes,
     )

@@ -27,6 +27,9 @@ Conventions (all tensors int64, on the CPU, describing a buffer seen as its flat
 
 A layout travels between ranks as runs (:func:`layout_to_runs`): rows of one sample with
 consecutive positions and a constant row step, so a ``[S, B, H]`` batch is ``B`` runs per CP chunk.
+:func:`padded_layout` and :func:`packed_layout` derive those runs from their few pieces (a CP
+chunk of a column or of a sequence) when they build the layout, so turning a layout into runs
+each step costs no per-row sort; the runs are exactly those the per-row path gives.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -189,10 +193,25 @@ def padded_layout(
         p_R = pos_S[None, :].expand(B, S)
         valid = p_R < len_B[:, None]
     minus = torch.full((), -1, dtype=_I64)
-    return TokenLayout(
+    layout = TokenLayout(
         sample_id_R=torch.where(valid, s_R, minus).reshape(-1).contiguous(),
         position_R=torch.where(valid, p_R, minus).reshape(-1).contiguous(),
     )
+    sample_b, len_b = sample_B.numpy(), len_B.numpy()
+    if np.unique(sample_b).size == B:  # else two columns interleave: the per-row path
+        p0, s0, m = _pieces(pos_S.numpy())
+        col = np.argsort(sample_b, kind="stable")
+        # segments: columns in sample order, each column's pieces in position order
+        p0_M = np.broadcast_to(p0, (B, p0.size)).reshape(-1)
+        s0_M = np.broadcast_to(s0, (B, p0.size)).reshape(-1)
+        b_M = np.repeat(col, p0.size)
+        n_M = np.clip(len_b[b_M] - p0_M, 0, np.broadcast_to(m, (B, p0.size)).reshape(-1))
+        if order == "sbh":
+            row_M, step_M = s0_M * B + b_M, np.full(b_M.size, B, dtype=np.int64)
+        else:
+            row_M, step_M = b_M * S + s0_M, np.ones(b_M.size, dtype=np.int64)
+        _attach_runs(layout, _segment_runs(sample_b[b_M], p0_M, row_M, step_M, n_M))
+    return layout
 
 
 def packed_layout(
@@ -216,10 +235,10 @@ def packed_layout(
         cp_size, cp_rank: per-sequence zigzag; each padded length must divide ``2 * cp``.
         sp_size, sp_rank: split of the local ``T`` into ``sp`` slices.
     """
-    sample_N = torch.as_tensor(sample_ids, dtype=_I64).reshape(-1)
-    len_N = torch.as_tensor(seq_lens, dtype=_I64).reshape(-1)
-    if sample_N.numel() != len_N.numel():
-        raise ValueError(f"{sample_N.numel()} sample ids but {len_N.numel()} sequence lengths")
+    sample_N = _ints(sample_ids)
+    len_N = _ints(seq_lens)
+    if sample_N.size != len_N.size:
+        raise ValueError(f"{sample_N.size} sample ids but {len_N.size} sequence lengths")
     if bool((sample_N < 0).any()) or bool((len_N < 0).any()):
         raise ValueError("sample ids and sequence lengths must be non-negative")
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
@@ -228,10 +247,10 @@ def packed_layout(
         mult = megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)  # the rule's multiple
         pad_N = (len_N + mult - 1) // mult * mult
     else:
-        cu = torch.as_tensor(cu_seqlens_padded, dtype=_I64).reshape(-1)
-        if cu.numel() != len_N.numel() + 1 or int(cu[0]) != 0:
+        cu = _ints(cu_seqlens_padded)
+        if cu.size != len_N.size + 1 or int(cu[0]) != 0:
             raise ValueError(
-                f"cu_seqlens_padded must be {len_N.numel() + 1} offsets from 0, got {cu.tolist()}"
+                f"cu_seqlens_padded must be {len_N.size + 1} offsets from 0, got {cu.tolist()}"
             )
         pad_N = cu[1:] - cu[:-1]
         if bool((pad_N < len_N).any()):
@@ -241,32 +260,65 @@ def packed_layout(
     if cp_size > 1:
         bad = pad_N % (2 * cp_size) != 0
         if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+            i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"packed sequence {i} (sample {int(sample_N[i])}) has padded length {int(pad_N[i])}, "
                 f"not divisible by 2*cp = {2 * cp_size} (context parallelism)"
             )
     local_N = pad_N // cp_size
     chunk_N = pad_N // (2 * cp_size) if cp_size > 1 else pad_N
-    seq_T = torch.repeat_interleave(torch.arange(sample_N.numel(), dtype=_I64), local_N)
-    starts = torch.cumsum(local_N, 0) - local_N
+    sl = _sp_slice(int(local_N.sum()), sp_size, sp_rank, "local packed length")
+    if np.unique(sample_N).size == sample_N.size:
+        # the runs from the sequences' CP chunks, the rows from the runs: no per-row key sort
+        runs = _packed_runs(sample_N, len_N, local_N, chunk_N, cp_size, cp_rank, sl.start, sl.stop)
+        return _from_built_runs(runs, sl.stop - sl.start)
+    # a sample id twice: rows first, runs from the rows (layout_to_runs)
+    n = torch.from_numpy(local_N)
+    seq_T = torch.repeat_interleave(torch.arange(sample_N.size, dtype=_I64), n)
+    starts = torch.cumsum(n, 0) - n
     j_T = torch.arange(seq_T.numel(), dtype=_I64) - starts[seq_T]
     if cp_size > 1:
-        c_T = chunk_N[seq_T]
+        c_T = torch.from_numpy(chunk_N)[seq_T]
         second = j_T >= c_T
         pos_T = torch.where(
             second, (2 * cp_size - 1 - cp_rank) * c_T + (j_T - c_T), cp_rank * c_T + j_T
         )
     else:
         pos_T = j_T
-    sl = _sp_slice(pos_T.numel(), sp_size, sp_rank, "local packed length")
     seq_T, pos_T = seq_T[sl], pos_T[sl]
-    valid = pos_T < len_N[seq_T]
+    valid = pos_T < torch.from_numpy(len_N)[seq_T]
     minus = torch.full((), -1, dtype=_I64)
     return TokenLayout(
-        sample_id_R=torch.where(valid, sample_N[seq_T], minus).contiguous(),
+        sample_id_R=torch.where(valid, torch.from_numpy(sample_N)[seq_T], minus).contiguous(),
         position_R=torch.where(valid, pos_T, minus).contiguous(),
     )
+
+
+def _ints(x: Sequence[int] | torch.Tensor) -> np.ndarray:
+    """``x`` as a flat int64 NumPy array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=_I64).reshape(-1).numpy()
+    return np.asarray(x, dtype=np.int64).reshape(-1)
+
+
+def _from_built_runs(runs_K5: np.ndarray, num_rows: int) -> TokenLayout:
+    """The layout of ``num_rows`` rows that ``runs_K5`` describes (runs of :func:`_segment_runs`:
+    disjoint rows, valid keys), built from the runs and carrying them."""
+    sample_R = np.full(num_rows, -1, dtype=np.int64)
+    pos_R = np.full(num_rows, -1, dtype=np.int64)
+    if runs_K5.shape[0]:
+        length = runs_K5[:, 4]
+        off = np.cumsum(length) - length
+        k = np.repeat(np.arange(runs_K5.shape[0]), length)
+        i = np.arange(int(length.sum()), dtype=np.int64) - off[k]
+        rows = runs_K5[k, 2] + i * runs_K5[k, 3]
+        sample_R[rows] = runs_K5[k, 0]
+        pos_R[rows] = runs_K5[k, 1] + i
+    layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
+    object.__setattr__(layout, "sample_id_R", torch.from_numpy(sample_R))
+    object.__setattr__(layout, "position_R", torch.from_numpy(pos_R))
+    _attach_runs(layout, runs_K5)
+    return layout
 
 
 def concat_layouts(layouts: Sequence[TokenLayout]) -> TokenLayout:
@@ -285,8 +337,18 @@ def layout_to_runs(layout: TokenLayout) -> torch.Tensor:
 
     Each run is rows ``row_start + i * row_step`` holding positions ``position_start + i``
     (``i < length``) of one sample. Padding rows are not listed. Vectorized; not always the
-    fewest runs, always exact (:func:`layout_from_runs` inverts it).
+    fewest runs, always exact (:func:`layout_from_runs` inverts it). Runs are sorted by
+    ``(sample_id, position_start)``. A layout from :func:`padded_layout` /
+    :func:`packed_layout` returns the runs it was built with (the same table; do not modify).
     """
+    built = layout.__dict__.get("_runs_K5")
+    if built is not None:
+        return built
+    return _row_runs(layout)
+
+
+def _row_runs(layout: TokenLayout) -> torch.Tensor:
+    """:func:`layout_to_runs` from the rows: sort the keys, cut where a run ends."""
     s, p = layout.sample_id_R, layout.position_R
     row = torch.nonzero(s >= 0).reshape(-1)
     if row.numel() == 0:
@@ -308,6 +370,112 @@ def layout_to_runs(layout: TokenLayout) -> torch.Tensor:
     multi = length > 1
     step[multi] = d[start[multi]]
     return torch.stack([s[start], p[start], row[start], step, length], dim=1)
+
+
+def _attach_runs(layout: TokenLayout, runs_K5: np.ndarray) -> None:
+    object.__setattr__(layout, "_runs_K5", torch.from_numpy(runs_K5))
+
+
+def _pieces(pos_S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(first position, first index, length)`` of each stretch of consecutive positions of
+    ``pos_S``, in position order (CP chunks of a column)."""
+    if pos_S.size == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    cut = np.flatnonzero(pos_S[1:] != pos_S[:-1] + 1) + 1
+    start = np.concatenate([[0], cut]).astype(np.int64)
+    length = np.diff(np.concatenate([start, [pos_S.size]])).astype(np.int64)
+    order = np.argsort(pos_S[start], kind="stable")
+    return pos_S[start][order], start[order], length[order]
+
+
+def _packed_runs(
+    sample_N: np.ndarray,
+    len_N: np.ndarray,
+    local_N: np.ndarray,
+    chunk_N: np.ndarray,
+    cp_size: int,
+    cp_rank: int,
+    lo: int,
+    hi: int,
+) -> np.ndarray:
+    """Runs of a packed layout from its sequences' CP chunks, cut to local rows ``[lo, hi)``
+    (the SP slice) and to each sequence's real length."""
+    start_N = np.cumsum(local_N) - local_N
+    if cp_size > 1:
+        c = chunk_N
+        first = np.stack([cp_rank * c, (2 * cp_size - 1 - cp_rank) * c], axis=1)  # [N, 2]
+        rows = np.stack([start_N, start_N + c], axis=1)
+        n = np.stack([c, c], axis=1)
+    else:
+        first = np.zeros((sample_N.size, 1), dtype=np.int64)
+        rows, n = start_N[:, None], local_N[:, None]
+    a = np.maximum(rows, lo)
+    e = np.minimum(rows + n, hi)
+    pos = first + (a - rows)
+    count = np.clip(np.minimum(e - a, len_N[:, None] - pos), 0, None)
+    seq = np.argsort(sample_N, kind="stable")
+    k = first.shape[1]
+    take = lambda x: x[seq].reshape(-1)  # noqa: E731
+    return _segment_runs(
+        np.repeat(sample_N[seq], k),
+        take(pos),
+        take(a - lo),
+        np.ones(seq.size * k, dtype=np.int64),
+        take(count),
+    )
+
+
+def _segment_runs(
+    sample_M: np.ndarray,
+    pos_M: np.ndarray,
+    row_M: np.ndarray,
+    step_M: np.ndarray,
+    n_M: np.ndarray,
+) -> np.ndarray:
+    """The runs :func:`_row_runs` gives for tokens that, sorted by key, are these segments one
+    after another: segment ``m`` holds positions ``pos_M[m] + i`` of ``sample_M[m]`` at rows
+    ``row_M[m] + i * step_M[m]`` (``i < n_M[m]``; empty ones are dropped). Only the segment
+    ends need deciding: the per-row rule cuts between tokens ``t`` and ``t + 1`` when they
+    are not consecutive positions of one sample, or when the pair before was and had another
+    row step; inside a segment neither happens."""
+    keep = n_M > 0
+    s, p, r, st, n = (x[keep].astype(np.int64) for x in (sample_M, pos_M, row_M, step_M, n_M))
+    m = n.size
+    if m == 0:
+        return np.empty((0, 5), dtype=np.int64)
+    last_row = r + (n - 1) * st
+    # boundary k (k >= 1): the pair (last token of segment k - 1, first of segment k)
+    cont = np.zeros(m, dtype=bool)
+    d = np.zeros(m, dtype=np.int64)
+    cont[1:] = (s[1:] == s[:-1]) & (p[1:] == p[:-1] + n[:-1])
+    d[1:] = r[1:] - last_row[:-1]
+    # the pair before boundary k: inside segment k - 1 (n >= 2), else boundary k - 1
+    prev_cont = np.zeros(m, dtype=bool)
+    prev_d = np.zeros(m, dtype=np.int64)
+    inner = np.zeros(m, dtype=bool)
+    inner[1:] = n[:-1] >= 2
+    prev_cont[1:] = np.where(inner[1:], True, cont[:-1])
+    prev_d[1:] = np.where(inner[1:], st[:-1], d[:-1])
+    cut_at = ~cont | (prev_cont & (d != prev_d))
+    cut_at[0] = True
+    # the pair (first, second token of segment k), k >= 1: its previous pair is boundary k
+    cut_next = (n >= 2) & cont & (d != st)
+    cut_next[0] = False
+    off = np.cumsum(n) - n
+    starts = np.stack([np.where(cut_at, off, -1), np.where(cut_next, off + 1, -1)], axis=1)
+    starts = starts.reshape(-1)
+    starts = starts[starts >= 0]
+    total = int(n.sum())
+    length = np.diff(np.concatenate([starts, [total]]))
+    seg = np.searchsorted(off, starts, side="right") - 1
+    j = starts - off[seg]
+    step = np.ones(starts.size, dtype=np.int64)
+    multi = length > 1
+    inside = j < n[seg] - 1
+    nxt = np.minimum(seg + 1, m - 1)
+    step[multi] = np.where(inside, st[seg], d[nxt])[multi]
+    return np.stack([s[seg], p[seg] + j, r[seg] + j * st[seg], step, length], axis=1)
 
 
 def layout_from_runs(runs_K5: torch.Tensor, num_rows: int) -> TokenLayout:

@@ -12,11 +12,17 @@ the others send a digest that must match the leader's.
 Record (one int64 vector; ``n_sections = n_owners + 1``, the last one the student's)::
 
     [MAGIC, config_sig, n_slots, err_bytes, err_offset, state, step, section_offset x n_sections,
-     sections..., error text (UTF-8, 8 bytes per int64)]
+     section tables (every section, at fixed places), runs..., error text (UTF-8, 8 per int64)]
 
-    section at its offset: [dtype_code, hidden, device_code, n_slots,
-                            per slot: n_rows, n_runs, runs_offset, sample_min, sample_max, digest,
-                            runs of the slots that carry them (5 int64 each)]
+    section table: [dtype_code, hidden, device_code, n_slots,
+                    per slot: n_rows, n_runs, runs_offset, sample_min, sample_max, digest,
+                              n_tokens]
+    runs: the runs of the slots that carry them (5 int64 each)
+
+With ``n_slots >= 0`` every section's table sits at :func:`table_offset` (the same column in
+every record of an agreed step, whether the rank holds the section or not), so one rank reads a
+field of every group's slot table with one strided slice (:meth:`StepMatrix.slot_tables`), not
+a gather through the offsets. ``n_tokens`` is the slot's real (counted) tokens.
 
 ``state`` is the rank's bridge state (:data:`STATE_READY`, :data:`STATE_OPEN`: an earlier step
 of this bridge still has micro-batches this rank has not posted, :data:`STATE_FAILED`: a step
@@ -36,12 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.groups import all_gather_flat
+from mopd.bridge.groups import NodeGroups, all_gather_flat, all_gather_nodes
 from mopd.bridge.layout import TokenLayout, layout_to_runs
 
 __all__ = [
     "DTYPES",
     "HEADER",
+    "SLOT_COLUMNS",
     "SLOT_FIELDS",
     "STATE_FAILED",
     "STATE_OPEN",
@@ -54,19 +61,29 @@ __all__ = [
     "encode_step_record",
     "gather_step_matrix",
     "layout_digest",
+    "table_offset",
 ]
 
 _I64 = np.int64
 #: Identifies the record format (a rank running another version of the library fails loudly).
-MAGIC = 0x6D6F_7064_0003
+MAGIC = 0x6D6F_7064_0004
 #: Fixed header words before the section offsets.
 HEADER = 7
 #: The rank's bridge state in its record: ready, an earlier step not fully posted, failed.
 STATE_READY, STATE_OPEN, STATE_FAILED = 0, 1, 2
+#: The words of one slot in a section's slot table, in order.
+SLOT_COLUMNS = ("n_rows", "n_runs", "runs_offset", "sample_min", "sample_max", "digest", "n_tokens")
 #: Words per slot in a section's slot table.
-SLOT_FIELDS = 6
+SLOT_FIELDS = len(SLOT_COLUMNS)
 _SECTION_HEAD = 4
-_N_ROWS, _N_RUNS, _RUNS_OFF, _SMIN, _SMAX, _DIGEST = range(SLOT_FIELDS)
+_N_ROWS, _N_RUNS, _RUNS_OFF, _SMIN, _SMAX, _DIGEST, _N_TOKENS = range(SLOT_FIELDS)
+
+
+def table_offset(section: int, *, n_sections: int, n_slots: int) -> int:
+    """Word offset of ``section``'s slot table (past its 4-word head) in a record of an agreed
+    step with ``n_slots`` micro-batches (the same in every record that has tables)."""
+    return HEADER + n_sections + section * (_SECTION_HEAD + SLOT_FIELDS * n_slots) + _SECTION_HEAD
+
 
 #: dtype <-> code table (index = code).
 DTYPES: tuple[torch.dtype, ...] = (
@@ -141,35 +158,42 @@ def encode_step_record(
     """This rank's record (see the module doc): ``[L]`` int64 CPU tensor.
 
     ``sections``: one per owner (teacher) and, last, the student's; ``None`` where the rank has
-    no such role. ``error``: the local error text (sections are then usually all ``None``), or
-    with a ``state`` other than ready, what that state is about.
+    no such role; each present one holds ``n_slots`` layouts. ``error``: the local error text
+    (sections are then usually all ``None``), or with a ``state`` other than ready, what that
+    state is about.
     """
     n_sec = len(sections)
-    head = np.zeros(HEADER + n_sec, dtype=_I64)
+    live = [sec for sec in sections if sec is not None]
+    if live and any(len(sec.layouts) != n_slots for sec in live):
+        raise AssertionError(
+            f"sections hold {[len(sec.layouts) for sec in live]} layouts, the record {n_slots}"
+        )
+    per = _SECTION_HEAD + SLOT_FIELDS * max(n_slots, 0)
+    n_tab = n_sec * per if live else 0
+    head = np.zeros(HEADER + n_sec + n_tab, dtype=_I64)
     head[0], head[1], head[2] = MAGIC, config_sig, n_slots
     head[5], head[6] = state, step
     parts: list[np.ndarray] = [head]
-    at = head.size
+    runs_at = head.size
     for s, sec in enumerate(sections):
         if sec is None:
             continue
-        table = np.zeros(_SECTION_HEAD + SLOT_FIELDS * len(sec.layouts), dtype=_I64)
-        table[:_SECTION_HEAD] = (
+        at = HEADER + n_sec + s * per
+        head[HEADER + s] = at
+        head[at : at + _SECTION_HEAD] = (
             dtype_code(sec.dtype),
             sec.hidden,
             device_code(sec.device),
             len(sec.layouts),
         )
-        head[HEADER + s] = at
-        parts.append(table)
-        runs_at = at + table.size
-        slots = table[_SECTION_HEAD:].reshape(-1, SLOT_FIELDS)
+        slots = head[at + _SECTION_HEAD : at + per].reshape(-1, SLOT_FIELDS)
         for i, layout in enumerate(sec.layouts):
             runs = _layout_runs(layout)
             slots[i, _N_ROWS] = layout.num_rows
             slots[i, _DIGEST] = layout_digest(layout.num_rows, runs)
             if runs.shape[0]:
                 slots[i, _SMIN], slots[i, _SMAX] = runs[:, 0].min(), runs[:, 0].max()
+                slots[i, _N_TOKENS] = runs[:, 4].sum()
             else:
                 slots[i, _SMIN], slots[i, _SMAX] = 1, 0
             if sec.send_runs:
@@ -178,10 +202,9 @@ def encode_step_record(
                 runs_at += runs.size
             else:
                 slots[i, _N_RUNS] = -1
-        at = runs_at
     text = error.encode()[:4000]
     if text:
-        head[3], head[4] = len(text), at
+        head[3], head[4] = len(text), runs_at
         pad = -len(text) % 8
         parts.append(np.frombuffer(text + b"\0" * pad, dtype="<i8").astype(_I64))
     return torch.from_numpy(np.concatenate(parts))
@@ -194,23 +217,38 @@ def gather_step_matrix(
     n_members: int,
     device: torch.device,
     timeout_s: float | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """All-gather every member's record: ``([n, width] int64, sizes [n])``, the same everywhere.
+    nodes: NodeGroups | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All-gather every member's record: ``([n, width] int64, sizes [n], headers [n, HEADER])``,
+    the same everywhere.
 
     Row ``j`` is member ``j``'s record (members in group-rank order, zero-padded to the widest).
-    Two all-gathers: the sizes, then the padded records. Tensors travel on ``device`` (CPU for a
-    gloo group).
+    Two all-gathers: each record's size with its fixed header (so that the fence and verdicts
+    read every rank's header from one compact array, :class:`StepMatrix` ``header_NH``, not a
+    word per row of the wide matrix), then the padded records, each flat over ``group`` or, with
+    ``nodes``, in two levels (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same
+    bytes). Tensors travel on ``device`` (CPU for a gloo group).
     """
-    size = torch.tensor([record.numel()], dtype=torch.int64, device=device)
-    sizes = torch.empty(n_members, dtype=torch.int64, device=device)
-    all_gather_flat(sizes, size, group=group, timeout_s=timeout_s)
-    sizes_n = sizes.cpu().numpy()
+
+    def all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
+        if nodes is not None:
+            all_gather_nodes(out, inp, nodes=nodes, timeout_s=timeout_s)
+        else:
+            all_gather_flat(out, inp, group=group, timeout_s=timeout_s)
+
+    head = torch.zeros(HEADER + 1, dtype=torch.int64)
+    head[0] = record.numel()
+    head[1 : 1 + min(HEADER, record.numel())] = record[:HEADER]
+    heads = torch.empty(n_members * (HEADER + 1), dtype=torch.int64, device=device)
+    all_gather(heads, head.to(device))
+    heads_n = heads.cpu().numpy().reshape(n_members, HEADER + 1)
+    sizes_n = np.ascontiguousarray(heads_n[:, 0])
     width = int(sizes_n.max())
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
-    all_gather_flat(every, padded, group=group, timeout_s=timeout_s)
-    return every.cpu().numpy().reshape(n_members, width), sizes_n
+    all_gather(every, padded)
+    return every.cpu().numpy().reshape(n_members, width), sizes_n, heads_n[:, 1:].copy()
 
 
 class StepMatrix:
@@ -221,26 +259,55 @@ class StepMatrix:
     front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
     """
 
-    def __init__(self, matrix: np.ndarray) -> None:
+    def __init__(self, matrix: np.ndarray, header_NH: np.ndarray | None = None) -> None:
         self.matrix = matrix
+        #: ``[n, HEADER]`` the records' headers when the gather brought them apart
+        #: (:func:`gather_step_matrix`), else copied from the matrix on first use
+        self._header = header_NH
+
+    def header_NH(self) -> np.ndarray:
+        """``[n_members, HEADER]`` every record's fixed header: as gathered apart, or copied
+        once in one pass over the matrix's rows (a column of a wide matrix touches a page per
+        row)."""
+        if self._header is None:
+            self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
+        return self._header
+
+    def uniform_slots(self) -> int | None:
+        """The step's micro-batch count when every record is of this format, built with one
+        config, error-free, ready, at one step, and every count given agrees; else ``None``
+        (the caller then looks for what differs). A few passes over the headers."""
+        h = self.header_NH()
+        if not h.shape[0]:
+            return None
+        first = h[0]
+        if first[0] != MAGIC or first[3] != 0 or first[5] != STATE_READY:
+            return None
+        if (h[:, :2] != first[:2]).any() or (h[:, 3:] != first[3:]).any():
+            return None
+        slots = h[:, 2]
+        given = slots[slots >= 0]
+        if not given.size or given.min() != given.max():
+            return None
+        return int(given[0])
 
     def magic_N(self) -> np.ndarray:
-        return self.matrix[:, 0]
+        return self.header_NH()[:, 0]
 
     def config_sig_N(self) -> np.ndarray:
-        return self.matrix[:, 1]
+        return self.header_NH()[:, 1]
 
     def n_slots_N(self) -> np.ndarray:
-        return self.matrix[:, 2]
+        return self.header_NH()[:, 2]
 
     def error_bytes_N(self) -> np.ndarray:
-        return self.matrix[:, 3]
+        return self.header_NH()[:, 3]
 
     def state_N(self) -> np.ndarray:
-        return self.matrix[:, 5]
+        return self.header_NH()[:, 5]
 
     def step_N(self) -> np.ndarray:
-        return self.matrix[:, 6]
+        return self.header_NH()[:, 6]
 
     def error(self, j: int) -> str:
         """Member ``j``'s local error text (``""``: none)."""
@@ -263,7 +330,7 @@ class StepMatrix:
         fields: Sequence[int] = tuple(range(SLOT_FIELDS)),
     ) -> np.ndarray:
         """``[len(members), len(fields)]`` slot-table rows ``(n_rows, n_runs, runs_offset,
-        sample_min, sample_max, digest)`` of ``section`` / ``slot`` in each given member's
+        sample_min, sample_max, digest, n_tokens)`` of ``section`` / ``slot`` in each given member's
         record (the members must hold the section); ``fields``: which of those columns."""
         m = self.matrix
         at = m[members, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
@@ -272,6 +339,16 @@ class StepMatrix:
             return m[members[:, None], at[:, None] + cols]
         # one gather from the flat matrix: a third of a 2-D fancy index over scattered rows
         return m.reshape(-1)[(members * m.shape[1] + at)[:, None] + cols]
+
+    def slot_tables(
+        self, members: np.ndarray, section: int, *, n_sections: int, n_slots: int
+    ) -> np.ndarray:
+        """``[len(members), n_slots, SLOT_FIELDS]`` every slot's table row of ``section`` in
+        each given member's record, for an agreed step (the members hold the section): one
+        strided slice at :func:`table_offset`, the same column in every record."""
+        at = table_offset(section, n_sections=n_sections, n_slots=n_slots)
+        block = self.matrix[members, at : at + SLOT_FIELDS * n_slots]
+        return block.reshape(len(members), n_slots, SLOT_FIELDS)
 
     def runs(self, j: int, section: int, slot: int) -> np.ndarray:
         """``[K, 5]`` runs member ``j`` sent for ``section`` / ``slot`` (a view, no copy)."""

@@ -181,20 +181,31 @@ class Topology:
         """The groups' ranks as arrays and per-rank lookups (built once, ``O(ranks)``)."""
         return GroupIndex.build(self.sources, self.dests)
 
-    def catalog(self, matrix: StepMatrix, slot: int) -> RunCatalog:
+    def catalog(
+        self,
+        matrix: StepMatrix,
+        slot: int,
+        *,
+        fields: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> RunCatalog:
         """The planner's view of micro-batch ``slot`` of a gathered, validated step.
 
         Reads the leaders' slot tables (one vectorized read per teacher and one for the
         student) for rows and sample ranges; a group (with its ``num_rows``) is built when the
-        planner looks at it, and its runs are read when the planner asks.
+        planner looks at it, and its runs are read when the planner asks. ``fields``: those
+        ``([G, 3], [D, 3])`` columns ``(n_rows, sample_min, sample_max)`` when the caller read
+        them already (:func:`mopd.bridge.record.read_step`).
         """
-        # (n_rows, sample_min, sample_max) of every group: the only columns read for all groups
-        cols = (0, 3, 4)
-        src_fields = np.zeros((len(self.sources), 3), dtype=_I64)
-        for o in np.unique(self.source_section).tolist():
-            sel = np.flatnonzero(self.source_section == o)
-            src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot, cols)
-        dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot, cols)
+        if fields is not None:
+            src_fields, dst_fields = fields
+        else:
+            # (n_rows, sample_min, sample_max) of every group: the only columns read for all
+            cols = (0, 3, 4)
+            src_fields = np.zeros((len(self.sources), 3), dtype=_I64)
+            for o in np.unique(self.source_section).tolist():
+                sel = np.flatnonzero(self.source_section == o)
+                src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot, cols)
+            dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot, cols)
         sources = _Groups(self.sources, src_fields[:, 0].copy())
         dests = _Groups(self.dests, dst_fields[:, 0].copy())
         leaders_s, sections_s, leaders_d = self.source_leader, self.source_section, self.dest_leader

@@ -1,33 +1,43 @@
-"""Benchmark: one rank's planning at 256 to 16,384 ranks, beside the retired global planner.
+"""Benchmark: one rank's per-step host work at 256 to 65,536 ranks, today's path beside the old.
 
-Why this file exists: the planner's promise is a cost that follows a rank's own work, flat in the
-number of ranks at a fixed number of tokens per rank, where the previous planner computed the
-whole job's plan on every rank. A timed test would be flaky, so this benchmark shows it: for each
-rank count it simulates one step (no process group) of a colocated job, teacher tp8 cp2 and
-student tp4 cp4 on the same ranks, THD on both sides with Megatron's SP padding, about
-``--tokens-per-rank`` real tokens per rank, samples of random lengths assigned to DP ranks in
-contiguous ranges (the teacher cuts by sample count, the student balances tokens, so the cuts
-differ). Building every rank's metadata record and the gathered matrix is setup, not timed.
+Why this file exists: every per-step cost of the bridge on the host must follow the rank's own
+work, not the job's. A timed test would be flaky, so this benchmark shows it: for each rank count
+it simulates one step of ``--micro-batches`` micro-batches (no process group) of a colocated job,
+teacher tp8 cp2 and student tp4 cp4 on the same ranks, THD on both sides with Megatron's SP
+padding, about ``--tokens-per-rank`` real tokens per rank in the step, samples of random lengths
+assigned to DP ranks in contiguous ranges (the teacher cuts by sample count, the student
+balances tokens, so the cuts differ). Every rank's record is built by the bridge's own rule
+(:mod:`mopd.bridge.record`) and stacked as the all-gather returns it: setup, not timed.
 
-Timed, for a few representative ranks (each a teacher and a student rank; the first one checks a
-source and a destination group): decoding the matrix (:class:`~mopd.bridge.metadata.StepMatrix`,
-:meth:`~mopd.bridge.topology.Topology.catalog`), :func:`~mopd.bridge.plan.plan_rank` and
-:func:`~mopd.bridge.plan.check_rank`; ``plan_ms`` is the slowest of their medians. Memory:
-``peak_mib`` is what one rank holds to plan, the gathered matrix plus the planning's own peak
-allocations (tracemalloc, a separate run); the setup's RSS is reported apart. Beside it, at the
-recorded setup (the default sizes), the retired global planner's recorded figures (what every
-rank used to run: the whole job's plan), read from ``profiling/results/`` in a checkout
-(:data:`BASELINE`; the planner itself is gone). Each rank count prints a line on stderr as it
-starts and ends. Figures are one CPU thread of this machine.
+Timed for a few representative ranks (each a teacher and a student rank; the first one leads a
+source and a destination group), every per-step host function of the live bridge, called on a
+bridge object without process groups (:func:`offline_bridge`):
 
-It also models the metadata all-gather at those sizes (see :func:`model_allgather`): bytes per
-rank and in all, and a latency estimate for a flat ring and for a two-level (node) scheme.
+- ``step_host_ms``: a step whose inputs the rank has seen (steady state): building its layouts
+  and record (``_local_record``), the fence and the verdict checks, the plan keys and schedule
+  lookups (``_agree_and_plan``: no planner runs), the token counts (``global_tokens`` once for
+  the step and once per micro-batch, as the loss does);
+- ``step_host_miss_ms``: the same with an empty schedule cache (every micro-batch planned);
+- ``step_host_old_ms``: the path before the record-keyed cache, in the same run: runs from the
+  rows (key sort), a catalog per micro-batch through the records' offsets, every verdict and
+  ``plan_rank`` every step (its schedule found by the plan's digest), the duplicate-sample check
+  of every student group on one rank, ``global_tokens`` decoding every student group's runs.
+
+Each is the slowest rank's least of several steps. ``plan_ms`` is, as before, decoding +
+``plan_rank`` + ``check_rank`` of one micro-batch. Beside them, at the recorded setup (one micro-batch, 4096
+tokens per rank), the retired global planner's recorded figures, read from ``profiling/results/``
+in a checkout (:data:`BASELINE`). Each rank count prints a line on stderr as it starts and ends.
+Figures are one CPU thread of this machine.
+
+It also models the metadata all-gather at those sizes (:func:`model_allgather`): bytes per rank
+and in all, the flat ring and the two-level exchange the bridge runs from
+``create_bridge_groups(metadata_nodes_from=...)`` on (:func:`~mopd.bridge.groups.all_gather_nodes`).
 
 Run: ``python -m mopd.profiling.bench_plan [--ranks N ...] [--json] [--results-dir DIR]``
 (or ``mopd bench plan``). ``--json`` prints one JSON object per rank count; otherwise a table.
-Records ``plan-scale-<machine>-<date>.{csv,md}`` and a log-log figure
-``plan-scale-<machine>-<date>-vs-ranks.png`` in the results folder (``--results-dir``; by default ``profiling/results/`` inside a
-checkout, ``./mopd-results/`` elsewhere; not with ``--no-record``).
+Records ``plan-step-<machine>-<date>.{csv,md}`` and a log-log figure
+``plan-step-<machine>-<date>-vs-ranks.png`` in the results folder (``--results-dir``; by default
+``profiling/results/`` inside a checkout, ``./mopd-results/`` elsewhere; not with ``--no-record``).
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +60,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
+from mopd.bridge.executor import Executor
+from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
+from mopd.bridge.metadata import HEADER, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge.record import rank_roles, rank_sections, stack_records
 from mopd.bridge.topology import Topology
 from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
@@ -67,18 +81,22 @@ __all__ = [
     "build_step",
     "main",
     "measure_local",
+    "measure_step",
     "model_allgather",
+    "offline_bridge",
     "recorded_global",
 ]
 
 #: The retired global planner's recorded run (``global_plan_ms``, ``global_rss_growth_mib`` per
-#: rank count at 4096 tokens per rank, samples up to 4096 long, seed 0), under ``results/``.
+#: rank count at 4096 tokens per rank in one micro-batch, samples up to 4096 long, seed 0), under
+#: ``results/``.
 BASELINE = "plan-scale-cpu-2026-12-01"
-_BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0}
+_BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
 #: Rank counts measured by default.
-DEFAULT_RANKS: tuple[int, ...] = (256, 1024, 4096, 16384)
+DEFAULT_RANKS: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
 _T_TP, _T_CP, _S_TP, _S_CP = 8, 2, 4, 4
 _BLOCK = _T_TP * _T_CP  # ranks per DP index (the same for both meshes)
+_HIDDEN = 8192
 #: Ring all-gather model: latency per ring step (inter-node NCCL hop) and bandwidth per rank.
 ALPHA_S, BETA_BPS = 10e-6, 20e9
 #: Inside a node (the two-level model): ranks per node, NVLink latency and bandwidth.
@@ -97,7 +115,8 @@ def _meshes(ranks: int) -> tuple[Mesh, Mesh]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Samples:
-    """The step's samples and how each side assigns them to its DP ranks (contiguous ids)."""
+    """One micro-batch's samples and how each side assigns them to its DP ranks (contiguous
+    ids)."""
 
     lengths_S: np.ndarray
     teacher_parts: list[np.ndarray]
@@ -142,59 +161,86 @@ def _mult(tp: int, cp: int) -> int:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Step:
-    """One simulated step: meshes, topology, the gathered matrix and what it cost to build."""
+    """One simulated step: meshes, topology, the gathered matrix and what it cost to build.
+
+    ``micro``: per micro-batch the samples (what a rank builds its layouts from)."""
 
     ranks: int
     tokens: int
     samples: int
+    teacher: Mesh
+    student: Mesh
     topology: Topology
     matrix_NW: np.ndarray
     sizes_N: np.ndarray
+    micro: tuple[_Samples, ...]
     setup_s: float
     topology_ms: float
 
 
-def build_step(ranks: int, *, tokens_per_rank: int, max_len: int, seed: int = 0) -> Step:
-    """Every rank's record (:func:`~mopd.bridge.metadata.encode_step_record`) and the matrix.
+def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenLayout]]:
+    """``rank``'s teacher and student layouts, one per micro-batch (built as a rank builds
+    them each step)."""
+    tc, sc = step.teacher.coord(rank), step.student.coord(rank)
+    assert tc is not None and sc is not None
+    t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
+    t = [
+        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, _T_CP, tc.cp_rank, t_mult)
+        for m in step.micro
+    ]
+    s = [
+        _layout(m.student_parts[sc.dp_rank], m.lengths_S, _S_CP, sc.cp_rank, s_mult)
+        for m in step.micro
+    ]
+    return t, s
+
+
+def build_step(
+    ranks: int, *, tokens_per_rank: int, max_len: int, seed: int = 0, micro_batches: int = 1
+) -> Step:
+    """Every rank's record (by the bridge's rule: :func:`~mopd.bridge.record.rank_roles`,
+    :func:`~mopd.bridge.record.rank_sections`, :func:`~mopd.bridge.metadata.encode_step_record`)
+    and the stacked matrix; ``tokens_per_rank`` over the whole step, split evenly into the
+    micro-batches (each its own draw of samples).
 
     Built one DP index (16 ranks) at a time; ranks whose records are identical (same shards,
-    same leader roles) share one encoding.
+    same roles) share one encoding.
     """
     t0 = time.perf_counter()
     teacher, student = _meshes(ranks)
-    smp = _samples(ranks, tokens_per_rank, max_len, seed)
+    per_mb = max(tokens_per_rank // micro_batches, 1)
+    micro = tuple(_samples(ranks, per_mb, max_len, seed + i) for i in range(micro_batches))
+    t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
     records: list[np.ndarray] = []
     for d in range(teacher.dp):
         t_lay = [
-            _layout(smp.teacher_parts[d], smp.lengths_S, _T_CP, c, _mult(_T_TP, _T_CP))
+            [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult) for m in micro]
             for c in range(_T_CP)
         ]
         s_lay = [
-            _layout(smp.student_parts[d], smp.lengths_S, _S_CP, c, _mult(_S_TP, _S_CP))
+            [_layout(m.student_parts[d], m.lengths_S, _S_CP, c, s_mult) for m in micro]
             for c in range(_S_CP)
         ]
-        same: dict[tuple[int, bool, int, bool], np.ndarray] = {}
+        same: dict[tuple[Any, ...], np.ndarray] = {}
         for r in range(d * _BLOCK, (d + 1) * _BLOCK):
             tc, sc = teacher.coord(r), student.coord(r)
             assert tc is not None and sc is not None
-            key = (tc.cp_rank, tc.tp_rank == 0, sc.cp_rank, sc.tp_rank == 0)
+            roles = rank_roles(r, [teacher], student)
+            key = (tc.cp_rank, sc.cp_rank, roles)
             if key not in same:
-                sections = [
-                    Section(
-                        layouts=[t_lay[tc.cp_rank]],
-                        send_runs=tc.tp_rank == 0,
-                        dtype=torch.bfloat16,
-                        hidden=8192,
-                    ),
-                    Section(layouts=[s_lay[sc.cp_rank]], send_runs=sc.tp_rank == 0),
-                ]
-                rec = encode_step_record(config_sig=1, n_slots=1, error="", sections=sections)
+                sections = rank_sections(
+                    roles,
+                    teacher_layouts={0: t_lay[tc.cp_rank]},
+                    student_layouts=s_lay[sc.cp_rank],
+                    dtypes=[torch.bfloat16],
+                    hiddens=[_HIDDEN],
+                )
+                rec = encode_step_record(
+                    config_sig=1, n_slots=micro_batches, error="", sections=sections
+                )
                 same[key] = rec.numpy()
             records.append(same[key])
-    sizes = np.asarray([x.size for x in records], dtype=np.int64)
-    matrix = np.zeros((ranks, int(sizes.max())), dtype=np.int64)
-    for j, x in enumerate(records):
-        matrix[j, : x.size] = x
+    matrix, sizes = stack_records(records)
     del records
     t1 = time.perf_counter()
     topo = Topology.build([teacher], student)
@@ -202,18 +248,21 @@ def build_step(ranks: int, *, tokens_per_rank: int, max_len: int, seed: int = 0)
     topology_ms = 1e3 * (time.perf_counter() - t1)
     return Step(
         ranks=ranks,
-        tokens=int(smp.lengths_S.sum()),
-        samples=int(smp.lengths_S.size),
+        tokens=int(sum(m.lengths_S.sum() for m in micro)),
+        samples=int(sum(m.lengths_S.size for m in micro)),
+        teacher=teacher,
+        student=student,
         topology=topo,
         matrix_NW=matrix,
         sizes_N=sizes,
+        micro=micro,
         setup_s=time.perf_counter() - t0,
         topology_ms=topology_ms,
     )
 
 
 def _plan_one(step: Step, rank: int) -> tuple[Any, list[str]]:
-    """What one rank does per micro-batch once the matrix is there."""
+    """What one rank does per micro-batch once the matrix is there (micro-batch 0)."""
     m = StepMatrix(step.matrix_NW)
     catalog = step.topology.catalog(m, 0)
     return plan_rank(catalog, rank), check_rank(catalog, rank)
@@ -263,6 +312,183 @@ def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, f
     }
 
 
+# --- one rank's step, as the live bridge runs it ------------------------------------------------
+
+
+def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
+    """A :class:`~mopd.bridge.api.HiddenStateBridge` of ``step``'s meshes as global rank
+    ``rank`` holds it, without process groups (this benchmark has none): the attributes its
+    constructor derives from the groups are set here, so that its per-step methods
+    (``_local_record``, ``_agree_and_plan``, :class:`~mopd.bridge.api.BridgeStep`) run as
+    they do in a job, minus the collectives (the metadata group is ``None``: the verdict of a
+    step without problems is then local)."""
+    b = HiddenStateBridge.__new__(HiddenStateBridge)
+    b.teachers = (TeacherSpec(mesh=step.teacher, hidden_size=_HIDDEN, dtype=torch.bfloat16),)
+    b.student = step.student
+    b.topology = step.topology
+    b.groups = BridgeGroups(bridge=None, student_tp=None, members=step.topology.members)
+    b.config = BridgeConfig()
+    b.rank = rank
+    b.device = torch.device("cpu")
+    b._executor = Executor(rank=rank, timeout_s=b.config.timeout_s)
+    b._tp_group_error = ""
+    b._roles = rank_roles(rank, [step.teacher], step.student)
+    b.config_sig = 1
+    b._open_steps = []
+    b.steps = 0
+    return b
+
+
+def _tokens(bs: BridgeStep) -> int:
+    """What the loss reads per step: the step's tokens, and each micro-batch's."""
+    return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
+
+
+def _fresh(step: Step) -> StepMatrix:
+    """A new copy of the gathered matrix and headers, as :func:`~mopd.bridge.metadata.
+    gather_step_matrix` returns them (not timed): each step reads what the all-gather has just
+    written, not what the previous step left in the caches."""
+    return StepMatrix(step.matrix_NW.copy(), np.ascontiguousarray(step.matrix_NW[:, :HEADER]))
+
+
+def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
+    """One step of ``bridge``'s rank on today's path; seconds per part."""
+    gathered = _fresh(step)
+    tl = time.perf_counter()
+    t_lay, s_lay = _rank_layouts(step, bridge.rank)
+    t0 = time.perf_counter()
+    record_, sections = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+    t1 = time.perf_counter()
+    bs = bridge._agree_and_plan(gathered, sections)
+    t2 = time.perf_counter()
+    _tokens(bs)
+    t3 = time.perf_counter()
+    bs.finished = True  # nothing moves here; the next step may be planned
+    bridge._open_steps.clear()
+    bridge.steps = 0
+    if not np.array_equal(
+        record_.numpy(), step.matrix_NW[step.topology.members.index(bridge.rank), : record_.numel()]
+    ):
+        raise AssertionError(f"rank {bridge.rank}: its record is not its row of the matrix")
+    return {"layouts": t0 - tl, "encode": t1 - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
+
+
+def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
+    """One step of ``bridge``'s rank on the path before the record-keyed cache (the calls the
+    bridge made then, the retired ones written out here); seconds per part."""
+    topo, rank = step.topology, bridge.rank
+    gathered = _fresh(step)
+    tl = time.perf_counter()
+    t_lay, s_lay = _rank_layouts(step, rank)
+    t0 = time.perf_counter()
+    # runs from the rows: the layouts as a caller-built TokenLayout (no runs attached)
+    t_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in t_lay]
+    s_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in s_lay]
+    bridge._local_record({0: t_rows}, s_rows, None, None, [])
+    t1 = time.perf_counter()
+    matrix = StepMatrix(gathered.matrix)  # the headers were read off the matrix then
+    bridge._agreed_state(matrix)
+    n_slots = bridge._agreed_slots(matrix)
+    catalogs = [topo.catalog(matrix, i) for i in range(n_slots)]
+    me = topo.members.index(rank)
+    for g in topo.index.source_groups.get(rank, ()):  # replicas against their leader
+        leader, o = int(topo.source_leader[g]), int(topo.source_section[g])
+        for i in range(n_slots):
+            matrix.slot_fields(np.asarray([me, leader]), o, i)
+    problems: list[str] = []
+    if rank == topo.dests[0].ranks[0]:  # one rank read every student group's runs
+        for catalog in catalogs:
+            seen: dict[int, int] = {}
+            for d, dest in enumerate(catalog.dests):
+                c = step.student.coord(dest.ranks[0])
+                assert c is not None
+                for sample in np.unique(catalog.dest_runs(d)[:, 0]).tolist():
+                    seen.setdefault(sample, c.dp_rank)
+    for catalog in catalogs:
+        problems += check_rank(catalog, rank)
+    t2 = time.perf_counter()
+    ex = bridge.executor
+    row_bytes = [_HIDDEN * torch.bfloat16.itemsize]
+    for catalog in catalogs:  # plan every step; the schedule found by the plan's digest
+        plan = plan_rank(catalog, rank)
+        if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
+            nominal = catalog.dests[plan.dest.group].slice_rows if plan.dest is not None else 0
+            ex.schedule(plan, slice_rows=nominal, num_owners=1, row_bytes=row_bytes)
+    t3 = time.perf_counter()
+    total = 0
+    for i in [None, *range(n_slots)]:  # global_tokens: every student group's runs, each call
+        for catalog in catalogs if i is None else [catalogs[i]]:
+            for d in range(len(catalog.dests)):
+                total += int(catalog.dest_runs(d)[:, 4].sum())
+    t4 = time.perf_counter()
+    if problems:
+        raise RuntimeError(f"rank {rank}: unexpected verdicts {problems[:2]}")
+    return {
+        "layouts": t0 - tl,
+        "encode": t1 - t0,
+        "verdict": t2 - t1,
+        "plan": t3 - t2,
+        "tokens": t4 - t3,
+    }
+
+
+def _best_parts(
+    run: Callable[[], dict[str, float]], repeats: int, budget_s: float
+) -> dict[str, float]:
+    """Per-part minima (ms) of ``repeats`` runs (fewer once ``budget_s`` is spent, at least
+    one), ``total`` (the least sum) and ``bridge`` (the least sum without the layouts): on a
+    shared machine the least disturbed run is the figure, old and new alike."""
+    runs: list[dict[str, float]] = []
+    start = time.perf_counter()
+    while len(runs) < repeats and (not runs or time.perf_counter() - start < budget_s):
+        runs.append(run())
+    out = {k: 1e3 * min(r[k] for r in runs) for k in runs[0]}
+    out["total"] = 1e3 * min(sum(r.values()) for r in runs)
+    out["bridge"] = 1e3 * min(sum(r.values()) - r["layouts"] for r in runs)
+    return out
+
+
+def measure_step(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, float]:
+    """Per-step host time of each rank in ``ranks`` on today's path (cache hits; and an empty
+    cache: ``miss``) and on the old one; for each figure the slowest rank's least of several
+    steps (ms)."""
+    new, miss, old = [], [], []
+    for r in ranks:
+        bridge = offline_bridge(step, r)
+        _new_step(step, bridge)  # warm-up: plans and caches every micro-batch
+        built = bridge.executor.schedules_built
+        new.append(_best_parts(lambda b=bridge: _new_step(step, b), repeats, 5.0))
+        if bridge.executor.schedules_built != built:
+            raise AssertionError(f"rank {r}: a repeated step built schedules")
+
+        def cold(r: int = r) -> dict[str, float]:
+            return _new_step(step, offline_bridge(step, r))
+
+        miss.append(_best_parts(cold, max(repeats // 3, 1), 5.0))
+        ob = offline_bridge(step, r)
+        _old_step(step, ob)  # warm-up: its schedules are built once, found by digest after
+        old.append(_best_parts(lambda b=ob: _old_step(step, b), max(repeats // 3, 1), 10.0))
+
+    def worst(rows: list[dict[str, float]], k: str) -> float:
+        return max(x[k] for x in rows)
+
+    return {
+        "step_host_ms": worst(new, "total"),
+        "bridge_host_ms": worst(new, "bridge"),
+        "layouts_ms": worst(new, "layouts"),
+        "encode_ms": worst(new, "encode"),
+        "verdict_plan_ms": worst(new, "verdict_plan"),
+        "tokens_ms": worst(new, "tokens"),
+        "step_host_miss_ms": worst(miss, "total"),
+        "step_host_old_ms": worst(old, "total"),
+        "bridge_host_old_ms": worst(old, "bridge"),
+        "encode_old_ms": worst(old, "encode"),
+        "verdict_old_ms": worst(old, "verdict"),
+        "plan_old_ms": worst(old, "plan"),
+        "tokens_old_ms": worst(old, "tokens"),
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class AllGatherModel:
     """The metadata all-gather of one step at ``n`` ranks.
@@ -271,11 +497,14 @@ class AllGatherModel:
         bytes_per_rank: mean record bytes (what a rank contributes before padding).
         padded_bytes_per_rank: the widest record (every record travels padded to it).
         gathered_bytes: what every rank receives and holds (``n`` padded records).
-        ring_ms: flat ring, two all-gathers (sizes, then records):
-            ``2 (n - 1) alpha + (n - 1) w / beta``.
-        hier_ms: two levels (nodes of ``NODE`` ranks): gather to a node leader over NVLink, a
-            ring over the ``n / NODE`` leaders carrying ``NODE`` records a step, a broadcast of
-            the matrix inside the node; both collectives.
+        ring_ms: flat ring, two all-gathers (sizes with the 7-word headers, then records):
+            ``2 (n - 1) alpha + (n - 1) (w + 64) / beta``.
+        hier_ms: the two-level exchange the bridge runs (:func:`~mopd.bridge.groups.
+            all_gather_nodes`, nodes of ``NODE`` ranks), both all-gathers: a gather to the
+            node leader over NVLink (``(k - 1) (alpha_nvl + w / beta_nvl)``), the leaders'
+            log-depth all-gather (``ceil(log2(n / k)) alpha + (n - k) w / beta``), a binomial
+            broadcast of the matrix inside the node (``ceil(log2 k) (alpha_nvl + n w /
+            beta_nvl)``).
     """
 
     bytes_per_rank: float
@@ -285,20 +514,26 @@ class AllGatherModel:
     hier_ms: float
 
 
+def _two_level_s(n: int, w: float) -> float:
+    """Seconds of one two-level all-gather of ``w`` bytes per rank over ``n`` ranks."""
+    k = min(NODE, n)
+    leaders = -(-n // k)
+    inside = (k - 1) * (ALPHA_NVL_S + w / BETA_NVL_BPS)
+    across = math.ceil(math.log2(leaders)) * ALPHA_S + (leaders - 1) * k * w / BETA_BPS
+    bcast = math.ceil(math.log2(k)) * (ALPHA_NVL_S + n * w / BETA_NVL_BPS)
+    return inside + across + bcast
+
+
 def model_allgather(n: int, sizes_N: np.ndarray) -> AllGatherModel:
     """The model of :class:`AllGatherModel` for records of ``sizes_N`` int64 words."""
     w = int(sizes_N.max()) * 8
-    ring = 2 * (n - 1) * ALPHA_S + (n - 1) * w / BETA_BPS
-    leaders = max(n // NODE, 1)
-    inside = 2 * (NODE - 1) * ALPHA_NVL_S + (NODE - 1) * w / BETA_NVL_BPS
-    across = 2 * (leaders - 1) * ALPHA_S + (leaders - 1) * NODE * w / BETA_BPS
-    bcast = 2 * math.log2(NODE) * ALPHA_NVL_S + n * w / BETA_NVL_BPS
+    ring = 2 * (n - 1) * ALPHA_S + (n - 1) * (w + 8 * (HEADER + 1)) / BETA_BPS
     return AllGatherModel(
         bytes_per_rank=float(sizes_N.mean()) * 8,
         padded_bytes_per_rank=w,
         gathered_bytes=n * w,
         ring_ms=1e3 * ring,
-        hier_ms=1e3 * (inside + across + bcast),
+        hier_ms=1e3 * (_two_level_s(n, 8 * (HEADER + 1)) + _two_level_s(n, w)),
     )
 
 
@@ -321,14 +556,32 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
 
 
 def _row(
-    step: Step, local: dict[str, float], glob: dict[str, float | None], rss_mib: float
+    step: Step,
+    local: dict[str, float],
+    host: dict[str, float],
+    glob: dict[str, float | None],
+    rss_mib: float,
 ) -> dict:
     model = model_allgather(step.ranks, step.sizes_N)
     matrix_mib = step.matrix_NW.nbytes / 2**20
     return {
         "ranks": step.ranks,
+        "micro_batches": len(step.micro),
         "tokens": step.tokens,
         "samples": step.samples,
+        "step_host_ms": round(host["step_host_ms"], 4),
+        "step_host_old_ms": round(host["step_host_old_ms"], 4),
+        "step_host_miss_ms": round(host["step_host_miss_ms"], 4),
+        "bridge_host_ms": round(host["bridge_host_ms"], 4),
+        "bridge_host_old_ms": round(host["bridge_host_old_ms"], 4),
+        "layouts_ms": round(host["layouts_ms"], 4),
+        "encode_ms": round(host["encode_ms"], 4),
+        "verdict_plan_ms": round(host["verdict_plan_ms"], 4),
+        "tokens_ms": round(host["tokens_ms"], 4),
+        "encode_old_ms": round(host["encode_old_ms"], 4),
+        "verdict_old_ms": round(host["verdict_old_ms"], 4),
+        "plan_old_ms": round(host["plan_old_ms"], 4),
+        "tokens_old_ms": round(host["tokens_old_ms"], 4),
         "plan_ms": round(local["plan_ms"], 4),
         "plan_ms_min": round(local["plan_ms_min"], 4),
         "global_plan_ms": glob.get("global_plan_ms"),
@@ -357,34 +610,27 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
     FigureCanvasAgg(fig)
     n = [r["ranks"] for r in rows]
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    ax.plot(n, [r["plan_ms"] for r in rows], "o-", label="local plan, one rank (plan_ms)")
+    ax.plot(
+        n, [r["step_host_ms"] for r in rows], "o-", label="step host work, cached (step_host_ms)"
+    )
+    ax.plot(
+        n, [r["step_host_miss_ms"] for r in rows], "o:", label="step host work, every plan (miss)"
+    )
+    ax.plot(n, [r["step_host_old_ms"] for r in rows], "s--", label="step host work, old path")
+    ax.plot(n, [r["plan_ms"] for r in rows], "d-", label="plan + check, one micro-batch (plan_ms)")
+    ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="host time")
+    bx.plot(n, [r["allgather_ring_ms"] for r in rows], "^:", label="metadata, flat ring (model)")
+    bx.plot(n, [r["allgather_hier_ms"] for r in rows], "v-", label="metadata, two-level (model)")
     g = [(r["ranks"], r["global_plan_ms"]) for r in rows if r["global_plan_ms"] is not None]
     if g:
-        ax.plot(
-            *zip(*g, strict=True), "s--", label=f"retired global planner (every rank; {BASELINE})"
-        )
-    ax.plot(
-        n, [r["allgather_ring_ms"] for r in rows], "^:", label="metadata all-gather, ring (model)"
-    )
-    ax.plot(
-        n,
-        [r["allgather_hier_ms"] for r in rows],
-        "v:",
-        label="metadata all-gather, 2-level (model)",
-    )
-    ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="time")
-    bx.plot(n, [r["peak_mib"] for r in rows], "o-", label="local plan: matrix + planning peak")
-    bx.plot(n, [r["plan_alloc_mib"] for r in rows], "o:", label="local plan: planning peak alone")
-    m = [(r["ranks"], r["global_rss_growth_mib"]) for r in rows if r["global_rss_growth_mib"]]
-    if m:
-        bx.plot(*zip(*m, strict=True), "s--", label="retired global planner: RSS growth (recorded)")
-    bx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="MiB", title="memory")
+        bx.plot(*zip(*g, strict=True), "s--", label=f"retired global planner ({BASELINE})")
+    bx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="exchange")
     for x in (ax, bx):
         x.grid(alpha=0.3, which="both")
         x.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle(
-        f"Planning one step, ~{tokens_per_rank:,} tokens per rank (teacher tp8 cp2, student tp4 "
-        "cp4, colocated, THD); one CPU thread",
+        f"One rank's step, ~{tokens_per_rank:,} tokens per rank (teacher tp8 cp2, student tp4 "
+        f"cp4, colocated, THD, {rows[0]['micro_batches']} micro-batches); one CPU thread",
         fontsize=9,
     )
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -396,63 +642,79 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
     lines = [
         f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; load average "
         f"{load[0]:.1f} at the start and {load[1]:.1f} at the end of the run): absolute times "
-        "are noisy, the shape against ranks is the figure. Per rank count: one simulated step, "
-        f"{args.tokens_per_rank} real tokens per rank on average, lengths uniform in "
-        f"[1, {args.max_len}], teacher tp8 cp2 and student tp4 cp4 colocated on the same ranks "
-        "(rank r is both), THD both sides padded to 2 cp tp per sequence, DP ranks holding "
-        "contiguous sample ids (teacher: equal sample counts; student: equal tokens).",
-        f"`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one rank, "
-        f"median of {args.repeats}, the slowest of three ranks (rank 0, one in the middle, the "
-        "last teacher leader); `plan_ms_min` the fastest. `groups_read`: the most groups (of `groups`) whose runs one of them reads. "
-        "`global_plan_ms`: the retired global planner (every rank planned the whole job), as "
-        f"recorded in profiling/results/{BASELINE}.md at the same setup; empty at another "
-        "setup or rank count, or where the record is absent.",
-        "`peak_mib` = `matrix_mib` (the gathered metadata every rank holds) + `plan_alloc_mib` "
-        "(tracemalloc peak of decoding and planning). `global_rss_growth_mib`: the retired "
-        "planner's recorded RSS high-water mark above its inputs. `setup_rss_mib`: this process's peak "
-        "RSS after building the records (setup, not planning).",
+        "are noisy, the shape against ranks is the figure. Per rank count: one simulated step "
+        f"of {args.micro_batches} micro-batches, {args.tokens_per_rank} real tokens per rank in "
+        f"the step on average, lengths uniform in [1, {args.max_len}], teacher tp8 cp2 and "
+        "student tp4 cp4 colocated on the same ranks (rank r is both), THD both sides padded to "
+        "2 cp tp per sequence, DP ranks holding contiguous sample ids (teacher: equal sample "
+        "counts; student: equal tokens).",
+        "`step_host_ms`: one rank's per-step host work on a step it has seen (the steady "
+        "state): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
+        "packed_layout calls, which now derive the runs), its record (`encode_ms`), the fence, "
+        "the verdict checks, plan keys and schedule lookups (`verdict_plan_ms`: no planner), "
+        "the token counts (`tokens_ms`: the step's and each micro-batch's); `bridge_host_ms`: "
+        "all but the layouts (the bridge's own functions). `step_host_miss_ms`: the same with an empty "
+        "schedule cache (every micro-batch planned and checked). `step_host_old_ms`: the path "
+        "before (runs from the rows, a catalog per micro-batch through the records' offsets, "
+        "every verdict and plan_rank each step, one rank reading every student group for "
+        "duplicate samples, global_tokens decoding every student group per call), with the same "
+        "layout constructors (their runs dropped, so the record derives them from the rows); "
+        "`*_old_ms` its parts. Each timed step reads a fresh copy of the gathered matrix (as "
+        "after an all-gather; the copy is not timed). "
+        f"The least of up to {args.repeats} steps (old and miss: a third of that; on this "
+        "shared machine the least disturbed step is the figure, for every path alike), "
+        "the slowest of three ranks (rank 0, one in the middle, the last teacher leader).",
+        "`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one "
+        "micro-batch of one rank, as before; `global_plan_ms`: the retired global planner "
+        f"recorded in profiling/results/{BASELINE}.md, only at its setup (one micro-batch of "
+        "4096 tokens per rank). `peak_mib` = `matrix_mib` (the gathered metadata every rank "
+        "holds) + `plan_alloc_mib` (tracemalloc peak of planning one micro-batch).",
         f"All-gather model: records padded to the widest (`metadata_padded_bytes_per_rank`), "
-        f"two collectives (sizes, records); ring: 2 (n-1) alpha + (n-1) w / beta with alpha = "
-        f"{ALPHA_S * 1e6:g} us per hop and beta = {BETA_BPS / 1e9:g} GB/s; 2-level: nodes of "
-        f"{NODE} (NVLink alpha {ALPHA_NVL_S * 1e6:g} us, {BETA_NVL_BPS / 1e9:g} GB/s), a ring "
-        "over node leaders, a broadcast inside the node.",
+        f"two collectives (sizes with the headers, 64 bytes a rank; records); ring: "
+        f"2 (n-1) alpha + (n-1) (w + 64) / beta with alpha = "
+        f"{ALPHA_S * 1e6:g} us per hop and beta = {BETA_BPS / 1e9:g} GB/s; two-level (what "
+        f"the bridge runs from create_bridge_groups(metadata_nodes_from=...) on): nodes of "
+        f"{NODE} (NVLink alpha {ALPHA_NVL_S * 1e6:g} us, {BETA_NVL_BPS / 1e9:g} GB/s), a "
+        "gather to the node leader, a log-depth (Bruck) all-gather among leaders, a binomial "
+        "broadcast inside the node.",
     ]
-    lo, hi = by.get(1024), by.get(16384)
-    if lo and hi:
+    lo, hi, top = by.get(1024), by.get(16384), by.get(65536)
+    if hi:
+        ok = hi["step_host_ms"] <= 2
         lines.append(
-            f"Flatness: plan_ms at 16,384 ranks is {hi['plan_ms'] / lo['plan_ms']:.2f}x that at "
-            "1,024 (target <= 2x)."
+            f"At 16,384 ranks: {hi['step_host_ms']:.3g} ms of host work per step "
+            f"({'meets' if ok else 'misses'} the <= 2 ms target; {hi['bridge_host_ms']:.3g} ms "
+            f"without building the layouts), against {hi['step_host_old_ms']:.4g} ms on the old "
+            f"path; the two-level exchange modelled at {hi['allgather_hier_ms']:.3g} ms against "
+            f"{hi['allgather_ring_ms']:.4g} ms for the flat ring "
+            f"({'meets' if hi['allgather_hier_ms'] <= 10 else 'misses'} the <= 10 ms target)."
         )
-    mid = by.get(4096)
-    if mid:
-        ok = mid["plan_ms"] <= 20 and mid["peak_mib"] <= 200
+    if lo and top:
+        ratio = top["step_host_ms"] / lo["step_host_ms"]
         lines.append(
-            f"At 4,096 ranks: {mid['plan_ms']:.2f} ms and {mid['peak_mib']:.1f} MiB "
-            f"({'meets' if ok else 'misses'} the <= 20 ms, <= 200 MiB target)."
+            f"Flatness: step_host_ms at 65,536 ranks is {ratio:.2f}x that at 1,024 (target "
+            f"<= 1.5x: {'met' if ratio <= 1.5 else 'missed'}; bridge_host_ms "
+            f"{top['bridge_host_ms'] / lo['bridge_host_ms']:.2f}x); the old path "
+            f"{top['step_host_old_ms'] / lo['step_host_old_ms']:.3g}x."
         )
-    ratios = [
-        f"{r['ranks']:,} ranks: {2e3 * (r['ranks'] - 1) * ALPHA_S:.3g} ms latency against "
-        f"{1e3 * (r['ranks'] - 1) * r['metadata_padded_bytes_per_rank'] / BETA_BPS:.2g} ms "
-        "bandwidth"
-        for r in rows
-    ]
-    lines.append(
-        "Where the all-gather must become hierarchical: a record is a few KiB, so the flat ring "
-        f"is latency-bound at every size ({'; '.join(ratios)}). It passes 10 ms a step at about "
-        f"{int(1 + 1e-2 / (2 * ALPHA_S)):,} ranks: from 1,024 ranks on it should go through node "
-        "leaders (the 2-level column: n / 8 ring steps) or a log-depth all-gather "
-        "(2 log2(n) steps, which leaves the bandwidth term: a few ms at 16,384). Past 4,096 "
-        "ranks the gathered matrix itself (every rank holds n padded records, `matrix_mib`) is "
-        "the largest memory cost of planning: gather only the slot tables (sample ranges, "
-        "rows) from everyone and the runs from the peers they name."
-    )
+    cross = [r["ranks"] for r in rows if r["allgather_hier_ms"] < r["allgather_ring_ms"]]
+    if cross:
+        lines.append(
+            f"The two-level exchange models below the flat ring from {min(cross):,} ranks on "
+            "(of those measured); below a few hundred ranks the flat all-gather is a handful of "
+            "hops and needs no extra groups, hence create_bridge_groups' default "
+            "metadata_nodes_from=512."
+        )
     return "\n\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS))
-    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument(
+        "--tokens-per-rank", type=int, default=4096, help="real tokens per rank in the step"
+    )
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
@@ -469,17 +731,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks ...", file=sys.stderr, flush=True)
         step = build_step(
-            n, tokens_per_rank=args.tokens_per_rank, max_len=args.max_len, seed=args.seed
+            n,
+            tokens_per_rank=args.tokens_per_rank,
+            max_len=args.max_len,
+            seed=args.seed,
+            micro_batches=args.micro_batches,
         )
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        local = measure_local(step, representative_ranks(n), args.repeats)
-        row = _row(step, local, baseline.get(n, {}), rss_mib)
+        reps = representative_ranks(n)
+        local = measure_local(step, reps, args.repeats)
+        host = measure_step(step, reps, args.repeats)
+        row = _row(step, local, host, baseline.get(n, {}), rss_mib)
         del step
         gc.collect()
         rows.append(row)
         print(
             f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks done in "
-            f"{time.perf_counter() - t0:.1f} s (one rank plans in {row['plan_ms']:.3g} ms)",
+            f"{time.perf_counter() - t0:.1f} s (one rank's step: {row['step_host_ms']:.3g} ms, "
+            f"old path {row['step_host_old_ms']:.3g} ms)",
             file=sys.stderr,
             flush=True,
         )
@@ -491,7 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = environment()
         notes = _notes(rows, args, (load0, os.getloadavg()[0]))
         csv_path, md_path = record(
-            "plan-scale", rows, out_dir=args.results_dir, notes=notes, env=env
+            "plan-step", rows, out_dir=args.results_dir, notes=notes, env=env
         )
         recorded = [csv_path, md_path]
         if can_draw("mopd bench plan"):

@@ -302,8 +302,9 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
     """
     import torch
 
-    from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
+    from mopd.bridge.metadata import StepMatrix, encode_step_record
     from mopd.bridge.plan import check_rank, plan_rank
+    from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
     from mopd.bridge.topology import Topology
 
     t, s = req.teacher, req.student
@@ -315,44 +316,38 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
     cache: dict[tuple[Any, Any], np.ndarray] = {}
     records: list[np.ndarray] = []
     for r in topo.members:
+        # what rank r contributes: the bridge's own rule (mopd.bridge.record)
+        roles = rank_roles(
+            r,
+            [t],
+            s,
+            keep_sp_shard=req.keeps_sp_slice,
+            shard_sources=[req.sources_from_shards],
+        )
         tc, sc = t.coord(r), s.coord(r)
-        t_key: tuple[Any, bool] | None = None
-        s_key = None
-        if tc is not None and tc.pp_rank == t.pp - 1:  # (its layouts' key, it sends runs)
-            t_key = (
-                (r, True)
-                if req.sources_from_shards
-                else ((tc.dp_rank, tc.cp_rank), tc.tp_rank == 0)
-            )
-        if sc is not None and sc.pp_rank == s.pp - 1:
-            s_key = r if req.keeps_sp_slice else (sc.dp_rank, sc.cp_rank, sc.tp_rank == 0)
-        key = (t_key, s_key)
+        t_key = s_key = None
+        if roles[0] is not None and tc is not None:  # from shards: each rank its own layouts
+            t_key = r if req.sources_from_shards else (tc.dp_rank, tc.cp_rank)
+        if roles[1] is not None and sc is not None:
+            s_key = r if req.keeps_sp_slice else (sc.dp_rank, sc.cp_rank)
+        key = (t_key, s_key, roles)
         if key not in cache:  # replicas with one role share one encoding
-            sections: list[Section | None] = [None, None]
-            if t_key is not None:
-                sections[0] = Section(
-                    layouts=[t_lay[i][t_key[0]] for i in range(m)],
-                    send_runs=t_key[1],
-                    dtype=torch.bfloat16,  # the planner does not read it; bytes use dtype_bytes
-                    hidden=req.hidden_size,
-                )
-            if s_key is not None:
-                k = s_key if req.keeps_sp_slice else s_key[:2]
-                sections[1] = Section(
-                    layouts=[s_lay[i][k] for i in range(m)],
-                    send_runs=req.keeps_sp_slice or bool(s_key[2]),  # type: ignore[index]
-                )
+            sections = rank_sections(
+                roles,
+                teacher_layouts={} if t_key is None else {0: [t_lay[i][t_key] for i in range(m)]},
+                student_layouts=None if s_key is None else [s_lay[i][s_key] for i in range(m)],
+                dtypes=[torch.bfloat16],  # the planner does not read it; bytes use dtype_bytes
+                hiddens=[req.hidden_size],
+            )
             rec = encode_step_record(config_sig=1, n_slots=m, error="", sections=sections)
             cache[key] = rec.numpy()
         records.append(cache[key])
-    sizes = np.asarray([x.size for x in records], dtype=_I64)
-    gathered = np.zeros((len(records), int(sizes.max())), dtype=_I64)
-    for j, x in enumerate(records):
-        gathered[j, : x.size] = x
+    gathered, _ = stack_records(records)
     matrix = StepMatrix(gathered)
+    view = read_step(topo, matrix, m)
     catalogs, plans = [], []
     for i in range(m):
-        catalog = topo.catalog(matrix, i)
+        catalog = view.catalogs[i]
         verdicts = [v for r in topo.members for v in check_rank(catalog, r)]
         if verdicts:
             raise ValueError(f"the bridge would refuse micro-batch {i}: {verdicts[0]}")

@@ -2,8 +2,8 @@
 
 Why this file exists: the planner's property tests and the planning benchmark need every rank's
 metadata record and the gathered matrix of a step, built exactly as the live bridge builds them,
-but in one process. :func:`simulate` encodes each rank's record (:mod:`mopd.bridge.metadata`),
-stacks them as the all-gather would, and :func:`deliver` moves key-pattern rows through every
+but in one process. :func:`simulate` encodes each rank's record by the bridge's own rule
+(:mod:`mopd.bridge.record`), stacks them as the all-gather would, and :func:`deliver` moves key-pattern rows through every
 rank's :class:`~mopd.bridge.plan.RankPlan` (a mailbox instead of a transport), so a test can
 compare each destination row with the row its key names (:func:`key_sources`,
 :func:`expected_slice`). :func:`contiguous_step` builds steps whose DP ranks hold contiguous
@@ -21,8 +21,9 @@ import torch
 
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
+from mopd.bridge.metadata import StepMatrix, encode_step_record
 from mopd.bridge.plan import RankPlan, RunCatalog
+from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
 from mopd.bridge.topology import Topology
 
 __all__ = [
@@ -63,32 +64,30 @@ def simulate(
     topo = Topology.build(teachers, student, per_rank_dests=per_rank_dests)
     records = []
     for r in topo.members:
-        sections: list[Section | None] = []
+        roles = rank_roles(r, teachers, student, keep_sp_shard=per_rank_dests)
+        t_lays = {}
         for o, mesh in enumerate(teachers):
             c = mesh.coord(r)
-            if c is None or c.pp_rank != mesh.pp - 1:
-                sections.append(None)
-                continue
-            lay = teacher_layouts[o][(c.dp_rank, c.cp_rank)]
-            sections.append(
-                Section(layouts=[lay], send_runs=c.tp_rank == 0, dtype=torch.bfloat16, hidden=8)
-            )
+            if roles[o] is not None and c is not None:
+                t_lays[o] = [teacher_layouts[o][(c.dp_rank, c.cp_rank)]]
+        s_lays = None
         c = student.coord(r)
-        if c is None or c.pp_rank != student.pp - 1:
-            sections.append(None)
-        elif per_rank_dests:
-            lay = (student_rank_layouts or {})[r]
-            sections.append(Section(layouts=[lay], send_runs=True))
-        else:
-            lay = student_layouts[(c.dp_rank, c.cp_rank)]
-            sections.append(Section(layouts=[lay], send_runs=c.tp_rank == 0))
+        if roles[-1] is not None and c is not None:
+            if per_rank_dests:
+                s_lays = [(student_rank_layouts or {})[r]]
+            else:
+                s_lays = [student_layouts[(c.dp_rank, c.cp_rank)]]
+        sections = rank_sections(
+            roles,
+            teacher_layouts=t_lays,
+            student_layouts=s_lays,
+            dtypes=[torch.bfloat16] * len(teachers),
+            hiddens=[8] * len(teachers),
+        )
         records.append(encode_step_record(config_sig=1, n_slots=1, error="", sections=sections))
-    width = max(int(x.numel()) for x in records)
-    matrix = np.zeros((len(records), width), dtype=np.int64)
-    for j, x in enumerate(records):
-        matrix[j, : x.numel()] = x.numpy()
-    m = StepMatrix(matrix)
-    return SimStep(topology=topo, matrix=m, catalog=topo.catalog(m, 0))
+    matrix, _ = stack_records(records)
+    view = read_step(topo, StepMatrix(matrix), 1)
+    return SimStep(topology=topo, matrix=view.matrix, catalog=view.catalogs[0])
 
 
 def expand_segments(segments_S5: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,296 @@
+"""What one rank contributes to a step, and what it reads back of everyone's: one rule, no group.
+
+Why this file exists: the live bridge (:meth:`~mopd.bridge.api.HiddenStateBridge.plan_step`),
+the plan inspector, the plan benchmark and the tests must build a step's records and read the
+gathered matrix by the same rule, or a change to the record leaves the tools checking another
+rule than the one that runs. Everything here is pure (no process group): the all-gather between
+:func:`rank_sections` / :func:`~mopd.bridge.metadata.encode_step_record` and :func:`read_step`
+is the caller's (the bridge's :func:`~mopd.bridge.metadata.gather_step_matrix`, or
+:func:`stack_records` in one process).
+
+The rule (:func:`rank_roles`): a rank holds a teacher's section when it is on that teacher's
+last pipeline stage, the student's when it is on the student's last stage. The first rank of a
+group of replicas (a TP group) sends its runs; the others send only their slot tables, whose
+digests must match the leader's. With ``keep_sp_shard`` every student rank is its own
+destination and sends its own runs.
+
+Reading back (:func:`read_step`) costs one strided slice of the leaders' slot tables per
+section for the whole step (rows, sample ranges, digests, token counts of every group and
+micro-batch), then per micro-batch a lazy :class:`~mopd.bridge.plan.RunCatalog`. From the same
+tables, :meth:`StepView.plan_keys` hashes what a rank's plan and checks of a micro-batch depend
+on: its own groups and the groups whose sample range meets theirs (ids, rows, ranges, digests).
+Equal keys, equal plans: a rank's schedule cache is keyed on them, so a repeated micro-batch
+runs no planner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+import torch
+
+from mopd.bridge.layout import TokenLayout
+from mopd.bridge.mesh import Mesh
+from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
+from mopd.bridge.plan import RunCatalog
+from mopd.bridge.topology import Topology
+
+__all__ = [
+    "StepView",
+    "rank_roles",
+    "rank_sections",
+    "read_step",
+    "stack_records",
+]
+
+_I64 = np.int64
+_ROWS, _SMIN, _SMAX, _DIGEST, _TOKENS = (
+    SLOT_COLUMNS.index(c) for c in ("n_rows", "sample_min", "sample_max", "digest", "n_tokens")
+)
+_KEY_COLS = np.asarray([_ROWS, _SMIN, _SMAX, _DIGEST], dtype=_I64)
+
+
+def rank_roles(
+    rank: int,
+    teachers: Sequence[Mesh],
+    student: Mesh,
+    *,
+    keep_sp_shard: bool = False,
+    shard_sources: Sequence[bool] | None = None,
+) -> tuple[bool | None, ...]:
+    """What global rank ``rank`` contributes, per section (teachers in order, then the student):
+    ``None`` where it holds no such rows (not on that mesh's last stage), else whether it sends
+    the section's runs (``True``: the first rank of its TP group, every rank of a teacher in
+    ``shard_sources`` (each sends from its own sequence-parallel shard), or every student rank
+    with ``keep_sp_shard``; ``False``: a replica that sends its digests)."""
+    shards = [False] * len(teachers) if shard_sources is None else list(shard_sources)
+    if len(shards) != len(teachers):
+        raise ValueError(f"shard_sources has {len(shards)} entries for {len(teachers)} teachers")
+    roles: list[bool | None] = []
+    for mesh, shard in zip(teachers, shards, strict=True):
+        c = mesh.coord(rank)
+        if c is None or c.pp_rank != mesh.pp - 1:
+            roles.append(None)
+        else:
+            roles.append(bool(shard) or c.tp_rank == 0)
+    c = student.coord(rank)
+    if c is None or c.pp_rank != student.pp - 1:
+        roles.append(None)
+    else:
+        roles.append(keep_sp_shard or c.tp_rank == 0)
+    return tuple(roles)
+
+
+def rank_sections(
+    roles: Sequence[bool | None],
+    *,
+    teacher_layouts: Mapping[int, Sequence[TokenLayout]],
+    student_layouts: Sequence[TokenLayout] | None,
+    dtypes: Sequence[torch.dtype | None],
+    hiddens: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> list[Section | None]:
+    """The sections of a rank with ``roles`` (:func:`rank_roles`), for
+    :func:`~mopd.bridge.metadata.encode_step_record`: teacher ``o``'s from
+    ``teacher_layouts[o]`` with ``dtypes[o]`` / ``hiddens[o]``, the student's from
+    ``student_layouts`` (each one layout per micro-batch; the caller has checked that the rank
+    gives exactly the layouts its roles call for)."""
+    n = len(roles) - 1
+    sections: list[Section | None] = []
+    for o in range(n):
+        send = roles[o]
+        if send is None:
+            sections.append(None)
+            continue
+        sections.append(
+            Section(
+                layouts=teacher_layouts[o],
+                send_runs=send,
+                dtype=dtypes[o],
+                hidden=hiddens[o],
+                device=device,
+            )
+        )
+    send = roles[n]
+    if send is None or student_layouts is None:
+        sections.append(None)
+    else:
+        sections.append(Section(layouts=student_layouts, send_runs=send, device=device))
+    return sections
+
+
+def stack_records(records: Sequence[torch.Tensor | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """What the metadata all-gather returns, in one process: ``([n, width] int64, sizes [n])``,
+    record ``j`` in row ``j`` zero-padded to the widest."""
+    arrays = [r.numpy() if isinstance(r, torch.Tensor) else np.asarray(r) for r in records]
+    sizes = np.asarray([a.size for a in arrays], dtype=_I64)
+    matrix = np.zeros((len(arrays), int(sizes.max()) if arrays else 0), dtype=_I64)
+    for j, a in enumerate(arrays):
+        matrix[j, : a.size] = a
+    return matrix, sizes
+
+
+def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndarray) -> np.ndarray:
+    """``[I, X]`` whether group ``x``'s range in micro-batch ``i`` meets ``[lo_I, hi_I]`` (a
+    superset of the planner's test: an empty group's ``(1, 0)`` may count as meeting)."""
+    return (hi_I[:, None] >= lo_XI.T) & (lo_I[:, None] <= hi_XI.T) & (lo_I <= hi_I)[:, None]
+
+
+class _Catalogs(Sequence[RunCatalog]):
+    """A step's catalogs, each built on first access (a micro-batch a rank has planned before
+    needs none); the columns they read are copied once, on the first."""
+
+    def __init__(
+        self, topology: Topology, matrix: StepMatrix, src: np.ndarray, dst: np.ndarray
+    ) -> None:
+        self._topology, self._matrix, self._src, self._dst = topology, matrix, src, dst
+        self._built: dict[int, RunCatalog] = {}
+        self._fields: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return int(self._src.shape[1])
+
+    @overload
+    def __getitem__(self, i: int) -> RunCatalog: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[RunCatalog, ...]: ...
+    def __getitem__(self, i: int | slice) -> RunCatalog | tuple[RunCatalog, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        j = operator.index(i)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"micro-batch {i} of {len(self)}")
+        got = self._built.get(j)
+        if got is None:
+            if self._fields is None:
+                # (n_rows, sample_min, sample_max) per micro-batch, [X, 3] contiguous
+                cols = [_ROWS, _SMIN, _SMAX]
+                self._fields = (
+                    np.ascontiguousarray(self._src[:, :, cols].transpose(1, 0, 2)),
+                    np.ascontiguousarray(self._dst[:, :, cols].transpose(1, 0, 2)),
+                )
+            src_I, dst_I = self._fields
+            got = self._topology.catalog(self._matrix, j, fields=(src_I[j], dst_I[j]))
+            self._built[j] = got
+        return got
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepView:
+    """One rank's reading of a gathered, agreed step (:func:`read_step`).
+
+    Attributes:
+        topology: the bridge's groups.
+        matrix: the gathered records.
+        n_slots: micro-batches of the step.
+        source_GIF: ``[G, n_slots, SLOT_FIELDS]`` every source group leader's slot tables
+            (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`).
+        dest_DIF: ``[D, n_slots, SLOT_FIELDS]`` every destination group leader's.
+        catalogs: per micro-batch, the planner's lazy catalog (each built on first access).
+    """
+
+    topology: Topology
+    matrix: StepMatrix
+    n_slots: int
+    source_GIF: np.ndarray
+    dest_DIF: np.ndarray
+    catalogs: Sequence[RunCatalog]
+
+    def tokens_I(self) -> np.ndarray:
+        """``[n_slots]`` real tokens the student wants per micro-batch over all its
+        destination groups (each token once): a sum of the leaders' ``n_tokens``."""
+        return self.dest_DIF[:, :, _TOKENS].sum(axis=0)
+
+    def plan_keys(self, rank: int, extra: bytes = b"") -> list[bytes]:
+        """Per micro-batch, a hash of everything ``rank``'s plan and verdicts of it read.
+
+        ``plan_rank`` and ``check_rank`` read the rank's own source and destination groups and
+        the groups whose sample range meets one of theirs, nothing else. The key covers its own
+        groups and every group whose range meets the hull of their ranges (a superset: a key
+        that covers more only misses more often): their indices, rows, sample ranges and layout
+        digests; ``extra``: what else the caller's schedule depends on (row widths). One
+        vectorized comparison per side for the whole step; hashing is per micro-batch.
+        """
+        ix = self.topology.index
+        own_s = np.asarray(ix.source_groups.get(rank, ()), dtype=_I64)
+        own_d = np.asarray(ix.dest_groups.get(rank, ()), dtype=_I64)
+        src, dst = self.source_GIF, self.dest_DIF
+        own = np.concatenate([src[own_s], dst[own_d]])  # [own, I, F]
+        n_i = self.n_slots
+        if own.shape[0]:
+            lo_I, hi_I = _hull(own)
+            meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
+            meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
+            # a second hop: in compact delivery a sender places its rows among those of the
+            # other sources that meet the destinations it serves, so the key covers every
+            # group meeting the hull of the groups met by the rank's own
+            for i in range(n_i):
+                met = np.concatenate([src[meet_s[i], i], dst[meet_d[i], i]])
+                lo, hi = _hull(met[:, None, :])
+                lo_I[i], hi_I[i] = min(lo_I[i], lo[0]), max(hi_I[i], hi[0])
+            meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
+            meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
+        else:
+            meet_s = np.zeros((n_i, src.shape[0]), dtype=bool)
+            meet_d = np.zeros((n_i, dst.shape[0]), dtype=bool)
+        meet_s[:, own_s] = True
+        meet_d[:, own_d] = True
+        keys = []
+        for i in range(n_i):
+            gs, ds = np.flatnonzero(meet_s[i]), np.flatnonzero(meet_d[i])
+            h = hashlib.blake2b(extra, digest_size=16)
+            for ids, table in ((gs, src), (ds, dst)):
+                h.update(np.asarray([ids.size], dtype=_I64).tobytes())
+                h.update(ids.astype(_I64).tobytes())
+                h.update(np.ascontiguousarray(table[ids, i][:, _KEY_COLS]).tobytes())
+            keys.append(h.digest())
+        return keys
+
+
+def _hull(groups_GIF: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([I], [I])`` smallest and largest sample id over the live groups of ``[G, I, F]`` slot
+    tables, per micro-batch (empty: the lowest int64 above the highest, which meets nothing)."""
+    live = groups_GIF[:, :, _SMIN] <= groups_GIF[:, :, _SMAX]
+    big = np.iinfo(_I64)
+    lo_I = np.where(live, groups_GIF[:, :, _SMIN], big.max).min(axis=0, initial=big.max)
+    hi_I = np.where(live, groups_GIF[:, :, _SMAX], big.min).max(axis=0, initial=big.min)
+    return lo_I, hi_I
+
+
+def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
+    """The step as one rank reads it: every group leader's slot tables (one strided slice per
+    section, the same column in every record: :meth:`~mopd.bridge.metadata.StepMatrix.
+    slot_tables`) and the per-micro-batch catalogs on them (built when first looked at: a
+    micro-batch whose schedule is cached is never decoded). The step must be agreed
+    (same ``n_slots`` everywhere, no errors: the bridge's fence and checks ran)."""
+    n_sec = topology.student_section + 1
+    sections = topology.source_section
+    if topology.student_section == 1:  # one teacher: every source group is its
+        src = matrix.slot_tables(topology.source_leader, 0, n_sections=n_sec, n_slots=n_slots)
+    else:
+        src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
+        for o in range(topology.student_section):
+            sel = np.flatnonzero(sections == o)
+            if sel.size:
+                src[sel] = matrix.slot_tables(
+                    topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
+                )
+    dst = matrix.slot_tables(
+        topology.dest_leader, topology.student_section, n_sections=n_sec, n_slots=n_slots
+    )
+    catalogs = _Catalogs(topology, matrix, src, dst)
+    return StepView(
+        topology=topology,
+        matrix=matrix,
+        n_slots=n_slots,
+        source_GIF=src,
+        dest_DIF=dst,
+        catalogs=catalogs,
+    )

@@ -1,0 +1,141 @@
+"""Layouts built as runs: ``padded_layout`` / ``packed_layout`` hand the exact runs of the
+per-row path (sort the keys, cut where a run ends) on random shapes, CP, SP, packing and masks,
+so the record's runs and digests do not depend on which path built them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mopd.bridge.layout import (
+    TokenLayout,
+    _row_runs,
+    layout_from_runs,
+    layout_to_runs,
+    megatron_padded_length,
+    packed_layout,
+    padded_layout,
+)
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _same_runs(layout: TokenLayout) -> None:
+    built = layout.__dict__.get("_runs_K5")
+    assert built is not None, "the constructor attached no runs"
+    rows = _row_runs(layout)
+    assert torch.equal(built, rows), (built.tolist(), rows.tolist())
+    assert layout_to_runs(layout) is built
+    back = layout_from_runs(built, layout.num_rows)
+    assert back.same_as(layout)
+
+
+@st.composite
+def padded_cases(draw: st.DrawFn) -> dict:
+    cp = draw(st.sampled_from([1, 1, 2, 3, 4]))
+    sp = draw(st.sampled_from([1, 1, 2, 4]))
+    unit = (2 * cp if cp > 1 else 1) * sp
+    seq = unit * draw(st.integers(0, 6))
+    b = draw(st.integers(0, 5))
+    ids = draw(st.lists(st.integers(0, 40), min_size=b, max_size=b, unique=True))
+    lengths = draw(st.one_of(st.none(), st.lists(st.integers(0, seq), min_size=b, max_size=b)))
+    return {
+        "sample_ids": ids,
+        "seq_len": seq,
+        "order": draw(st.sampled_from(["sbh", "bsh"])),
+        "lengths": lengths,
+        "cp_size": cp,
+        "cp_rank": draw(st.integers(0, cp - 1)),
+        "sp_size": sp,
+        "sp_rank": draw(st.integers(0, sp - 1)),
+    }
+
+
+@given(case=padded_cases())
+@SETTINGS
+def test_padded_layout_runs_equal_the_per_row_runs(case: dict) -> None:
+    _same_runs(padded_layout(**case))
+
+
+@st.composite
+def packed_cases(draw: st.DrawFn) -> dict:
+    cp = draw(st.sampled_from([1, 1, 2, 3, 4]))
+    sp = draw(st.sampled_from([1, 1, 2, 4]))
+    n = draw(st.integers(0, 6))
+    ids = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n, unique=True))
+    lens = draw(st.lists(st.integers(0, 37), min_size=n, max_size=n))
+    extra = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))  # more padding than needed
+    mult = megatron_padded_length(1, cp_size=cp, sp_size=sp)
+    padded = [
+        megatron_padded_length(x, cp_size=cp, sp_size=sp) + e * mult
+        for x, e in zip(lens, extra, strict=True)
+    ]
+    cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64).tolist()
+    return {
+        "sample_ids": ids,
+        "seq_lens": lens,
+        "cu_seqlens_padded": cu if draw(st.booleans()) else None,
+        "cp_size": cp,
+        "cp_rank": draw(st.integers(0, cp - 1)),
+        "sp_size": sp,
+        "sp_rank": draw(st.integers(0, sp - 1)),
+    }
+
+
+def _packed_rows(case: dict) -> tuple[list[int], list[int]]:
+    """The packed layout's rows written out sequence by sequence (the oracle)."""
+    cp, r = case["cp_size"], case["cp_rank"]
+    lens = case["seq_lens"]
+    cu = case["cu_seqlens_padded"]
+    if cu is None:
+        pads = [megatron_padded_length(x, cp_size=cp, sp_size=case["sp_size"]) for x in lens]
+    else:
+        pads = [b - a for a, b in itertools.pairwise(cu)]
+    sample, pos = [], []
+    for sid, n, pad in zip(case["sample_ids"], lens, pads, strict=True):
+        if cp > 1:
+            c = pad // (2 * cp)
+            mine = [*range(r * c, (r + 1) * c), *range((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+        else:
+            mine = list(range(pad))
+        for p in mine:
+            sample.append(sid if p < n else -1)
+            pos.append(p if p < n else -1)
+    k = len(sample) // case["sp_size"]
+    sl = slice(case["sp_rank"] * k, (case["sp_rank"] + 1) * k)
+    return sample[sl], pos[sl]
+
+
+@given(case=packed_cases())
+@SETTINGS
+def test_packed_layout_runs_equal_the_per_row_runs(case: dict) -> None:
+    lay = packed_layout(**case)
+    sample, pos = _packed_rows(case)  # the rows too: built from the runs, they must be right
+    assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
+    _same_runs(lay)
+
+
+def test_packed_layout_with_a_repeated_sample_id_builds_its_rows() -> None:
+    case = {
+        "sample_ids": [5, 5, 2],
+        "seq_lens": [3, 6, 1],
+        "cu_seqlens_padded": None,
+        "cp_size": 2,
+        "cp_rank": 1,
+        "sp_size": 2,
+        "sp_rank": 0,
+    }
+    lay = packed_layout(**case)
+    assert "_runs_K5" not in lay.__dict__
+    sample, pos = _packed_rows(case)
+    assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
+
+
+def test_a_repeated_sample_id_takes_the_per_row_path() -> None:
+    lay = padded_layout([3, 3], 4, lengths=[2, 4])
+    assert "_runs_K5" not in lay.__dict__
+    assert torch.equal(layout_to_runs(lay), _row_runs(lay))
