@@ -265,7 +265,7 @@ def _plan_one(step: Step, rank: int) -> tuple[Any, list[str]]:
     """What one rank does per micro-batch once the matrix is there (micro-batch 0)."""
     m = StepMatrix(step.matrix_NW)
     catalog = step.topology.catalog(m, 0)
-    return plan_rank(catalog, rank), check_rank(catalog, rank)
+    return plan_rank(catalog, rank, compact=True), check_rank(catalog, rank)
 
 
 def _groups_read(step: Step, rank: int) -> int:
@@ -273,7 +273,7 @@ def _groups_read(step: Step, rank: int) -> int:
     m = StepMatrix(step.matrix_NW)
     cat = step.topology.catalog(m, 0)
     counting, source_ids, dest_ids = cat.recording_reads()
-    plan_rank(counting, rank)
+    plan_rank(counting, rank, compact=True)
     check_rank(counting, rank)
     return len(source_ids) + len(dest_ids)
 

@@ -352,7 +352,7 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
         if verdicts:
             raise ValueError(f"the bridge would refuse micro-batch {i}: {verdicts[0]}")
         catalogs.append(catalog)
-        plans.append({r: plan_rank(catalog, r) for r in topo.members})
+        plans.append({r: plan_rank(catalog, r, compact=True) for r in topo.members})
     return SimulatedStep(
         topology=topo,
         matrix=matrix,
@@ -456,7 +456,7 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
     h2d = np.zeros((m, w), dtype=_I64)
     pairs: dict[tuple[int, int], int] = {}
     messages = local_copies = 0
-    for i, (catalog, plans) in enumerate(zip(step.catalogs, step.plans, strict=True)):
+    for i, plans in enumerate(step.plans):
         sent: dict[tuple[int, int], int] = {}
         heard: dict[tuple[int, int], int] = {}
         for r, plan in plans.items():
@@ -476,10 +476,9 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
                 local_copies += 1
             if plan.dest is not None:
                 assert plan.owner_N is not None
-                group = catalog.dests[plan.dest.group]
-                k = len(group.ranks)
-                if k > 1:  # a shared crossing, all-gathered over the student TP group
-                    allgather[i, r] = (k - 1) * group.slice_rows * rb
+                k = plan.dest.group_size
+                if k > 1:  # a shared crossing: each owner's equal compact slices, all-gathered
+                    allgather[i, r] = (k - 1) * plan.dest.slice_nominal(0) * rb
                 h2d[i, r] = int((plan.owner_N >= 0).sum()) * rb
         if sent != heard:  # both ends of every transfer derive it alone: they must agree
             bad = sorted(set(sent.items()) ^ set(heard.items()))[:3]
@@ -640,8 +639,8 @@ def _link_classes(
     The minimum: each needed row once to each student ``(dp, cp)`` group (the crossing and the
     local copies together: which of the two serves a row depends on placement), nothing on the
     teacher's TP links (the rows are where the capture left them), and the student TP
-    all-gather its layout needs (``tp - 1`` of ``tp`` slices of each group's buffer to every
-    rank, or nothing when each rank keeps its SP slice).
+    all-gather its layout needs (``tp - 1`` of ``tp`` equal slices of each group's tokens to
+    every rank, or nothing when each rank keeps its SP slice).
     """
     s, rb = req.student, req.row_bytes
     needed = sum(
@@ -651,7 +650,7 @@ def _link_classes(
     if not req.keeps_sp_slice and s.tp > 1:
         for held in step.student_layouts:
             for lay in held.values():
-                per = -(-lay.num_rows // s.tp)  # the shared crossing's slice, rounded up
+                per = -(-lay.num_tokens // s.tp)  # the shared crossing's slice, rounded up
                 student_min += s.tp * (s.tp - 1) * per * rb
     got = {
         "cross": cross,
