@@ -20,7 +20,7 @@ into the student's vocab partition once (:func:`reshard_lm_head`).
 Nothing here imports megatron: what reads megatron's objects (process groups, meshes off its
 groups, LM heads off its models) is :mod:`mopd.mcore`'s.
 
-Internals live in their modules (:mod:`.plan`, :mod:`.metadata`, :mod:`.topology`,
+Internals live in their modules (:mod:`.plan`, :mod:`.record`, :mod:`.metadata`, :mod:`.topology`,
 :mod:`.schedule`, :mod:`.order`, :mod:`.executor`, :mod:`.transport`, :mod:`.integrity`,
 :mod:`.compact`).
 """

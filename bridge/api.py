@@ -6,7 +6,8 @@ point-to-point slots between stages, so nothing collective over the whole bridge
 inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
 
 1. :meth:`HiddenStateBridge.plan_step`, outside the schedule, on every rank of the bridge group:
-   one metadata all-gather for all micro-batches of both sides (:mod:`mopd.bridge.metadata`),
+   one metadata exchange for all micro-batches of both sides (:mod:`mopd.bridge.metadata`: the
+   records' headers and sizes, then the records; flat, or in two levels over node groups),
    checks whose verdict every rank shares (bad input raises the same ``ValueError`` on every
    rank before any data moves), and each rank's own plan per micro-batch
    (:mod:`mopd.bridge.plan`, work proportional to its own runs and its peers').
@@ -917,9 +918,9 @@ class BridgeStep:
         sections: Sequence[Section | None],
         *,
         seq: int = 0,
-        view: StepView | None = None,
-        keys: Sequence[bytes] | None = None,
-        cached: Sequence[tuple[bool, RankSchedule | None]] | None = None,
+        view: StepView,
+        keys: Sequence[bytes],
+        cached: Sequence[tuple[bool, RankSchedule | None]],
     ) -> None:
         self._bridge = bridge
         self._view = view
@@ -944,7 +945,7 @@ class BridgeStep:
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
             for i in range(n_slots):
-                hit, sched = cached[i] if cached is not None else (False, None)
+                hit, sched = cached[i]
                 if not hit:  # plan inputs not seen before (or their schedule was evicted)
                     catalog = self._catalogs[i]
                     plan = plan_rank(
@@ -960,8 +961,7 @@ class BridgeStep:
                             num_owners=n,
                             row_bytes=row_bytes,
                         )
-                    if keys is not None:
-                        ex.remember(keys[i], sched)
+                    ex.remember(keys[i], sched)
                 self._slots.append(Slot(index=i, schedule=sched))
         self._owner_dev: dict[int, torch.Tensor] = {}
         self._order = StepOrder(
@@ -1026,16 +1026,7 @@ class BridgeStep:
         in the whole step with ``None``. Read from the gathered metadata (no communication):
         the destination leaders' token counts, summed once per step."""
         if self._tokens_I is None:
-            if self._view is not None:
-                self._tokens_I = self._view.tokens_I()
-            else:  # a step built without a view: the same count from the runs
-                self._tokens_I = np.asarray(
-                    [
-                        sum(int(c.dest_runs(d)[:, 4].sum()) for d in range(len(c.dests)))
-                        for c in self._catalogs
-                    ],
-                    dtype=np.int64,
-                )
+            self._tokens_I = self._view.tokens_I()
         if micro_batch is None:
             return int(self._tokens_I.sum())
         if isinstance(micro_batch, bool) or not 0 <= micro_batch < self.num_micro_batches:

@@ -10,7 +10,8 @@ output buffers it delivers into, the staging buffers it holds from the pool):
   gather otherwise; a contiguous side is copied as one block) and runs the local copies (a
   source replica on this rank). Afterwards the caller may overwrite its buffer: the bridge
   never reads it again.
-- :meth:`Executor.post` zero-fills the padding rows no transfer writes and hands the slot's
+- :meth:`Executor.post` zero-fills the rows no transfer writes (in the compact form only the
+  TP all-gather's padding at the end of each owner's buffer) and hands the slot's
   sends and receives to the transport in one batch (:mod:`mopd.bridge.transport`).
 - :meth:`Executor.complete` waits for the slot's receives (a host wait with a deadline on gloo;
   a stream wait on NCCL), unpacks them (one launch per owner), and all-gathers each owner's
@@ -317,8 +318,9 @@ class Executor:
     def schedule(
         self, plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]
     ) -> RankSchedule:
-        """This rank's schedule of ``plan`` (built once per plan content, LRU-bounded)."""
-        key = plan_digest(plan)
+        """This rank's schedule of ``plan`` (built once per plan content and row widths,
+        LRU-bounded)."""
+        key = f"{plan_digest(plan)}:{slice_rows}:{','.join(map(str, row_bytes))}"
         s = self._schedules.get(key)
         if s is not None:
             self._schedules.move_to_end(key)

@@ -45,6 +45,7 @@ pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation olde
 from __future__ import annotations
 
 import datetime
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,8 +156,14 @@ def all_gather_nodes(
     2. the leaders all-gather the node blocks (``node_size * c``, the last one padded) in
     ``ceil(log2(leaders))`` point-to-point rounds (Bruck: in round ``j`` a leader passes the
     ``2^j`` blocks it holds to the leader ``2^j`` before it); 3. each leader broadcasts the
-    result inside its node. Every wait is a host wait of at most ``timeout_s``.
+    result inside its node. The whole call waits at most ``timeout_s`` (one deadline shared by
+    its waits, host waits on gloo).
     """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def left() -> float | None:
+        return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+
     c = input_.numel()
     k = nodes.node_size
     members = nodes.node_members
@@ -170,7 +177,7 @@ def all_gather_nodes(
         work = dist.gather(
             input_, parts if me == leader else None, dst=leader, group=nodes.node, async_op=True
         )
-        cdist.wait(work, device=dev, timeout_s=timeout_s)
+        cdist.wait(work, device=dev, timeout_s=left())
     if me == leader:
         n_lead = len(nodes.leader_ranks)
         at = nodes.leader_ranks.index(me)
@@ -189,7 +196,7 @@ def all_gather_nodes(
                 dist.P2POp(dist.irecv, recv, frm, group=nodes.leaders, tag=rnd),
             ]
             for w in dist.batch_isend_irecv(ops):
-                cdist.wait(w, device=dev, timeout_s=timeout_s)
+                cdist.wait(w, device=dev, timeout_s=left())
             held.extend(recv.split(k * c))
             have += cnt
             rnd += 1
@@ -198,7 +205,7 @@ def all_gather_nodes(
         output.copy_(torch.cat(ordered)[: n_total * c])
     if len(members) > 1:
         work = dist.broadcast(output, src=leader, group=nodes.node, async_op=True)
-        cdist.wait(work, device=dev, timeout_s=timeout_s)
+        cdist.wait(work, device=dev, timeout_s=left())
 
 
 class GroupPool:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mopd.bridge.errors import BridgeStateError
-from mopd.bridge.executor import Slot
+from mopd.bridge.executor import Executor, Slot
 
 __all__ = ["StepOrder"]
 
@@ -47,7 +46,7 @@ class StepOrder:
         self,
         slots: Sequence[Slot],
         *,
-        executor: Any,
+        executor: Executor,
         rank: int,
         output_specs: Mapping[int, tuple[int, torch.dtype]],
         device: torch.device,

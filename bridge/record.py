@@ -56,14 +56,14 @@ _KEY_COLS = np.asarray([_ROWS, _SMIN, _SMAX, _DIGEST], dtype=_I64)
 
 
 def rank_roles(
-    rank: int,
+    global_rank: int,
     teachers: Sequence[Mesh],
     student: Mesh,
     *,
     keep_sp_shard: bool = False,
     shard_sources: Sequence[bool] | None = None,
 ) -> tuple[bool | None, ...]:
-    """What global rank ``rank`` contributes, per section (teachers in order, then the student):
+    """What ``global_rank`` contributes, per section (teachers in order, then the student):
     ``None`` where it holds no such rows (not on that mesh's last stage), else whether it sends
     the section's runs (``True``: the first rank of its TP group, every rank of a teacher in
     ``shard_sources`` (each sends from its own sequence-parallel shard), or every student rank
@@ -73,12 +73,12 @@ def rank_roles(
         raise ValueError(f"shard_sources has {len(shards)} entries for {len(teachers)} teachers")
     roles: list[bool | None] = []
     for mesh, shard in zip(teachers, shards, strict=True):
-        c = mesh.coord(rank)
+        c = mesh.coord(global_rank)
         if c is None or c.pp_rank != mesh.pp - 1:
             roles.append(None)
         else:
             roles.append(bool(shard) or c.tp_rank == 0)
-    c = student.coord(rank)
+    c = student.coord(global_rank)
     if c is None or c.pp_rank != student.pp - 1:
         roles.append(None)
     else:

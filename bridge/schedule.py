@@ -204,15 +204,16 @@ class RankSchedule:
 
     Attributes:
         rank: the global rank.
-        digest: :func:`plan_digest` of the plan it was built from.
+        digest: the key it is cached under: :func:`plan_digest` of the plan it was built from
+            (the executor appends the slice rows and row widths).
         sends, recvs, locals: the operations, in plan order.
         dest: this rank's slice, or ``None``.
         owner_N: ``[N]`` int64 owner of each row of the destination group's buffer (``-1``:
             none), or ``None``.
         fill: ``owner -> [F]`` slice-relative rows no transfer of that owner writes (zeroed):
             in the compact form only the padding rows of a buffer sized for an all-gather of
-            equal slices (at most one per slice); in the layout form also the rows another
-            owner fills.
+            equal slices (at most ``group_size - 1`` per owner, all at the buffer's end); in the
+            layout form also the rows another owner fills.
         slice_rows: layout form: rows of this rank's slice in every output buffer (equal for
             every rank of the destination group, so the TP all-gather moves equal slices);
             compact form: per owner, :meth:`slice_rows_of`.

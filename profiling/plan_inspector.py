@@ -477,7 +477,8 @@ def inspect_plan(req: PlanRequest) -> PlanReport:
             if plan.dest is not None:
                 assert plan.owner_N is not None
                 k = plan.dest.group_size
-                if k > 1:  # a shared crossing: each owner's equal compact slices, all-gathered
+                if k > 1:  # a shared crossing: the teacher's (owner 0: the inspector models
+                    # one) equal compact slices, all-gathered over the student TP group
                     allgather[i, r] = (k - 1) * plan.dest.slice_nominal(0) * rb
                 h2d[i, r] = int((plan.owner_N >= 0).sum()) * rb
         if sent != heard:  # both ends of every transfer derive it alone: they must agree

@@ -288,8 +288,8 @@ def test_fresh_install_runs_a_benchmark_and_records_it(fresh_install: FreshInsta
     res = fresh_install.bench
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = fresh_install.empty / "mopd-results"
-    assert len(list(results.glob("plan-scale-*.csv"))) == 1, res.stderr
-    assert len(list(results.glob("plan-scale-*.md"))) == 1, res.stderr
+    assert len(list(results.glob("plan-step-*.csv"))) == 1, res.stderr
+    assert len(list(results.glob("plan-step-*.md"))) == 1, res.stderr
     assert not list(results.glob("*.png"))
     assert "Traceback" not in res.stderr, res.stderr
     notes = [line for line in res.stderr.splitlines() if "matplotlib is not installed" in line]
