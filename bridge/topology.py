@@ -164,14 +164,6 @@ class Topology:
             shard_sources=shards,
         )
 
-    def leads_source(self, section: int, global_rank: int) -> bool:
-        """Whether ``global_rank`` is the first rank of a source group of teacher ``section``
-        (its record carries that teacher's runs; a replica's carries digests only)."""
-        return any(
-            int(self.source_section[g]) == section and self.sources[g].ranks[0] == global_rank
-            for g in self.index.source_groups.get(global_rank, ())
-        )
-
     def first_leader(self, section: int) -> int:
         """Member index of the first rank of ``section``'s (a teacher's) first source group."""
         return int(self.source_leader[np.flatnonzero(self.source_section == section)[0]])

@@ -391,6 +391,7 @@ def receive_memory(
         HiddenStateBridge,
         Mesh,
         TeacherSpec,
+        compact_rows,
         create_bridge_groups,
     )
     from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
@@ -451,8 +452,11 @@ def receive_memory(
     for i, rows in enumerate(got):
         owner = step.owner(i)
         assert owner is not None
+        wanted = compact_rows(
+            {o: key_pattern(s_lays[i], hidden, dtype, salt=o).to(device) for o in rows}, owner
+        )
         for o, t in rows.items():
-            want = key_pattern(s_lays[i], hidden, dtype, salt=o).to(device)[owner == o]
+            want = wanted[o]
             exact &= bool(torch.equal(t.view(torch.uint8), want.view(torch.uint8)))
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:

@@ -23,7 +23,7 @@ from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padde
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import StepMatrix, encode_step_record
 from mopd.bridge.plan import RankPlan, RunCatalog
-from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
+from mopd.bridge.record import StepView, rank_roles, rank_sections, read_step, stack_records
 from mopd.bridge.topology import Topology
 
 __all__ = [
@@ -43,33 +43,45 @@ KEY_STRIDE = 1 << 20
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SimStep:
-    """A simulated one-micro-batch step: the topology, the matrix and the planner's catalog."""
+    """A simulated one-micro-batch step: the topology, the matrix, the planner's catalog and
+    the step as a rank reads it (:meth:`StepView.plan_keys`)."""
 
     topology: Topology
     matrix: StepMatrix
     catalog: RunCatalog
+    view: StepView
 
 
 def simulate(
     teachers: Sequence[Mesh],
     student: Mesh,
-    teacher_layouts: Sequence[Mapping[tuple[int, int], TokenLayout]],
+    teacher_layouts: Sequence[Mapping[Any, TokenLayout]],
     student_layouts: Mapping[tuple[int, int], TokenLayout],
     *,
     per_rank_dests: bool = False,
     student_rank_layouts: Mapping[int, TokenLayout] | None = None,
+    shard_sources: Sequence[bool] | None = None,
 ) -> SimStep:
     """Every rank's record for one micro-batch, gathered; ``student_rank_layouts`` (global rank ->
-    layout) replaces the shard layouts when each student rank is its own destination."""
-    topo = Topology.build(teachers, student, per_rank_dests=per_rank_dests)
+    layout) replaces the shard layouts when each student rank is its own destination.
+
+    A teacher's layouts are keyed by ``(dp, cp)`` shard, or by global rank where each rank holds
+    its own SP shard (``shard_sources[o]``: each of its last-stage ranks is a source of its own,
+    by the bridge's rule, :meth:`Topology.build` and :func:`rank_roles`)."""
+    topo = Topology.build(
+        teachers, student, per_rank_dests=per_rank_dests, shard_sources=shard_sources
+    )
     records = []
     for r in topo.members:
-        roles = rank_roles(r, teachers, student, keep_sp_shard=per_rank_dests)
+        roles = rank_roles(
+            r, teachers, student, keep_sp_shard=per_rank_dests, shard_sources=shard_sources
+        )
         t_lays = {}
         for o, mesh in enumerate(teachers):
             c = mesh.coord(r)
             if roles[o] is not None and c is not None:
-                t_lays[o] = [teacher_layouts[o][(c.dp_rank, c.cp_rank)]]
+                held = teacher_layouts[o]
+                t_lays[o] = [held[r] if r in held else held[(c.dp_rank, c.cp_rank)]]
         s_lays = None
         c = student.coord(r)
         if roles[-1] is not None and c is not None:
@@ -87,7 +99,7 @@ def simulate(
         records.append(encode_step_record(config_sig=1, n_slots=1, error="", sections=sections))
     matrix, _ = stack_records(records)
     view = read_step(topo, StepMatrix(matrix), 1)
-    return SimStep(topology=topo, matrix=view.matrix, catalog=view.catalogs[0])
+    return SimStep(topology=topo, matrix=view.matrix, catalog=view.catalogs[0], view=view)
 
 
 def expand_segments(segments_S5: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

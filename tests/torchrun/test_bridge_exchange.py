@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import GroupPool, Mesh, TokenLayout, create_bridge_groups
+from mopd.bridge import GroupPool, Mesh, TokenLayout, compact_rows, create_bridge_groups
 from mopd.bridge.layout import encode_keys
 from mopd.bridge.lm_head import VocabSpec, reshard_lm_head
 from mopd.profiling.synthetic import SideFormat, SyntheticStep, key_pattern, synthetic_step
@@ -218,8 +218,14 @@ def run_case(case: int, repeat: int = 1, hook=None) -> dict:
         # read after wait(): the mask describes the rows wait() returned, still valid
         assert torch.equal(handle.owner_N, want_owner), f"{name}: owner_N"
         assert torch.equal(handle.step.owner(0), want_owner)
-        for o in range(len(teachers)):  # compact: teacher o's tokens of the layout, in order
-            want = expected_rows(full, refs[o], hidden_of(o), dtype)[rows][want_owner == o]
+        wanted = compact_rows(  # teacher o's tokens of the layout, in order
+            {
+                o: expected_rows(full, refs[o], hidden_of(o), dtype)[rows]
+                for o in range(len(teachers))
+            },
+            want_owner,
+        )
+        for o, want in wanted.items():
             assert got[o].shape == want.shape, f"{name}: teacher {o} shape"
             assert torch.equal(bits(got[o]), bits(want)), f"{name}: teacher {o} rows differ"
             # one row per token: the step's receive memory is the layout's tokens, not K x N

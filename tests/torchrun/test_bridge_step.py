@@ -40,7 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import BridgeStep, GroupPool, HiddenStateBridge, Mesh, TokenLayout
+from mopd.bridge import BridgeStep, GroupPool, HiddenStateBridge, Mesh, TokenLayout, compact_rows
 from mopd.profiling.synthetic import SideFormat, SyntheticStep, key_pattern, synthetic_step
 from tests.support.bridges import make_bridge, poison, poison_outputs
 
@@ -320,9 +320,15 @@ class Driver:
         assert self.step.num_tokens(i) == lay.num_tokens
         got = self.received[i]
         assert sorted(got) == list(range(len(self.case.teachers)))
-        for o, rows in got.items():  # compact: teacher o's tokens of the layout, in order
-            want = key_pattern(lay, hidden_of(o), self.case.dtype, salt=salt(o, i, self.step_no))
-            want = want[want_owner == o]
+        wanted = compact_rows(  # teacher o's tokens of the layout, in order
+            {
+                o: key_pattern(lay, hidden_of(o), self.case.dtype, salt=salt(o, i, self.step_no))
+                for o in got
+            },
+            want_owner,
+        )
+        for o, rows in got.items():
+            want = wanted[o]
             assert rows.shape == want.shape, f"{self.name} mb {i} teacher {o}: {rows.shape}"
             assert torch.equal(bits(rows), bits(want)), f"{self.name} mb {i} teacher {o} differ"
 

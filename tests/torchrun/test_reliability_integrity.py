@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import BridgeStep, GroupPool, Mesh, TokenLayout, padded_layout
+from mopd.bridge import BridgeStep, GroupPool, Mesh, TokenLayout, compact_rows, padded_layout
 from mopd.profiling.synthetic import SideFormat, key_pattern, synthetic_step
 from tests.support.reliability import everyone, fresh_bridge, outcome, same_everywhere
 
@@ -138,7 +138,7 @@ class Case:
         route = dict(zip(mb.sample_ids.tolist(), mb.route.tolist(), strict=True))
         owner = torch.tensor([route.get(s, -1) for s in stu.sample_id_R.tolist()])
         want = key_pattern(stu, hidden_of(o), DTYPE, salt=salt(o, i))
-        return want[owner == o]  # compact: teacher o's tokens of the layout, in order
+        return compact_rows({o: want}, owner)[o]  # teacher o's tokens of the layout, in order
 
     def exact(self, seed: int, i: int, got: dict[int, torch.Tensor]) -> bool:
         if self.student_layout(seed, i) is None:

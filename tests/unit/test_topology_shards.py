@@ -9,14 +9,13 @@ and ``check_rank`` names them, as it does for any key held twice.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from mopd.bridge import Mesh, padded_layout
-from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
-from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge import Mesh, TokenLayout, padded_layout
+from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
+from mopd.bridge.record import rank_roles
 from mopd.bridge.topology import Topology
+from tests.support.plan_sim import simulate
 
 T = Mesh(tp=2, dp=2, pp=2, name="teacher")  # last stage: global ranks 4-7
 S = Mesh(tp=2, dp=2, rank_offset=4, name="student")  # ranks 4-7: colocated with it
@@ -32,9 +31,10 @@ def test_sources_are_single_ranks_and_each_leads_its_own() -> None:
     ]
     assert [g.ranks for g in replicas.sources] == [(4, 5), (6, 7)]
     assert shards.shard_sources == (True,) and replicas.shard_sources == (False,)
-    assert [shards.leads_source(0, r) for r in range(4, 8)] == [True] * 4
-    assert [replicas.leads_source(0, r) for r in range(4, 8)] == [True, False, True, False]
-    assert not shards.leads_source(0, 0)  # a first-stage rank holds no rows
+    # who sends teacher 0's runs (the rest send digests): every shard, or each TP group's first
+    assert [rank_roles(r, [T], S, shard_sources=[True])[0] for r in range(4, 8)] == [True] * 4
+    assert [rank_roles(r, [T], S)[0] for r in range(4, 8)] == [True, False, True, False]
+    assert rank_roles(0, [T], S, shard_sources=[True])[0] is None  # first stage: no rows
     assert shards.source_leader.tolist() == [shards.members.index(r) for r in range(4, 8)]
     # per teacher: the second teacher keeps replicas
     two = Topology.build([T, Mesh(tp=2, name="t1")], S, shard_sources=[True, False])
@@ -43,36 +43,17 @@ def test_sources_are_single_ranks_and_each_leads_its_own() -> None:
         Topology.build([T, Mesh(tp=2, name="t1")], S, shard_sources=[True])
 
 
-def _catalog(teacher_rows: dict[int, object]) -> tuple[Topology, object]:
+def _catalog(teacher_rows: dict[int, TokenLayout]) -> tuple[Topology, RunCatalog]:
     """One padded micro-batch (samples 0-3, S=8): teacher DP rank d holds samples 2d, 2d+1; each
-    teacher rank's layout from ``teacher_rows[rank]``; the student wants the same split."""
-    topo = Topology.build([T], S, shard_sources=[True])
-    records = []
-    for r in topo.members:
-        sections: list[Section | None] = [None, None]
-        tc, sc = T.coord(r), S.coord(r)
-        if tc is not None and tc.pp_rank == T.pp - 1:
-            sections[0] = Section(
-                layouts=[teacher_rows[r]],  # type: ignore[list-item]
-                send_runs=topo.leads_source(0, r),
-                dtype=torch.bfloat16,
-                hidden=8,
-            )
-        if sc is not None:
-            ids = [2 * sc.dp_rank, 2 * sc.dp_rank + 1]
-            sections[1] = Section(
-                layouts=[padded_layout(ids, 8, order="bsh")], send_runs=sc.tp_rank == 0
-            )
-        records.append(encode_step_record(config_sig=1, n_slots=1, error="", sections=sections))
-    width = max(int(x.numel()) for x in records)
-    gathered = np.zeros((len(records), width), dtype=np.int64)
-    for j, x in enumerate(records):
-        gathered[j, : x.numel()] = x.numpy()
-    return topo, topo.catalog(StepMatrix(gathered), 0)
+    last-stage teacher rank's layout from ``teacher_rows[rank]``; the student wants the same
+    split. Records by the bridge's own rule (teacher 0 as SP-shard sources)."""
+    student = {(d, 0): padded_layout([2 * d, 2 * d + 1], 8, order="bsh") for d in range(S.dp)}
+    sim = simulate([T], S, [teacher_rows], student, shard_sources=[True])
+    return sim.topology, sim.catalog
 
 
 def test_disjoint_shards_pass_the_checks_and_a_full_buffer_is_a_key_held_twice() -> None:
-    def rows(r: int, *, sp: bool) -> object:
+    def rows(r: int, *, sp: bool) -> TokenLayout:
         c = T.coord(r)
         assert c is not None
         ids = [2 * c.dp_rank, 2 * c.dp_rank + 1]
