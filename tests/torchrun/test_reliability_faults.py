@@ -196,7 +196,7 @@ def test_rank_raising_while_checking_the_step_leaves_the_others_in_the_verdict(m
     b = bridge()
     if rank() == 3:
 
-        def broken(*args: Any) -> list[str]:
+        def broken(*args: Any, **kwargs: Any) -> list[str]:
             raise Injected("rank 3 fails while checking the step")
 
         monkeypatch.setattr(HiddenStateBridge, "_checks", broken)
