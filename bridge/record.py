@@ -26,10 +26,8 @@ runs no planner.
 from __future__ import annotations
 
 import hashlib
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 import torch
@@ -39,6 +37,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
 from mopd.bridge.plan import RunCatalog
 from mopd.bridge.topology import Topology
+from mopd.common.lazy import LazySequence
 
 __all__ = [
     "StepView",
@@ -141,45 +140,27 @@ def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndar
     return (hi_I[:, None] >= lo_XI.T) & (lo_I[:, None] <= hi_XI.T) & (lo_I <= hi_I)[:, None]
 
 
-class _Catalogs(Sequence[RunCatalog]):
+def _catalogs(
+    topology: Topology, matrix: StepMatrix, src: np.ndarray, dst: np.ndarray
+) -> LazySequence[RunCatalog]:
     """A step's catalogs, each built on first access (a micro-batch a rank has planned before
-    needs none); the columns they read are copied once, on the first."""
+    needs none); the columns they read (``(n_rows, sample_min, sample_max)`` of every group,
+    ``[I, X, 3]``) are copied once, on the first."""
+    fields: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def __init__(
-        self, topology: Topology, matrix: StepMatrix, src: np.ndarray, dst: np.ndarray
-    ) -> None:
-        self._topology, self._matrix, self._src, self._dst = topology, matrix, src, dst
-        self._built: dict[int, RunCatalog] = {}
-        self._fields: tuple[np.ndarray, np.ndarray] | None = None
-
-    def __len__(self) -> int:
-        return int(self._src.shape[1])
-
-    @overload
-    def __getitem__(self, i: int) -> RunCatalog: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[RunCatalog, ...]: ...
-    def __getitem__(self, i: int | slice) -> RunCatalog | tuple[RunCatalog, ...]:
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
-        j = operator.index(i)
-        if j < 0:
-            j += len(self)
-        if not 0 <= j < len(self):
-            raise IndexError(f"micro-batch {i} of {len(self)}")
-        got = self._built.get(j)
-        if got is None:
-            if self._fields is None:
-                # (n_rows, sample_min, sample_max) per micro-batch, [X, 3] contiguous
-                cols = [_ROWS, _SMIN, _SMAX]
-                self._fields = (
-                    np.ascontiguousarray(self._src[:, :, cols].transpose(1, 0, 2)),
-                    np.ascontiguousarray(self._dst[:, :, cols].transpose(1, 0, 2)),
+    def build(j: int) -> RunCatalog:
+        if not fields:
+            cols = [_ROWS, _SMIN, _SMAX]
+            fields.append(
+                (
+                    np.ascontiguousarray(src[:, :, cols].transpose(1, 0, 2)),
+                    np.ascontiguousarray(dst[:, :, cols].transpose(1, 0, 2)),
                 )
-            src_I, dst_I = self._fields
-            got = self._topology.catalog(self._matrix, j, fields=(src_I[j], dst_I[j]))
-            self._built[j] = got
-        return got
+            )
+        src_I, dst_I = fields[0]
+        return topology.catalog(matrix, j, fields=(src_I[j], dst_I[j]))
+
+    return LazySequence(int(src.shape[1]), build, noun="micro-batch")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -285,7 +266,7 @@ def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
     dst = matrix.slot_tables(
         topology.dest_leader, topology.student_section, n_sections=n_sec, n_slots=n_slots
     )
-    catalogs = _Catalogs(topology, matrix, src, dst)
+    catalogs = _catalogs(topology, matrix, src, dst)
     return StepView(
         topology=topology,
         matrix=matrix,

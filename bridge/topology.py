@@ -17,17 +17,17 @@ large job pays for its peers, not for every group.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Generic, TypeVar, overload
+from typing import TypeVar
 
 import numpy as np
 
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.metadata import StepMatrix
 from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, SourceGroup
+from mopd.common.lazy import LazySequence
 
 __all__ = ["Topology"]
 
@@ -35,35 +35,14 @@ _I64 = np.int64
 _G = TypeVar("_G", SourceGroup, DestGroup)
 
 
-class _Groups(Sequence[_G], Generic[_G]):
+def _groups(groups: Sequence[_G], rows_X: np.ndarray, noun: str) -> LazySequence[_G]:
     """One micro-batch's groups, each built on first access: the topology's group with the
-    micro-batch's ``num_rows``."""
-
-    def __init__(self, groups: Sequence[_G], rows_X: np.ndarray) -> None:
-        self._groups: Sequence[_G] = groups
-        self._rows = rows_X
-        self._built: dict[int, _G] = {}
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-    @overload
-    def __getitem__(self, i: int) -> _G: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[_G, ...]: ...
-    def __getitem__(self, i: int | slice) -> _G | tuple[_G, ...]:
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
-        j = operator.index(i)
-        if j < 0:
-            j += len(self)
-        if not 0 <= j < len(self):
-            raise IndexError(f"group {i} of {len(self)}")
-        got = self._built.get(j)
-        if got is None:
-            got = dataclasses.replace(self._groups[j], num_rows=int(self._rows[j]))
-            self._built[j] = got
-        return got
+    micro-batch's ``num_rows`` (``rows_X``: ``[X]`` rows of every group)."""
+    return LazySequence(
+        len(groups),
+        lambda j: dataclasses.replace(groups[j], num_rows=int(rows_X[j])),
+        noun=noun,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -198,8 +177,8 @@ class Topology:
                 sel = np.flatnonzero(self.source_section == o)
                 src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot, cols)
             dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot, cols)
-        sources = _Groups(self.sources, src_fields[:, 0].copy())
-        dests = _Groups(self.dests, dst_fields[:, 0].copy())
+        sources = _groups(self.sources, src_fields[:, 0].copy(), "source group")
+        dests = _groups(self.dests, dst_fields[:, 0].copy(), "destination group")
         leaders_s, sections_s, leaders_d = self.source_leader, self.source_section, self.dest_leader
         student = self.student_section
         return RunCatalog(
