@@ -570,8 +570,11 @@ def _sort_blocks(p: _Pieces) -> tuple[_Pieces, np.ndarray, np.ndarray]:
     return p, np.cumsum(new) - 1, np.flatnonzero(new)
 
 
-def _token_segments(src_M: np.ndarray, dst_M: np.ndarray, brk_M: np.ndarray) -> np.ndarray:
-    """Segments of token pairs in order: ``[S]`` index of each segment's first token.
+def _token_segments(
+    p: _Pieces, i_M: np.ndarray, src_M: np.ndarray, dst_M: np.ndarray, brk_M: np.ndarray
+) -> _Pieces:
+    """Token pairs in order, ``src_M -> dst_M`` (token ``m`` of piece ``i_M[m]`` of ``p``),
+    cut back into segments: one piece per segment, with the fields of its first token's piece.
 
     A token starts a segment where ``brk_M`` says so; otherwise it continues the previous one
     when the previous token was made to start one by ``brk_M``, or when its step (from the
@@ -585,7 +588,15 @@ def _token_segments(src_M: np.ndarray, dst_M: np.ndarray, brk_M: np.ndarray) -> 
         same = np.zeros(m - 1, dtype=bool)
         same[1:] = (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
         cont[1:] = ~brk_M[1:] & (brk_M[:-1] | same)
-    return np.flatnonzero(~cont)
+    head = np.flatnonzero(~cont)
+    n_seg = np.diff(head, append=m)
+    nxt = np.minimum(head + 1, m - 1)
+    multi = n_seg > 1
+    out = p.take(i_M[head])
+    out.src_row, out.dst_row, out.length = src_M[head], dst_M[head], n_seg
+    out.src_step = np.where(multi, src_M[nxt] - src_M[head], 1)
+    out.dst_step = np.where(multi, dst_M[nxt] - dst_M[head], 1)
+    return out
 
 
 def _untangle(
@@ -611,14 +622,7 @@ def _untangle(
     i, src_M, dst_M = i[o], src_M[o], dst_M[o]
     brk = np.ones(i.size, dtype=bool)
     brk[1:] = qc[i[1:]] != qc[i[:-1]]
-    head = _token_segments(src_M, dst_M, brk)
-    n_seg = np.diff(head, append=i.size)
-    nxt = np.minimum(head + 1, i.size - 1)
-    multi_tok = n_seg > 1
-    new = q.take(i[head])
-    new.src_row, new.dst_row, new.length = src_M[head], dst_M[head], n_seg
-    new.src_step = np.where(multi_tok, src_M[nxt] - src_M[head], 1)
-    new.dst_step = np.where(multi_tok, dst_M[nxt] - dst_M[head], 1)
+    new = _token_segments(q, i, src_M, dst_M, brk)
     return _sort_blocks(_Pieces.concat([p.take(~multi), new]))
 
 
@@ -782,15 +786,7 @@ def _compact(p: _Pieces, own_P: np.ndarray, num_owners: int) -> tuple[_Pieces, n
     src_M = p.src_row[i] + t * p.src_step[i]
     brk = np.ones(i.size, dtype=bool)
     brk[1:] = i[1:] != i[:-1]
-    head = _token_segments(src_M, pos_M, brk)
-    n_seg = np.diff(head, append=i.size)
-    nxt = np.minimum(head + 1, i.size - 1)
-    multi = n_seg > 1
-    out = p.take(i[head])
-    out.src_row, out.dst_row, out.length = src_M[head], pos_M[head], n_seg
-    out.src_step = np.where(multi, src_M[nxt] - src_M[head], 1)
-    out.dst_step = np.where(multi, pos_M[nxt] - pos_M[head], 1)
-    return out, rows_K
+    return _token_segments(p, i, src_M, pos_M, brk), rows_K
 
 
 # --- the plan --------------------------------------------------------------------------------
