@@ -318,7 +318,7 @@ class HiddenStateBridge:
             [t.mesh for t in self.teachers],
             student,
             keep_sp_shard=self.config.keep_sp_shard,
-            shard_sources=[t.sp_shards for t in self.teachers],
+            shard_sources=self.topology.shard_sources,  # the topology's sources, one rule
         )
         sig = repr(
             [(*t.mesh.as_ints(), t.hidden_size, t.sp_shards) for t in self.teachers]

@@ -237,6 +237,22 @@ def _layout(
     )
 
 
+def _side_layouts(
+    req: PlanRequest, i: int, mesh: Mesh, pad: dict[str, int], order: str, *, per_rank: bool
+) -> dict[Any, TokenLayout]:
+    """One side's layouts of micro-batch ``i``: ``(dp, cp) ->`` the shard's rows in ``order``,
+    or with ``per_rank`` ``global rank ->`` each TP rank's own SP slice (``[S/tp, B]`` order)."""
+    out: dict[Any, TokenLayout] = {}
+    for d, c in mesh.shards():
+        ids = _micro_batch_ids(req, i, mesh, d)
+        if per_rank:
+            for j, r in enumerate(mesh.tp_group_ranks(dp_rank=d, cp_rank=c)):
+                out[r] = _layout(req, ids, mesh, c, pad=pad, order="sbh", sp=(mesh.tp, j))
+        else:
+            out[(d, c)] = _layout(req, ids, mesh, c, pad=pad, order=order)
+    return out
+
+
 def build_layouts(
     req: PlanRequest,
 ) -> tuple[list[dict[Any, TokenLayout]], list[dict[Any, TokenLayout]]]:
@@ -249,24 +265,8 @@ def build_layouts(
     teacher: list[dict[Any, TokenLayout]] = []
     student: list[dict[Any, TokenLayout]] = []
     for i in range(req.micro_batches):
-        held: dict[Any, TokenLayout] = {}
-        for d, c in t.shards():
-            ids = _micro_batch_ids(req, i, t, d)
-            if req.sources_from_shards:
-                for j, r in enumerate(t.tp_group_ranks(dp_rank=d, cp_rank=c)):
-                    held[r] = _layout(req, ids, t, c, pad=t_pad, order="sbh", sp=(t.tp, j))
-            else:
-                held[(d, c)] = _layout(req, ids, t, c, pad=t_pad, order="sbh")
-        teacher.append(held)
-        mine: dict[Any, TokenLayout] = {}
-        for d, c in s.shards():
-            ids = _micro_batch_ids(req, i, s, d)
-            if req.keeps_sp_slice:
-                for j, r in enumerate(s.tp_group_ranks(dp_rank=d, cp_rank=c)):
-                    mine[r] = _layout(req, ids, s, c, pad=s_pad, order="sbh", sp=(s.tp, j))
-            else:
-                mine[(d, c)] = _layout(req, ids, s, c, pad=s_pad, order="bsh")
-        student.append(mine)
+        teacher.append(_side_layouts(req, i, t, t_pad, "sbh", per_rank=req.sources_from_shards))
+        student.append(_side_layouts(req, i, s, s_pad, "bsh", per_rank=req.keeps_sp_slice))
     return teacher, student
 
 
