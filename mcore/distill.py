@@ -40,13 +40,20 @@ from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.capture import ReusableBuffer
-from mopd.capture.unwrap import unwrap_model
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
 from mopd.mcore.groups import mesh_group_ranks
-from mopd.mcore.lm_head import lm_head_from_models
+from mopd.mcore.lm_head import (
+    MEGATRON_VOCAB_MULTIPLE,
+    VOCAB_ATTRIBUTE,
+    lm_head_from_models,
+    looks_padded,
+    model_vocab_size,
+    resolve_vocab_size,
+)
+from mopd.mcore.logprob import token_logprobs
 from mopd.mcore.loss import (
     LOG_KEY,
     TeacherSignal,
@@ -132,6 +139,17 @@ class Distiller:
             SP shard (:attr:`~mopd.bridge.api.TeacherSpec.sp_shards`), and its capture does
             no all-gather. ``False``: the capture undoes SP on every TP rank and the TP ranks
             send as replicas (each a share of the full buffer).
+        vocab_size: the real vocabulary (the tokenizer's). Each model may be built with its own
+            padded vocabulary ``>= vocab_size`` (megatron-LM builds
+            ``GPTModel(vocab_size=padded_vocab_size)``, a multiple of
+            ``make_vocab_size_divisible_by * tp``); columns and LM-head rows past it never
+            count: not in either softmax, the KL, the log-probs, the token counts or any
+            gradient, and the teacher's padded rows are never sent. ``None``: the models'
+            ``vocab_size`` attribute, which must then be the same on every model (a warning
+            at the first step whose token ids suggest it is padded).
+
+    Attributes:
+        vocab_size: the real vocabulary, agreed on every rank.
     """
 
     def __init__(
@@ -144,7 +162,10 @@ class Distiller:
         kl_config: KLConfig | None = None,
         teacher_weights: Sequence[float] | None = None,
         teacher_sp_shards: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
+        if vocab_size is not None:
+            resolve_vocab_size(vocab_size, [])  # its type and sign, before any collective
         if not isinstance(teacher_sp_shards, bool):
             raise ValueError(f"teacher_sp_shards must be a bool, got {teacher_sp_shards!r}")
         if not teachers:
@@ -183,17 +204,28 @@ class Distiller:
         if spg is not None and student.last_stage(self.rank) and student.mesh.tp > 1:
             groups = dataclasses.replace(groups, student_tp=spg.tp)
         self.groups = groups
-        # every rank needs each teacher's hidden size and whether it runs sequence-parallel;
-        # the teacher ranks know them
-        hidden_sp = torch.zeros(2, len(self.teachers), dtype=torch.int64)
+        # every rank needs each teacher's hidden size and whether it runs sequence-parallel,
+        # and every model's vocab_size attribute (the last column: the student's); the ranks
+        # holding each model know them
+        n = len(self.teachers)
+        sizes = torch.zeros(3, n + 1, dtype=torch.int64)
         for o, t in enumerate(self.teachers):
             if t.model is not None:
                 cfg = model_config(t.model)
-                hidden_sp[0, o] = int(cfg.hidden_size)
-                hidden_sp[1, o] = int(bool(getattr(cfg, "sequence_parallel", False)))
+                sizes[0, o] = int(cfg.hidden_size)
+                sizes[1, o] = int(bool(getattr(cfg, "sequence_parallel", False)))
+                sizes[2, o] = model_vocab_size(t.model)
+        if student.model is not None:
+            sizes[2, n] = model_vocab_size(student.model)
         meta = groups.metadata_group
         cdist.all_reduce(
-            hidden_sp, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
+            sizes, op=dist.ReduceOp.MAX, group=meta, timeout_s=self.bridge_config.timeout_s
+        )
+        hidden_sp = sizes[:2, :n]
+        self.vocab_size, self._vocab_given = resolve_vocab_size(
+            vocab_size,
+            [(f"teacher {o}", int(sizes[2, o])) for o in range(n)]
+            + [("the student", int(sizes[2, n]))],
         )
         #: per teacher, whether its TP ranks send their own SP shards (see ``teacher_sp_shards``)
         self.teacher_sp_shards = tuple(
@@ -221,6 +253,7 @@ class Distiller:
                 teacher=t.mesh,
                 student=student.mesh,
                 groups=groups,
+                vocab_size=self.vocab_size,
                 timeout_s=self.bridge_config.timeout_s,
                 local_copy=self.bridge_config.local_copy,
             )
@@ -337,7 +370,7 @@ class Distiller:
                     f"micro-batches (one per micro-batch of the step), got {_describe(mbs)}"
                 )
             counts[f"{what}'s micro-batches"] = len(mbs)
-            _check_tokens(mbs, mm, what)
+            _check_tokens(mbs, mm, what, vocab_size=self.vocab_size, given=self._vocab_given)
         return counts
 
 
@@ -351,11 +384,16 @@ def _describe(mbs: Any) -> str:
     )
 
 
-def _check_tokens(mbs: Sequence[MicroBatch], mm: MeshModel, what: str) -> None:
-    """Where a rank holds tokens (a first stage): they lie in ``[0, vocab_size)`` (megatron's
-    vocab-parallel embedding would silently zero the others under TP) and, for packed
-    micro-batches, fill exactly what ``cu_seqlens_q_padded`` describes on this CP rank.
-    One host sync per step (the min and max of every micro-batch at once)."""
+def _check_tokens(
+    mbs: Sequence[MicroBatch], mm: MeshModel, what: str, *, vocab_size: int, given: bool
+) -> None:
+    """Where a rank holds tokens (a first stage): they lie in ``[0, vocab_size)``, the real
+    vocabulary (megatron's vocab-parallel embedding would silently zero ids past its padded
+    size under TP, and would embed a padded row for ids between the two) and, for packed
+    micro-batches, fill exactly what ``cu_seqlens_q_padded`` describes on this CP rank. A
+    vocabulary read off the models (``given`` false) that looks padded (:func:`~mopd.mcore.
+    lm_head.looks_padded`) warns once. One host sync per step (the min and max of every
+    micro-batch at once)."""
     coord = mm.mesh.coord(dist.get_rank())
     assert coord is not None
     with_tokens = [(i, mb) for i, mb in enumerate(mbs) if mb.tokens is not None]
@@ -372,19 +410,28 @@ def _check_tokens(mbs: Sequence[MicroBatch], mm: MeshModel, what: str) -> None:
                     f"positions on this CP rank, but cu_seqlens_q_padded ends at {padded} "
                     f"(cp={mm.mesh.cp}: {padded / mm.mesh.cp:g} per rank)"
                 )
-    model = mm.model[0] if isinstance(mm.model, list | tuple) else mm.model
-    vocab = getattr(unwrap_model(model), "vocab_size", None) if model is not None else None
-    if vocab is None:
-        return
     ends = torch.stack(
         [torch.stack([mb.tokens.min(), mb.tokens.max()]) for _, mb in with_tokens]  # type: ignore[union-attr]
     ).tolist()
     for (i, _), (lo, hi) in zip(with_tokens, ends, strict=True):
-        if lo < 0 or hi >= vocab:
+        if lo < 0 or hi >= vocab_size:
             raise ValueError(
-                f"{what} micro-batch {i}: token ids span [{lo}, {hi}], outside the model's "
-                f"vocabulary [0, {vocab})"
+                f"{what} micro-batch {i}: token ids span [{lo}, {hi}], outside the "
+                + (
+                    f"real vocabulary [0, {vocab_size}) (Distiller's vocab_size)"
+                    if given
+                    else f"model's vocabulary [0, {vocab_size}) (its {VOCAB_ATTRIBUTE} attribute)"
+                )
             )
+    if not given and looks_padded(vocab_size, max(hi for _, hi in ends)):
+        warn_once(
+            f"Distiller: no vocab_size was given, so the models' {VOCAB_ATTRIBUTE} attribute "
+            f"({vocab_size}) is taken as the real vocabulary; it is a multiple of "
+            f"{MEGATRON_VOCAB_MULTIPLE} (megatron-LM pads to make_vocab_size_divisible_by x tp) "
+            "and larger than any token id seen: if the models were built with a padded "
+            "vocabulary, its padded columns count in both softmaxes and the KL. Pass "
+            "Distiller(vocab_size=<the tokenizer's vocabulary>)"
+        )
 
 
 def _check_pg_collection(mm: MeshModel, what: str, rank: int) -> list[str]:
@@ -539,6 +586,30 @@ class DistillationStep:
             kinds=tuple(kinds) if kinds is not None else (d.kl_config.kind,),
             config=d.kl_config,
             global_tokens=self.global_tokens,
+        )
+
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``log p_S(labels)`` per logit row from the student's vocab-parallel ``logits``, over
+        the real vocabulary (:attr:`Distiller.vocab_size`) and the student's own TP group
+        (:func:`~mopd.mcore.logprob.token_logprobs`); differentiable into ``logits``.
+
+        Args:
+            logits: ``[B, S_local, V_local]`` or ``[1, T_local, V_local]``, as the model returns.
+            labels: ``logits.shape[:-1]`` global token ids (row ``p``'s is the token it
+                predicts, ``p + 1``), the same on every TP rank.
+        Returns:
+            ``labels.shape`` fp32.
+        """
+        d = self.distiller
+        s = d.student
+        if not s.last_stage(d.rank):
+            raise ValueError("token_logprobs called on a rank off the student's last stage")
+        return token_logprobs(
+            logits,
+            labels,
+            tp_group=_groups(s).tp if s.mesh.tp > 1 else None,
+            vocab_size=d.vocab_size,
+            timeout_s=d.bridge_config.timeout_s,
         )
 
     def loss_output(

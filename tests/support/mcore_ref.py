@@ -37,12 +37,29 @@ def _full_name(name: str, layer_offset: int) -> str:
 
 
 def shard_of(
-    full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int
+    full: torch.Tensor,
+    param: torch.nn.Parameter,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    glu: bool = False,
 ) -> torch.Tensor:
-    """This TP rank's shard of a full tensor (megatron's ``partition_dim`` chunks)."""
+    """This TP rank's shard of a full tensor (megatron's ``partition_dim`` chunks).
+
+    ``glu``: the tensor is a gated linear unit's ``linear_fc1`` (SwiGLU), whose full rows are
+    ``[gate; up]`` and whose shard on each TP rank is ``[gate shard; up shard]``."""
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-        return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        dim = param.partition_dim
+        if glu:
+            halves = full.chunk(2, dim=dim)
+            return torch.cat([h.chunk(tp_size, dim=dim)[tp_rank] for h in halves], dim=dim)
+        return full.chunk(tp_size, dim=dim)[tp_rank]
     return full
+
+
+def _is_glu(full_name: str, glu: bool) -> bool:
+    """Whether ``full_name`` is a gated MLP's first linear (``glu``: the model is gated)."""
+    return glu and full_name.endswith("mlp.linear_fc1.weight")
 
 
 def load_sharded(
@@ -52,8 +69,10 @@ def load_sharded(
     tp_rank: int,
     tp_size: int,
     layer_offset: int,
+    glu: bool = False,
 ) -> dict[str, str]:
-    """Copy full tensors into a sharded model (this stage's layers, this TP rank's shards).
+    """Copy full tensors into a sharded model (this stage's layers, this TP rank's shards;
+    ``glu``: its MLPs are gated, see :func:`shard_of`).
 
     Returns ``parameter name -> full name`` for mapping gradients back.
     """
@@ -61,7 +80,7 @@ def load_sharded(
     with torch.no_grad():
         for name, p in model.named_parameters():
             fname = _full_name(name, layer_offset)
-            p.copy_(shard_of(full[fname], p, tp_rank, tp_size))
+            p.copy_(shard_of(full[fname], p, tp_rank, tp_size, glu=_is_glu(fname, glu)))
             names[name] = fname
     return names
 
@@ -147,19 +166,21 @@ def compare_grads(
     tp_size: int,
     rtol: float,
     worst: list[float] | None = None,
+    glu: bool = False,
 ) -> list[str]:
     """Each parameter's ``main_grad`` against the reference's shard: problems found (``[]``: none).
 
     The error is the norm of the difference over the norm of the reference (parameters whose
     reference gradient is zero compare absolutely against ``rtol``). ``worst``: appended with
-    the largest relative error seen (for reporting).
+    the largest relative error seen (for reporting); ``glu``: the model's MLPs are gated.
     """
     problems = []
     largest = 0.0
     for name, p in model.named_parameters():
         got = getattr(p, "main_grad", None)
         got = p.grad if got is None else got
-        want = shard_of(ref[names[name]], p, tp_rank, tp_size).to(got.dtype)
+        fname = names[name]
+        want = shard_of(ref[fname], p, tp_rank, tp_size, glu=_is_glu(fname, glu)).to(got.dtype)
         err = float((got - want).norm())
         scale = float(want.norm())
         if scale > 0:
