@@ -8,10 +8,19 @@ zigzag chunks as ``PackedSeqParams.cu_seqlens_q_padded`` says. :func:`micro_batc
 derives the layout from a :class:`MicroBatch` and the model's CP (and, for a kept SP slice, TP)
 group, so nothing is re-derived by hand.
 
-Two on-policy facts live here too. A student's ``loss_mask`` (megatron's own, in the order of
-its logits) turns the rows it excludes into padding of the student's layout, so the bridge never
-moves them and every count downstream (the loss, ``num_tokens``, the step's global tokens, the
-logged mean) sees only counted tokens. A rank with no sample in a micro-batch (routing, fewer
+Rows and tokens: logit row ``p`` predicts token ``p + 1``. A *response mask* is token-aligned
+(which tokens the student sampled); the *row mask* is row-aligned (megatron's ``loss_mask``):
+row ``p`` counts exactly when token ``p + 1`` is a response token, and the last row of a
+sequence, which predicts nothing, never counts. The builders here take either, by those names
+(``response_mask_BS`` / ``response_masks``, ``row_mask_BS`` / ``row_masks``), derive the row mask
+from whole sequences before the CP split (a row's next token may sit on another CP rank), and
+give the row-aligned next tokens as ``labels`` (megatron's ``labels``), so no caller shifts
+anything by hand.
+
+Two on-policy facts live here too. A student's row mask (:attr:`MicroBatch.loss_mask`) turns the
+rows it excludes into padding of the student's layout, so the bridge never moves them and every
+count downstream (the loss, ``num_tokens``, the step's global tokens, the logged mean) sees only
+counted rows. A rank with no sample in a micro-batch (routing, fewer
 samples than DP ranks) still runs it, on a placeholder: one all-padding column (padded) or one
 all-padding sequence (THD), so megatron's pipeline and expert collectives stay in step while
 nothing crosses the bridge.
@@ -20,6 +29,7 @@ nothing crosses the bridge.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +51,7 @@ __all__ = [
     "micro_batch_layout",
     "packed_micro_batch",
     "padded_micro_batch",
+    "row_mask_from_response",
     "split_samples",
 ]
 
@@ -72,11 +83,16 @@ class MicroBatch:
         packed_seq_params: THD: megatron's ``PackedSeqParams`` (``cu_seqlens_q`` the real,
             ``cu_seqlens_q_padded`` the padded global offsets). Trailing zero-length sequences
             (a fixed-capacity packer's repeated last offset) are allowed and hold no sample.
-        loss_mask: the student's per-token loss mask, megatron's ``loss_mask`` of this rank:
-            ``[B, S_local]`` (padded) or ``[1, T_local]`` (THD), the order of the logits; bool or
-            0/1 values. Rows it excludes are not counted by the loss, its token counts or the
-            logged mean, and are not sent over the bridge. Only the student's micro-batches
-            use it (a teacher sends whatever some student counts).
+        loss_mask: the student's row mask, megatron's ``loss_mask`` of this rank, row-aligned
+            (row ``p`` counts when the token it predicts, ``p + 1``, does): ``[B, S_local]``
+            (padded) or ``[1, T_local]`` (THD), the order of the logits; bool or 0/1 values.
+            Rows it excludes are not counted by the loss, its token counts or the logged mean,
+            and are not sent over the bridge. Only the student's micro-batches use it (a
+            teacher sends whatever some student counts). :func:`padded_micro_batch` and
+            :func:`packed_micro_batch` derive it from a token-aligned response mask.
+        labels: megatron's ``labels``, row-aligned: row ``p``'s is token ``p + 1`` of the same
+            sequence (``0`` where there is none: a sequence's last row, padding); the shape of
+            ``tokens``, on this rank's rows.
         extra: anything the caller's forward function needs.
 
     ``sample_ids`` may be empty: the rank holds no sample of this micro-batch, and ``tokens``
@@ -92,6 +108,7 @@ class MicroBatch:
     seq_len: int | None = None
     packed_seq_params: Any | None = None
     loss_mask: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
     extra: Any = None
 
     def __post_init__(self) -> None:
@@ -110,6 +127,13 @@ class MicroBatch:
                     "loss_mask must hold bools or 0/1 values (a per-token weight belongs in the "
                     "loss: see TeacherSignal)"
                 )
+        if self.labels is not None and (
+            self.tokens is None or tuple(self.labels.shape) != tuple(self.tokens.shape)
+        ):
+            raise ValueError(
+                f"labels {tuple(self.labels.shape)} must have the shape of tokens "
+                f"{None if self.tokens is None else tuple(self.tokens.shape)}"
+            )
         if self.packed_seq_params is None and self.seq_len is None and self.tokens is None:
             raise ValueError(
                 "a padded MicroBatch needs seq_len (the padded length) or tokens to read it from"
@@ -290,11 +314,64 @@ def _apply_loss_mask(
     )
 
 
+def row_mask_from_response(response_L: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """The row-aligned mask of a token-aligned response mask: ``[L]`` bool, row ``p`` true
+    exactly when token ``p + 1`` is a response token and lies within the sequence's first
+    ``length`` tokens (default ``L``); the last real row never counts.
+
+    Args:
+        response_L: ``[L]`` bool (or 0/1): which tokens are the response (token-aligned).
+        length: the sequence's real length (the rest is padding).
+    """
+    resp = response_L.reshape(-1) != 0
+    n = int(resp.numel()) if length is None else int(length)
+    row = torch.zeros(resp.numel(), dtype=torch.bool)
+    if n > 1:
+        row[: n - 1] = resp[1:n].cpu()
+    return row
+
+
+def _next_tokens(tokens_L: torch.Tensor, length: int) -> torch.Tensor:
+    """``[L]`` row-aligned labels: row ``p``'s is token ``p + 1`` for ``p + 1 < length``, else 0."""
+    flat = tokens_L.reshape(-1)
+    out = torch.zeros_like(flat)
+    if length > 1:
+        out[: length - 1] = flat[1:length]
+    return out
+
+
+def _which_mask(
+    response: Any, row: Any, legacy: Any, *, legacy_name: str, row_name: str
+) -> tuple[Any, bool]:
+    """``(mask, token_aligned)`` of the one mask argument given (``(None, False)`` if none);
+    ``legacy`` (the old name) is the row-aligned one, with a ``DeprecationWarning``."""
+    if legacy is not None:
+        warnings.warn(
+            f"{legacy_name} is deprecated: it is row-aligned (megatron's loss_mask), so pass it "
+            f"as {row_name}, or pass the response tokens (token-aligned) and let the row mask "
+            "be derived",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if row is not None:
+            raise ValueError(f"give {row_name} or {legacy_name}, not both")
+        row = legacy
+    if response is not None and row is not None:
+        raise ValueError(
+            "give the response mask (token-aligned) or the row mask (row-aligned), not both"
+        )
+    if response is not None:
+        return response, True
+    return row, False
+
+
 def padded_micro_batch(
     sample_ids: Sequence[int],
     tokens_BS: torch.Tensor,
     *,
     lengths: Sequence[int] | None = None,
+    response_mask_BS: torch.Tensor | None = None,
+    row_mask_BS: torch.Tensor | None = None,
     loss_mask_BS: torch.Tensor | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
@@ -309,33 +386,56 @@ def padded_micro_batch(
             pipeline needs it), all padding.
         tokens_BS: ``[B, S]`` the whole padded sequences (``S`` divisible by ``2 * cp``).
         lengths: real length of each column (default: ``S``).
-        loss_mask_BS: ``[B, S]`` the student's loss mask over the whole sequences (e.g. the
-            response tokens); this rank keeps its zigzag share, ``[B, S / cp]``.
+        response_mask_BS: ``[B, S]`` token-aligned: the response tokens (those the student
+            sampled) over the whole sequences; the row mask is derived from it (row ``p``
+            counts when token ``p + 1`` is a response token).
+        row_mask_BS: ``[B, S]`` row-aligned, megatron's ``loss_mask`` over the whole sequences
+            (row ``p`` counts for the token ``p + 1`` it predicts). At most one of the two.
+        loss_mask_BS: the old name of ``row_mask_BS`` (deprecated).
+    Returns:
+        The :class:`MicroBatch` of this CP rank: ``tokens``, ``position_ids``, ``labels``
+        (row-aligned next tokens) and ``loss_mask`` (the row mask), each ``[B, S / cp]``.
     """
+    mask_BS, token_aligned = _which_mask(
+        response_mask_BS,
+        row_mask_BS,
+        loss_mask_BS,
+        legacy_name="loss_mask_BS",
+        row_name="row_mask_BS",
+    )
     S = int(tokens_BS.shape[1])
     pos_S = cp_positions(S, cp_size, cp_rank)
     dev = tokens_BS.device if device is None else device
     ids = list(sample_ids)
     if not ids:
         tokens_BS = torch.zeros(max(int(tokens_BS.shape[0]), 1), S, dtype=tokens_BS.dtype)
-        lengths, loss_mask_BS = None, None
+        lengths, mask_BS = None, None
     B = int(tokens_BS.shape[0])
     if len(ids) not in (0, B):
         raise ValueError(f"{len(ids)} sample ids for {B} columns of tokens_BS")
+    lens = [S] * B if lengths is None or not ids else [int(n) for n in lengths]
+    if len(lens) != B:
+        raise ValueError(f"{len(lens)} lengths for {B} columns of tokens_BS")
     mask = None
-    if loss_mask_BS is not None:
-        if tuple(loss_mask_BS.shape) != (B, S):
-            raise ValueError(
-                f"loss_mask_BS has shape {tuple(loss_mask_BS.shape)}, tokens_BS {(B, S)}"
-            )
-        mask = loss_mask_BS[:, pos_S.to(loss_mask_BS.device)].to(dev)
+    if mask_BS is not None:
+        if tuple(mask_BS.shape) != (B, S):
+            name = "response_mask_BS" if token_aligned else "row_mask_BS"
+            raise ValueError(f"{name} has shape {tuple(mask_BS.shape)}, tokens_BS {(B, S)}")
+        if token_aligned:
+            mask_BS = torch.stack([row_mask_from_response(mask_BS[b], lens[b]) for b in range(B)])
+        mask = mask_BS[:, pos_S.to(mask_BS.device)].to(dev)
+    labels_BS = torch.zeros_like(tokens_BS)
+    if ids:
+        cpu = tokens_BS.cpu()
+        labels_BS = torch.stack([_next_tokens(cpu[b], lens[b]) for b in range(B)])
     return MicroBatch(
         sample_ids=ids,
         tokens=tokens_BS[:, pos_S.to(tokens_BS.device)].to(dev),
         position_ids=pos_S.expand(B, -1).to(dev),
-        lengths=list(lengths) if lengths is not None else None,
+        lengths=list(lengths) if lengths is not None and ids else None,
         seq_len=S,
         loss_mask=mask,
+        labels=labels_BS[:, pos_S].to(dev),
     )
 
 
@@ -343,6 +443,8 @@ def packed_micro_batch(
     sample_ids: Sequence[int],
     tokens: Sequence[torch.Tensor],
     *,
+    response_masks: Sequence[torch.Tensor] | None = None,
+    row_masks: Sequence[torch.Tensor] | None = None,
     loss_masks: Sequence[torch.Tensor] | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
@@ -361,39 +463,54 @@ def packed_micro_batch(
 
     Args:
         tokens: one ``[L_i]`` int64 tensor per sequence.
-        loss_masks: one ``[L_i]`` bool (or 0/1) tensor per sequence: the student's loss mask
-            (e.g. its response tokens); packed into ``[1, T_local]``, padding excluded.
+        response_masks: one ``[L_i]`` bool (or 0/1) tensor per sequence, token-aligned: the
+            response tokens; the row mask is derived (row ``p`` counts when token ``p + 1``
+            is a response token).
+        row_masks: one ``[L_i]`` per sequence, row-aligned (megatron's ``loss_mask``). At most
+            one of the two.
+        loss_masks: the old name of ``row_masks`` (deprecated).
+    Returns:
+        The :class:`MicroBatch` of this CP rank: ``[1, T_local]`` ``tokens``,
+        ``position_ids``, ``labels`` (row-aligned next tokens, within each sequence) and
+        ``loss_mask`` (the row mask, padding excluded).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    masks, token_aligned = _which_mask(
+        response_masks, row_masks, loss_masks, legacy_name="loss_masks", row_name="row_masks"
+    )
     if len(tokens) != len(sample_ids):
         raise ValueError(f"{len(sample_ids)} sample ids but {len(tokens)} token sequences")
-    if loss_masks is not None and [int(m.numel()) for m in loss_masks] != [
-        int(t.numel()) for t in tokens
-    ]:
+    if masks is not None and [int(m.numel()) for m in masks] != [int(t.numel()) for t in tokens]:
+        name = "response_masks" if token_aligned else "row_masks"
         raise ValueError(
-            f"loss_masks lengths {[int(m.numel()) for m in loss_masks]} differ from the "
+            f"{name} lengths {[int(m.numel()) for m in masks]} differ from the "
             f"sequences' {[int(t.numel()) for t in tokens]}"
         )
     lens = [int(t.numel()) for t in tokens]
     padded = [megatron_padded_length(n, cp_size=cp_size, sp_size=sp_size) for n in lens]
     if not lens:  # a placeholder sequence: real length 0
         lens, padded = [0], [megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)]
-        tokens, loss_masks = [torch.zeros(0, dtype=torch.int64)], None
+        tokens, masks = [torch.zeros(0, dtype=torch.int64)], None
     cu_real, cu_pad = [0], [0]
     for n, p in zip(lens, padded, strict=True):
         cu_real.append(cu_real[-1] + n)
         cu_pad.append(cu_pad[-1] + p)
-    rows_t, pos_t, mask_t = [], [], []
+    rows_t, pos_t, mask_t, label_t = [], [], [], []
     for k, (t, p) in enumerate(zip(tokens, padded, strict=True)):
+        n = int(t.numel())
         full = torch.full((p,), pad_token, dtype=torch.int64)
-        full[: t.numel()] = t.reshape(-1).cpu()
+        full[:n] = t.reshape(-1).cpu()
+        labels = torch.zeros(p, dtype=torch.int64)
+        labels[:n] = _next_tokens(full[:n], n)
         pos = cp_positions(p, cp_size, cp_rank)
         rows_t.append(full[pos])
+        label_t.append(labels[pos])
         pos_t.append(pos)
-        if loss_masks is not None:
+        if masks is not None:
             m = torch.zeros(p, dtype=torch.bool)
-            m[: t.numel()] = loss_masks[k].reshape(-1).cpu() != 0
+            given = masks[k].reshape(-1).cpu() != 0
+            m[:n] = row_mask_from_response(given, n) if token_aligned else given
             mask_t.append(m[pos])
     dev = device if device is not None else "cpu"
 
@@ -415,4 +532,5 @@ def packed_micro_batch(
         position_ids=torch.cat(pos_t)[None].to(dev),
         packed_seq_params=psp,
         loss_mask=torch.cat(mask_t)[None].to(dev) if mask_t else None,
+        labels=torch.cat(label_t)[None].to(dev),
     )

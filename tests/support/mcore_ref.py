@@ -227,7 +227,7 @@ def masked_padded_micro_batches(
                 mine,
                 tokens_BS,
                 lengths=[toks[s].numel() for s in mine],
-                loss_mask_BS=mask_BS if masked else None,
+                row_mask_BS=mask_BS if masked else None,
             )
         )
     return mbs

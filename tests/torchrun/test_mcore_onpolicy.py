@@ -151,7 +151,7 @@ def _padded(batch: Batch, ids: list[int], mesh: Any, *, masked: bool, extra: boo
         mine,
         tokens,
         lengths=[batch.tokens[s].numel() for s in mine],
-        loss_mask_BS=mask if masked and mine else None,
+        row_mask_BS=mask if masked and mine else None,
         cp_size=mesh.cp,
         cp_rank=c.cp_rank,
     )
@@ -168,7 +168,7 @@ def _packed(batch: Batch, ids: list[int], mesh: Any, *, sp: int) -> Any:
     return packed_micro_batch(
         mine,
         [batch.tokens[s] for s in mine],
-        loss_masks=[batch.mask[s] for s in mine],
+        row_masks=[batch.mask[s] for s in mine],
         cp_size=mesh.cp,
         cp_rank=c.cp_rank,
         sp_size=sp,

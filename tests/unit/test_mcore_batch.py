@@ -48,7 +48,7 @@ def test_padded_loss_mask_keeps_exactly_the_counted_tokens(cp: int) -> None:
     got_logits, got_hidden, unmasked = set(), set(), set()
     for r in range(cp):
         mb = padded_micro_batch(
-            ids, tokens, lengths=lens, loss_mask_BS=mask_BS, cp_size=cp, cp_rank=r
+            ids, tokens, lengths=lens, row_mask_BS=mask_BS, cp_size=cp, cp_rank=r
         )
         assert mb.loss_mask.shape == (3, S // cp)
         lo = micro_batch_layout(mb, rows="logits", cp_size=cp, cp_rank=r)
@@ -72,10 +72,75 @@ def test_packed_loss_mask_keeps_exactly_the_counted_tokens(cp: int, sp: int) -> 
     masks = [torch.arange(n) >= n // 2 for n in lens]
     got = set()
     for r in range(cp):
-        mb = packed_micro_batch(ids, seqs, loss_masks=masks, cp_size=cp, cp_rank=r, sp_size=sp)
+        mb = packed_micro_batch(ids, seqs, row_masks=masks, cp_size=cp, cp_rank=r, sp_size=sp)
         assert mb.loss_mask.shape == mb.tokens.shape
         got |= _keys(micro_batch_layout(mb, rows="logits", cp_size=cp, cp_rank=r))
     assert got == _want(ids, masks, lens)
+
+
+def _rows_and_labels(mb, cp: int, r: int) -> dict[int, tuple[bool, int]]:
+    """``key -> (row counts, label)`` of a CP rank's real rows (keys ``sample * 1000 + pos``)."""
+    lay = micro_batch_layout(mb, rows="logits", cp_size=cp, cp_rank=r, use_loss_mask=False)
+    keys = encode_keys(lay.sample_id_R, lay.position_R, 1000)
+    mask = mb.loss_mask.reshape(-1)
+    labels = mb.labels.reshape(-1)
+    return {
+        int(k): (bool(m), int(y))
+        for k, m, y in zip(keys.tolist(), mask.tolist(), labels.tolist(), strict=True)
+        if k >= 0
+    }
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "thd"])
+def test_a_response_mask_counts_exactly_the_rows_that_predict_response_tokens(
+    cp: int, packed: bool
+) -> None:
+    """Row p counts exactly when token p + 1 is a response token (none of a sequence's last
+    row, nothing wrapped), and its label is token p + 1, whatever the CP rank holds."""
+    g = torch.Generator().manual_seed(1)
+    ids, lens, prompts = [5, 11, 2], [16, 9, 3], [4, 1, 2]
+    seqs = [torch.randint(1, 50, (n,), generator=g) for n in lens]
+    responses = [torch.arange(n) >= p for n, p in zip(lens, prompts, strict=True)]
+    responses[0][9] = False  # a hole inside a response (a tool's output, say)
+    got: dict[int, tuple[bool, int]] = {}
+    for r in range(cp):
+        if packed:
+            mb = packed_micro_batch(ids, seqs, response_masks=responses, cp_size=cp, cp_rank=r)
+        else:
+            tokens = torch.zeros(3, S, dtype=torch.int64)
+            resp = torch.zeros(3, S, dtype=torch.bool)
+            for b, (t, m) in enumerate(zip(seqs, responses, strict=True)):
+                tokens[b, : t.numel()], resp[b, : t.numel()] = t, m
+            mb = padded_micro_batch(
+                ids, tokens, lengths=lens, response_mask_BS=resp, cp_size=cp, cp_rank=r
+            )
+        assert mb.labels.shape == mb.tokens.shape == mb.loss_mask.shape
+        got |= _rows_and_labels(mb, cp, r)
+    want = {}
+    for s, t, m in zip(ids, seqs, responses, strict=True):
+        n = t.numel()
+        for p in range(n):
+            counts = p + 1 < n and bool(m[p + 1])
+            want[s * 1000 + p] = (counts, int(t[p + 1]) if p + 1 < n else 0)
+    assert got == want
+    assert sum(c for c, _ in got.values()) == sum(int(m[1:].sum()) for m in responses)
+
+
+def test_the_old_mask_names_are_row_aligned_and_warn() -> None:
+    tokens = torch.arange(S)[None].repeat(2, 1)
+    row = torch.zeros(2, S, dtype=torch.bool)
+    row[:, 3:7] = True
+    with pytest.warns(DeprecationWarning, match="loss_mask_BS is deprecated.*row_mask_BS"):
+        old = padded_micro_batch([1, 2], tokens, loss_mask_BS=row)
+    new = padded_micro_batch([1, 2], tokens, row_mask_BS=row)
+    assert torch.equal(old.loss_mask, new.loss_mask) and torch.equal(new.loss_mask, row)
+    seq = [torch.arange(6)]
+    with pytest.warns(DeprecationWarning, match="loss_masks is deprecated.*row_masks"):
+        old_p = packed_micro_batch([1], seq, loss_masks=[torch.arange(6) >= 2])
+    assert torch.equal(
+        old_p.loss_mask, packed_micro_batch([1], seq, row_masks=[torch.arange(6) >= 2]).loss_mask
+    )
 
 
 def test_empty_shards_are_all_padding_placeholders() -> None:
@@ -114,15 +179,23 @@ def test_fixed_capacity_cu_seqlens_drop_trailing_repeats() -> None:
 
 def test_bad_masks_are_named() -> None:
     tokens = torch.zeros(2, S, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"loss_mask_BS has shape \(2, 8\)"):
-        padded_micro_batch([1, 2], tokens, loss_mask_BS=torch.ones(2, 8))
+    with pytest.raises(ValueError, match=r"row_mask_BS has shape \(2, 8\)"):
+        padded_micro_batch([1, 2], tokens, row_mask_BS=torch.ones(2, 8))
+    with pytest.raises(ValueError, match=r"response_mask_BS has shape \(2, 8\)"):
+        padded_micro_batch([1, 2], tokens, response_mask_BS=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="not both"):
+        padded_micro_batch(
+            [1, 2], tokens, response_mask_BS=torch.ones(2, S), row_mask_BS=torch.ones(2, S)
+        )
     with pytest.raises(ValueError, match="0/1 values"):
         MicroBatch(sample_ids=[1], seq_len=S, loss_mask=torch.full((1, S), 0.5))
     mb = MicroBatch(sample_ids=[1, 2], seq_len=S, loss_mask=torch.ones(2, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"loss_mask has shape \(2, 8\) \(16 tokens\).*32 rows"):
         micro_batch_layout(mb, rows="logits")
-    with pytest.raises(ValueError, match="loss_masks lengths"):
-        packed_micro_batch([1], [torch.ones(4, dtype=torch.int64)], loss_masks=[torch.ones(3)])
+    with pytest.raises(ValueError, match="row_masks lengths"):
+        packed_micro_batch([1], [torch.ones(4, dtype=torch.int64)], row_masks=[torch.ones(3)])
+    with pytest.raises(ValueError, match="response_masks lengths"):
+        packed_micro_batch([1], [torch.ones(4, dtype=torch.int64)], response_masks=[torch.ones(3)])
 
 
 def test_pipelined_micro_batches_of_different_shapes_need_variable_seq_lengths() -> None:
