@@ -20,15 +20,19 @@ into the student's vocab partition once (:func:`reshard_lm_head`).
 Nothing here imports megatron: what reads megatron's objects (process groups, meshes off its
 groups, LM heads off its models) is :mod:`mopd.mcore`'s.
 
-Internals live in their modules (:mod:`.plan`, :mod:`.record`, :mod:`.metadata`, :mod:`.topology`,
+The bridge and its planning call are :mod:`.api`'s; a planned step (:class:`BridgeStep`,
+:class:`ExchangeHandle`) is :mod:`.step`'s; the configs (:class:`TeacherSpec`,
+:class:`BridgeConfig`) are :mod:`.config`'s. Internals live in their modules (:mod:`.checks`,
+:mod:`.inputs`, :mod:`.plan`, :mod:`.record`, :mod:`.metadata`, :mod:`.topology`,
 :mod:`.schedule`, :mod:`.order`, :mod:`.executor`, :mod:`.transport`, :mod:`.integrity`,
 :mod:`.compact`).
 """
 
 from __future__ import annotations
 
-from mopd.bridge.api import BridgeConfig, BridgeStep, ExchangeHandle, HiddenStateBridge, TeacherSpec
+from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.compact import compact_rows, layout_rows
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import (
     BridgeCommError,
     BridgeError,
@@ -41,6 +45,7 @@ from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
 from mopd.bridge.lm_head import LMHeadShard, VocabSpec, reshard_lm_head
 from mopd.bridge.mesh import Mesh, MeshCoord, mesh_from_groups
+from mopd.bridge.step import BridgeStep, ExchangeHandle
 from mopd.common.deprecation import moved_names
 
 __all__ = [

@@ -34,11 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
+from mopd.bridge.api import HiddenStateBridge
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
+from mopd.bridge.step import BridgeStep
 from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
@@ -136,7 +138,7 @@ class Distiller:
             teacher's weight in the stock loss (:attr:`TeacherSignal.weight_T`); default all 1.
         teacher_sp_shards: a teacher whose ``TransformerConfig`` has ``sequence_parallel`` (at
             ``tp > 1``) sends from where its rows are: each last-stage TP rank sends its own
-            SP shard (:attr:`~mopd.bridge.api.TeacherSpec.sp_shards`), and its capture does
+            SP shard (:attr:`~mopd.bridge.config.TeacherSpec.sp_shards`), and its capture does
             no all-gather. ``False``: the capture undoes SP on every TP rank and the TP ranks
             send as replicas (each a share of the full buffer).
         vocab_size: the real vocabulary (the tokenizer's). Each model may be built with its own

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.api import BridgeStep
 from mopd.bridge.lm_head import LMHeadShard
+from mopd.bridge.step import BridgeStep
 from mopd.common import ranges
 from mopd.kernels.kl import KLConfig, KLKind, vocab_parallel_kl
 
@@ -94,14 +94,14 @@ def teacher_signal(
 ) -> TeacherSignal:
     """Receive ``micro_batch``'s teacher rows and compute the per-token KL (see the class).
 
-    The rows arrive compact per teacher (:meth:`~mopd.bridge.api.BridgeStep.receive`) and go
+    The rows arrive compact per teacher (:meth:`~mopd.bridge.step.BridgeStep.receive`) and go
     to the KL as they are, with the step's owner per row as ``teacher_index_T``.
 
     Collective over the student's TP group (the vocab-parallel KL); call it on the student's
     last stage, inside ``loss_func``, once per micro-batch.
 
     Args:
-        step: the bridge step (its :meth:`~mopd.bridge.api.BridgeStep.receive` runs inside).
+        step: the bridge step (its :meth:`~mopd.bridge.step.BridgeStep.receive` runs inside).
         logits: ``[B, S_local, V_local]`` (or ``[1, T_local, V_local]``) as megatron's GPTModel
             returns them, rows in the order of the student's ``"logits"`` layout.
         lm_heads: one resharded LM-head shard per teacher (:func:`~mopd.mcore.lm_head.

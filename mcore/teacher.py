@@ -4,7 +4,7 @@ Why this file exists: the frozen teacher runs before the student's schedule (its
 cannot nest inside the student's ``forward_step``), through megatron's own forward-only schedule
 so that a teacher with PP > 1 works as it does in training. Each micro-batch's pre-LM-head hidden
 states are captured on the last stage (:mod:`mopd.capture`) and handed to a callback right away
-(the bridge's :meth:`~mopd.bridge.api.BridgeStep.send`, which takes the rows at the call). Under
+(the bridge's :meth:`~mopd.bridge.step.BridgeStep.send`, which takes the rows at the call). Under
 sequence parallelism the bridge path hands each TP rank's own shard as it is (``sp_shards``: no
 all-gather, each rank a source of its own rows); otherwise the capture undoes SP into one
 recycled buffer (no allocation per micro-batch). The teacher's own full-vocabulary logits are not

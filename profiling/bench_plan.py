@@ -60,7 +60,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mopd.bridge.api import BridgeConfig, BridgeStep, HiddenStateBridge, TeacherSpec
+from mopd.bridge.api import HiddenStateBridge
+from mopd.bridge.checks import agreed_slots, agreed_state
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
@@ -68,6 +70,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import HEADER, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, stack_records
+from mopd.bridge.step import BridgeStep
 from mopd.bridge.topology import Topology
 from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser
@@ -319,7 +322,7 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     """A :class:`~mopd.bridge.api.HiddenStateBridge` of ``step``'s meshes as global rank
     ``rank`` holds it, without process groups (this benchmark has none): the attributes its
     constructor derives from the groups are set here, so that its per-step methods
-    (``_local_record``, ``_agree_and_plan``, :class:`~mopd.bridge.api.BridgeStep`) run as
+    (``_local_record``, ``_agree_and_plan``, :class:`~mopd.bridge.step.BridgeStep`) run as
     they do in a job, minus the collectives (the metadata group is ``None``: the verdict of a
     step without problems is then local)."""
     b = HiddenStateBridge.__new__(HiddenStateBridge)
@@ -387,8 +390,8 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     bridge._local_record({0: t_rows}, s_rows, None, None, [])
     t1 = time.perf_counter()
     matrix = StepMatrix(gathered.matrix)  # the headers were read off the matrix then
-    bridge._agreed_state(matrix)
-    n_slots = bridge._agreed_slots(matrix)
+    agreed_state(matrix, members=topo.members, rank=rank, executor=bridge.executor)
+    n_slots = agreed_slots(matrix, members=topo.members)
     catalogs = [topo.catalog(matrix, i) for i in range(n_slots)]
     me = topo.members.index(rank)
     for g in topo.index.source_groups.get(rank, ()):  # replicas against their leader

@@ -21,7 +21,8 @@ from unittest import mock
 
 import torch
 
-from mopd.bridge.api import BridgeConfig, HiddenStateBridge, TeacherSpec
+from mopd.bridge.api import HiddenStateBridge
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.mesh import Mesh
 

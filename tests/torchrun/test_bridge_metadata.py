@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.bridge import api as bridge_api
-from mopd.bridge.api import BridgeConfig, HiddenStateBridge, TeacherSpec
+from mopd.bridge import checks as bridge_checks
+from mopd.bridge import step as bridge_step
+from mopd.bridge.api import HiddenStateBridge
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.groups import GroupPool, all_gather_flat, all_gather_nodes, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, padded_layout
 from mopd.bridge.mesh import Mesh
@@ -142,7 +144,7 @@ def test_a_bridge_on_two_levels_moves_rows_and_agrees_on_errors(node_size: int) 
 def test_a_repeated_step_runs_no_planner_and_a_changed_peer_plans_again() -> None:
     bridge = _bridge(None)
     calls = {"plan": 0, "check": 0}
-    real_plan, real_check = bridge_api.plan_rank, bridge_api.check_rank
+    real_plan, real_check = bridge_step.plan_rank, bridge_checks.check_rank
 
     def plan(*a, **k):  # type: ignore[no-untyped-def]
         calls["plan"] += 1
@@ -153,8 +155,8 @@ def test_a_repeated_step_runs_no_planner_and_a_changed_peer_plans_again() -> Non
         return real_check(*a, **k)
 
     with (
-        mock.patch.object(bridge_api, "plan_rank", plan),
-        mock.patch.object(bridge_api, "check_rank", check),
+        mock.patch.object(bridge_step, "plan_rank", plan),
+        mock.patch.object(bridge_checks, "check_rank", check),
     ):
         _run_step(bridge)
         first = dict(calls)

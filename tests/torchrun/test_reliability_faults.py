@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge import BridgeStep, HiddenStateBridge, Mesh, padded_layout
+from mopd.bridge import api as api_mod
 from mopd.profiling.synthetic import key_pattern
 from tests.support.reliability import everyone, fresh_bridge, outcome
 
@@ -199,7 +200,7 @@ def test_rank_raising_while_checking_the_step_leaves_the_others_in_the_verdict(m
         def broken(*args: Any, **kwargs: Any) -> list[str]:
             raise Injected("rank 3 fails while checking the step")
 
-        monkeypatch.setattr(HiddenStateBridge, "_checks", broken)
+        monkeypatch.setattr(api_mod, "rank_checks", broken)
     seen = seen_by_all(outcome(lambda: plan(b)), b)
     assert seen[3]["kind"] == "Injected", seen[3]
     for r in (0, 1, 2):

@@ -72,3 +72,23 @@ def test_an_unknown_name_is_still_an_attribute_error() -> None:
         warnings.simplefilter("error")
         with pytest.raises(AttributeError, match="no_such_name"):
             _ = bridge.no_such_name
+
+
+def test_the_bridge_api_module_still_offers_the_names_it_held() -> None:
+    """``mopd.bridge.api`` held the step, its handle and the configs before they got modules of
+    their own; code that imports them from there gets the same objects as from their homes."""
+    api = importlib.import_module("mopd.bridge.api")
+    homes = {
+        "BridgeConfig": "mopd.bridge.config",
+        "BridgeStep": "mopd.bridge.step",
+        "ExchangeHandle": "mopd.bridge.step",
+        "HiddenStateBridge": "mopd.bridge.api",
+        "LayoutArg": "mopd.bridge.inputs",
+        "TeacherSpec": "mopd.bridge.config",
+    }
+    assert sorted(api.__all__) == sorted(homes)
+    for name, home in homes.items():
+        assert getattr(api, name) is getattr(importlib.import_module(home), name), name
+    bridge = importlib.import_module("mopd.bridge")
+    for name in set(homes) & set(bridge.__all__):
+        assert getattr(bridge, name) is getattr(api, name), name

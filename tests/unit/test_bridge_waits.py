@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from mopd.bridge.api import BridgeStep
 from mopd.bridge.errors import BridgeStateError, BridgeTimeoutError
 from mopd.bridge.executor import Executor, Slot
 from mopd.bridge.order import StepOrder
+from mopd.bridge.step import BridgeStep
 from mopd.bridge.transport import Posted
 from mopd.common import dist as cdist
 

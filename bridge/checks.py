@@ -1,0 +1,267 @@
+"""The step's checks that every rank judges alike, off the gathered metadata matrix.
+
+Why this file exists: after the metadata all-gather every rank holds the same matrix, so the
+fence (failed, abandoned or out-of-step ranks), the agreed micro-batch count and each rank's
+share of the input checks are functions of it and of the bridge's fixed facts (its topology,
+teachers and rank). :meth:`~mopd.bridge.api.HiddenStateBridge.plan_step` calls them between the
+all-gather and the verdict; they communicate nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from mopd.bridge.config import TeacherSpec
+from mopd.bridge.errors import BridgeStateError
+from mopd.bridge.executor import Executor
+from mopd.bridge.mesh import Mesh
+from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
+from mopd.bridge.plan import RunCatalog, check_rank
+from mopd.bridge.topology import Topology
+from mopd.common import ranges
+
+__all__ = [
+    "agreed_slots",
+    "agreed_state",
+    "rank_checks",
+]
+
+
+def agreed_state(
+    matrix: StepMatrix, *, members: Sequence[int], rank: int, executor: Executor
+) -> None:
+    """The fence, from every rank's state in the matrix (the same verdict everywhere).
+
+    A step failed or was abandoned on some rank: :class:`BridgeStateError` naming the first
+    failure (the lowest rank's), and this bridge refuses from now on. Ranks at different
+    step counts (a rank planned a step the others did not): the same. An earlier step with
+    micro-batches some rank has not posted: ``ValueError`` (nothing of this step moves; the
+    earlier step may still complete), because a new step's transfers would pair with the
+    earlier step's on the wire.
+    """
+    state = matrix.state_N()
+    steps = matrix.step_N()
+    failed = np.flatnonzero(state == STATE_FAILED).tolist()
+    first = ""
+    if failed:
+        first = f"first failure on global rank {members[failed[0]]}: {matrix.error(failed[0])}"
+        if len(failed) > 1:
+            first += f"; global ranks {[members[j] for j in failed[1:]]} failed too"
+    elif (steps != steps[0]).any():
+        by: dict[int, list[int]] = {}
+        for j, k in enumerate(steps.tolist()):
+            by.setdefault(k, []).append(members[j])
+        first = "ranks are at different steps of this bridge: " + ", ".join(
+            f"step {k} on global ranks {v}" for k, v in sorted(by.items())
+        )
+    if first:
+        executor.mark_abandoned(first)
+        raise BridgeStateError(
+            f"global rank {rank}: this bridge cannot be used after a failed exchange "
+            f"({first}); its process group may still hold sends/receives of that step, "
+            "which a later one could match. Create new groups (a new GroupPool and "
+            "create_bridge_groups) and a new HiddenStateBridge on every rank."
+        )
+    open_ = np.flatnonzero(state == STATE_OPEN).tolist()
+    if open_:
+        raise ValueError(
+            f"step {int(steps[0])} planned while an earlier step of this bridge is not fully "
+            "posted: "
+            + "; ".join(matrix.error(j) for j in open_)
+            + ". Its transfers would pair with that step's on the wire: finish the earlier "
+            "step (leave its `with` block) before planning the next on the same bridge"
+        )
+
+
+def agreed_slots(matrix: StepMatrix, *, members: Sequence[int]) -> int:
+    """The step's micro-batch count; raises what every rank can see in the matrix alike."""
+    bad_magic = np.flatnonzero(matrix.magic_N() != MAGIC)
+    if bad_magic.size:
+        raise ValueError(
+            f"global ranks {[members[j] for j in bad_magic.tolist()]} sent bridge metadata of "
+            "another format (another version of mopd-bridge?)"
+        )
+    sigs = matrix.config_sig_N()
+    if (sigs != sigs[0]).any():
+        groups: dict[int, list[int]] = {}
+        for j, s in enumerate(sigs.tolist()):
+            groups.setdefault(s, []).append(members[j])
+        raise ValueError(
+            f"ranks were built with different meshes or settings: {list(groups.values())}"
+        )
+    bad = np.flatnonzero(matrix.error_bytes_N() > 0).tolist()
+    if bad:
+        raise ValueError(
+            f"bridge input rejected on global rank(s) {[members[j] for j in bad]}: "
+            + "; ".join(matrix.error(j) for j in bad)
+        )
+    slots = matrix.n_slots_N()
+    given = slots[slots >= 0]
+    known = [] if not given.size else [int(given.min())]
+    if given.size and given.max() != given.min():
+        known = np.unique(given).tolist()
+    if len(known) != 1:
+        by: dict[int, list[int]] = {}
+        for j, s in enumerate(slots.tolist()):
+            if s >= 0:
+                by.setdefault(s, []).append(members[j])
+        raise ValueError(
+            "ranks give different micro-batch counts: "
+            + ", ".join(f"{k} on global ranks {v}" for k, v in sorted(by.items()))
+            if by
+            else "no rank holds a layout: nothing to exchange"
+        )
+    return known[0]
+
+
+def rank_checks(
+    matrix: StepMatrix,
+    catalogs: Sequence[RunCatalog],
+    *,
+    topology: Topology,
+    teachers: Sequence[TeacherSpec],
+    student: Mesh,
+    rank: int,
+    duplicate_samples: bool,
+    skip: Sequence[bool] | None = None,
+) -> list[str]:
+    """The problems this rank is responsible for finding (its share of the global checks);
+    ``catalogs``: the step's micro-batches, in order; ``skip``: micro-batches whose plan
+    inputs (:meth:`~mopd.bridge.record.StepView.plan_keys`) this rank saw pass before: the
+    planner's verdicts on them are those of then (none), so they are not run again."""
+    n_slots = len(catalogs)
+    skip = [False] * n_slots if skip is None else list(skip)
+    n_sec = len(teachers) + 1
+    me = topology.members.index(rank)
+    topo = topology
+    problems: list[str] = []
+    # replicas against their leader: same rows, same layout, same dtype / hidden / device
+    mine_g = topo.index.source_groups.get(rank, ())  # this rank's groups, ascending
+    for g in mine_g:
+        source = topo.sources[g]
+        if rank == source.ranks[0]:
+            continue
+        leader, o = int(topo.source_leader[g]), int(topo.source_section[g])
+        if matrix.section_head(me, o) != matrix.section_head(leader, o):
+            problems.append(
+                f"teacher {o} on global rank {rank}: (dtype, hidden, device) codes "
+                f"{matrix.section_head(me, o)[:3]} differ from its TP replica global rank "
+                f"{source.ranks[0]}'s {matrix.section_head(leader, o)[:3]}"
+            )
+            continue
+        i = _first_differing_slot(matrix, me, leader, o, n_slots, n_sec)
+        if i is not None:
+            problems.append(
+                f"teacher {o} TP replicas {list(source.ranks)} ({source.label}) hold "
+                f"different token layouts in micro-batch {i}"
+            )
+    for d in topo.index.dest_groups.get(rank, ()):
+        dest = topo.dests[d]
+        if rank == dest.ranks[0]:
+            continue
+        leader = int(topo.dest_leader[d])
+        i = _first_differing_slot(matrix, me, leader, topo.student_section, n_slots, n_sec)
+        if i is not None:
+            problems.append(
+                f"student TP ranks {list(dest.ranks)} ({dest.label}) want different "
+                f"token layouts in micro-batch {i}"
+            )
+    # every teacher's leaders agree on (dtype, hidden, device): students size buffers by them
+    # (sources are teacher-major, so this goes teacher by teacher as before)
+    for g in mine_g:
+        if topo.sources[g].ranks[0] != rank:
+            continue
+        o = int(topo.source_section[g])
+        spec = teachers[o]
+        first = topo.first_leader(o)
+        head = matrix.section_head(me, o)
+        if head[1] != spec.hidden_size:
+            problems.append(
+                f"teacher {o} on global rank {rank}: hidden size {head[1]}, "
+                f"expected {spec.hidden_size}"
+            )
+        if head[:3] != matrix.section_head(first, o)[:3]:
+            problems.append(
+                f"teacher {o}: global ranks {topo.members[first]} and {rank} hold "
+                f"different dtypes or devices ({matrix.section_head(first, o)[:3]} vs "
+                f"{head[:3]})"
+            )
+        if code_dtype(head[0]) is None:
+            problems.append(f"teacher {o} on global rank {rank}: unsupported dtype")
+    if not duplicate_samples:
+        problems += _duplicate_samples(
+            catalogs, skip, topology=topology, student=student, rank=rank
+        )
+    # the planner's checks: tokens held twice or by nobody
+    with ranges.span("plan", "checks"):
+        for i in range(n_slots):
+            if not skip[i]:
+                problems += [f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], rank)]
+    return problems
+
+
+def _duplicate_samples(
+    catalogs: Sequence[RunCatalog],
+    skip: Sequence[bool],
+    *,
+    topology: Topology,
+    student: Mesh,
+    rank: int,
+) -> list[str]:
+    """Sample ids the student wants on two DP ranks in one micro-batch (it would train on
+    them twice). Each destination group's first rank checks its group against the earlier
+    groups whose sample range meets it (its peers, not the job); ``skip``: micro-batches
+    whose inputs this rank has seen pass before."""
+    topo = topology
+    mine = [d for d in topo.index.dest_groups.get(rank, ()) if topo.dests[d].ranks[0] == rank]
+    problems: list[str] = []
+    for i in range(len(catalogs)):
+        if skip[i] or not mine:
+            continue
+        catalog = catalogs[i]
+        rng = catalog.dest_range_D2
+        for d in mine:
+            lo, hi = (int(x) for x in rng[d])
+            a, b = rng[:d, 0], rng[:d, 1]
+            if lo > hi:
+                continue
+            earlier = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+            if not earlier.size:
+                continue
+            dp = _dp_of(student, topo.dests[d].ranks[0])
+            wanted = np.unique(catalog.dest_runs(d)[:, 0])
+            first: dict[int, int] = {}  # sample -> DP rank of the first group wanting it
+            for e in earlier.tolist():
+                dp_e = _dp_of(student, topo.dests[e].ranks[0])
+                runs = catalog.dest_runs(e)
+                for sample in np.intersect1d(wanted, runs[:, 0]).tolist():
+                    first.setdefault(sample, dp_e)
+            for sample, dp0 in sorted(first.items()):
+                if dp0 != dp and len(problems) < 4:
+                    problems.append(
+                        f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
+                        f"{dp0} and {dp}: it would be trained on twice; give each sample "
+                        "to one DP rank, or BridgeConfig(duplicate_samples=True) if that is "
+                        "meant"
+                    )
+    return problems
+
+
+def _dp_of(student: Mesh, rank: int) -> int:
+    c = student.coord(rank)
+    assert c is not None
+    return c.dp_rank
+
+
+def _first_differing_slot(
+    matrix: StepMatrix, me: int, leader: int, section: int, n_slots: int, n_sections: int
+) -> int | None:
+    """The first micro-batch where member ``me``'s layout (rows, digest) differs from its
+    replica leader's, or ``None`` (one read of both slot tables)."""
+    t = matrix.slot_tables(
+        np.asarray([me, leader]), section, n_sections=n_sections, n_slots=n_slots
+    )
+    differ = np.flatnonzero((t[0, :, 0] != t[1, :, 0]) | (t[0, :, 5] != t[1, :, 5]))
+    return int(differ[0]) if differ.size else None
