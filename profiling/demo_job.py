@@ -310,7 +310,9 @@ class _Job:
                 packed_micro_batch(
                     (mine := split_samples(mb, self.student_mesh.dp, c.dp_rank)),
                     [tokens[s] for s in mine],
-                    response_masks=[torch.arange(tokens[s].numel()) >= cfg.prompt_len for s in mine],
+                    response_masks=[
+                        torch.arange(tokens[s].numel()) >= cfg.prompt_len for s in mine
+                    ],
                     cp_size=self.student_mesh.cp,
                     cp_rank=c.cp_rank,
                     device=self.device,
