@@ -5,10 +5,12 @@
 layouts read off megatron's objects (:func:`micro_batch_layout`), the teachers' per-token signal
 as a building block for the job's own loss (:func:`teacher_signal`) and the loss in the shape
 megatron's schedule expects (:func:`megatron_loss_output`), the student's vocab-parallel
-log-probability of given tokens for the job's other terms (:func:`token_logprobs`), a model's
+log-probability of given tokens for the job's other terms (:func:`token_logprobs`, and the
+cross-entropy :func:`cross_entropy`), a model's
 process groups on its own mesh (:func:`megatron_process_groups`), meshes read off megatron's
 groups (:func:`mesh_from_pg_collection`, :func:`mesh_from_parallel_state`) and the teachers' LM
-heads read off the models (:func:`lm_head_from_models`). The internals (the teachers'
+heads read off the models (:func:`lm_head_from_models`); one step's on-policy samples
+(:class:`Rollouts`), from which :meth:`Distiller.step` builds every rank's micro-batches. The internals (the teachers'
 forward-only pass, the stock loss function) live in their modules (:mod:`.teacher`,
 :mod:`.loss`). :mod:`mopd.mcore.cpu` makes megatron-core run on CPU ranks (gloo) for the demo and
 the tests; it is not imported here.
@@ -31,15 +33,18 @@ from mopd.mcore.groups import (
     mesh_from_pg_collection,
 )
 from mopd.mcore.lm_head import lm_head_from_models
-from mopd.mcore.logprob import token_logprobs
+from mopd.mcore.logprob import cross_entropy, token_logprobs
 from mopd.mcore.loss import TeacherSignal, megatron_loss_output, teacher_signal
+from mopd.mcore.rollouts import Rollouts
 
 __all__ = [
     "DistillationStep",
     "Distiller",
     "MeshModel",
     "MicroBatch",
+    "Rollouts",
     "TeacherSignal",
+    "cross_entropy",
     "lm_head_from_models",
     "megatron_loss_output",
     "megatron_process_groups",

@@ -38,6 +38,7 @@ from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
+from mopd.bridge.layout import TokenLayout
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.step import BridgeStep
@@ -63,11 +64,18 @@ from mopd.mcore.loss import (
     megatron_loss_output,
     teacher_signal,
 )
+from mopd.mcore.rollouts import (
+    Rollouts,
+    StepSamples,
+    exchange_rollouts,
+    rollout_micro_batches,
+)
 from mopd.mcore.teacher import (
     Forward,
     check_pipeline_shapes,
     default_forward,
     model_config,
+    pipeline_shape,
     run_teacher,
 )
 
@@ -86,16 +94,21 @@ class MeshModel:
             (:func:`mopd.mcore.groups.megatron_process_groups`); ``None`` outside.
         forward: ``forward(model, micro_batch) -> output`` (default: a GPTModel call with the
             micro-batch's tokens, positions, mask and packed-sequence parameters).
+        packed: how the model takes the micro-batches :meth:`Distiller.step` builds from
+            rollouts: THD-packed sequences (``True``), or a padded ``[B, S]`` batch.
     """
 
     mesh: Mesh
     model: Any | None = None
     pg_collection: Any | None = None
     forward: Forward | None = None
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
             raise ValueError(f"MeshModel.mesh must be a Mesh, got {type(self.mesh).__name__}")
+        if not isinstance(self.packed, bool):
+            raise ValueError(f"MeshModel.packed must be a bool, got {self.packed!r}")
         if (self.model is None) != (self.pg_collection is None):
             raise ValueError("MeshModel: give both model and pg_collection, or neither")
 
@@ -269,19 +282,49 @@ class Distiller:
 
     def step(
         self,
+        rollouts: Rollouts | None = None,
         *,
-        student: Sequence[MicroBatch] | None,
-        teachers: Sequence[Sequence[MicroBatch] | None],
+        num_micro_batches: int | None = None,
+        student: Sequence[MicroBatch] | None = None,
+        teachers: Sequence[Sequence[MicroBatch] | None] | None = None,
     ) -> DistillationStep:
         """Plan one step and run the teachers' forward-only pass (collective, outside the schedule).
 
+        Two forms; every rank uses the same one:
+
+        - ``step(rollouts, num_micro_batches=M)``: the step's on-policy samples, each rank
+          passing the :class:`~mopd.mcore.rollouts.Rollouts` it holds (``None`` or empty where
+          it holds none). The library agrees them on every rank, moves their token ids to the
+          ranks that use them and builds every model's micro-batches (the student's DP split
+          of ``M`` micro-batches with the row mask derived from each response and
+          ``labels``; each teacher's split of the samples routed to it; packed or padded as
+          each :class:`MeshModel` says); :meth:`DistillationStep.schedule_kwargs` gives them
+          to megatron's schedule.
+        - ``step(student=..., teachers=[...])``: micro-batches built by the caller.
+
         Args:
+            rollouts: this rank's rollouts (the first form).
+            num_micro_batches: ``M`` (the first form).
             student: on student ranks, this rank's micro-batches in schedule order (the same
                 count on every student rank); ``None`` elsewhere.
             teachers: per teacher, on its ranks, its micro-batches: teacher micro-batch ``i``
                 (over all teacher shards) holds the samples of student micro-batch ``i``;
                 ``None`` where the rank is outside that teacher's mesh.
+        Raises:
+            ValueError: the same on every rank, before anything moves, for bad input.
         """
+        samples = None
+        if num_micro_batches is not None or rollouts is not None:
+            if student is not None or teachers is not None:
+                raise ValueError(
+                    "Distiller.step takes rollouts and num_micro_batches, or student= and "
+                    "teachers= micro-batches, not both"
+                )
+            if num_micro_batches is None:
+                raise ValueError("Distiller.step(rollouts) needs num_micro_batches=M")
+            samples, student, teachers = self._from_rollouts(rollouts, num_micro_batches)
+        if teachers is None:
+            raise ValueError("Distiller.step needs rollouts or student= and teachers=")
         if len(teachers) != len(self.teachers):
             raise ValueError(
                 f"{len(teachers)} teacher micro-batch lists for {len(self.teachers)} teachers"
@@ -319,7 +362,7 @@ class Distiller:
             student_layouts=student_layouts,
             check=lambda: self._check_inputs(student, teachers),
         )
-        step = DistillationStep(self, bstep, student)
+        step = DistillationStep(self, bstep, student, samples=samples)
         t1 = time.perf_counter()
         held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
         try:
@@ -346,6 +389,47 @@ class Distiller:
         step.timings["plan"] = t1 - t0
         step.timings["teacher"] = time.perf_counter() - t1
         return step
+
+    def _from_rollouts(
+        self, rollouts: Rollouts | None, num_micro_batches: int
+    ) -> tuple[StepSamples | None, list[MicroBatch] | None, list[list[MicroBatch] | None]]:
+        """The step's samples and this rank's micro-batches of each model it holds."""
+        if self.rank not in self.groups.members:  # outside every mesh: nothing to build
+            if rollouts is not None and len(rollouts):
+                raise ValueError(
+                    f"global rank {self.rank} is outside every mesh: it cannot hold rollouts"
+                )
+            return None, None, [None] * len(self.teachers)
+        samples = exchange_rollouts(
+            rollouts,
+            num_micro_batches=num_micro_batches,
+            student=self.student.mesh,
+            teachers=[t.mesh for t in self.teachers],
+            group=self.groups.metadata_group,
+            vocab_size=self.vocab_size,
+            timeout_s=self.bridge_config.timeout_s,
+        )
+        device = cdist.group_device(self.groups.bridge)
+
+        def build(mm: MeshModel, teacher: int | None) -> list[MicroBatch] | None:
+            if mm.model is None or not mm.holds(self.rank):
+                return None
+            config = model_config(mm.model)
+            return rollout_micro_batches(
+                samples,
+                mesh=mm.mesh,
+                teacher=teacher,
+                packed=mm.packed,
+                sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                device=device,
+                max_sequence_length=_max_positions(mm.model),
+            )
+
+        return (
+            samples,
+            build(self.student, None),
+            [build(t, o) for o, t in enumerate(self.teachers)],
+        )
 
     def _check_inputs(
         self,
@@ -374,6 +458,18 @@ class Distiller:
             counts[f"{what}'s micro-batches"] = len(mbs)
             _check_tokens(mbs, mm, what, vocab_size=self.vocab_size, given=self._vocab_given)
         return counts
+
+
+def _max_positions(model: Any) -> int | None:
+    """A model's ``max_sequence_length`` where it bounds positions (learned absolute position
+    embeddings), else ``None``."""
+    from mopd.capture.unwrap import unwrap_model
+
+    inner = unwrap_model(model[0] if isinstance(model, list | tuple) else model)
+    if getattr(inner, "position_embedding_type", None) != "learned_absolute":
+        return None
+    limit = getattr(inner, "max_sequence_length", None)
+    return int(limit) if isinstance(limit, int) else None
 
 
 def _describe(mbs: Any) -> str:
@@ -502,12 +598,19 @@ class DistillationStep:
     """One MOPD step on this rank (:meth:`Distiller.step`); a context manager that finishes it."""
 
     def __init__(
-        self, distiller: Distiller, bridge_step: BridgeStep, student: Sequence[MicroBatch] | None
+        self,
+        distiller: Distiller,
+        bridge_step: BridgeStep,
+        student: Sequence[MicroBatch] | None,
+        *,
+        samples: StepSamples | None = None,
     ) -> None:
         self.distiller = distiller
         self.bridge_step = bridge_step
         self.micro_batches = list(student) if student is not None else []
         self.num_micro_batches = bridge_step.num_micro_batches
+        #: the step's samples as every rank agreed them (the rollouts form), else ``None``
+        self.samples = samples
         self._loss_calls = 0
         self._logged: dict[int, torch.Tensor] = {}
         self._pending: dict[int, dict[int, torch.Tensor]] = {}
@@ -519,6 +622,14 @@ class DistillationStep:
         #: seconds on this rank: ``plan`` (the bridge's metadata, checks and plans) and
         #: ``teacher`` (the teachers' forward-only pass, sends included)
         self.timings: dict[str, float] = {}
+        if tokens == 0 and s.holds(distiller.rank):
+            counts = [bridge_step.global_tokens(i) for i in range(self.num_micro_batches)]
+            warn_once(
+                f"MOPD step {bridge_step.seq}: no row of the student's micro-batches counts on "
+                f"any rank (counted rows per micro-batch over the whole student: {counts}): "
+                "every row mask is empty, so mean_loss() is 0 and the step's gradients are zero; "
+                "are the responses empty, or the masks shifted past them?"
+            )
 
     # --- teacher rows ---------------------------------------------------------------------------
 
@@ -588,7 +699,55 @@ class DistillationStep:
             kinds=tuple(kinds) if kinds is not None else (d.kl_config.kind,),
             config=d.kl_config,
             global_tokens=self.global_tokens,
+            layout=self._logit_rows(i),
+            advantages=self._advantages(),
         )
+
+    def _logit_rows(self, i: int) -> TokenLayout | None:
+        """Micro-batch ``i``'s logit rows as ``(sample id, position)`` keys, loss mask not
+        applied (``None`` if the step has no such micro-batch here)."""
+        if i >= len(self.micro_batches):
+            return None
+        s = self.distiller.student
+        return micro_batch_layout(
+            self.micro_batches[i], rows="logits", pg_collection=s.pg_collection, use_loss_mask=False
+        )
+
+    def _advantages(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(sorted sample ids [N], their advantages [N])`` of the rollouts, or ``None``."""
+        smp = self.samples
+        if smp is None or smp.advantage_N is None:
+            return None
+        order = torch.argsort(smp.sample_id_N)
+        return smp.sample_id_N[order], smp.advantage_N[order]
+
+    def teacher_rows(self, micro_batch: int) -> dict[int, torch.Tensor]:
+        """The teachers' rows of a student micro-batch as the loss receives them:
+        ``teacher -> [N_k, H_k]``, the tokens teacher ``k`` owns in the student's layout, in row
+        order, compact (:meth:`~mopd.bridge.step.BridgeStep.receive`: the first call waits for
+        them, later ones return the same tensors). On the student's last stage."""
+        return self.bridge_step.receive(micro_batch)
+
+    def forward(self, model: Any, micro_batch: MicroBatch) -> Any:
+        """The student's forward on ``micro_batch`` (its :attr:`MeshModel.forward`, else
+        megatron's GPTModel call with tokens, positions, mask and packed-sequence parameters)."""
+        return (self.distiller.student.forward or default_forward)(model, micro_batch)
+
+    def schedule_kwargs(self) -> dict[str, Any]:
+        """The arguments of megatron's ``forward_backward_func`` that describe this step's
+        student micro-batches: ``data_iterator`` (one per virtual-pipeline chunk when the
+        student is a list of chunks), ``num_microbatches``, ``seq_length`` and
+        ``micro_batch_size`` (megatron's, pre-CP; 1 for THD)."""
+        s = self.distiller.student
+        kwargs: dict[str, Any] = {"num_microbatches": self.num_micro_batches}
+        chunks = s.model if isinstance(s.model, list | tuple) else None
+        kwargs["data_iterator"] = (
+            [self.data_iterator() for _ in chunks] if chunks else self.data_iterator()
+        )
+        if self.micro_batches:
+            seq, cols = pipeline_shape(self.micro_batches[0], cp_size=s.mesh.cp)
+            kwargs.update(seq_length=seq, micro_batch_size=cols)
+        return kwargs
 
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``log p_S(labels)`` per logit row from the student's vocab-parallel ``logits``, over
@@ -613,6 +772,13 @@ class DistillationStep:
             vocab_size=d.vocab_size,
             timeout_s=d.bridge_config.timeout_s,
         )
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The per-row cross-entropy ``-log p_S(labels)`` (an SFT term beside the KL): over the
+        student's own TP group and the real vocabulary, as :meth:`token_logprobs`; shapes and
+        gradient as there. (megatron's ``vocab_parallel_cross_entropy`` reads its global TP
+        group, which is not the student's when the models live on their own meshes.)"""
+        return -self.token_logprobs(logits, labels)
 
     def loss_output(
         self,
@@ -674,8 +840,7 @@ class DistillationStep:
         """A ready ``forward_step_func``: the student's forward on the next micro-batch and the
         MOPD ``loss_func``."""
         mb = next(data_iterator)
-        forward = self.distiller.student.forward or default_forward
-        return forward(model, mb), self.loss_func()
+        return self.forward(model, mb), self.loss_func()
 
     # --- after the schedule ---------------------------------------------------------------------
 

@@ -1,12 +1,15 @@
-"""The student's log-probability of given tokens from its vocab-parallel logits.
+"""The student's log-probability of given tokens from its vocab-parallel logits, and its
+cross-entropy.
 
 Why this file exists: the loss terms a job puts beside the teachers' KL (a policy-gradient term,
 an SFT cross-entropy) need ``log p_S(y_t)`` of a token per row, and under tensor parallelism each
-rank holds a slice of the vocabulary. megatron's ``vocab_parallel_cross_entropy`` reduces over
-its global TP group, not over the student's own group when the models live on their own meshes
-(:func:`mopd.mcore.groups.megatron_process_groups`); :func:`token_logprobs` takes the
-group explicitly. Three all-reduces over the group (max, sum of exponentials, target logit);
-its gradient is ``onehot(y) - softmax`` on this rank's slice.
+rank holds a slice of the vocabulary. megatron's ``vocab_parallel_cross_entropy`` (and
+``GPTModel(labels=...)``) reduces over its global TP group, not over the student's own group
+when the models live on their own meshes (:func:`mopd.mcore.groups.megatron_process_groups`):
+with megatron's globals at TP 1 and a student on its own TP2 groups it treats each rank's slice
+as the whole vocabulary. :func:`token_logprobs` and :func:`cross_entropy` take the group and the
+real vocabulary explicitly. Three all-reduces over the group (max, sum of exponentials, target
+logit); the gradient is ``onehot(y) - softmax`` on this rank's slice.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.distributed as dist
 
 from mopd.common import dist as cdist
 
-__all__ = ["token_logprobs"]
+__all__ = ["cross_entropy", "token_logprobs"]
 
 
 def _all_reduce(
@@ -103,3 +106,18 @@ def token_logprobs(
         logits.reshape(-1, v_local), labels.reshape(-1), start, valid, tp_group, timeout_s
     )
     return out_T.reshape(labels.shape)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    timeout_s: float | None = 300.0,
+) -> torch.Tensor:
+    """The per-row cross-entropy ``-log p_S(labels)`` (an SFT term), over ``tp_group`` and the
+    real vocabulary: :func:`token_logprobs` negated, with its arguments, shapes and gradient."""
+    return -token_logprobs(
+        logits, labels, tp_group=tp_group, vocab_size=vocab_size, timeout_s=timeout_s
+    )

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mopd.bridge.layout import TokenLayout
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.step import BridgeStep
 from mopd.common import ranges
@@ -62,6 +63,14 @@ class TeacherSignal:
         weight_T: ``[T]`` fp32: the owner's weight (``teacher_weights``), ``0`` where not counted.
         num_tokens: counted tokens of this rank (the same on every TP rank).
         global_tokens: counted tokens of the whole step over the whole student (each once).
+        sample_id_T: ``[T]`` int64: the global sample id of each row, ``-1`` for padding
+            (every real row, counted or not; THD and CP included), or ``None`` where the
+            caller gave no layout.
+        position_T: ``[T]`` int64: each row's position in its sample (row ``p`` predicts the
+            token at ``p + 1``), ``-1`` for padding; ``None`` with ``sample_id_T``.
+        advantage_T: ``[T]`` fp32: the row's sample's advantage
+            (:attr:`~mopd.mcore.rollouts.Rollouts.advantages`), ``0`` where not counted;
+            ``None`` when the step's rollouts carry none.
     """
 
     micro_batch: int
@@ -72,6 +81,9 @@ class TeacherSignal:
     weight_T: torch.Tensor
     num_tokens: int
     global_tokens: int
+    sample_id_T: torch.Tensor | None = None
+    position_T: torch.Tensor | None = None
+    advantage_T: torch.Tensor | None = None
 
     def weighted_kl_sum(self, kind: str | None = None) -> torch.Tensor:
         """``sum_t weight_T * kl_T[kind]`` (fp32 scalar, differentiable): the stock MOPD loss
@@ -91,6 +103,8 @@ def teacher_signal(
     kinds: Sequence[KLKind] = ("reverse",),
     config: KLConfig | None = None,
     global_tokens: int | None = None,
+    layout: TokenLayout | None = None,
+    advantages: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TeacherSignal:
     """Receive ``micro_batch``'s teacher rows and compute the per-token KL (see the class).
 
@@ -111,6 +125,10 @@ def teacher_signal(
         kinds: which KLs to compute (each is one pass over the vocabulary).
         config: the KL's chunking and backend (its ``kind`` and ``reduction`` are set here).
         global_tokens: the step's counted tokens if known (else read off the step's metadata).
+        layout: the micro-batch's logit rows (the student's ``"logits"`` layout without its
+            loss mask): fills ``sample_id_T`` and ``position_T``.
+        advantages: ``(sorted sample ids [N], advantages [N])``: fills ``advantage_T``
+            (needs ``layout``).
     """
     if not lm_heads:
         raise ValueError("need one LM-head shard per teacher")
@@ -162,7 +180,23 @@ def teacher_signal(
             ),
         )
     w = torch.tensor(weights, dtype=torch.float32, device=logits.device)
-    weight_T = torch.where(mask_T, w[owner.clamp(min=0)], torch.zeros((), device=logits.device))
+    zero = torch.zeros((), device=logits.device)
+    weight_T = torch.where(mask_T, w[owner.clamp(min=0)], zero)
+    sample_id_T = position_T = advantage_T = None
+    if layout is not None:
+        if layout.num_rows != T:
+            raise ValueError(
+                f"micro-batch {micro_batch}: {T} logit rows but its layout has {layout.num_rows}"
+            )
+        sample_id_T = layout.sample_id_R.to(logits.device)
+        position_T = layout.position_R.to(logits.device)
+        if advantages is not None:
+            ids_N, adv_N = advantages
+            at = torch.searchsorted(ids_N, layout.sample_id_R.clamp(min=0)).clamp(
+                max=max(ids_N.numel() - 1, 0)
+            )
+            adv_T = adv_N[at].to(device=logits.device, dtype=torch.float32)
+            advantage_T = torch.where(mask_T, adv_T, zero)
     return TeacherSignal(
         micro_batch=micro_batch,
         shape=tuple(logits.shape[:-1]),
@@ -172,6 +206,9 @@ def teacher_signal(
         weight_T=weight_T,
         num_tokens=n,
         global_tokens=step.global_tokens() if global_tokens is None else global_tokens,
+        sample_id_T=sample_id_T,
+        position_T=position_T,
+        advantage_T=advantage_T,
     )
 
 

@@ -7,10 +7,12 @@ is announced by an HTML comment: ``<!-- readme-test: python -->`` (one process),
 README order, each followed by a marker line the test checks, so a failure names its block. A
 Python block without a comment fails the test.
 
-The training loop is also checked for what its reader trusts, its gradients: after the blocks,
-two steps with the same batch at learning rate 0, from a student without gradients as a fresh
-one has, must hand the optimizer the same ``main_grad`` (a hand-off that leaves ``p.grad``
-aliased to ``main_grad`` adds the first micro-batch twice from the second step on).
+The training blocks are also checked for what their reader trusts (:mod:`tests.support.
+readme_checks`): the same batch at learning rate 0 twice hands the optimizer the same gradients;
+the GRPO block's loss and gradients equal a float64 reference that counts exactly the rows
+predicting response tokens; and the same blocks under the README's one documented change for
+mixed precision (``BF16 = True``) pass the same checks within bf16's tolerance, and against the
+fp32 run's gradients.
 """
 
 from __future__ import annotations
@@ -104,23 +106,38 @@ def _groups() -> list[tuple[str, list[Block]]]:
 
 
 #: Appended to the launch of the blocks after the ``megatron-models`` prelude (they define
-#: ``train_step``, ``student`` and ``adam``).
-TRAINING_LOOP_CHECK = """
-for group in adam.param_groups:
-    group["lr"] = 0.0
-for p in student.parameters():
-    p.grad = None  # as a fresh student has them
-seen = []
-hook = adam.register_step_pre_hook(
-    lambda opt, args, kwargs: seen.append([p.grad.clone() for p in student.parameters()])
-)
-train_step(0)
-train_step(0)
-hook.remove()
-worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(*seen))
-assert worst < 1e-6, f"the same batch at lr=0 gave main_grads {worst:.3g} apart"
-print("README training loop: same main_grad over two steps", flush=True)
+#: ``train_step``, the models, ``adam`` and its ``master`` weights, ``rollouts`` and
+#: ``grpo_forward_step``): the checks of :mod:`tests.support.readme_checks`.
+TRAINING_CHECK = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.support.readme_checks import check_training_blocks
+check_training_blocks(globals())
 """
+#: The README's one documented change for mixed precision.
+FP32_LINE = "BF16 = False"
+
+
+def _launch(parts: list[str], group: list[Block], tmp_path: Path, env: dict) -> str:
+    nproc = max(b.nproc for b in group)
+    script = tmp_path / "readme_example.py"
+    script.write_text("\n".join(parts))
+    if any(b.run == "torchrun" for b in group):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={nproc}", str(script)]
+    else:
+        cmd = [sys.executable, str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"README blocks failed (exit {proc.returncode}):\n{out[-6000:]}"
+    # a rank that exits without ending its process groups may abort in gloo's destructors
+    # after printing its results (exit code still 0 now and then): the text gives it away
+    assert "terminate called" not in out, f"README blocks aborted at exit:\n{out[-6000:]}"
+    for b in group:
+        assert out.count(f"README block at line {b.line}: ok") == nproc, out[-3000:]
+    for line in sorted({x for x in out.splitlines() if x.startswith("README GRPO")}):
+        print(line)  # the figures the checks measured (pytest -s shows them)
+    return out
 
 
 @pytest.mark.parametrize(("key", "group"), _groups(), ids=[k for k, _ in _groups()])
@@ -135,24 +152,17 @@ def test_readme_blocks_run(key: str, group: list[Block], tmp_path: Path) -> None
         parts.append(f'print("README block at line {b.line}: ok", flush=True)\n')
     check = any("def train_step" in b.code for b in group)
     if check:
-        parts.append(TRAINING_LOOP_CHECK)
-    script = tmp_path / "readme_example.py"
-    script.write_text("\n".join(parts))
+        parts.append(TRAINING_CHECK)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    if any(b.run == "torchrun" for b in group):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={nproc}", str(script)]
-    else:
-        cmd = [sys.executable, str(script)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, (
-        f"README blocks of {key} failed (exit {proc.returncode}):\n{out[-6000:]}"
-    )
-    # a rank that exits without ending its process groups may abort in gloo's destructors
-    # after printing its results (exit code still 0 now and then): the text gives it away
-    assert "terminate called" not in out, f"README blocks of {key} aborted at exit:\n{out[-6000:]}"
-    for b in group:
-        assert out.count(f"README block at line {b.line}: ok") == nproc, out[-3000:]
-    if check:
-        assert out.count("README training loop: same main_grad over two steps") == nproc
+    env["MOPD_README_GRADS"] = str(tmp_path)
+    out = _launch(parts, group, tmp_path, env)
+    if not check:
+        return
+    assert out.count("README training loop: same gradients over two steps") == nproc
+    assert out.count("README GRPO block (fp32): loss and gradients match") == nproc, out[-3000:]
+    # the one documented change for mixed precision: the same blocks, the same checks, in bf16
+    assert parts[0].count(FP32_LINE) == 1, "the prelude's precision switch moved"
+    parts[0] = parts[0].replace(FP32_LINE, "BF16 = True")
+    out = _launch(parts, group, tmp_path, env)
+    assert out.count("README GRPO block (bf16): loss and gradients match") == nproc, out[-3000:]
+    assert out.count("README GRPO block in bf16: gradients") == nproc, out[-3000:]

@@ -22,3 +22,21 @@ def test_logprobs_and_gradient_match_float64_with_padded_vocab() -> None:
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
     assert torch.allclose(logits.grad[..., :37].double(), x.grad, rtol=0, atol=1e-6)
     assert torch.equal(logits.grad[..., 37:], torch.zeros(3, 5, 3))  # padding gets nothing
+
+
+def test_cross_entropy_is_the_negative_log_probability_over_the_real_vocabulary() -> None:
+    from mopd.mcore import cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 7, 24, generator=g, requires_grad=True)
+    labels = torch.randint(0, 20, (2, 7), generator=g)
+    ce = cross_entropy(logits, labels, vocab_size=20)
+    ce.sum().backward()
+    x = logits.detach().double()[..., :20].requires_grad_(True)
+    want = torch.nn.functional.cross_entropy(
+        x.reshape(-1, 20), labels.reshape(-1), reduction="none"
+    )
+    want.sum().backward()
+    assert torch.allclose(ce.double().reshape(-1), want, rtol=0, atol=1e-5)
+    assert torch.allclose(logits.grad[..., :20].double(), x.grad, rtol=0, atol=1e-6)
+    assert torch.equal(logits.grad[..., 20:], torch.zeros(2, 7, 4))
