@@ -93,8 +93,10 @@ class Rollouts:
         return len(self.prompts)
 
     def problems(self, *, vocab_size: int, num_teachers: int) -> list[str]:
-        """What is wrong with these rollouts (``[]``: nothing), checked locally."""
+        """What is wrong with these rollouts (``[]``: nothing), checked locally; one host sync
+        for the token range of all of them."""
         out: list[str] = []
+        ranged: list[tuple[str, int, torch.Tensor]] = []
         for what, seqs in (("prompt", self.prompts), ("response", self.responses)):
             for j, t in enumerate(seqs):
                 if not isinstance(t, torch.Tensor) or t.dim() != 1:
@@ -102,13 +104,21 @@ class Rollouts:
                     out.append(f"{what} {j} must be a 1-D tensor of token ids, got {shape}")
                 elif t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
                     out.append(f"{what} {j} must hold integer token ids, got {t.dtype}")
-                elif t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-                    out.append(
-                        f"{what} {j}: token ids span [{int(t.min())}, {int(t.max())}], outside "
-                        f"the vocabulary [0, {vocab_size})"
-                    )
                 elif what == "prompt" and t.numel() == 0:
                     out.append(f"prompt {j} is empty (a sample needs at least one prompt token)")
+                elif t.numel():
+                    ranged.append((what, j, t))
+        if ranged and not out:
+            ends = torch.stack(
+                [torch.stack([t.min(), t.max()]).to(torch.int64) for _, _, t in ranged]
+            ).cpu()
+            for (what, j, _), (lo, hi) in zip(ranged, ends.tolist(), strict=True):
+                if lo < 0 or hi >= vocab_size:
+                    out.append(
+                        f"{what} {j}: token ids span [{lo}, {hi}], outside the vocabulary "
+                        f"[0, {vocab_size})"
+                    )
+                    break
         if self.teachers is not None:
             bad = [k for k in _as_list(self.teachers) if not 0 <= int(k) < num_teachers]
             if bad:
@@ -355,22 +365,26 @@ def _send_tokens(
     """The all-to-all of token ids: each sample from the rank holding it to the ranks using
     it, int32, in sample order per pair. Returns this rank's ``sample index -> [L_j]`` int64."""
     rank = dist.get_rank()
-    me = members.index(rank) if rank in members else -1
+    index = {r: i for i, r in enumerate(members)}  # global rank -> rank in the group
+    me = index.get(rank, -1)
     owners = owner_N.tolist()
     lengths = length_N.tolist()
     first = owners.index(me) if me in owners else 0
+    mine = [
+        torch.cat([p.reshape(-1), q.reshape(-1)])
+        for p, q in zip(rollouts.prompts, rollouts.responses, strict=True)
+    ]
+    # this rank's samples on the host in one copy, as int32
+    local = torch.cat(mine).to(torch.int32).cpu() if mine else torch.empty(0, dtype=torch.int32)
+    pieces = list(torch.split(local, [int(t.numel()) for t in mine])) if mine else []
     send: list[list[torch.Tensor]] = [[] for _ in members]
     recv_counts = [0] * len(members)
     wanted: list[int] = []
     for j in range(len(owners)):
         who = users.get(j, set())
         if owners[j] == me:
-            local = j - first
-            seq = torch.cat(
-                [rollouts.prompts[local].reshape(-1), rollouts.responses[local].reshape(-1)]
-            )
             for r in sorted(who):
-                send[members.index(r)].append(seq.to(torch.int32).cpu())
+                send[index[r]].append(pieces[j - first])
         if rank in who:
             recv_counts[owners[j]] += int(lengths[j])
             wanted.append(j)

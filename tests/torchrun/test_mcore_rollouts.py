@@ -438,7 +438,10 @@ def test_an_sft_term_with_the_library_cross_entropy_matches_float64(job: Job) ->
             def loss_func(logits: torch.Tensor) -> Any:
                 signal = mopd.teacher_signal(logits, mb)
                 ce = mopd.cross_entropy(logits, mb.labels).reshape(-1)
-                megatron_ce = vocab_parallel_cross_entropy(logits.float(), mb.labels).reshape(-1)
+                # (a copy: megatron's cross-entropy subtracts the row maxima from its input in place)
+                megatron_ce = vocab_parallel_cross_entropy(
+                    logits.detach().float().clone(), mb.labels
+                ).reshape(-1)
                 trap.append(float((megatron_ce - ce)[signal.mask_T].abs().max()))
                 rows = mopd.teacher_rows(signal.micro_batch)
                 for k in range(2):  # compact: one row per counted token of teacher k
