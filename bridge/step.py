@@ -212,9 +212,13 @@ class BridgeStep:
         return self._order.posted
 
     def unposted(self) -> bool:
-        """True while this rank has micro-batches of the step left to post (it is open on the
-        wire: a later step's transfers would pair with them)."""
-        return not self.finished and self._order.posted < self.num_micro_batches
+        """True while this rank has micro-batches of the step left to post that put something
+        on the wire (a later step's transfers would pair with them). A micro-batch with no
+        send or receive on this rank (nothing to do, or local copies only) counts as posted:
+        a rank with no transfers in a step is fully posted from the start."""
+        if self.finished:
+            return False
+        return any(_on_wire(slot) for slot in self._slots[self._order.posted :])
 
     @property
     def tag(self) -> int:
@@ -393,6 +397,12 @@ class BridgeStep:
             self.finish()
         elif isinstance(exc, BaseException):
             self.abandon(exc)
+
+
+def _on_wire(slot: Slot) -> bool:
+    """Whether posting ``slot`` puts anything on the wire (a send or a receive)."""
+    sched = slot.schedule
+    return sched is not None and bool(sched.sends or sched.recvs)
 
 
 class ExchangeHandle:
