@@ -39,14 +39,14 @@ Waiting: a gloo operation is waited on with a host timeout; an NCCL one (CUDA te
 one, because ``Work.wait(timeout)`` on NCCL spins the host until the operation completes, while
 ``Work.wait()`` only makes the current CUDA stream wait on it (:func:`mopd.common.dist.wait`).
 Hang detection for NCCL operations therefore rests on the process group's own timeout: create the
-pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation older than that).
+pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation older than that); a
+pool made without one is bounded all the same (:meth:`GroupPool.bound_by`).
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +54,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mopd.bridge.config import DEFAULT_TIMEOUT_S
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
+from mopd.common.log import warn_once
 
 __all__ = [
     "BridgeGroups",
@@ -219,8 +221,13 @@ class GroupPool:
     Args:
         backend: backend of the groups (``None``: the default group's).
         timeout_s: the groups' own timeout in seconds; for NCCL groups this is the only hang
-            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``. Without
-            one (a ``UserWarning``) the groups wait as long as torch's default.
+            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``.
+            ``None``: bounded all the same: the groups wait at most
+            :data:`~mopd.bridge.config.DEFAULT_TIMEOUT_S`, and a bridge's own timeout once one
+            is built on the pool (:meth:`bound_by`; a :class:`~mopd.mcore.Distiller` does it).
+
+    Attributes:
+        timeout_s: what the groups wait, in seconds (finite).
     """
 
     def __init__(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -232,17 +239,24 @@ class GroupPool:
             raise ValueError(
                 f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}"
             )
-        if timeout_s is None:
-            warnings.warn(
-                "GroupPool() without timeout_s: its groups wait as long as torch's default "
-                "(30 minutes), so a rank that fails or stalls leaves its peers blocked in "
-                "megatron's and the bridge's collectives that long; pass "
-                "GroupPool(timeout_s=...) no longer than BridgeConfig.timeout_s",
-                stacklevel=2,
-            )
         self.backend = backend
-        self.timeout_s = timeout_s
+        #: whether ``timeout_s`` was given (a given one is never changed by :meth:`bound_by`)
+        self.explicit_timeout = timeout_s is not None
+        self.timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
         self._groups: dict[tuple[str | None, tuple[int, ...], str], dist.ProcessGroup | None] = {}
+
+    def bound_by(self, timeout_s: float) -> None:
+        """A bridge's own ``timeout_s`` for a pool made without one: from now on every group of
+        the pool (those made already and later ones) waits at most that long (never longer
+        than before). Local; a pool given ``timeout_s`` is left as it is."""
+        if self.explicit_timeout or not timeout_s < self.timeout_s:
+            return
+        self.timeout_s = float(timeout_s)
+        wait = datetime.timedelta(seconds=self.timeout_s)
+        me = dist.get_rank()
+        for key, group in self._groups.items():
+            if group is not None and me in key[1]:
+                _set_timeout(group, wait)
 
     def _key(
         self, ranks: Sequence[int], backend: str | None, purpose: str = ""
@@ -264,8 +278,7 @@ class GroupPool:
             kwargs: dict[str, Any] = {"ranks": list(key[1])}
             if key[0] is not None:
                 kwargs["backend"] = key[0]
-            if self.timeout_s is not None:
-                kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
+            kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
             self._groups[key] = dist.new_group(**kwargs)
         return self.get(key[1], backend=key[0], purpose=purpose)
 
@@ -280,6 +293,18 @@ class GroupPool:
         key = self._key(ranks, backend, purpose)
         group = self._groups[key]
         return None if dist.get_rank() not in key[1] else group
+
+
+def _set_timeout(group: dist.ProcessGroup, wait: datetime.timedelta) -> None:
+    """Set the timeout of ``group``'s later operations (torch has no public call for it; where
+    its private one is missing the group keeps its timeout, with a warning)."""
+    try:
+        dist.distributed_c10d._set_pg_timeout(wait, group)
+    except Exception as exc:  # another torch: the group keeps the timeout it was made with
+        warn_once(
+            f"GroupPool.bound_by: the timeout of an existing group could not be changed "
+            f"({type(exc).__name__}: {exc}); it keeps the one it was created with"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -131,7 +131,9 @@ class Distiller:
         teachers: one :class:`MeshModel` per teacher (frozen; ``eval()`` is not enforced).
         student: the student's :class:`MeshModel`.
         pool: the :class:`~mopd.bridge.groups.GroupPool` the models' groups came from (the
-            bridge then reuses the student's TP groups).
+            bridge then reuses the student's TP groups). A pool made without ``timeout_s`` is
+            bounded by ``bridge_config.timeout_s`` from here on, its groups made so far
+            included (:meth:`~mopd.bridge.groups.GroupPool.bound_by`).
         bridge_config: the bridge's settings (``timeout_s`` also bounds the set-up).
         kl_config: the loss's settings (``reduction`` must stay ``"sum"``).
         teacher_weights: one non-negative weight per teacher: a token's KL counts with its
@@ -192,6 +194,7 @@ class Distiller:
         self.bridge_config = bridge_config or BridgeConfig()
         self.kl_config = kl_config or KLConfig(reduction="sum")
         meshes = [t.mesh for t in self.teachers]
+        pool.bound_by(self.bridge_config.timeout_s)  # a pool without timeout_s: the bridge's
         groups = create_bridge_groups(pool, meshes, student.mesh)
         problems = _check_pg_collection(student, "the student", self.rank)
         for o, t in enumerate(self.teachers):
