@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ import torch.distributed as dist
 from mopd.bridge.checks import agreed_slots, agreed_state, rank_checks
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.executor import Executor
+from mopd.bridge.failures import FailureBoard
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import LayoutArg, called, check_buffer, layout_list
 from mopd.bridge.layout import TokenLayout
@@ -100,6 +102,9 @@ class HiddenStateBridge:
         groups: this rank's groups (:func:`mopd.bridge.groups.create_bridge_groups`; a live
             Megatron job may pass its student TP group as ``BridgeGroups.student_tp``).
         config: settings.
+        store: the key-value store the job's first failure is published in, under the
+            metadata group's name (:mod:`mopd.bridge.failures`; default: torch.distributed's
+            default store): every rank's error then leads with it.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class HiddenStateBridge:
         student: Mesh,
         groups: BridgeGroups,
         config: BridgeConfig | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         if not teachers:
             raise ValueError("the bridge needs at least one teacher")
@@ -150,6 +156,13 @@ class HiddenStateBridge:
             timeout_s=self.config.timeout_s,
             max_schedules=self.config.max_cached_plans,
             integrity=self.config.integrity,
+            board=FailureBoard.of(
+                groups.metadata_group,
+                rank=self.rank,
+                members=self.topology.members,
+                timeout_s=self.config.timeout_s,
+                store=store,
+            ),
         )
         self._tp_group_error = self._check_student_tp_group()
         #: what this rank contributes per section (:func:`~mopd.bridge.record.rank_roles`)
@@ -174,8 +187,36 @@ class HiddenStateBridge:
             hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
         )
         self._open_steps: list[BridgeStep] = []
+        #: every step of this bridge still referenced somewhere (:meth:`close` empties them)
+        self._live_steps: weakref.WeakSet[BridgeStep] = weakref.WeakSet()
         #: steps planned on this bridge
         self.steps = 0
+        #: :meth:`close` was called
+        self.closed = False
+
+    def close(self) -> None:
+        """Free what this bridge holds on its groups: its steps' transport handles and buffers,
+        its caches, its references to the groups (local; every rank of the bridge calls it
+        before closing the groups' :class:`~mopd.bridge.groups.GroupPool`). Every later call
+        on the bridge or its steps raises :class:`~mopd.bridge.errors.BridgeStateError`.
+        Idempotent; ``with HiddenStateBridge(...) as bridge:`` closes it on leaving."""
+        if self.closed:
+            return
+        self.closed = True
+        for step in list(self._live_steps):
+            step._drop()
+        self._open_steps = []
+        # the board's watcher ends with the last bridge on its group (other bridges of this
+        # process on the same group share it)
+        self._executor.board = None
+        self._executor.close()
+        self.groups = BridgeGroups(bridge=None, student_tp=None, members=self.groups.members)
+
+    def __enter__(self) -> HiddenStateBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def executor(self) -> Executor:
@@ -252,11 +293,13 @@ class HiddenStateBridge:
                 all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
         """
+        ex = self._executor
+        if self.closed:
+            ex.check_usable()
         if self.groups.bridge is None:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
-        ex = self._executor
         if ex.failure_hard:  # the transport may be out of step: refuse locally
             ex.check_usable()
         open_steps = [s for s in self._open_steps if not s.finished]
@@ -268,6 +311,7 @@ class HiddenStateBridge:
                 stacklevel=2,
             )
         self._open_steps = open_steps
+        ex.at(self.steps, "plan")
         record, sections = self._local_record(
             teacher_layouts, student_layouts, _buffers, check, open_steps
         )
@@ -397,6 +441,8 @@ class HiddenStateBridge:
                 self._executor.mark_failed(exc)
             raise
         self._open_steps.append(step)
+        self._live_steps.add(step)
+        ex.at(self.steps, "planned")
         self.steps += 1
         return step
 

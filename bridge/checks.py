@@ -57,7 +57,7 @@ def agreed_state(
             f"step {k} on global ranks {v}" for k, v in sorted(by.items())
         )
     if first:
-        executor.mark_abandoned(first)
+        executor.mark_abandoned(first, publish=False)  # what the failed ranks said already
         raise BridgeStateError(
             f"global rank {rank}: this bridge cannot be used after a failed exchange "
             f"({first}); its process group may still hold sends/receives of that step, "

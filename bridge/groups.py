@@ -45,6 +45,7 @@ pool made without one is bounded all the same (:meth:`GroupPool.bound_by`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Sequence
@@ -216,7 +217,8 @@ class GroupPool:
     :meth:`create` is collective over the default group (every rank, same order); creating a
     (backend, rank set) twice returns the existing group without a collective, which is
     deterministic because every rank holds the same creation history. :meth:`get` is local.
-    ``backend=None`` in :meth:`create` / :meth:`get` means the pool's backend.
+    ``backend=None`` in :meth:`create` / :meth:`get` means the pool's backend. :meth:`close`
+    (or leaving a ``with GroupPool(...) as pool:`` block) destroys every group it created.
 
     Args:
         backend: backend of the groups (``None``: the default group's).
@@ -244,6 +246,34 @@ class GroupPool:
         self.explicit_timeout = timeout_s is not None
         self.timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
         self._groups: dict[tuple[str | None, tuple[int, ...], str], dist.ProcessGroup | None] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Destroy every group this pool created (``dist.destroy_process_group``; every rank
+        calls it, as it created them). A gloo group's threads and sockets go when the last
+        reference to it does: drop what was built on the groups too (models, a
+        :class:`~mopd.mcore.Distiller` or bridge: close those first). Idempotent; the pool
+        refuses :meth:`create` and :meth:`get` afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        me = dist.get_rank() if dist.is_initialized() else -1
+        groups, self._groups = self._groups, {}
+        for key, group in groups.items():
+            if group is None or me not in key[1]:
+                continue
+            with contextlib.suppress(ValueError):  # destroyed already (with the world)
+                dist.destroy_process_group(group)
+
+    def __enter__(self) -> GroupPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this GroupPool is closed: create a new GroupPool")
 
     def bound_by(self, timeout_s: float) -> None:
         """A bridge's own ``timeout_s`` for a pool made without one: from now on every group of
@@ -273,6 +303,7 @@ class GroupPool:
         """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere.
         ``purpose``: a group of its own for that use even where a group of the same ranks and
         backend exists (the bridge's host-side metadata)."""
+        self._check_open()
         key = self._key(ranks, backend, purpose)
         if key not in self._groups:
             kwargs: dict[str, Any] = {"ranks": list(key[1])}
@@ -290,6 +321,7 @@ class GroupPool:
         self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
     ) -> dist.ProcessGroup | None:
         """The group of ``ranks`` (``None`` if this rank is not a member); ``KeyError`` if never created."""
+        self._check_open()
         key = self._key(ranks, backend, purpose)
         group = self._groups[key]
         return None if dist.get_rank() not in key[1] else group

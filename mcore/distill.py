@@ -41,6 +41,7 @@ from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.step import BridgeStep
+from mopd.bridge.transport import comm_failure
 from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
@@ -151,6 +152,8 @@ class Distiller:
             gradient, and the teacher's padded rows are never sent. ``None``: the models'
             ``vocab_size`` attribute, which must then be the same on every model (a warning
             at the first step whose token ids suggest it is padded).
+        store: where a failure is published for every rank to name it (the bridge's
+            ``store``; default: torch.distributed's default store).
 
     Attributes:
         vocab_size: the real vocabulary, agreed on every rank.
@@ -167,6 +170,7 @@ class Distiller:
         teacher_weights: Sequence[float] | None = None,
         teacher_sp_shards: bool = True,
         vocab_size: int | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         if vocab_size is not None:
             resolve_vocab_size(vocab_size, [])  # its type and sign, before any collective
@@ -249,7 +253,11 @@ class Distiller:
                 )
             )
         self.bridge = HiddenStateBridge(
-            teachers=specs, student=student.mesh, groups=groups, config=self.bridge_config
+            teachers=specs,
+            student=student.mesh,
+            groups=groups,
+            config=self.bridge_config,
+            store=store,
         )
         self.lm_heads: list[LMHeadShard | None] = [
             lm_head_from_models(
@@ -269,6 +277,32 @@ class Distiller:
             if student.model is not None
             else False
         )
+        self.closed = False
+
+    def close(self) -> None:
+        """Free what the Distiller made and holds: its bridge (:meth:`HiddenStateBridge.close`:
+        the steps' transport handles, caches, the groups' references), the resharded LM
+        heads, the capture buffers, and its references to the models and their groups (the
+        meshes stay). Local: every rank calls it, then closes the
+        :class:`~mopd.bridge.groups.GroupPool` (which destroys the groups); models built on
+        that pool's groups hold them until they go too. Idempotent; ``with Distiller(...) as
+        distiller:`` closes it on leaving. Later calls raise
+        :class:`~mopd.bridge.errors.BridgeStateError`."""
+        if self.closed:
+            return
+        self.closed = True
+        self.bridge.close()
+        self.groups = self.bridge.groups
+        self.lm_heads = [None] * len(self.teachers)
+        self._capture_buffers = tuple(ReusableBuffer() for _ in self.teachers)
+        self.teachers = tuple(MeshModel(mesh=t.mesh) for t in self.teachers)
+        self.student = MeshModel(mesh=self.student.mesh)
+
+    def __enter__(self) -> Distiller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def step(
         self,
@@ -285,6 +319,8 @@ class Distiller:
                 (over all teacher shards) holds the samples of student micro-batch ``i``;
                 ``None`` where the rank is outside that teacher's mesh.
         """
+        if self.closed:
+            self.bridge.executor.check_usable()  # refused: closed
         if len(teachers) != len(self.teachers):
             raise ValueError(
                 f"{len(teachers)} teacher micro-batch lists for {len(self.teachers)} teachers"
@@ -338,7 +374,7 @@ class Distiller:
                     mbs,
                     pg_collection=t.pg_collection,
                     on_hidden=step._teacher_rows(o, clone=not last),
-                    forward=t.forward,
+                    forward=step._noted(t.forward or default_forward, "teacher", t.model),
                     buffer=self._capture_buffers[o],
                     sp_shards=self.teacher_sp_shards[o],
                 )
@@ -522,6 +558,24 @@ class DistillationStep:
         #: seconds on this rank: ``plan`` (the bridge's metadata, checks and plans) and
         #: ``teacher`` (the teachers' forward-only pass, sends included)
         self.timings: dict[str, float] = {}
+        self._forwards = 0
+
+    # --- where this rank is (what a census of a failure reports) ----------------------------
+
+    def _note(self, phase: str, micro_batch: int | None = None) -> None:
+        self.distiller.bridge.executor.at(self.bridge_step.seq, phase, micro_batch)
+
+    def _noted(self, forward: Forward, phase: str, model: Any) -> Forward:
+        """``forward`` noting each micro-batch it runs (per model chunk, in order)."""
+        chunks = len(model) if isinstance(model, list | tuple) else 1
+        calls = [0]
+
+        def noted(chunk: Any, mb: MicroBatch) -> Any:
+            self._note(phase, calls[0] // chunks)
+            calls[0] += 1
+            return forward(chunk, mb)
+
+        return noted
 
     # --- teacher rows ---------------------------------------------------------------------------
 
@@ -678,6 +732,8 @@ class DistillationStep:
         MOPD ``loss_func``."""
         mb = next(data_iterator)
         forward = self.distiller.student.forward or default_forward
+        self._note("forward", self._forwards)
+        self._forwards += 1
         return forward(model, mb), self.loss_func()
 
     # --- after the schedule ---------------------------------------------------------------------
@@ -694,6 +750,7 @@ class DistillationStep:
         s = self.distiller.student
         if not s.last_stage(self.distiller.rank):
             return None
+        self._note("mean_loss")
         group = _groups(s).dp_cp
         device = cdist.group_device(group)
         total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -717,20 +774,35 @@ class DistillationStep:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         """Leaving normally finishes the step. Leaving on an exception fails it: a transport
         error (a timeout or a lost peer, in the bridge or in megatron's own collectives) makes
-        this rank's bridge refuse every later call at once; any other exception abandons the
-        step, which every rank's next :meth:`Distiller.step` reports as the same
+        this rank's bridge refuse every later call at once, and one from megatron's (or the
+        job's) collectives is raised as a :class:`~mopd.bridge.errors.BridgeTimeoutError` /
+        :class:`~mopd.bridge.errors.BridgeCommError` leading with the job's first failure
+        (another rank's, when one published it: :mod:`mopd.bridge.failures`); any other
+        exception abandons the step (published as the job's first failure unless one is
+        there), which every rank's next :meth:`Distiller.step` reports as the same
         :class:`~mopd.bridge.errors.BridgeStateError`."""
         if exc_type is None:
             self.finish()
             return
-        if isinstance(exc, BaseException) and _transport_failure(exc):
-            self.distiller.bridge.executor.mark_failed(
-                BridgeCommError(
-                    f"global rank {self.distiller.rank}: step {self.bridge_step.seq} failed in "
-                    f"a collective: {type(exc).__name__}: {str(exc)[:300]}"
-                )
+        named = None
+        if (
+            isinstance(exc, Exception)
+            and not isinstance(exc, BridgeError)  # the bridge's own: named where it was raised
+            and _transport_failure(exc)
+        ):
+            d = self.distiller
+            named = comm_failure(
+                exc,
+                rank=d.rank,
+                what=f"a collective inside step {self.bridge_step.seq}'s block (megatron's own, "
+                "or the job's)",
+                timeout_s=d.bridge_config.timeout_s,
+                elapsed_s=0.0,
             )
+            d.bridge.executor.mark_failed(named)
         self.bridge_step.__exit__(exc_type, exc, tb)
+        if named is not None:
+            raise named from exc if isinstance(exc, Exception) else None
 
 
 def _transport_failure(exc: BaseException) -> bool:

@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,7 +339,9 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     b._roles = rank_roles(rank, [step.teacher], step.student)
     b.config_sig = 1
     b._open_steps = []
+    b._live_steps = weakref.WeakSet()
     b.steps = 0
+    b.closed = False
     return b
 
 
