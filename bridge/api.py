@@ -64,7 +64,7 @@ from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.executor import Executor
 from mopd.bridge.failures import FailureBoard
 from mopd.bridge.groups import BridgeGroups
-from mopd.bridge.inputs import LayoutArg, called, check_buffer, layout_list
+from mopd.bridge.inputs import Agreement, LayoutArg, StepChecks, called, check_buffer, layout_list
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import (
@@ -278,7 +278,11 @@ class HiddenStateBridge:
             check: this rank's own input checks, run first in the guarded phase: a
                 ``ValueError`` it raises reaches every rank as the same ``ValueError``; it may
                 return ``{what: count}`` micro-batch counts this rank commits to (e.g. a
-                student's first stage, which passes no layouts), agreed with everyone's.
+                student's first stage, which passes no layouts), agreed with everyone's, as a
+                :class:`~mopd.bridge.inputs.StepChecks` with the
+                :class:`~mopd.bridge.inputs.Agreement` s its peers must match (a model
+                replica's shapes): compared after the metadata all-gather, a difference is the
+                same ``ValueError`` everywhere.
 
         Micro-batch ``i`` on one side is micro-batch ``i`` on the other: teacher micro-batch
         ``i`` (over all teacher shards) must hold every token student micro-batch ``i`` wants.
@@ -312,12 +316,12 @@ class HiddenStateBridge:
             )
         self._open_steps = open_steps
         ex.at(self.steps, "plan")
-        record, sections = self._local_record(
+        record, sections, agreements = self._local_record(
             teacher_layouts, student_layouts, _buffers, check, open_steps
         )
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
-            m, _sizes, header = self._executor.timed(
+            m, sizes, header = self._executor.timed(
                 lambda: gather_step_matrix(
                     record,
                     group=meta_group,
@@ -331,7 +335,7 @@ class HiddenStateBridge:
                     f"{list(self.topology.members)}"
                 ),
             )
-        return self._agree_and_plan(StepMatrix(m, header), sections)
+        return self._agree_and_plan(StepMatrix(m, header, sizes), sections, agreements)
 
     def _local_record(
         self,
@@ -340,9 +344,9 @@ class HiddenStateBridge:
         buffers: Mapping[Any, Any] | None,
         check: Callable[[], Mapping[str, int] | None] | None,
         open_steps: Sequence[BridgeStep],
-    ) -> tuple[torch.Tensor, list[Section | None]]:
-        """This rank's step record and sections (local; a ``ValueError`` of the input becomes
-        the record's error text, which every rank reads after the all-gather)."""
+    ) -> tuple[torch.Tensor, list[Section | None], tuple[Agreement, ...]]:
+        """This rank's step record, sections and agreements (local; a ``ValueError`` of the
+        input becomes the record's error text, which every rank reads after the all-gather)."""
         ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)
@@ -358,15 +362,17 @@ class HiddenStateBridge:
                 f"global rank {self.rank} posted {s0.posted} of the {s0.num_micro_batches} "
                 f"micro-batches of step {s0.seq}"
             )
+        agreements: list[Agreement] = []
         with ranges.span("metadata"):
             if state == STATE_READY:
                 try:
                     n_slots = self._local_sections(
-                        teacher_layouts, student_layouts, buffers, sections, check
+                        teacher_layouts, student_layouts, buffers, sections, check, agreements
                     )
                 except ValueError as exc:
                     error = f"global rank {self.rank}: {exc}"
                     sections = [None] * (n + 1)
+                    agreements = []
             record = encode_step_record(
                 config_sig=self.config_sig,
                 n_slots=n_slots,
@@ -374,10 +380,16 @@ class HiddenStateBridge:
                 sections=sections,
                 state=state,
                 step=self.steps,
+                agreements=agreements,
             )
-        return record, sections
+        return record, sections, tuple(agreements)
 
-    def _agree_and_plan(self, matrix: StepMatrix, sections: list[Section | None]) -> BridgeStep:
+    def _agree_and_plan(
+        self,
+        matrix: StepMatrix,
+        sections: list[Section | None],
+        agreements: Sequence[Agreement] = (),
+    ) -> BridgeStep:
         """From the gathered matrix: the fence, the shared verdict on the input, this rank's
         plans (or cached schedules); the step. Collective only in the verdict."""
         ex = self._executor
@@ -405,6 +417,7 @@ class HiddenStateBridge:
                     rank=self.rank,
                     duplicate_samples=self.config.duplicate_samples,
                     skip=[hit for hit, _ in cached],
+                    agreements=agreements,
                 )
                 t0 = time.monotonic()
                 try:
@@ -487,11 +500,16 @@ class HiddenStateBridge:
         buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
         check: Callable[[], Mapping[str, int] | None] | None = None,
+        agreements: list[Agreement] | None = None,
     ) -> int:
         """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here);
-        ``check``: the caller's own checks (see :meth:`plan_step`)."""
+        ``check``: the caller's own checks (see :meth:`plan_step`), whose
+        :class:`~mopd.bridge.inputs.StepChecks` agreements go into ``agreements``."""
         n = len(self.teachers)
-        counts: dict[str, int] = dict(called(check, "plan_step's check") or {}) if check else {}
+        checked = called(check, "plan_step's check") if check else None
+        counts: dict[str, int] = dict(checked or {})
+        if isinstance(checked, StepChecks) and agreements is not None:
+            agreements.extend(checked.agreements)
         given = {} if teacher_layouts is None else teacher_layouts
         if not isinstance(given, Mapping):
             raise ValueError(

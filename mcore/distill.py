@@ -38,6 +38,7 @@ from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
+from mopd.bridge.inputs import StepChecks
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.step import BridgeStep
@@ -47,12 +48,10 @@ from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
+from mopd.mcore.checks import check_micro_batches
 from mopd.mcore.groups import mesh_group_ranks
 from mopd.mcore.lm_head import (
-    MEGATRON_VOCAB_MULTIPLE,
-    VOCAB_ATTRIBUTE,
     lm_head_from_models,
-    looks_padded,
     model_vocab_size,
     resolve_vocab_size,
 )
@@ -390,12 +389,14 @@ class Distiller:
         self,
         student: Sequence[MicroBatch] | None,
         teachers: Sequence[Sequence[MicroBatch] | None],
-    ) -> dict[str, int]:
+    ) -> StepChecks:
         """This rank's checks of a step's micro-batches (run inside the bridge's guarded phase,
         so a problem is the same ``ValueError`` on every rank): each model it holds has its
-        micro-batches, their tokens fit the vocabulary and their packing; returns the counts.
-        """
+        micro-batches, and every field its schedule reads fits them
+        (:func:`~mopd.mcore.checks.check_micro_batches`); returns the counts (a mapping) and
+        the shapes each model replica's ranks must give alike, which the bridge compares."""
         counts: dict[str, int] = {}
+        agreements = []
         for what, mm, mbs in [
             ("student", self.student, student),
             *(
@@ -411,8 +412,20 @@ class Distiller:
                     f"micro-batches (one per micro-batch of the step), got {_describe(mbs)}"
                 )
             counts[f"{what}'s micro-batches"] = len(mbs)
-            _check_tokens(mbs, mm, what, vocab_size=self.vocab_size, given=self._vocab_given)
-        return counts
+            agreements.append(
+                check_micro_batches(
+                    mbs,
+                    what=what,
+                    mesh=mm.mesh,
+                    rank=self.rank,
+                    model=mm.model,
+                    default_forward=mm.forward is None,
+                    student=mm is self.student,
+                    vocab_size=self.vocab_size,
+                    given=self._vocab_given,
+                )
+            )
+        return StepChecks(counts, tuple(agreements))
 
 
 def _describe(mbs: Any) -> str:
@@ -423,56 +436,6 @@ def _describe(mbs: Any) -> str:
         if hasattr(mbs, "__len__")
         else type(mbs).__name__
     )
-
-
-def _check_tokens(
-    mbs: Sequence[MicroBatch], mm: MeshModel, what: str, *, vocab_size: int, given: bool
-) -> None:
-    """Where a rank holds tokens (a first stage): they lie in ``[0, vocab_size)``, the real
-    vocabulary (megatron's vocab-parallel embedding would silently zero ids past its padded
-    size under TP, and would embed a padded row for ids between the two) and, for packed
-    micro-batches, fill exactly what ``cu_seqlens_q_padded`` describes on this CP rank. A
-    vocabulary read off the models (``given`` false) that looks padded (:func:`~mopd.mcore.
-    lm_head.looks_padded`) warns once. One host sync per step (the min and max of every
-    micro-batch at once)."""
-    coord = mm.mesh.coord(dist.get_rank())
-    assert coord is not None
-    with_tokens = [(i, mb) for i, mb in enumerate(mbs) if mb.tokens is not None]
-    if not with_tokens:
-        return
-    for i, mb in with_tokens:
-        assert mb.tokens is not None
-        if mb.is_packed:
-            padded = int(mb.padded_offsets()[-1])
-            local = int(mb.tokens.shape[-1])
-            if local * mm.mesh.cp != padded:
-                raise ValueError(
-                    f"{what} micro-batch {i}: tokens {tuple(mb.tokens.shape)} hold {local} "
-                    f"positions on this CP rank, but cu_seqlens_q_padded ends at {padded} "
-                    f"(cp={mm.mesh.cp}: {padded / mm.mesh.cp:g} per rank)"
-                )
-    ends = torch.stack(
-        [torch.stack([mb.tokens.min(), mb.tokens.max()]) for _, mb in with_tokens]  # type: ignore[union-attr]
-    ).tolist()
-    for (i, _), (lo, hi) in zip(with_tokens, ends, strict=True):
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(
-                f"{what} micro-batch {i}: token ids span [{lo}, {hi}], outside the "
-                + (
-                    f"real vocabulary [0, {vocab_size}) (Distiller's vocab_size)"
-                    if given
-                    else f"model's vocabulary [0, {vocab_size}) (its {VOCAB_ATTRIBUTE} attribute)"
-                )
-            )
-    if not given and looks_padded(vocab_size, max(hi for _, hi in ends)):
-        warn_once(
-            f"Distiller: no vocab_size was given, so the models' {VOCAB_ATTRIBUTE} attribute "
-            f"({vocab_size}) is taken as the real vocabulary; it is a multiple of "
-            f"{MEGATRON_VOCAB_MULTIPLE} (megatron-LM pads to make_vocab_size_divisible_by x tp) "
-            "and larger than any token id seen: if the models were built with a padded "
-            "vocabulary, its padded columns count in both softmaxes and the KL. Pass "
-            "Distiller(vocab_size=<the tokenizer's vocabulary>)"
-        )
 
 
 def _check_pg_collection(mm: MeshModel, what: str, rank: int) -> list[str]:
