@@ -248,7 +248,7 @@ class P2PTransport:
         them), told to :attr:`on_wait` as the wait goes on."""
         t0 = time.monotonic()
         for i, w in enumerate(works):
-            if self.on_wait is not None and peers:
+            if self.on_wait is not None and peers and not _completed(w):  # it will block
                 self.on_wait(_pending_peers(works, peers, i))
             try:
                 cdist.wait(w, device=device, timeout_s=time_left(deadline))
@@ -278,17 +278,18 @@ class P2PTransport:
             return False
 
 
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return False
+
+
 def _pending_peers(works: Sequence[Any], peers: Sequence[int], i: int) -> list[int]:
     """The peers of ``works[i:]`` not completed yet (``works[i]``'s always: it is waited on
     next); every peer when one work covers them all."""
     if len(peers) != len(works):
         return sorted(set(peers))
     out = {peers[i]}
-    for w, p in zip(works[i + 1 :], peers[i + 1 :], strict=True):
-        try:
-            done = bool(w.is_completed())
-        except Exception:
-            done = False
-        if not done:
-            out.add(p)
+    out.update(p for w, p in zip(works[i + 1 :], peers[i + 1 :], strict=True) if not _completed(w))
     return sorted(out)

@@ -363,7 +363,7 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, bridge.rank)
     t0 = time.perf_counter()
-    record_, sections = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+    record_, sections, _agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
     t1 = time.perf_counter()
     bs = bridge._agree_and_plan(gathered, sections)
     t2 = time.perf_counter()

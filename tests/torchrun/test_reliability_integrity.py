@@ -482,8 +482,8 @@ def test_a_rank_without_transfers_counts_as_fully_posted():
     rank = dist.get_rank()
     teacher, student = Mesh(), Mesh(pp=2, rank_offset=2)
     b = fresh_bridge([teacher], student, [8], timeout_s=TIMEOUT_S, pool=POOL)
-    if rank == 1:
-        seen = everyone(None)
+    if rank == 1:  # outside the bridge: it only joins the report
+        everyone(None)
         return
     lays = [padded_layout([10 * k + i for i in range(2)], 4) for k in range(2)]
 
