@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,8 +62,9 @@ import torch.distributed as dist
 from mopd.bridge.checks import agreed_slots, agreed_state, rank_checks
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.executor import Executor
+from mopd.bridge.failures import FailureBoard
 from mopd.bridge.groups import BridgeGroups
-from mopd.bridge.inputs import LayoutArg, called, check_buffer, layout_list
+from mopd.bridge.inputs import Agreement, LayoutArg, StepChecks, called, check_buffer, layout_list
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import (
@@ -100,6 +102,9 @@ class HiddenStateBridge:
         groups: this rank's groups (:func:`mopd.bridge.groups.create_bridge_groups`; a live
             Megatron job may pass its student TP group as ``BridgeGroups.student_tp``).
         config: settings.
+        store: the key-value store the job's first failure is published in, under the
+            metadata group's name (:mod:`mopd.bridge.failures`; default: torch.distributed's
+            default store): every rank's error then leads with it.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class HiddenStateBridge:
         student: Mesh,
         groups: BridgeGroups,
         config: BridgeConfig | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         if not teachers:
             raise ValueError("the bridge needs at least one teacher")
@@ -150,6 +156,13 @@ class HiddenStateBridge:
             timeout_s=self.config.timeout_s,
             max_schedules=self.config.max_cached_plans,
             integrity=self.config.integrity,
+            board=FailureBoard.of(
+                groups.metadata_group,
+                rank=self.rank,
+                members=self.topology.members,
+                timeout_s=self.config.timeout_s,
+                store=store,
+            ),
         )
         self._tp_group_error = self._check_student_tp_group()
         #: what this rank contributes per section (:func:`~mopd.bridge.record.rank_roles`)
@@ -174,8 +187,36 @@ class HiddenStateBridge:
             hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
         )
         self._open_steps: list[BridgeStep] = []
+        #: every step of this bridge still referenced somewhere (:meth:`close` empties them)
+        self._live_steps: weakref.WeakSet[BridgeStep] = weakref.WeakSet()
         #: steps planned on this bridge
         self.steps = 0
+        #: :meth:`close` was called
+        self.closed = False
+
+    def close(self) -> None:
+        """Free what this bridge holds on its groups: its steps' transport handles and buffers,
+        its caches, its references to the groups (local; every rank of the bridge calls it
+        before closing the groups' :class:`~mopd.bridge.groups.GroupPool`). Every later call
+        on the bridge or its steps raises :class:`~mopd.bridge.errors.BridgeStateError`.
+        Idempotent; ``with HiddenStateBridge(...) as bridge:`` closes it on leaving."""
+        if self.closed:
+            return
+        self.closed = True
+        for step in list(self._live_steps):
+            step._drop()
+        self._open_steps = []
+        # the board's watcher ends with the last bridge on its group (other bridges of this
+        # process on the same group share it)
+        self._executor.board = None
+        self._executor.close()
+        self.groups = BridgeGroups(bridge=None, student_tp=None, members=self.groups.members)
+
+    def __enter__(self) -> HiddenStateBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def executor(self) -> Executor:
@@ -237,7 +278,11 @@ class HiddenStateBridge:
             check: this rank's own input checks, run first in the guarded phase: a
                 ``ValueError`` it raises reaches every rank as the same ``ValueError``; it may
                 return ``{what: count}`` micro-batch counts this rank commits to (e.g. a
-                student's first stage, which passes no layouts), agreed with everyone's.
+                student's first stage, which passes no layouts), agreed with everyone's, as a
+                :class:`~mopd.bridge.inputs.StepChecks` with the
+                :class:`~mopd.bridge.inputs.Agreement` s its peers must match (a model
+                replica's shapes): compared after the metadata all-gather, a difference is the
+                same ``ValueError`` everywhere.
 
         Micro-batch ``i`` on one side is micro-batch ``i`` on the other: teacher micro-batch
         ``i`` (over all teacher shards) must hold every token student micro-batch ``i`` wants.
@@ -252,11 +297,13 @@ class HiddenStateBridge:
                 all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
         """
+        ex = self._executor
+        if self.closed:
+            ex.check_usable()
         if self.groups.bridge is None:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
-        ex = self._executor
         if ex.failure_hard:  # the transport may be out of step: refuse locally
             ex.check_usable()
         open_steps = [s for s in self._open_steps if not s.finished]
@@ -268,12 +315,13 @@ class HiddenStateBridge:
                 stacklevel=2,
             )
         self._open_steps = open_steps
-        record, sections = self._local_record(
+        ex.at(self.steps, "plan")
+        record, sections, agreements = self._local_record(
             teacher_layouts, student_layouts, _buffers, check, open_steps
         )
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
-            m, _sizes, header = self._executor.timed(
+            m, sizes, header = self._executor.timed(
                 lambda: gather_step_matrix(
                     record,
                     group=meta_group,
@@ -287,7 +335,7 @@ class HiddenStateBridge:
                     f"{list(self.topology.members)}"
                 ),
             )
-        return self._agree_and_plan(StepMatrix(m, header), sections)
+        return self._agree_and_plan(StepMatrix(m, header, sizes), sections, agreements)
 
     def _local_record(
         self,
@@ -296,9 +344,9 @@ class HiddenStateBridge:
         buffers: Mapping[Any, Any] | None,
         check: Callable[[], Mapping[str, int] | None] | None,
         open_steps: Sequence[BridgeStep],
-    ) -> tuple[torch.Tensor, list[Section | None]]:
-        """This rank's step record and sections (local; a ``ValueError`` of the input becomes
-        the record's error text, which every rank reads after the all-gather)."""
+    ) -> tuple[torch.Tensor, list[Section | None], tuple[Agreement, ...]]:
+        """This rank's step record, sections and agreements (local; a ``ValueError`` of the
+        input becomes the record's error text, which every rank reads after the all-gather)."""
         ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)
@@ -314,15 +362,17 @@ class HiddenStateBridge:
                 f"global rank {self.rank} posted {s0.posted} of the {s0.num_micro_batches} "
                 f"micro-batches of step {s0.seq}"
             )
+        agreements: list[Agreement] = []
         with ranges.span("metadata"):
             if state == STATE_READY:
                 try:
                     n_slots = self._local_sections(
-                        teacher_layouts, student_layouts, buffers, sections, check
+                        teacher_layouts, student_layouts, buffers, sections, check, agreements
                     )
                 except ValueError as exc:
                     error = f"global rank {self.rank}: {exc}"
                     sections = [None] * (n + 1)
+                    agreements = []
             record = encode_step_record(
                 config_sig=self.config_sig,
                 n_slots=n_slots,
@@ -330,10 +380,16 @@ class HiddenStateBridge:
                 sections=sections,
                 state=state,
                 step=self.steps,
+                agreements=agreements,
             )
-        return record, sections
+        return record, sections, tuple(agreements)
 
-    def _agree_and_plan(self, matrix: StepMatrix, sections: list[Section | None]) -> BridgeStep:
+    def _agree_and_plan(
+        self,
+        matrix: StepMatrix,
+        sections: list[Section | None],
+        agreements: Sequence[Agreement] = (),
+    ) -> BridgeStep:
         """From the gathered matrix: the fence, the shared verdict on the input, this rank's
         plans (or cached schedules); the step. Collective only in the verdict."""
         ex = self._executor
@@ -361,6 +417,7 @@ class HiddenStateBridge:
                     rank=self.rank,
                     duplicate_samples=self.config.duplicate_samples,
                     skip=[hit for hit, _ in cached],
+                    agreements=agreements,
                 )
                 t0 = time.monotonic()
                 try:
@@ -397,6 +454,8 @@ class HiddenStateBridge:
                 self._executor.mark_failed(exc)
             raise
         self._open_steps.append(step)
+        self._live_steps.add(step)
+        ex.at(self.steps, "planned")
         self.steps += 1
         return step
 
@@ -441,11 +500,16 @@ class HiddenStateBridge:
         buffers: Mapping[Any, Any] | None,
         sections: list[Section | None],
         check: Callable[[], Mapping[str, int] | None] | None = None,
+        agreements: list[Agreement] | None = None,
     ) -> int:
         """This rank's sections; ``buffers``: the rows :meth:`exchange` will send (checked here);
-        ``check``: the caller's own checks (see :meth:`plan_step`)."""
+        ``check``: the caller's own checks (see :meth:`plan_step`), whose
+        :class:`~mopd.bridge.inputs.StepChecks` agreements go into ``agreements``."""
         n = len(self.teachers)
-        counts: dict[str, int] = dict(called(check, "plan_step's check") or {}) if check else {}
+        checked = called(check, "plan_step's check") if check else None
+        counts: dict[str, int] = dict(checked or {})
+        if isinstance(checked, StepChecks) and agreements is not None:
+            agreements.extend(checked.agreements)
         given = {} if teacher_layouts is None else teacher_layouts
         if not isinstance(given, Mapping):
             raise ValueError(

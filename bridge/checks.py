@@ -16,6 +16,7 @@ import numpy as np
 from mopd.bridge.config import TeacherSpec
 from mopd.bridge.errors import BridgeStateError
 from mopd.bridge.executor import Executor
+from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
 from mopd.bridge.plan import RunCatalog, check_rank
@@ -57,7 +58,7 @@ def agreed_state(
             f"step {k} on global ranks {v}" for k, v in sorted(by.items())
         )
     if first:
-        executor.mark_abandoned(first)
+        executor.mark_abandoned(first, publish=False)  # what the failed ranks said already
         raise BridgeStateError(
             f"global rank {rank}: this bridge cannot be used after a failed exchange "
             f"({first}); its process group may still hold sends/receives of that step, "
@@ -126,17 +127,20 @@ def rank_checks(
     rank: int,
     duplicate_samples: bool,
     skip: Sequence[bool] | None = None,
+    agreements: Sequence[Agreement] = (),
 ) -> list[str]:
     """The problems this rank is responsible for finding (its share of the global checks);
     ``catalogs``: the step's micro-batches, in order; ``skip``: micro-batches whose plan
     inputs (:meth:`~mopd.bridge.record.StepView.plan_keys`) this rank saw pass before: the
-    planner's verdicts on them are those of then (none), so they are not run again."""
+    planner's verdicts on them are those of then (none), so they are not run again;
+    ``agreements``: this rank's (the caller's), each compared with its first rank's."""
     n_slots = len(catalogs)
     skip = [False] * n_slots if skip is None else list(skip)
     n_sec = len(teachers) + 1
     me = topology.members.index(rank)
     topo = topology
     problems: list[str] = []
+    problems += _disagreements(matrix, agreements, members=topo.members, rank=rank)
     # replicas against their leader: same rows, same layout, same dtype / hidden / device
     mine_g = topo.index.source_groups.get(rank, ())  # this rank's groups, ascending
     for g in mine_g:
@@ -199,6 +203,25 @@ def rank_checks(
         for i in range(n_slots):
             if not skip[i]:
                 problems += [f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], rank)]
+    return problems
+
+
+def _disagreements(
+    matrix: StepMatrix, agreements: Sequence[Agreement], *, members: Sequence[int], rank: int
+) -> list[str]:
+    """Where this rank's agreements differ from their first rank's (read off the matrix)."""
+    problems: list[str] = []
+    for a in agreements:
+        first = a.ranks[0]
+        if first == rank or first not in members:
+            continue
+        theirs = matrix.agreements(members.index(first)).get(a.key)
+        if theirs is None:
+            problems.append(f"{a.what}: global rank {first} gives none, global rank {rank} does")
+            continue
+        text = a.differs(theirs.tolist(), me=rank)
+        if text is not None:
+            problems.append(text)
     return problems
 
 

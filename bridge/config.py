@@ -15,9 +15,14 @@ import torch
 from mopd.bridge.mesh import Mesh
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "BridgeConfig",
     "TeacherSpec",
 ]
+
+#: The bridge's default ``timeout_s``, and the wait of a ``GroupPool``'s groups made without one
+#: (until a :class:`~mopd.mcore.Distiller` on the pool bounds them by its own).
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +87,7 @@ class BridgeConfig:
             received micro-batch).
     """
 
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     local_copy: bool = True
     keep_sp_shard: bool = False
     max_cached_plans: int = 64

@@ -22,7 +22,39 @@ __all__ = [
 
 
 class BridgeError(RuntimeError):
-    """Base class of the bridge's runtime failures (not of bad input, which is ``ValueError``)."""
+    """Base class of the bridge's runtime failures (not of bad input, which is ``ValueError``).
+
+    Attributes:
+        first: the job's first failure when it was another rank's (published by that rank:
+            :mod:`mopd.bridge.failures`): the message then leads with it, and this rank's own
+            view follows in short (in full in :attr:`own` and in a note of the traceback);
+            ``None`` otherwise.
+        own: this rank's own view of the failure (the whole message when ``first`` is None).
+        summary: that view in a few words, without the peers it names (set by the bridge on
+            timeouts and transport errors; ``None``: the whole view is used).
+        peers: the global ranks this rank waited for in particular (a transfer's peers), when
+            the wait was for some ranks and not a whole group; else ``None``.
+    """
+
+    first: str | None = None
+    summary: str | None = None
+    peers: tuple[int, ...] | None = None
+
+    @property
+    def own(self) -> str:
+        return self._own if hasattr(self, "_own") else str(self)
+
+    def lead_with(self, first: str, *, rank: int, where: str) -> None:
+        """Lead the message with ``first``, the job's first failure, another rank's: ``"<first>.
+        As a result, global rank r (<where>) stopped: <summary>"`` (the full view as a note)."""
+        if self.first is not None:
+            return
+        own = str(self)
+        self._own = own
+        self.first = first
+        tail = self.summary or own
+        self.args = (f"{first}. As a result, global rank {rank} ({where}) stopped: {tail}",)
+        self.add_note(f"global rank {rank}'s own view: {own}")
 
 
 class BridgeTimeoutError(BridgeError, TimeoutError):

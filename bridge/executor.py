@@ -47,7 +47,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.errors import BridgeError, BridgeStateError
+from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeStateError, BridgeTimeoutError
+from mopd.bridge.failures import FailureBoard
 from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.integrity import (
     IntegrityTransport,
@@ -78,6 +79,8 @@ __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 #: (``Executor.debug_hook``).
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
 _T = TypeVar("_T")
+#: Characters of the failure text a refusal quotes.
+_FAILURE_CHARS = 800
 
 
 def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
@@ -253,6 +256,9 @@ class Executor:
             RowChecks` (chosen here, once).
         transport: the transport to move data with (default :class:`~mopd.bridge.transport.
             P2PTransport`).
+        board: where the job's first failure is published and read
+            (:class:`~mopd.bridge.failures.FailureBoard`; ``None``: this rank names only its
+            own view).
     """
 
     def __init__(
@@ -263,12 +269,14 @@ class Executor:
         max_schedules: int = 64,
         integrity: bool = False,
         transport: Transport | None = None,
+        board: FailureBoard | None = None,
     ) -> None:
         self.rank = rank
+        self.board = board
         self.timeout_s = timeout_s
         self.max_schedules = max_schedules
         self.integrity = integrity
-        inner = transport or P2PTransport(rank=rank, timeout_s=timeout_s)
+        inner = transport or P2PTransport(rank=rank, timeout_s=timeout_s, on_wait=self._waiting)
         self.transport: Transport = IntegrityTransport(inner) if integrity else inner
         self._checks: NoChecks = RowChecks() if integrity else NoChecks()
         #: see :data:`DebugHook` (tests only)
@@ -288,6 +296,8 @@ class Executor:
         #: schedules built (cache misses) and slots issued, for figures and tests
         self.schedules_built = 0
         self.slots_issued = 0
+        #: :meth:`close` was called: every later call is refused
+        self.closed = False
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -352,8 +362,25 @@ class Executor:
             "device_caches": len(self._devs),
         }
 
+    def close(self) -> None:
+        """Drop every cached schedule, index copy and staging buffer; refuse every later call
+        (local). Idempotent."""
+        self.closed = True
+        self._schedules.clear()
+        self._inputs.clear()
+        self._devs.clear()
+        self._zeros.clear()
+        self._pool = _StagePool()
+        self.debug_hook = None
+
     def check_usable(self) -> None:
-        """Raise :class:`BridgeStateError` if an earlier slot failed (local, no communication)."""
+        """Raise :class:`BridgeStateError` if the bridge was closed or an earlier slot failed
+        (local, no communication)."""
+        if self.closed:
+            raise BridgeStateError(
+                f"global rank {self.rank}: this bridge is closed; build a new one (on new "
+                "groups: a new GroupPool) to go on"
+            )
         if self.failure is not None:
             raise BridgeStateError(
                 f"global rank {self.rank}: this bridge cannot be used after a failed exchange "
@@ -362,17 +389,50 @@ class Executor:
                 "create_bridge_groups) and a new HiddenStateBridge on every rank."
             )
 
+    def at(self, step: int, phase: str, micro_batch: int | None = None) -> None:
+        """Note where this rank is (what a census reports; the place a cause names)."""
+        if self.board is not None:
+            self.board.progress.at(step, phase, micro_batch)
+
     def mark_failed(self, exc: BaseException) -> None:
-        """Refuse further work, locally (see :meth:`check_usable`); keeps the first cause."""
+        """Refuse further work, locally (see :meth:`check_usable`); keeps the first cause.
+
+        The job's first failure is published or read (:attr:`board`): a timeout or transport
+        error here is a symptom, and a bridge error of that kind then leads with another
+        rank's first failure (:meth:`BridgeError.lead_with`); any other error is a cause,
+        published as the first failure unless one is there."""
         if self.failure is None:
-            self.failure = f"{type(exc).__name__}: {str(exc)[:300]}"
+            text = f"{type(exc).__name__}: {exc}"
+            board = self.board
+            if board is not None:
+                if isinstance(exc, BridgeTimeoutError | BridgeCommError):
+                    first = board.lead(text, peers=exc.peers)
+                    if first is not None:
+                        exc.lead_with(first, rank=self.rank, where=board.progress.describe())
+                        text = f"{type(exc).__name__}: {exc}"
+                else:
+                    board.cause(f"{type(exc).__name__}: {exc}")
+            self.failure = text[:_FAILURE_CHARS]
         self.failure_hard = True
 
-    def mark_abandoned(self, text: str) -> None:
+    def mark_abandoned(
+        self,
+        text: str,
+        *,
+        cause: str | None = None,
+        publish: bool = True,
+        rank: int | None = None,
+        where: str | None = None,
+    ) -> None:
         """Refuse further work after a step its caller abandoned (see :attr:`failure_hard`);
-        keeps the first cause."""
+        keeps the first cause. ``cause`` (default ``text``) is published as the job's first
+        failure unless one is there (``publish=False``: ``text`` only repeats what the matrix
+        said of other ranks); ``rank``, ``where``: the rank it is about and its place (default
+        this one, where it is)."""
         if self.failure is None:
-            self.failure = text[:400]
+            self.failure = text[:_FAILURE_CHARS]
+            if publish and self.board is not None:
+                self.board.cause(cause if cause is not None else text, rank=rank, where=where)
 
     def _dev(self, sched: RankSchedule, device: torch.device) -> DeviceIndices:
         key = (sched.digest, str(device))
@@ -575,6 +635,12 @@ class Executor:
             self.debug_hook("posted", [])
 
     # --- complete ------------------------------------------------------------------------------
+
+    def _waiting(self, peers: Sequence[int]) -> None:
+        """The transport waits for ``peers`` now: part of this rank's progress (what a census
+        of a failure reads)."""
+        if self.board is not None:
+            self.board.progress.waiting_for = tuple(peers)
 
     def _wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
         """The transport's wait; a failure refuses further work."""

@@ -39,14 +39,15 @@ Waiting: a gloo operation is waited on with a host timeout; an NCCL one (CUDA te
 one, because ``Work.wait(timeout)`` on NCCL spins the host until the operation completes, while
 ``Work.wait()`` only makes the current CUDA stream wait on it (:func:`mopd.common.dist.wait`).
 Hang detection for NCCL operations therefore rests on the process group's own timeout: create the
-pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation older than that).
+pool with ``GroupPool(timeout_s=...)`` (NCCL's watchdog aborts an operation older than that); a
+pool made without one is bounded all the same (:meth:`GroupPool.bound_by`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +55,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mopd.bridge.config import DEFAULT_TIMEOUT_S
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
+from mopd.common.log import warn_once
 
 __all__ = [
     "BridgeGroups",
@@ -214,13 +217,19 @@ class GroupPool:
     :meth:`create` is collective over the default group (every rank, same order); creating a
     (backend, rank set) twice returns the existing group without a collective, which is
     deterministic because every rank holds the same creation history. :meth:`get` is local.
-    ``backend=None`` in :meth:`create` / :meth:`get` means the pool's backend.
+    ``backend=None`` in :meth:`create` / :meth:`get` means the pool's backend. :meth:`close`
+    (or leaving a ``with GroupPool(...) as pool:`` block) destroys every group it created.
 
     Args:
         backend: backend of the groups (``None``: the default group's).
         timeout_s: the groups' own timeout in seconds; for NCCL groups this is the only hang
-            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``. Without
-            one (a ``UserWarning``) the groups wait as long as torch's default.
+            detection of the bridge's waits, so keep it <= ``BridgeConfig.timeout_s``.
+            ``None``: bounded all the same: the groups wait at most
+            :data:`~mopd.bridge.config.DEFAULT_TIMEOUT_S`, and a bridge's own timeout once one
+            is built on the pool (:meth:`bound_by`; a :class:`~mopd.mcore.Distiller` does it).
+
+    Attributes:
+        timeout_s: what the groups wait, in seconds (finite).
     """
 
     def __init__(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -232,17 +241,52 @@ class GroupPool:
             raise ValueError(
                 f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}"
             )
-        if timeout_s is None:
-            warnings.warn(
-                "GroupPool() without timeout_s: its groups wait as long as torch's default "
-                "(30 minutes), so a rank that fails or stalls leaves its peers blocked in "
-                "megatron's and the bridge's collectives that long; pass "
-                "GroupPool(timeout_s=...) no longer than BridgeConfig.timeout_s",
-                stacklevel=2,
-            )
         self.backend = backend
-        self.timeout_s = timeout_s
+        #: whether ``timeout_s`` was given (a given one is never changed by :meth:`bound_by`)
+        self.explicit_timeout = timeout_s is not None
+        self.timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
         self._groups: dict[tuple[str | None, tuple[int, ...], str], dist.ProcessGroup | None] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Destroy every group this pool created (``dist.destroy_process_group``; every rank
+        calls it, as it created them). A gloo group's threads and sockets go when the last
+        reference to it does: drop what was built on the groups too (models, a
+        :class:`~mopd.mcore.Distiller` or bridge: close those first). Idempotent; the pool
+        refuses :meth:`create` and :meth:`get` afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        me = dist.get_rank() if dist.is_initialized() else -1
+        groups, self._groups = self._groups, {}
+        for key, group in groups.items():
+            if group is None or me not in key[1]:
+                continue
+            with contextlib.suppress(ValueError):  # destroyed already (with the world)
+                dist.destroy_process_group(group)
+
+    def __enter__(self) -> GroupPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this GroupPool is closed: create a new GroupPool")
+
+    def bound_by(self, timeout_s: float) -> None:
+        """A bridge's own ``timeout_s`` for a pool made without one: from now on every group of
+        the pool (those made already and later ones) waits at most that long (never longer
+        than before). Local; a pool given ``timeout_s`` is left as it is."""
+        if self.explicit_timeout or not timeout_s < self.timeout_s:
+            return
+        self.timeout_s = float(timeout_s)
+        wait = datetime.timedelta(seconds=self.timeout_s)
+        me = dist.get_rank()
+        for key, group in self._groups.items():
+            if group is not None and me in key[1]:
+                _set_timeout(group, wait)
 
     def _key(
         self, ranks: Sequence[int], backend: str | None, purpose: str = ""
@@ -259,13 +303,13 @@ class GroupPool:
         """Create (collectively) the group of ``ranks``; returns it on members, ``None`` elsewhere.
         ``purpose``: a group of its own for that use even where a group of the same ranks and
         backend exists (the bridge's host-side metadata)."""
+        self._check_open()
         key = self._key(ranks, backend, purpose)
         if key not in self._groups:
             kwargs: dict[str, Any] = {"ranks": list(key[1])}
             if key[0] is not None:
                 kwargs["backend"] = key[0]
-            if self.timeout_s is not None:
-                kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
+            kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
             self._groups[key] = dist.new_group(**kwargs)
         return self.get(key[1], backend=key[0], purpose=purpose)
 
@@ -277,9 +321,22 @@ class GroupPool:
         self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
     ) -> dist.ProcessGroup | None:
         """The group of ``ranks`` (``None`` if this rank is not a member); ``KeyError`` if never created."""
+        self._check_open()
         key = self._key(ranks, backend, purpose)
         group = self._groups[key]
         return None if dist.get_rank() not in key[1] else group
+
+
+def _set_timeout(group: dist.ProcessGroup, wait: datetime.timedelta) -> None:
+    """Set the timeout of ``group``'s later operations (torch has no public call for it; where
+    its private one is missing the group keeps its timeout, with a warning)."""
+    try:
+        dist.distributed_c10d._set_pg_timeout(wait, group)
+    except Exception as exc:  # another torch: the group keeps the timeout it was made with
+        warn_once(
+            f"GroupPool.bound_by: the timeout of an existing group could not be changed "
+            f"({type(exc).__name__}: {exc}); it keeps the one it was created with"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -8,7 +8,9 @@ Why this file exists: planning (:mod:`mopd.bridge.api`) and the step's sends
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,7 +18,9 @@ import torch
 from mopd.bridge.layout import TokenLayout
 
 __all__ = [
+    "Agreement",
     "LayoutArg",
+    "StepChecks",
     "called",
     "check_buffer",
     "layout_list",
@@ -89,3 +93,89 @@ def check_buffer(
             f"the plan wants {dtype} on {device}"
         )
     return f
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agreement:
+    """Words every rank of a group must give alike in a step: ``items`` records of
+    ``len(fields)`` words each (e.g. one per micro-batch: a model replica's shapes, which
+    megatron's pipeline and TP collectives need equal on every rank of the replica).
+
+    The bridge carries them in the step's metadata and each rank of ``ranks`` but the first
+    compares its words with the first's, item by item: a difference is the same ``ValueError``
+    on every rank, naming both ranks, the item and the fields that differ (a field whose name
+    ends in ``"digest"`` is said not to be the same, its value not shown).
+
+    Attributes:
+        what: what the words are (``"student micro-batch shapes"``); with ``ranks`` their key.
+        item: what one record is (``"micro-batch"``).
+        ranks: the global ranks that must agree (this rank among them), ascending.
+        fields: the name of each word of a record.
+        words: the records, flat.
+    """
+
+    what: str
+    item: str = "micro-batch"
+    ranks: tuple[int, ...]
+    fields: tuple[str, ...]
+    words: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.fields or len(self.words) % len(self.fields):
+            raise ValueError(
+                f"{self.what}: {len(self.words)} words are not records of {len(self.fields)}"
+            )
+
+    @property
+    def key(self) -> int:
+        """62 bits naming the agreement (``what`` and ``ranks``): the same on every rank."""
+        h = hashlib.blake2b(f"{self.what}|{self.ranks}".encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "little") >> 2
+
+    def differs(self, theirs: Sequence[int], *, me: int) -> str | None:
+        """Where ``theirs`` (the first rank's words) differ from this rank's, in words, or
+        ``None``."""
+        n = len(self.fields)
+        if len(theirs) != len(self.words):
+            return (
+                f"{self.what}: global rank {me} gives {len(self.words) // n} {self.item}(s), "
+                f"global rank {self.ranks[0]} {len(theirs) // n}"
+            )
+        for i in range(len(self.words) // n):
+            mine, first = self.words[i * n : (i + 1) * n], tuple(theirs[i * n : (i + 1) * n])
+            if mine == first:
+                continue
+            parts = []
+            for name, a, b in zip(self.fields, mine, first, strict=True):
+                if a == b:
+                    continue
+                if name.endswith("digest"):
+                    parts.append(f"{name.removesuffix(' digest')} not the same")
+                else:
+                    parts.append(
+                        f"{name} {a} on global rank {me}, {b} on global rank {self.ranks[0]}"
+                    )
+            return (
+                f"{self.what} differ within global ranks {list(self.ranks)}: {self.item} {i}: "
+                + ", ".join(parts)
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class StepChecks(Mapping[str, int]):
+    """What a caller's step check (``plan_step(check=...)``) commits this rank to: the
+    micro-batch counts (a mapping ``what -> count``, as a plain mapping would be) and the
+    :class:`Agreement` s its peers must match."""
+
+    counts: Mapping[str, int]
+    agreements: tuple[Agreement, ...] = field(default=())
+
+    def __getitem__(self, key: str) -> int:
+        return self.counts[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)

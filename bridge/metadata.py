@@ -12,7 +12,8 @@ the others send a digest that must match the leader's.
 Record (one int64 vector; ``n_sections = n_owners + 1``, the last one the student's)::
 
     [MAGIC, config_sig, n_slots, err_bytes, err_offset, state, step, section_offset x n_sections,
-     section tables (every section, at fixed places), runs..., error text (UTF-8, 8 per int64)]
+     section tables (every section, at fixed places), runs..., error text (UTF-8, 8 per int64),
+     agreements..., n_agreement_words]
 
     section table: [dtype_code, hidden, device_code, n_slots,
                     per slot: n_rows, n_runs, runs_offset, sample_min, sample_max, digest,
@@ -30,6 +31,9 @@ failed on this rank; the error text then says how) and ``step`` the number of st
 before this one (the fence: every rank must be at the same step).
 ``n_slots == -1``: the rank holds nothing (it takes the others' count). ``section_offset == 0``:
 the rank has no such section. ``n_runs == -1``: a replica that sends only its digest.
+The record ends with the caller's agreements (:class:`~mopd.bridge.inputs.Agreement`: per
+agreement ``[key, n_words, words...]``) and their word count, read from the record's end (the
+gather brings every record's size).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.groups import NodeGroups, all_gather_flat, all_gather_nodes
+from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, layout_to_runs
 
 __all__ = [
@@ -66,7 +71,7 @@ __all__ = [
 
 _I64 = np.int64
 #: Identifies the record format (a rank running another version of the library fails loudly).
-MAGIC = 0x6D6F_7064_0004
+MAGIC = 0x6D6F_7064_0005
 #: Fixed header words before the section offsets.
 HEADER = 7
 #: The rank's bridge state in its record: ready, an earlier step not fully posted, failed.
@@ -154,6 +159,7 @@ def encode_step_record(
     sections: Sequence[Section | None],
     state: int = STATE_READY,
     step: int = 0,
+    agreements: Sequence[Agreement] = (),
 ) -> torch.Tensor:
     """This rank's record (see the module doc): ``[L]`` int64 CPU tensor.
 
@@ -207,6 +213,8 @@ def encode_step_record(
         head[3], head[4] = len(text), runs_at
         pad = -len(text) % 8
         parts.append(np.frombuffer(text + b"\0" * pad, dtype="<i8").astype(_I64))
+    block = [w for a in agreements for w in (a.key, len(a.words), *a.words)]
+    parts.append(np.asarray([*block, len(block)], dtype=_I64))
     return torch.from_numpy(np.concatenate(parts))
 
 
@@ -259,11 +267,19 @@ class StepMatrix:
     front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
     """
 
-    def __init__(self, matrix: np.ndarray, header_NH: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        matrix: np.ndarray,
+        header_NH: np.ndarray | None = None,
+        sizes_N: np.ndarray | None = None,
+    ) -> None:
         self.matrix = matrix
         #: ``[n, HEADER]`` the records' headers when the gather brought them apart
         #: (:func:`gather_step_matrix`), else copied from the matrix on first use
         self._header = header_NH
+        #: ``[n]`` each record's size (from the gather): where its agreements end; ``None``:
+        #: records without agreements (offline tools)
+        self._sizes = sizes_N
 
     def header_NH(self) -> np.ndarray:
         """``[n_members, HEADER]`` every record's fixed header: as gathered apart, or copied
@@ -308,6 +324,21 @@ class StepMatrix:
 
     def step_N(self) -> np.ndarray:
         return self.header_NH()[:, 6]
+
+    def agreements(self, j: int) -> dict[int, np.ndarray]:
+        """Member ``j``'s agreements, ``key -> words`` (empty when the sizes are unknown)."""
+        if self._sizes is None:
+            return {}
+        end = int(self._sizes[j]) - 1
+        n = int(self.matrix[j, end])
+        block = self.matrix[j, end - n : end]
+        out: dict[int, np.ndarray] = {}
+        at = 0
+        while at < n:
+            key, count = int(block[at]), int(block[at + 1])
+            out[key] = block[at + 2 : at + 2 + count]
+            at += 2 + count
+        return out
 
     def error(self, j: int) -> str:
         """Member ``j``'s local error text (``""``: none)."""

@@ -199,7 +199,7 @@ class BridgeStep:
     # --- the data phase ------------------------------------------------------------------------
 
     def _check_index(self, i: int, *, finished_ok: bool = False) -> None:
-        if not finished_ok:
+        if not finished_ok or self._bridge.executor.closed:
             self._bridge.executor.check_usable()
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_micro_batches:
             raise ValueError(f"micro-batch {i!r} outside [0, {self.num_micro_batches})")
@@ -212,9 +212,13 @@ class BridgeStep:
         return self._order.posted
 
     def unposted(self) -> bool:
-        """True while this rank has micro-batches of the step left to post (it is open on the
-        wire: a later step's transfers would pair with them)."""
-        return not self.finished and self._order.posted < self.num_micro_batches
+        """True while this rank has micro-batches of the step left to post that put something
+        on the wire (a later step's transfers would pair with them). A micro-batch with no
+        send or receive on this rank (nothing to do, or local copies only) counts as posted:
+        a rank with no transfers in a step is fully posted from the start."""
+        if self.finished:
+            return False
+        return any(_on_wire(slot) for slot in self._slots[self._order.posted :])
 
     @property
     def tag(self) -> int:
@@ -242,6 +246,7 @@ class BridgeStep:
         self._check_index(micro_batch)
         b = self._bridge
         b.executor.check_usable()
+        b.executor.at(self.seq, "send", micro_batch)
         if not isinstance(hidden, Mapping):
             raise ValueError(
                 f"hidden must be a mapping teacher index -> tensor, got {type(hidden).__name__}"
@@ -295,6 +300,7 @@ class BridgeStep:
         self._check_index(micro_batch)
         b = self._bridge
         b.executor.check_usable()
+        b.executor.at(self.seq, "receive", micro_batch)
         self._order.complete_through(micro_batch, deadline=time.monotonic() + b.config.timeout_s)
         self._order.release_done()
         slot = self._slots[micro_batch]
@@ -309,30 +315,47 @@ class BridgeStep:
     def _check_finite(self, slot: Slot, rows: Mapping[int, torch.Tensor]) -> None:
         """Raise :class:`BridgeNonFiniteError` if a teacher's ``[N, H]`` rows hold NaN / Inf
         (one reduction per teacher, one host sync); the step then fails everywhere (its next
-        ``plan_step`` says so on every rank)."""
+        ``plan_step`` says so on every rank). The first failure published names the rank that
+        sent the rows (a teacher rank), found by this rank."""
         ok = torch.stack([torch.isfinite(t).all() for t in rows.values()]).tolist()
         if all(ok):
             return
         b = self._bridge
         found = []
+        sender: int | None = None
+        first_found = ""
         for (o, t), fine in zip(rows.items(), ok, strict=True):
             if fine:
                 continue
             bad = torch.nonzero(~torch.isfinite(t).all(dim=1)).reshape(-1)
             first = int(bad[0])
+            where, src = self._source_of(slot, o, first)
             found.append(
-                f"teacher {o}: {bad.numel()} of {t.shape[0]} rows (first: row {first}, "
-                f"{self._source_of(slot, o, first)})"
+                f"teacher {o}: {bad.numel()} of {t.shape[0]} rows (first: row {first}, {where})"
             )
+            if sender is None and src is not None:
+                sender, first_found = src, found[-1]
         text = (
             f"global rank {b.rank}: non-finite (NaN/Inf) teacher rows arrived in micro-batch "
             f"{slot.index} of step {self.seq}: " + "; ".join(found)
         )
-        b.executor.mark_abandoned(text)
+        cause = None
+        if sender is not None and sender != b.rank:
+            cause = (
+                f"it sent non-finite (NaN/Inf) teacher rows in micro-batch {slot.index} of step "
+                f"{self.seq} (found by global rank {b.rank}: {first_found})"
+            )
+        b.executor.mark_abandoned(
+            text,
+            cause=cause,
+            rank=sender if cause is not None else None,
+            where=f"step {self.seq}, its rows of micro-batch {slot.index}" if cause else None,
+        )
         raise BridgeNonFiniteError(text)
 
-    def _source_of(self, slot: Slot, owner: int, row: int) -> str:
-        """Which rank sent row ``row`` of ``owner``'s rows to this rank (for messages)."""
+    def _source_of(self, slot: Slot, owner: int, row: int) -> tuple[str, int | None]:
+        """Which rank sent row ``row`` of ``owner``'s rows to this rank, in words (for messages)
+        and as a global rank (``None``: a padding row, or not found)."""
         b = self._bridge
         sched = slot.schedule
         assert sched is not None and sched.dest is not None
@@ -341,14 +364,44 @@ class BridgeStep:
         if j != sched.dest.slot:
             tp = b.groups.student_tp
             who = dist.get_process_group_ranks(tp)[j] if tp is not None else j
-            return f"the slice of global rank {who}, via the student TP all-gather"
+            src = self._peer_sender(slot.index, who, owner, rel)
+            via = ""
+            if src is not None:
+                via = f"sent to it by global rank {src}, " if src != who else "its local copy, "
+            return f"the slice of global rank {who}, {via}via the student TP all-gather", src
         for op in sched.recvs:
             if op.owner == owner and bool((op.side.rows == rel).any()):
-                return f"sent by global rank {op.peer}"
+                return f"sent by global rank {op.peer}", op.peer
         for lop in sched.locals:
             if lop.owner == owner and bool((lop.dst.rows == rel).any()):
-                return f"a local copy on global rank {b.rank}"
-        return "a padding row"
+                return f"a local copy on global rank {b.rank}", b.rank
+        return "a padding row", None
+
+    def _peer_sender(self, index: int, who: int, owner: int, rel: int) -> int | None:
+        """Who sent row ``rel`` of ``owner``'s slice on global rank ``who`` (a student TP peer of
+        this rank) in micro-batch ``index``: read off that rank's plan, computed here (the
+        failure path only)."""
+        b = self._bridge
+        try:
+            catalog = self._catalogs[index]
+            plan = plan_rank(catalog, who, local_copy=b.config.local_copy, compact=True)
+            if plan.dest is None:
+                return None
+            sched = RankSchedule.build(
+                plan,
+                slice_rows=catalog.dests[plan.dest.group].slice_rows,
+                num_owners=len(b.teachers),
+                row_bytes=[h * d.itemsize for h, d in self._specs.values()],
+            )
+        except Exception:  # a name in a message is not worth a second failure
+            return None
+        for op in sched.recvs:
+            if op.owner == owner and bool((op.side.rows == rel).any()):
+                return op.peer
+        for lop in sched.locals:
+            if lop.owner == owner and bool((lop.dst.rows == rel).any()):
+                return who
+        return None
 
     def finish(self) -> None:
         """Complete the step on this rank: every micro-batch issued, received and sent.
@@ -361,6 +414,7 @@ class BridgeStep:
             return
         b = self._bridge
         b.executor.check_usable()
+        b.executor.at(self.seq, "finish")
         deadline = time.monotonic() + b.config.timeout_s
         self._order.finish(deadline=deadline)
         self.finished = True
@@ -368,9 +422,21 @@ class BridgeStep:
             meta = b.groups.metadata_group
             with ranges.span("integrity"):
                 b.executor.verdict(self._slots, group=meta, deadline=deadline)
+        b.executor.at(self.seq, "done")
 
     def __enter__(self) -> BridgeStep:
         return self
+
+    def _drop(self) -> None:
+        """Let go of everything the step holds that lives on the bridge's groups (its slots'
+        transport handles and buffers): the bridge is being closed. The step is finished."""
+        self.finished = True
+        self._slots = []
+        self._catalogs = []
+        self._owner_dev.clear()
+        self._order.slots = []
+        self._order.group = None
+        self._order.tp_group = None
 
     def abandon(self, cause: BaseException | str) -> None:
         """Give the step up on this rank (its caller raised inside it): no further call on this
@@ -384,7 +450,8 @@ class BridgeStep:
         b.executor.mark_abandoned(
             f"step {self.seq} abandoned on global rank {b.rank} after {self._order.posted} of "
             f"{self.num_micro_batches} micro-batches posted, {self._order.received} received: "
-            f"{what}"
+            f"{what}",
+            cause=what,
         )
         self.finished = True
 
@@ -393,6 +460,12 @@ class BridgeStep:
             self.finish()
         elif isinstance(exc, BaseException):
             self.abandon(exc)
+
+
+def _on_wire(slot: Slot) -> bool:
+    """Whether posting ``slot`` puts anything on the wire (a send or a receive)."""
+    sched = slot.schedule
+    return sched is not None and bool(sched.sends or sched.recvs)
 
 
 class ExchangeHandle:

@@ -15,8 +15,9 @@ still pending and the timeout; the caller decides what that means for later work
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,33 +31,62 @@ from mopd.common import ranges
 __all__ = ["Message", "P2PTransport", "Posted", "Transport", "comm_failure", "time_left"]
 
 
+#: The peer a message's ``what`` names (``"send to global rank 3 (...)"``, ``"receive from ..."``).
+_PEER = re.compile(r"(?:send to|receive from) global rank (\d+)")
+
+
 def time_left(deadline: float) -> float:
     """Seconds until ``deadline`` (``time.monotonic()`` clock), at least 1 ms."""
     return max(deadline - time.monotonic(), 1e-3)
 
 
 def comm_failure(
-    exc: BaseException, *, rank: int, what: str, timeout_s: float, elapsed_s: float
+    exc: BaseException,
+    *,
+    rank: int,
+    what: str,
+    timeout_s: float,
+    elapsed_s: float,
+    peers: Sequence[int] | None = None,
 ) -> BridgeError:
     """A :class:`BridgeTimeoutError` or :class:`BridgeCommError` for a failed wait on ``what``.
 
     A failure counts as a timeout when the transport says so or when the full timeout elapsed.
+    ``peers``: the global ranks the wait was for, when it was for some ranks in particular (the
+    pending transfers), as :attr:`~mopd.bridge.errors.BridgeError.peers`.
     """
     msg = str(exc)
     low = msg.lower()
     said_timeout = any(k in low for k in ("timed out", "timeout", "timing out", "time out"))
+    phase = _phase(what)
+    err: BridgeError
     if said_timeout or elapsed_s >= 0.98 * timeout_s:
-        return BridgeTimeoutError(
+        err = BridgeTimeoutError(
             f"global rank {rank}: {what} did not complete within BridgeConfig.timeout_s="
             f"{timeout_s:g} s (waited {elapsed_s:.1f} s): a rank of the bridge group did not call "
             "the bridge (called on some ranks only), raised or exited before its part, or is "
             f"slower than the timeout. Transport said: {msg}"
         )
-    return BridgeCommError(
+        err.summary = f"{phase} did not complete within BridgeConfig.timeout_s={timeout_s:g} s"
+        err.peers = tuple(peers) if peers else None
+        return err
+    err = BridgeCommError(
         f"global rank {rank}: {what} failed after {elapsed_s:.1f} s (timeout_s={timeout_s:g}): "
         f"the transport reported an error, typically because a peer process died or aborted. "
         f"Transport said: {msg}"
     )
+    err.summary = f"{phase} failed after {elapsed_s:.1f} s: the transport lost a peer"
+    err.peers = tuple(peers) if peers else None
+    return err
+
+
+def _phase(what: str) -> str:
+    """The phase a ``what`` names, without its details (``"the bridge exchange (incomplete:
+    ...)"`` -> ``"the bridge exchange"``; ``"... over global ranks [...]"`` cut there)."""
+    for cut in (" (", " over "):
+        if cut in what:
+            what = what[: what.index(cut)]
+    return what
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -91,6 +121,10 @@ class Posted:
     recv_works: list[Any] = field(default_factory=list)
     send_descs: list[str] = field(default_factory=list)
     recv_descs: list[str] = field(default_factory=list)
+    #: the global ranks the sends go to / the receives come from (both: every peer, when one
+    #: set of works covers both directions)
+    send_peers: list[int] = field(default_factory=list)
+    recv_peers: list[int] = field(default_factory=list)
     recv_checksums: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -135,11 +169,20 @@ class P2PTransport:
         timeout_s: the phase timeout the messages name (each wait runs against its deadline:
             a host wait on gloo; a stream wait on NCCL, whose hangs the process groups' own
             timeout catches).
+        on_wait: told, as a wait goes on, the peers of the messages it still waits for (an
+            empty list when it is done): where this rank is, for a census of a failure.
     """
 
-    def __init__(self, *, rank: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        timeout_s: float,
+        on_wait: Callable[[Sequence[int]], None] | None = None,
+    ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
+        self.on_wait = on_wait
 
     def post(
         self,
@@ -159,6 +202,8 @@ class P2PTransport:
             device=device,
             send_descs=[m.what for m in sends],
             recv_descs=[m.what for m in recvs],
+            send_peers=[m.peer for m in sends],
+            recv_peers=[m.peer for m in recvs],
         )
         try:
             with ranges.span("send_recv", index):
@@ -178,19 +223,33 @@ class P2PTransport:
             posted.send_works = posted.recv_works = list(works)
             both = ["; ".join(posted.send_descs + posted.recv_descs)]
             posted.send_descs = posted.recv_descs = both
+            posted.send_peers = posted.recv_peers = posted.send_peers + posted.recv_peers
         return posted
 
     def wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
         works = posted.send_works if sends else posted.recv_works
         descs = posted.send_descs if sends else posted.recv_descs
-        self.wait_works(works, descs, posted.device, deadline)
+        peers = posted.send_peers if sends else posted.recv_peers
+        self.wait_works(works, descs, posted.device, deadline, peers=peers)
+        if self.on_wait is not None:  # done (a failed wait leaves them: they never came)
+            self.on_wait([])
 
     def wait_works(
-        self, works: Sequence[Any], descs: Sequence[str], device: torch.device, deadline: float
+        self,
+        works: Sequence[Any],
+        descs: Sequence[str],
+        device: torch.device,
+        deadline: float,
+        *,
+        peers: Sequence[int] = (),
     ) -> None:
-        """Wait for ``works`` in order against ``deadline``; a failure names what is pending."""
+        """Wait for ``works`` in order against ``deadline``; a failure names what is pending.
+        ``peers``: each work's peer (in order; one set of works covering several peers: all of
+        them), told to :attr:`on_wait` as the wait goes on."""
         t0 = time.monotonic()
         for i, w in enumerate(works):
+            if self.on_wait is not None and peers and not _completed(w):  # it will block
+                self.on_wait(_pending_peers(works, peers, i))
             try:
                 cdist.wait(w, device=device, timeout_s=time_left(deadline))
             except Exception as exc:
@@ -209,6 +268,7 @@ class P2PTransport:
                     what="the bridge exchange (incomplete: " + "; ".join(pending) + ")",
                     timeout_s=self.timeout_s,
                     elapsed_s=time.monotonic() - t0,
+                    peers=sorted({int(r) for d in pending for r in _PEER.findall(d)}),
                 ) from exc
 
     def sends_done(self, posted: Posted) -> bool:
@@ -216,3 +276,20 @@ class P2PTransport:
             return all(bool(w.is_completed()) for w in posted.send_works)
         except Exception:
             return False
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return False
+
+
+def _pending_peers(works: Sequence[Any], peers: Sequence[int], i: int) -> list[int]:
+    """The peers of ``works[i:]`` not completed yet (``works[i]``'s always: it is waited on
+    next); every peer when one work covers them all."""
+    if len(peers) != len(works):
+        return sorted(set(peers))
+    out = {peers[i]}
+    out.update(p for w, p in zip(works[i + 1 :], peers[i + 1 :], strict=True) if not _completed(w))
+    return sorted(out)

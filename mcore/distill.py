@@ -38,21 +38,21 @@ from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.groups import GroupPool, create_bridge_groups
+from mopd.bridge.inputs import StepChecks
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.step import BridgeStep
+from mopd.bridge.transport import comm_failure
 from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig, KLKind
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
+from mopd.mcore.checks import check_micro_batches
 from mopd.mcore.groups import mesh_group_ranks
 from mopd.mcore.lm_head import (
-    MEGATRON_VOCAB_MULTIPLE,
-    VOCAB_ATTRIBUTE,
     lm_head_from_models,
-    looks_padded,
     model_vocab_size,
     resolve_vocab_size,
 )
@@ -144,7 +144,9 @@ class Distiller:
         teachers: one :class:`MeshModel` per teacher (frozen; ``eval()`` is not enforced).
         student: the student's :class:`MeshModel`.
         pool: the :class:`~mopd.bridge.groups.GroupPool` the models' groups came from (the
-            bridge then reuses the student's TP groups).
+            bridge then reuses the student's TP groups). A pool made without ``timeout_s`` is
+            bounded by ``bridge_config.timeout_s`` from here on, its groups made so far
+            included (:meth:`~mopd.bridge.groups.GroupPool.bound_by`).
         bridge_config: the bridge's settings (``timeout_s`` also bounds the set-up).
         kl_config: the loss's settings (``reduction`` must stay ``"sum"``).
         teacher_weights: one non-negative weight per teacher: a token's KL counts with its
@@ -162,6 +164,8 @@ class Distiller:
             gradient, and the teacher's padded rows are never sent. ``None``: the models'
             ``vocab_size`` attribute, which must then be the same on every model (a warning
             at the first step whose token ids suggest it is padded).
+        store: where a failure is published for every rank to name it (the bridge's
+            ``store``; default: torch.distributed's default store).
 
     Attributes:
         vocab_size: the real vocabulary, agreed on every rank.
@@ -178,6 +182,7 @@ class Distiller:
         teacher_weights: Sequence[float] | None = None,
         teacher_sp_shards: bool = True,
         vocab_size: int | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         if vocab_size is not None:
             resolve_vocab_size(vocab_size, [])  # its type and sign, before any collective
@@ -205,6 +210,7 @@ class Distiller:
         self.bridge_config = bridge_config or BridgeConfig()
         self.kl_config = kl_config or KLConfig(reduction="sum")
         meshes = [t.mesh for t in self.teachers]
+        pool.bound_by(self.bridge_config.timeout_s)  # a pool without timeout_s: the bridge's
         groups = create_bridge_groups(pool, meshes, student.mesh)
         problems = _check_pg_collection(student, "the student", self.rank)
         for o, t in enumerate(self.teachers):
@@ -259,7 +265,11 @@ class Distiller:
                 )
             )
         self.bridge = HiddenStateBridge(
-            teachers=specs, student=student.mesh, groups=groups, config=self.bridge_config
+            teachers=specs,
+            student=student.mesh,
+            groups=groups,
+            config=self.bridge_config,
+            store=store,
         )
         self.lm_heads: list[LMHeadShard | None] = [
             lm_head_from_models(
@@ -279,6 +289,32 @@ class Distiller:
             if student.model is not None
             else False
         )
+        self.closed = False
+
+    def close(self) -> None:
+        """Free what the Distiller made and holds: its bridge (:meth:`HiddenStateBridge.close`:
+        the steps' transport handles, caches, the groups' references), the resharded LM
+        heads, the capture buffers, and its references to the models and their groups (the
+        meshes stay). Local: every rank calls it, then closes the
+        :class:`~mopd.bridge.groups.GroupPool` (which destroys the groups); models built on
+        that pool's groups hold them until they go too. Idempotent; ``with Distiller(...) as
+        distiller:`` closes it on leaving. Later calls raise
+        :class:`~mopd.bridge.errors.BridgeStateError`."""
+        if self.closed:
+            return
+        self.closed = True
+        self.bridge.close()
+        self.groups = self.bridge.groups
+        self.lm_heads = [None] * len(self.teachers)
+        self._capture_buffers = tuple(ReusableBuffer() for _ in self.teachers)
+        self.teachers = tuple(MeshModel(mesh=t.mesh) for t in self.teachers)
+        self.student = MeshModel(mesh=self.student.mesh)
+
+    def __enter__(self) -> Distiller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def step(
         self,
@@ -313,6 +349,8 @@ class Distiller:
         Raises:
             ValueError: the same on every rank, before anything moves, for bad input.
         """
+        if self.closed:
+            self.bridge.executor.check_usable()  # refused: closed
         samples = None
         if num_micro_batches is not None or rollouts is not None:
             if student is not None or teachers is not None:
@@ -378,7 +416,7 @@ class Distiller:
                     mbs,
                     pg_collection=t.pg_collection,
                     on_hidden=step._teacher_rows(o, clone=not last),
-                    forward=t.forward,
+                    forward=step._noted(t.forward or default_forward, "teacher", t.model),
                     buffer=self._capture_buffers[o],
                     sp_shards=self.teacher_sp_shards[o],
                 )
@@ -435,12 +473,14 @@ class Distiller:
         self,
         student: Sequence[MicroBatch] | None,
         teachers: Sequence[Sequence[MicroBatch] | None],
-    ) -> dict[str, int]:
+    ) -> StepChecks:
         """This rank's checks of a step's micro-batches (run inside the bridge's guarded phase,
         so a problem is the same ``ValueError`` on every rank): each model it holds has its
-        micro-batches, their tokens fit the vocabulary and their packing; returns the counts.
-        """
+        micro-batches, and every field its schedule reads fits them
+        (:func:`~mopd.mcore.checks.check_micro_batches`); returns the counts (a mapping) and
+        the shapes each model replica's ranks must give alike, which the bridge compares."""
         counts: dict[str, int] = {}
+        agreements = []
         for what, mm, mbs in [
             ("student", self.student, student),
             *(
@@ -456,8 +496,20 @@ class Distiller:
                     f"micro-batches (one per micro-batch of the step), got {_describe(mbs)}"
                 )
             counts[f"{what}'s micro-batches"] = len(mbs)
-            _check_tokens(mbs, mm, what, vocab_size=self.vocab_size, given=self._vocab_given)
-        return counts
+            agreements.append(
+                check_micro_batches(
+                    mbs,
+                    what=what,
+                    mesh=mm.mesh,
+                    rank=self.rank,
+                    model=mm.model,
+                    default_forward=mm.forward is None,
+                    student=mm is self.student,
+                    vocab_size=self.vocab_size,
+                    given=self._vocab_given,
+                )
+            )
+        return StepChecks(counts, tuple(agreements))
 
 
 def _max_positions(model: Any) -> int | None:
@@ -480,56 +532,6 @@ def _describe(mbs: Any) -> str:
         if hasattr(mbs, "__len__")
         else type(mbs).__name__
     )
-
-
-def _check_tokens(
-    mbs: Sequence[MicroBatch], mm: MeshModel, what: str, *, vocab_size: int, given: bool
-) -> None:
-    """Where a rank holds tokens (a first stage): they lie in ``[0, vocab_size)``, the real
-    vocabulary (megatron's vocab-parallel embedding would silently zero ids past its padded
-    size under TP, and would embed a padded row for ids between the two) and, for packed
-    micro-batches, fill exactly what ``cu_seqlens_q_padded`` describes on this CP rank. A
-    vocabulary read off the models (``given`` false) that looks padded (:func:`~mopd.mcore.
-    lm_head.looks_padded`) warns once. One host sync per step (the min and max of every
-    micro-batch at once)."""
-    coord = mm.mesh.coord(dist.get_rank())
-    assert coord is not None
-    with_tokens = [(i, mb) for i, mb in enumerate(mbs) if mb.tokens is not None]
-    if not with_tokens:
-        return
-    for i, mb in with_tokens:
-        assert mb.tokens is not None
-        if mb.is_packed:
-            padded = int(mb.padded_offsets()[-1])
-            local = int(mb.tokens.shape[-1])
-            if local * mm.mesh.cp != padded:
-                raise ValueError(
-                    f"{what} micro-batch {i}: tokens {tuple(mb.tokens.shape)} hold {local} "
-                    f"positions on this CP rank, but cu_seqlens_q_padded ends at {padded} "
-                    f"(cp={mm.mesh.cp}: {padded / mm.mesh.cp:g} per rank)"
-                )
-    ends = torch.stack(
-        [torch.stack([mb.tokens.min(), mb.tokens.max()]) for _, mb in with_tokens]  # type: ignore[union-attr]
-    ).tolist()
-    for (i, _), (lo, hi) in zip(with_tokens, ends, strict=True):
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(
-                f"{what} micro-batch {i}: token ids span [{lo}, {hi}], outside the "
-                + (
-                    f"real vocabulary [0, {vocab_size}) (Distiller's vocab_size)"
-                    if given
-                    else f"model's vocabulary [0, {vocab_size}) (its {VOCAB_ATTRIBUTE} attribute)"
-                )
-            )
-    if not given and looks_padded(vocab_size, max(hi for _, hi in ends)):
-        warn_once(
-            f"Distiller: no vocab_size was given, so the models' {VOCAB_ATTRIBUTE} attribute "
-            f"({vocab_size}) is taken as the real vocabulary; it is a multiple of "
-            f"{MEGATRON_VOCAB_MULTIPLE} (megatron-LM pads to make_vocab_size_divisible_by x tp) "
-            "and larger than any token id seen: if the models were built with a padded "
-            "vocabulary, its padded columns count in both softmaxes and the KL. Pass "
-            "Distiller(vocab_size=<the tokenizer's vocabulary>)"
-        )
 
 
 def _check_pg_collection(mm: MeshModel, what: str, rank: int) -> list[str]:
@@ -630,6 +632,24 @@ class DistillationStep:
                 "every row mask is empty, so mean_loss() is 0 and the step's gradients are zero; "
                 "are the responses empty, or the masks shifted past them?"
             )
+        self._forwards = 0
+
+    # --- where this rank is (what a census of a failure reports) ----------------------------
+
+    def _note(self, phase: str, micro_batch: int | None = None) -> None:
+        self.distiller.bridge.executor.at(self.bridge_step.seq, phase, micro_batch)
+
+    def _noted(self, forward: Forward, phase: str, model: Any) -> Forward:
+        """``forward`` noting each micro-batch it runs (per model chunk, in order)."""
+        chunks = len(model) if isinstance(model, list | tuple) else 1
+        calls = [0]
+
+        def noted(chunk: Any, mb: MicroBatch) -> Any:
+            self._note(phase, calls[0] // chunks)
+            calls[0] += 1
+            return forward(chunk, mb)
+
+        return noted
 
     # --- teacher rows ---------------------------------------------------------------------------
 
@@ -840,6 +860,8 @@ class DistillationStep:
         """A ready ``forward_step_func``: the student's forward on the next micro-batch and the
         MOPD ``loss_func``."""
         mb = next(data_iterator)
+        self._note("forward", self._forwards)
+        self._forwards += 1
         return self.forward(model, mb), self.loss_func()
 
     # --- after the schedule ---------------------------------------------------------------------
@@ -856,6 +878,7 @@ class DistillationStep:
         s = self.distiller.student
         if not s.last_stage(self.distiller.rank):
             return None
+        self._note("mean_loss")
         group = _groups(s).dp_cp
         device = cdist.group_device(group)
         total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -879,20 +902,35 @@ class DistillationStep:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         """Leaving normally finishes the step. Leaving on an exception fails it: a transport
         error (a timeout or a lost peer, in the bridge or in megatron's own collectives) makes
-        this rank's bridge refuse every later call at once; any other exception abandons the
-        step, which every rank's next :meth:`Distiller.step` reports as the same
+        this rank's bridge refuse every later call at once, and one from megatron's (or the
+        job's) collectives is raised as a :class:`~mopd.bridge.errors.BridgeTimeoutError` /
+        :class:`~mopd.bridge.errors.BridgeCommError` leading with the job's first failure
+        (another rank's, when one published it: :mod:`mopd.bridge.failures`); any other
+        exception abandons the step (published as the job's first failure unless one is
+        there), which every rank's next :meth:`Distiller.step` reports as the same
         :class:`~mopd.bridge.errors.BridgeStateError`."""
         if exc_type is None:
             self.finish()
             return
-        if isinstance(exc, BaseException) and _transport_failure(exc):
-            self.distiller.bridge.executor.mark_failed(
-                BridgeCommError(
-                    f"global rank {self.distiller.rank}: step {self.bridge_step.seq} failed in "
-                    f"a collective: {type(exc).__name__}: {str(exc)[:300]}"
-                )
+        named = None
+        if (
+            isinstance(exc, Exception)
+            and not isinstance(exc, BridgeError)  # the bridge's own: named where it was raised
+            and _transport_failure(exc)
+        ):
+            d = self.distiller
+            named = comm_failure(
+                exc,
+                rank=d.rank,
+                what=f"a collective inside step {self.bridge_step.seq}'s block (megatron's own, "
+                "or the job's)",
+                timeout_s=d.bridge_config.timeout_s,
+                elapsed_s=0.0,
             )
+            d.bridge.executor.mark_failed(named)
         self.bridge_step.__exit__(exc_type, exc, tb)
+        if named is not None:
+            raise named from exc if isinstance(exc, Exception) else None
 
 
 def _transport_failure(exc: BaseException) -> bool:

@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,7 +339,9 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     b._roles = rank_roles(rank, [step.teacher], step.student)
     b.config_sig = 1
     b._open_steps = []
+    b._live_steps = weakref.WeakSet()
     b.steps = 0
+    b.closed = False
     return b
 
 
@@ -360,7 +363,7 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, bridge.rank)
     t0 = time.perf_counter()
-    record_, sections = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+    record_, sections, _agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
     t1 = time.perf_counter()
     bs = bridge._agree_and_plan(gathered, sections)
     t2 = time.perf_counter()

@@ -9,14 +9,17 @@ where they stopped, the micro-batches they received exact) as JSON into a direct
 ``M`` micro-batches; rank 1 exits.
 
 - ``exit-before-call``: rank 1 exits before planning -> ranks 0 and 2 fail in the metadata
-  all-gather (``BridgeCommError``: connection closed, or ``BridgeTimeoutError``), naming it,
-  within the timeout.
+  all-gather (``BridgeCommError``: connection closed, or ``BridgeTimeoutError``), within the
+  timeout, their errors leading with ``global rank 1 failed first: does not respond`` (the
+  census of the first to fail: rank 1 alone gave no answer).
 - ``exit-before-send``: rank 1 exits after planning, while posting its first micro-batch -> the
   student fails in ``receive(0)`` naming rank 1 and micro-batch 0, within the timeout.
 - ``exit-between-sends``: rank 1 sends micro-batch 0 (the rows have left), then exits -> the
   student got micro-batch 0 exact and fails in ``receive(1)`` naming rank 1 and micro-batch 1;
   rank 0, whose last micro-batch is never received, fails at ``finish()`` naming that send.
-In every case the survivors' bridges then refuse a new step at once (``BridgeStateError``).
+In every case every survivor's error leads with rank 1, and only it, as the rank that failed
+first (their own view, in ``BridgeError.own``, names what they waited for), and their bridges
+then refuse a new step at once (``BridgeStateError``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ TIMEOUT_S = 5.0
 SLACK_S = 8.0
 M = 3
 FAILED = ("BridgeCommError", "BridgeTimeoutError")
+DEAD = "global rank 1 failed first: does not respond (the process died, or is stopped). "
 
 
 def _worker(scenario: str, out_dir: Path) -> None:
@@ -91,7 +95,7 @@ def _worker(scenario: str, out_dir: Path) -> None:
         step.finish()
         seen.update(kind="ok", message="")
     except Exception as exc:  # the survivors report whatever they got
-        seen.update(kind=type(exc).__name__, message=str(exc))
+        seen.update(kind=type(exc).__name__, message=str(exc), own=getattr(exc, "own", str(exc)))
     seen["elapsed"] = time.monotonic() - t0
     t1 = time.monotonic()
     try:
@@ -132,6 +136,9 @@ def _launch(tmp_path: Path, scenario: str) -> dict[int, dict]:
             got[r] = json.loads(f.read_text())
     assert 1 not in got, "rank 1 exited, it cannot report"
     assert set(got) == {0, 2}, (res.returncode, res.stdout[-3000:], res.stderr[-3000:])
+    for r in (0, 2):
+        if got[r]["kind"] != "ok":  # named: rank 1, and no one else, failed first
+            assert got[r]["message"].startswith(DEAD + f"As a result, global rank {r} ("), got[r]
     for r in (0, 2):  # and then the survivors' bridges refuse at once
         if got[r]["kind"] != "ok":
             kind, msg, elapsed = got[r]["next"]
@@ -146,9 +153,9 @@ def test_rank_exiting_before_calling_the_bridge(tmp_path: Path):
     for r in (0, 2):
         s = got[r]
         assert s["kind"] in FAILED and s["where"] == "plan", s
-        assert s["message"].startswith(
+        assert s["own"].startswith(
             f"global rank {r}: the bridge's metadata all-gather over global ranks [0, 1, 2]"
-        ), s["message"]
+        ), s["own"]
         assert s["elapsed"] <= TIMEOUT_S + SLACK_S, s
 
 
@@ -157,15 +164,15 @@ def test_rank_exiting_before_its_first_send(tmp_path: Path):
     got = _launch(tmp_path, "exit-before-send")
     s = got[2]
     assert s["kind"] in FAILED and s["where"] == "receive 0", s
-    assert s["message"].startswith(
+    assert s["own"].startswith(
         "global rank 2: the bridge exchange (incomplete: receive from global rank 1 "
         "(micro-batch 0, teacher 0, 4 rows)"
-    ), s["message"]
-    assert "from global rank 0" not in s["message"]
+    ), s["own"]
+    assert "from global rank 0" not in s["own"]
     assert s["elapsed"] <= TIMEOUT_S + SLACK_S, s
     # rank 0 sent all; the student posted micro-batch 0 only, so 1 and 2 stay unmatched
     assert got[0]["kind"] in FAILED and got[0]["where"] == "finish", got[0]
-    assert "(micro-batch 1, teacher 0, 4 rows)" in got[0]["message"], got[0]
+    assert "(micro-batch 1, teacher 0, 4 rows)" in got[0]["own"], got[0]
 
 
 @pytest.mark.timeout(180)
@@ -174,17 +181,17 @@ def test_rank_exiting_between_two_sends(tmp_path: Path):
     s = got[2]
     assert s["done"] == [0], s  # micro-batch 0 arrived exact before rank 1 died
     assert s["kind"] in FAILED and s["where"] == "receive 1", s
-    assert s["message"].startswith(
+    assert s["own"].startswith(
         "global rank 2: the bridge exchange (incomplete: receive from global rank 1 "
         "(micro-batch 1, teacher 0, 4 rows)"
-    ), s["message"]
-    assert "micro-batch 0" not in s["message"] and "from global rank 0" not in s["message"]
+    ), s["own"]
+    assert "micro-batch 0" not in s["own"] and "from global rank 0" not in s["own"]
     assert s["elapsed"] <= TIMEOUT_S + SLACK_S, s
     s = got[0]
     assert s["kind"] in FAILED and s["where"] == "finish", s
-    assert s["message"].startswith(
+    assert s["own"].startswith(
         "global rank 0: the bridge exchange (incomplete: send to global rank 2 (micro-batch 2, "
-    ), s["message"]
+    ), s["own"]
     assert s["elapsed"] <= 2 * TIMEOUT_S + SLACK_S, s
 
 

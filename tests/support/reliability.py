@@ -26,7 +26,7 @@ from mopd.bridge import (
 )
 from mopd.bridge.executor import DebugHook
 
-__all__ = ["Outcome", "everyone", "fresh_bridge", "outcome", "same_everywhere"]
+__all__ = ["Outcome", "everyone", "fresh_bridge", "outcome", "own_view", "same_everywhere"]
 
 #: ``(error type name or "ok", message, elapsed seconds, the exception or the result)``
 Outcome = tuple[str, str, float, Any]
@@ -72,6 +72,12 @@ def outcome(fn: Callable[[], Any]) -> Outcome:
     except Exception as exc:  # the test inspects whatever was raised
         return type(exc).__name__, str(exc), time.monotonic() - t0, exc
     return "ok", "", time.monotonic() - t0, got
+
+
+def own_view(res: Outcome) -> str:
+    """The raising rank's own view of an outcome's error: a bridge error that leads with
+    another rank's first failure keeps it apart (``BridgeError.own``); else its message."""
+    return str(getattr(res[3], "own", res[1])) if res[0] != "ok" else ""
 
 
 def everyone(value: Any) -> list[Any]:

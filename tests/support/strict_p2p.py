@@ -13,7 +13,8 @@ harness (``tests/torchrun/conftest.py``) calls :func:`install`, which wraps
   it are compared (shape, dtype, tag): any difference is a :class:`StrictP2PError` (NCCL would
   pair them all the same: wrong rows, or a size mismatch);
 - a send's ``wait()`` / ``is_completed()`` complete only once the peer has posted that receive
-  (a send left unmatched times out, as it would block on NCCL);
+  (a send left unmatched times out, as it would block on NCCL); a ``wait()`` without a timeout
+  waits as long as the operation's group would (its own timeout), not longer;
 - ``batch_isend_irecv`` on a group of more than two ranks that has seen no collective on this
   rank before is a :class:`StrictP2PError` (NCCL would create the communicator there).
 
@@ -33,12 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ENV", "StrictP2PError", "install", "installed"]
+__all__ = ["ENV", "StrictP2PError", "group_timeout_s", "install", "installed"]
 
 #: The environment variable that turns the mode on ("1") in a tier-2 rank.
 ENV = "MOPD_STRICT_P2P"
 _PREFIX = "mopd-strict-p2p"
-_DEFAULT_WAIT_S = 120.0
+#: The wait of a work whose group's timeout cannot be read (torch's default for gloo groups).
+_FALLBACK_WAIT_S = 1800.0
 _COLLECTIVES = (
     "barrier",
     "all_reduce",
@@ -82,15 +84,29 @@ def _desc(tensor: torch.Tensor, tag: int) -> str:
     return f"{tuple(tensor.shape)} {tensor.dtype} tag {tag}"
 
 
+def group_timeout_s(group: Any) -> float:
+    """Seconds ``group``'s own operations wait (the ``timeout`` it was created with, or set
+    later): what a ``wait()`` without a timeout waits on it."""
+    g = group if group is not None else dist.group.WORLD
+    try:
+        backend = g._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except Exception:  # another backend or torch version: torch's default for gloo groups
+        return _FALLBACK_WAIT_S
+
+
 class _StrictWork:
     """A gloo work object that completes by NCCL's rules (see the module doc)."""
 
-    def __init__(self, work: Any, *, send: bool, mine: str, other: str, what: str) -> None:
+    def __init__(
+        self, work: Any, *, send: bool, mine: str, other: str, what: str, wait_s: float
+    ) -> None:
         self._work = work
         self._send = send
         self._mine = mine
         self._other = other  # the peer's key for the same position in the pair's order
         self._what = what
+        self._wait_s = wait_s  # the group's own timeout: a wait() without one waits that long
         self._checked = False
 
     def _check(self, timeout_s: float) -> None:
@@ -116,7 +132,7 @@ class _StrictWork:
         self._checked = True
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        limit = timeout.total_seconds() if timeout is not None else _DEFAULT_WAIT_S
+        limit = timeout.total_seconds() if timeout is not None else self._wait_s
         if self._send:
             self._check(limit)
         if timeout is None:
@@ -156,7 +172,12 @@ def _post(send: bool, tensor: torch.Tensor, peer: int, group: Any, tag: int) -> 
     work = fn(tensor, group=group, tag=tag, **kw)
     what = f"{'send' if send else 'receive'} #{k} from global rank {src} to {dst} on group {gname}"
     return _StrictWork(
-        work, send=send, mine=mine, other=f"{base}/{'r' if send else 's'}", what=what
+        work,
+        send=send,
+        mine=mine,
+        other=f"{base}/{'r' if send else 's'}",
+        what=what,
+        wait_s=group_timeout_s(group),
     )
 
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from mopd.bridge import BridgeStep, HiddenStateBridge, Mesh, padded_layout
 from mopd.bridge import api as api_mod
 from mopd.profiling.synthetic import key_pattern
-from tests.support.reliability import everyone, fresh_bridge, outcome
+from tests.support.reliability import everyone, fresh_bridge, outcome, own_view
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 300
@@ -127,6 +127,14 @@ def run_step(
     return "done", done
 
 
+def blames_rank_1(msg: str, at: str) -> bool:
+    """``msg`` leads with the census's finding: rank 1 (which raised outside the bridge,
+    telling it nothing) is the rank the students' transfers wait for, and where it was then."""
+    return msg.startswith(f"global rank 1 failed first ({at}): global rank") and (
+        " wait for its transfers, and it is waiting in " in msg
+    )
+
+
 def seen_by_all(
     res: tuple[str, str, float, Any], b: HiddenStateBridge | None = None, **more: Any
 ) -> list[dict[str, Any]]:
@@ -137,6 +145,7 @@ def seen_by_all(
     mine = {
         "kind": res[0],
         "msg": res[1],
+        "own": own_view(res),
         "elapsed": res[2],
         "where": "done" if ok else getattr(exc, "where", ""),
         "done": res[3][1] if ok else getattr(exc, "done", None),
@@ -175,16 +184,25 @@ def test_bridge_called_on_some_ranks_only_times_out_on_the_callers():
     mine: dict[str, Any] = {}
     if rank() != 3:
         res = outcome(lambda: plan(b))
-        mine = {"first": res[:3], "refusal": refusal(b)}
+        mine = {"first": res[:3], "own": own_view(res), "refusal": refusal(b)}
     seen = everyone(mine)  # the world (not the broken bridge group) is still in step
     for r in (0, 1, 2):
         kind, msg, elapsed = seen[r]["first"]
         assert kind == "BridgeTimeoutError", seen[r]
+        # the census found rank 3 behind the others (it never planned), waiting elsewhere
         assert msg.startswith(
+            "global rank 3 failed first (before any step): it is behind its peers, waiting in "
+        ), msg
+        assert msg.endswith(
+            f"As a result, global rank {r} (step 0, planning) stopped: the bridge's metadata "
+            "all-gather did not complete within BridgeConfig.timeout_s=3 s"
+        ), msg
+        own = seen[r]["own"]
+        assert own.startswith(
             f"global rank {r}: the bridge's metadata all-gather over global ranks [0, 1, 2, 3] "
             "did not complete within BridgeConfig.timeout_s=3 s"
-        ), msg
-        assert "called on some ranks only" in msg
+        ), own
+        assert "called on some ranks only" in own
         assert T_S * 0.9 <= elapsed <= T_S + SLACK_S, elapsed
         refused(seen[r]["refusal"])
         assert "(BridgeTimeoutError: global rank" in seen[r]["refusal"]["plan"][1]
@@ -206,10 +224,15 @@ def test_rank_raising_while_checking_the_step_leaves_the_others_in_the_verdict(m
     for r in (0, 1, 2):
         s = seen[r]
         assert s["kind"] == "BridgeTimeoutError", s
-        assert s["msg"].startswith(
+        assert s["msg"] == (
+            "global rank 3 failed first (step 0, planning): Injected: rank 3 fails while checking "
+            f"the step. As a result, global rank {r} (step 0, planning) stopped: the bridge's "
+            "input verdict did not complete within BridgeConfig.timeout_s=3 s"
+        ), s["msg"]
+        assert s["own"].startswith(
             f"global rank {r}: the bridge's input verdict over global ranks [0, 1, 2, 3] did not "
             "complete within BridgeConfig.timeout_s=3 s"
-        ), s["msg"]
+        ), s["own"]
         assert T_S * 0.9 <= s["elapsed"] <= T_S + SLACK_S, s
     for s in seen:
         refused(s["refusal"])
@@ -230,12 +253,15 @@ def test_teacher_raising_before_its_first_send_leaves_the_students_waiting_on_it
     for r in (2, 3):
         s = seen[r]
         assert s["kind"] == "BridgeTimeoutError" and s["where"] == "receive 0", s
-        assert s["msg"].startswith(
+        # rank 1 never told the bridge (it raised outside a step block): the first student to
+        # time out named the rank whose rows it waited for
+        assert blames_rank_1(s["msg"], "step 0, after planning"), s["msg"]
+        assert s["own"].startswith(
             f"global rank {r}: the bridge exchange (incomplete: receive from global rank 1 "
             "(micro-batch 0, teacher 0, 2 rows)) did not complete within "
             "BridgeConfig.timeout_s=3 s"
-        ), s["msg"]
-        assert "from global rank 0" not in s["msg"]  # rank 0's rows came
+        ), s["own"]
+        assert "from global rank 0" not in s["own"]  # rank 0's rows came
         assert T_S * 0.9 <= s["elapsed"] <= T_S + SLACK_S, s
         refused(s["refusal"])
 
@@ -257,22 +283,24 @@ def test_teacher_raising_between_two_sends_times_the_students_out_in_the_next_re
         s = seen[r]
         assert s["kind"] == "BridgeTimeoutError" and s["where"] == "receive 1", s
         assert s["done"] == [0], s  # micro-batch 0 arrived exact before the fault
-        assert s["msg"].startswith(
+        assert blames_rank_1(s["msg"], "step 0, sending micro-batch 0"), s["msg"]
+        assert s["own"].startswith(
             f"global rank {r}: the bridge exchange (incomplete: receive from global rank 1 "
             "(micro-batch 1, teacher 0, 2 rows)) did not complete within "
             "BridgeConfig.timeout_s=3 s"
-        ), s["msg"]
-        assert "micro-batch 0" not in s["msg"] and "from global rank 0" not in s["msg"]
+        ), s["own"]
+        assert "micro-batch 0" not in s["own"] and "from global rank 0" not in s["own"]
         assert T_S * 0.9 <= s["elapsed"] <= T_S + SLACK_S, s
         refused(s["refusal"])
         assert s["later"][0] == "BridgeStateError", s  # the failed step refuses too
     # rank 0 sent every micro-batch; 2 was never received: its finish() names those sends
     s = seen[0]
     assert s["kind"] in TIMEOUTS and s["where"] == "finish", s
-    assert s["msg"].startswith(
+    assert blames_rank_1(s["msg"], "step 0, sending micro-batch 0"), s["msg"]
+    assert s["own"].startswith(
         "global rank 0: the bridge exchange (incomplete: send to global rank"
     )
-    assert "(micro-batch 2, teacher 0, 2 rows)" in s["msg"], s["msg"]
+    assert "(micro-batch 2, teacher 0, 2 rows)" in s["own"], s["own"]
     assert s["elapsed"] <= 2 * T_S + SLACK_S, s
     refused(s["refusal"])
 
@@ -296,15 +324,15 @@ def test_a_failed_step_fails_the_next_plan_step_clearly_on_every_rank():
     assert seen[0]["kind"] == "ok", seen[0]
     assert [seen[r]["kind"] for r in (2, 3)] == ["BridgeTimeoutError"] * 2, seen
     for r in (2, 3):
+        assert blames_rank_1(seen[r]["msg"], "step 1, planning"), seen[r]  # it went on
         kind, msg, elapsed = seen[r]["next"]
         assert kind == "BridgeStateError" and elapsed < 1.0, seen[r]
-        assert "cannot be used after a failed exchange (BridgeTimeoutError:" in msg
+        assert "cannot be used after a failed exchange (BridgeTimeoutError: global rank 1 " in msg
     for r in (0, 1):
         kind, msg, elapsed = seen[r]["next"]
         assert kind in TIMEOUTS, seen[r]
-        assert msg.startswith(
-            f"global rank {r}: the bridge's metadata all-gather over global ranks [0, 1, 2, 3]"
-        ), msg
+        assert blames_rank_1(msg, "step 1, planning"), msg
+        assert f"As a result, global rank {r} (step 1, planning) stopped: the bridge's " in msg
         assert elapsed <= T_S + SLACK_S, seen[r]
     for s in seen:  # now every rank refuses
         refused(s["refusal"])
@@ -321,9 +349,14 @@ def test_student_rank_raising_inside_receive_leaves_its_tp_peer_in_the_all_gathe
     s = seen[3]
     assert s["kind"] in TIMEOUTS and s["where"] == "receive 0", s
     assert s["msg"].startswith(
+        "global rank 2 failed first (step 0, receiving micro-batch 0): Injected: rank 2 fails "
+        "after its rows arrived. As a result, global rank 3 (step 0, receiving micro-batch 0) "
+        "stopped: the student TP all-gather after the crossing "
+    ), s["msg"]
+    assert s["own"].startswith(
         "global rank 3: the student TP all-gather after the crossing (micro-batch 0, over "
         "global ranks [2, 3])"
-    ), s["msg"]
+    ), s["own"]
     assert s["elapsed"] <= T_S + SLACK_S, s
     for r in (2, 3):  # the raising rank's bridge refuses further use too
         refused(seen[r]["refusal"])
@@ -370,10 +403,14 @@ def test_a_rank_that_never_calls_finish_with_integrity():
     for r in (0, 1, 2):
         s = seen[r]
         assert s["kind"] == "BridgeTimeoutError" and s["where"] == "finish", s
-        assert s["msg"].startswith(
+        assert s["msg"].startswith(  # it received everything, then went elsewhere
+            "global rank 3 failed first (step 0, receiving micro-batch 2): it is behind its "
+            "peers, waiting in "
+        ), s["msg"]
+        assert s["own"].startswith(
             f"global rank {r}: the integrity verdict (all-gather over global ranks [0, 1, 2, 3]) "
             "did not complete within BridgeConfig.timeout_s=3 s"
-        ), s["msg"]
+        ), s["own"]
         assert T_S * 0.9 <= s["elapsed"] <= T_S + SLACK_S, s
         refused(s["refusal"])
     assert seen[2]["done"] == list(range(M))
@@ -388,14 +425,17 @@ def test_rank_slower_than_the_timeout():
         return run_step(plan(b))
 
     seen = seen_by_all(outcome(run), b)
+    sleeper = "global rank 3 failed first (before any step): it is alive but busy outside any "
     for r in (0, 1, 2):
         s = seen[r]
         assert s["kind"] == "BridgeTimeoutError", s
-        assert s["msg"].startswith(f"global rank {r}: the bridge's metadata all-gather"), s
+        assert s["msg"].startswith(sleeper + "collective, in run (tests/torchrun/"), s
+        assert s["own"].startswith(f"global rank {r}: the bridge's metadata all-gather"), s
         assert s["elapsed"] <= T_S + SLACK_S, s
-    s = seen[3]  # the sleeper fails too, once it arrives, within the timeout
+    s = seen[3]  # the sleeper fails too, once it arrives, within the timeout, named
     assert s["kind"] in TIMEOUTS, s
-    assert s["msg"].startswith("global rank 3: the bridge's metadata all-gather"), s
+    assert s["msg"].startswith(sleeper), s
+    assert s["own"].startswith("global rank 3: the bridge's metadata all-gather"), s
     assert s["elapsed"] <= (T_S + 2.0) + T_S + SLACK_S, s
     for s in seen:
         refused(s["refusal"])
@@ -452,7 +492,15 @@ def test_non_finite_teacher_rows_are_named_on_the_ranks_they_reach():
     first = outcome(schedule)
     nxt = outcome(lambda: plan(b))
     later = outcome(lambda: plan(b))
-    seen = everyone({"first": first[:3], "next": nxt[:3], "later": later[:3], "got": progress})
+    seen = everyone(
+        {
+            "first": first[:3],
+            "own": own_view(first),
+            "next": nxt[:3],
+            "later": later[:3],
+            "got": progress,
+        }
+    )
     for r in (2, 3):
         kind, msg, _ = seen[r]["first"]
         assert kind == "BridgeNonFiniteError" and seen[r]["got"] == [0], seen[r]
@@ -460,12 +508,22 @@ def test_non_finite_teacher_rows_are_named_on_the_ranks_they_reach():
             f"global rank {r}: non-finite (NaN/Inf) teacher rows arrived in micro-batch 1 of "
             "step 0: teacher 0: 4 of 8 rows (first: row "
         ), msg
-        assert ("sent by global rank 1" in msg) or ("via the student TP all-gather" in msg), msg
+        # its own crossing from rank 1, or its TP peer's slice, which rank 1 sent to it
+        assert msg.endswith(
+            (
+                "sent by global rank 1)",
+                "sent to it by global rank 1, via the student TP all-gather)",
+            )
+        ), msg
         assert seen[r]["next"][0] in TIMEOUTS, seen[r]
         assert seen[r]["next"][2] <= T_S + SLACK_S, seen[r]
         assert seen[r]["later"][0] == "BridgeStateError", seen[r]
         assert f"(global rank {r}: non-finite (NaN/Inf) teacher rows" in seen[r]["later"][1]
     for r in (0, 1):
         assert seen[r]["first"][0] in TIMEOUTS, seen[r]
-        assert "(micro-batch 2, teacher 0" in seen[r]["first"][1], seen[r]
+        assert seen[r]["first"][1].startswith(
+            "global rank 1 failed first (step 0, its rows of micro-batch 1): it sent non-finite "
+            "(NaN/Inf) teacher rows in micro-batch 1 of step 0 (found by global rank "
+        ), seen[r]
+        assert "(micro-batch 2, teacher 0" in seen[r]["own"], seen[r]
         assert seen[r]["next"][0] == "BridgeStateError" and seen[r]["next"][2] < 1.0, seen[r]

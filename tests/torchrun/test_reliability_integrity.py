@@ -15,7 +15,9 @@ again in the next step.
 
 Steps in flight: two bridges on one group with their steps interleaved micro-batch by
 micro-batch and finished in reverse order, and two exchanges of one bridge (or of two bridges)
-started before either is waited on and waited in reverse order: exact, integrity off and on.
+started before either is waited on and waited in reverse order: exact, integrity off and on. A
+rank with no transfers in a step (a student's first stage outside every teacher mesh) counts as
+fully posted, so the next step of the same bridge may be planned before the first is finished.
 """
 
 from __future__ import annotations
@@ -469,3 +471,49 @@ def test_one_bridge_with_two_exchanges_in_flight():
     if a.student.is_last_stage(rank):
         got_b, got_a = res[3]
         assert a.exact(3, 0, got_a) and a.exact(4, 0, got_b)
+
+
+@pytest.mark.filterwarnings("ignore:global rank .. a step is planned while 1 earlier step")
+def test_a_rank_without_transfers_counts_as_fully_posted():
+    """Teacher on rank 0, student ``pp2`` on ranks 2 (first stage: no transfers) and 3 (last
+    stage, receives from rank 0); rank 1 is outside the bridge. Step 0 is sent and received
+    everywhere but not finished; step 1 may be planned at once (every micro-batch of step 0 is
+    posted where anything moves), and both finish exact, in reverse order."""
+    rank = dist.get_rank()
+    teacher, student = Mesh(), Mesh(pp=2, rank_offset=2)
+    b = fresh_bridge([teacher], student, [8], timeout_s=TIMEOUT_S, pool=POOL)
+    if rank == 1:  # outside the bridge: it only joins the report
+        everyone(None)
+        return
+    lays = [padded_layout([10 * k + i for i in range(2)], 4) for k in range(2)]
+
+    def plan(k: int) -> BridgeStep:
+        return b.plan_step(
+            teacher_layouts={0: [lays[k]] * M} if rank == 0 else None,
+            student_layouts=[lays[k]] * M if rank == 3 else None,
+            check=(lambda: {"the student's micro-batches": M}) if rank == 2 else None,
+        )
+
+    def run(step: BridgeStep, k: int) -> list[torch.Tensor]:
+        got = []
+        for i in range(M):
+            if rank == 0:
+                step.send(i, {0: key_pattern(lays[k], 8, DTYPE, salt=salt(k, i))})
+            if rank == 3:
+                got.append(step.receive(i)[0])
+        return got
+
+    first = plan(0)
+    got0 = run(first, 0)
+    second = outcome(lambda: plan(1))  # step 0 is posted wherever anything moves
+    got1 = run(second[3], 1) if second[0] == "ok" else []
+    if second[0] == "ok":
+        second[3].finish()
+    first.finish()
+    seen = everyone(second[:2])
+    assert all(s is None or s[0] == "ok" for s in seen), seen
+    for k, got in ((0, got0), (1, got1)):
+        for i, rows in enumerate(got):
+            want = key_pattern(lays[k], 8, DTYPE, salt=salt(k, i))[lays[k].sample_id_R >= 0]
+            assert torch.equal(bits(rows), bits(want)), (k, i)
+    assert rank != 3 or len(got1) == M

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.megatron_cpu import megatron_world
-from tests.support.reliability import everyone, outcome
+from tests.support.reliability import everyone, outcome, own_view
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 400
@@ -226,19 +226,29 @@ def test_two_steps_open_at_once_raise_before_data_moves_and_the_outer_one_is_exa
 
 def test_a_timeout_in_megatrons_own_collectives_fails_every_later_step(world):
     """Rank 3 sleeps past the groups' timeout before its first forward: its TP peer (rank 2)
-    times out in megatron's own all-reduce. Every rank ends the step with a named error or
-    refuses the next one at once; afterwards every call is refused."""
+    times out in megatron's own all-reduce, raised as a named bridge error that leads with rank
+    3 (found busy by the census, the teachers waiting for its transfers). Every rank ends the
+    step with a named error or refuses the next one at once; afterwards every call is
+    refused."""
     job = Job()
     sleepy = T_S + 2.0
     first = outcome(lambda: job.run(1, variable=False, sleep=sleepy if job.rank == 3 else 0.0))
     nxt = outcome(lambda: job.run(2, variable=False))
     later = outcome(lambda: job.run(3, variable=False))
-    seen = everyone({"first": first[:3], "next": nxt[:3], "later": later[:3]})
+    seen = everyone(
+        {"first": first[:3], "own": own_view(first), "next": nxt[:3], "later": later[:3]}
+    )
     named = ("BridgeStateError", "BridgeTimeoutError", "BridgeCommError")
     s = seen[2]
-    assert s["first"][0] not in ("ok", *named), s  # megatron's (torch's) own error
+    assert s["first"][0] == "BridgeTimeoutError", s  # megatron's (torch's) error, named
+    assert s["first"][1].startswith("global rank 3 failed first (step 0, after planning): "), s
+    assert "busy in " in s["first"][1], s
+    assert s["own"].startswith(
+        "global rank 2: a collective inside step 0's block (megatron's own, or the job's) did "
+        "not complete within BridgeConfig.timeout_s=4 s"
+    ), s
     assert s["next"][0] == "BridgeStateError" and s["next"][2] < 2.0, s
-    assert "step 0 failed in a collective" in s["next"][1], s
+    assert "global rank 3 failed first" in s["next"][1], s
     for r, s in enumerate(seen):
         assert s["next"][0] in named, (r, s)
         assert s["next"][2] <= T_S + SLACK_S, (r, s)
@@ -372,13 +382,16 @@ def test_mean_loss_that_times_out_is_named_and_fails_the_bridge(world):
     with job.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
         job.schedule(step)
     got = outcome(step.mean_loss) if job.rank != 2 else ("skipped", "", 0.0, None)
-    seen = everyone(got[:3])
-    kind, msg, elapsed = seen[0]
+    seen = everyone((*got[:3], own_view(got)))
+    kind, msg, elapsed, own = seen[0]
     assert kind == "BridgeTimeoutError", seen
-    assert msg.startswith(
+    assert msg.startswith(  # the census: rank 2 never came (it waits elsewhere, behind)
+        "global rank 2 failed first (step 0, done): it is behind its peers, waiting in "
+    ), msg
+    assert own.startswith(
         "global rank 0: mean_loss()'s all-reduce over the student's DP x CP group (global ranks "
         "[0, 2]) did not complete within BridgeConfig.timeout_s=4 s"
-    ), msg
+    ), own
     assert elapsed <= T_S + SLACK_S, seen
     if job.rank == 0:
         nxt = outcome(lambda: job.distiller.step(student=s_mbs, teachers=[t_mbs]))

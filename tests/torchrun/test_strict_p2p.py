@@ -7,7 +7,8 @@ under (``TORCHRUN_STRICT_P2P = 1``). Here each rule is broken on purpose and mus
 - two messages of one pair received in the other order (gloo pairs them by tag; NCCL in issue
   order) -> the first wait names both operations;
 - a send whose receive is never posted -> its wait times out (NCCL blocks), and
-  ``is_completed()`` stays false until the peer posts it;
+  ``is_completed()`` stays false until the peer posts it; a ``wait()`` without a timeout times
+  out after the group's own timeout (a fault test under the mode takes the time it tests);
 - ``batch_isend_irecv`` on a 4-rank group no collective has touched -> refused at the call;
 - a correct exchange passes, its rows exact.
 """
@@ -93,6 +94,19 @@ def test_a_send_completes_only_once_its_receive_is_posted():
     assert lonely[0] == "StrictP2PError" and "timed out" in lonely[1], lonely
     assert "the peer never posted the matching receive" in lonely[1], lonely
     assert seen[3] == [True] or seen[3] == (True,), seen[3]
+
+
+def test_a_wait_without_a_timeout_follows_the_groups_timeout():
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=2))
+    got: tuple = ("outside",)
+    if dist.get_rank() == 0:
+        assert strict_p2p.group_timeout_s(group) == 2.0
+        lonely = dist.isend(torch.ones(3), 1, group=group)  # never received
+        got = outcome(lonely.wait)[:3]
+    seen = everyone(got)
+    kind, msg, elapsed = seen[0]
+    assert kind == "StrictP2PError" and "timed out after 2.0 s" in msg, seen[0]
+    assert 1.5 <= elapsed <= 10.0, seen[0]  # the group's 2 s, not a fixed wait of its own
 
 
 def test_a_batch_on_a_group_no_collective_set_up_is_refused():

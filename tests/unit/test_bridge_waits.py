@@ -131,10 +131,15 @@ def test_sends_done_polls_without_waiting():
 class RecordingExecutor:
     """Stands in for the step's executor: records what it is asked to complete and release."""
 
+    closed = False
+
     def __init__(self, sleep_s: float) -> None:
         self.sleep_s = sleep_s
         self.completed: list[tuple[int, float]] = []
         self.released: list[tuple[int, float]] = []
+
+    def at(self, step: int, phase: str, micro_batch: int | None = None) -> None:
+        pass
 
     def check_usable(self) -> None:
         pass
@@ -162,6 +167,7 @@ def _step(n: int, timeout_s: float, sleep_s: float) -> tuple[BridgeStep, Recordi
         groups=SimpleNamespace(student_tp=None),
     )
     step.num_micro_batches = n
+    step.seq = 0
     step.finished = False
     step._slots = [Slot(index=i, schedule=None, issued=True) for i in range(n)]
     step._order = StepOrder(

@@ -36,6 +36,7 @@ from mopd.bridge import (
     TeacherSpec,
     padded_layout,
 )
+from mopd.bridge.config import DEFAULT_TIMEOUT_S
 from mopd.bridge.errors import (
     BridgeCommError,
     BridgeIntegrityError,
@@ -103,14 +104,28 @@ def test_timeout_is_spelled_timeout_s():
     assert GroupPool(timeout_s=2.5).timeout_s == 2.5
 
 
-def test_a_group_pool_without_a_timeout_warns():
-    """Without ``timeout_s`` a failed rank leaves its peers blocked for torch's default: said
-    once, at construction; with one, nothing is said."""
-    with pytest.warns(UserWarning, match=r"GroupPool\(\) without timeout_s: .*\(30 minutes\)"):
-        GroupPool()
+def test_a_group_pool_without_a_timeout_is_bounded(one_rank_world):
+    """Without ``timeout_s`` the groups wait the bridge's default, not torch's 30 minutes, and
+    a bridge's own timeout once one is built on the pool (``bound_by``), the groups made before
+    included; a pool given ``timeout_s`` keeps it. Nothing is warned."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GroupPool(timeout_s=30)
+        pool = GroupPool()
+        given = GroupPool(timeout_s=30)
+    assert pool.timeout_s == DEFAULT_TIMEOUT_S == BridgeConfig().timeout_s
+    early = pool.create([0])
+    assert _group_wait_s(early) == DEFAULT_TIMEOUT_S
+    pool.bound_by(7.0)
+    assert pool.timeout_s == 7.0 and _group_wait_s(early) == 7.0
+    assert _group_wait_s(pool.create([0], backend="gloo", purpose="later")) == 7.0
+    pool.bound_by(20.0)  # never longer than before
+    assert pool.timeout_s == 7.0
+    given.bound_by(7.0)
+    assert given.timeout_s == 30.0 and _group_wait_s(given.create([0])) == 30.0
+
+
+def _group_wait_s(group: Any) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
 def test_bridge_config_defaults_keep_integrity_off():
@@ -545,35 +560,32 @@ def test_a_step_left_on_an_error_fails_the_bridge_naming_it(one_rank_world):
         b.exchange(hidden={0: rows(t[0], 0)}, layouts={0: t[0]}, student_layout=s[0])
 
 
-def test_a_step_planned_while_an_earlier_one_is_not_posted_is_refused_before_data_moves(
+def test_a_step_whose_unposted_micro_batches_move_nothing_on_the_wire_does_not_block(
     one_rank_world,
 ):
-    """Two steps of one bridge open at once: the second is refused with a ValueError before
-    anything of it moves (its transfers would pair with the first's), the first then completes
-    exact and the bridge stays usable."""
+    """One rank, teacher and student colocated: every row is a local copy, nothing goes on the
+    wire, so an earlier step with micro-batches not yet sent pairs with nothing and the next
+    step may be planned (a step with transfers left is refused: tier 2,
+    ``test_reliability_steps.py::test_two_steps_open_at_once_...``). Both run exact."""
     b = bridge()
     t, s = layouts(0)
     outer = b.plan_step(teacher_layouts={0: t}, student_layouts=s)
     outer.send(0, {0: rows(t[0], 0)})
-    issued = b.executor.slots_issued
+    assert not outer.unposted()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ValueError) as err:
-            b.plan_step(teacher_layouts={0: t}, student_layouts=s)
-    assert str(err.value) == (
-        "step 1 planned while an earlier step of this bridge is not fully posted: global rank 0 "
-        f"posted 1 of the {M} micro-batches of step 0. Its transfers would pair with that "
-        "step's on the wire: finish the earlier step (leave its `with` block) before planning "
-        "the next on the same bridge"
-    )
-    assert b.executor.slots_issued == issued and b.steps == 1
+        warnings.simplefilter("ignore")  # the earlier step is not finished: warned
+        inner, t2, s2 = plan(b, 1)
     got = []
     for i in range(M):
         if i:
             outer.send(i, {0: rows(t[i], i)})
         got.append(torch.equal(bits(outer.receive(i)[0]), bits(want(s[i], i))))
+    for i in range(M):
+        inner.send(i, {0: rows(t2[i], i)})
+        got.append(torch.equal(bits(inner.receive(i)[0]), bits(want(s2[i], i))))
+    inner.finish()
     outer.finish()
-    assert got == [True] * M and b.executor.failure is None and run(b, 1)
+    assert got == [True] * 2 * M and b.executor.failure is None and run(b, 2)
 
 
 def test_non_finite_teacher_rows_are_named_where_they_arrive(one_rank_world):
