@@ -2,7 +2,7 @@
 
 Why this file exists: :func:`mopd.bridge.lm_head.reshard_lm_head` needs the teacher's weight
 shard, the real vocabulary and both padded vocabularies; a megatron-core job has them on its
-GPTModels (wrapped, or as virtual-pipeline chunks). :func:`lm_head_from_models` reads them there
+GPTModels or HybridModels (wrapped, or as virtual-pipeline chunks). :func:`lm_head_from_models` reads them there
 and agrees them over the bridge group.
 """
 
@@ -23,7 +23,8 @@ __all__ = ["lm_head_from_models"]
 
 
 def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
-    """``(output weight shard, real vocab size)`` of a (wrapped) GPTModel on its last stage."""
+    """``(output weight shard, real vocab size)`` of a (wrapped) GPTModel or HybridModel on its
+    last stage (both are megatron ``LanguageModule``s: ``output_layer``, ``vocab_size``)."""
     layer = find_output_layer(model)
     if layer is None:
         return None
