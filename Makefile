@@ -29,6 +29,7 @@ PYTEST := $(PY) -m pytest
 .PHONY: install dev demo test test-unit test-torchrun test-launch test-gpu test-newest lint typecheck clean
 
 $(VENV)/.stamp: $(STAMP_DEPS)
+	@echo "make: installing into $(VENV): $(TORCH_PIN), then this package$(if $(EDITABLE), (editable),) with [$(EXTRAS)] (megatron-core and the rest); the first time takes minutes, quietly"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
@@ -39,6 +40,7 @@ install: $(VENV)/.stamp
 
 # An editable install for working on the library (the tests then see edits without reinstalling).
 dev:
+	@echo "make: installing into $(VENV): $(TORCH_PIN), then this package (editable) with [$(EXTRAS)]; the first time takes minutes, quietly"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
@@ -65,6 +67,7 @@ test-gpu: $(VENV)/.stamp
 
 $(VENV_NEWEST)/.stamp: $(SOURCES)
 	@test -n "$(PYTHON312)" || { echo "make test-newest: no Python 3.12 found; set PYTHON312=/path/to/python3.12"; exit 1; }
+	@echo "make: installing into $(VENV_NEWEST) (Python 3.12): $(TORCH_PIN), this package with [test], $(MCORE_NEWEST); the first time downloads a large torch build"
 	test -x $(VENV_NEWEST)/bin/python || $(PYTHON312) -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
 	$(VENV_NEWEST)/bin/python -m pip install -q "$(TORCH_PIN)"

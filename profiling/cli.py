@@ -12,7 +12,8 @@ everything a person runs by hand. It only dispatches:
   default_results_dir`: ``profiling/results/`` inside a checkout, ``./mopd-results/`` elsewhere.
 
 Everything after the subcommand (after NAME for bench) is passed through untouched, ``--help``
-included. Nothing heavy is imported here and the targets are imported lazily, so ``mopd --help``
+included (``mopd bench NAME --help`` is the benchmark's help alone, its usage naming the command
+as typed). Nothing heavy is imported here and the targets are imported lazily, so ``mopd --help``
 and a mistyped command answer at once, in one line; a missing target exits with status 2 and
 says which.
 """
@@ -154,17 +155,27 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
             file=sys.stderr,
         )
         return EXIT_USAGE
+    from mopd.profiling.extras import can_draw, child_env, has_module
+    from mopd.profiling.mesh_arg import PROG_ENV
+
+    if "-h" in args or "--help" in args:  # the benchmark's own help, and nothing else
+        env = {**child_env(), PROG_ENV: f"mopd bench {name}"}
+        return subprocess.call([sys.executable, "-m", module, *args], env=env)
     if results_dir is not None:
         args = ["--results-dir", str(results_dir), *args]
     else:
         from mopd.profiling.results import default_results_dir
 
         results_dir = inner if inner is not None else default_results_dir()
-    from mopd.profiling.extras import can_draw, child_env
-
-    plot = plot and can_draw("mopd bench")  # said here once, not again by the benchmark
+    # without matplotlib, the one note "no picture" is said here, after a run that recorded a
+    # CSV (so not by the benchmark, not before its output, and not when nothing would be drawn)
+    draw = plot and has_module("matplotlib")
+    env = {
+        **child_env(parent_says=["matplotlib"] if plot and not draw else []),
+        PROG_ENV: f"mopd bench {name}",
+    }
     csvs, pngs = _snapshot(results_dir, "*.csv"), _snapshot(results_dir, "*.png")
-    rc = subprocess.call([sys.executable, "-m", module, *args], env=child_env())
+    rc = subprocess.call([sys.executable, "-m", module, *args], env=env)
     if rc != 0:
         if rc != EXIT_USAGE:  # a usage error has said why in its own one line
             print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)
@@ -178,6 +189,9 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
             f"mopd bench: {module} recorded no CSV under {results_dir}; nothing plotted",
             file=sys.stderr,
         )
+        return 0
+    if not draw:
+        can_draw("mopd bench")  # says, once, that no picture is drawn and which extra adds it
         return 0
     from mopd.profiling.plots import plot_csv
 
