@@ -247,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         env=env,
         rendezvous=rdzv,
-        first_rank=args.node_rank * per_node,
         tool="mopd demo",
         timeout_hint=f"give it more time with --timeout SECONDS (this run had {args.timeout:.0f}; "
         "a busy or slow machine starts the ranks slowly)",

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from mopd.profiling import phases
@@ -61,7 +62,7 @@ def run_torchrun(
     timeout_s: float,
     env: dict[str, str] | None = None,
     rendezvous: list[str] | None = None,
-    first_rank: int = 0,
+    ranks: Sequence[int] | None = None,
     tool: str = "mopd",
     timeout_hint: str = "",
 ) -> int:
@@ -71,9 +72,11 @@ def run_torchrun(
     whole job (torchrun and every worker, see :func:`kill_tree`) is killed after ``timeout_s``
     seconds; returns the exit code (124 on timeout). The ranks get a fresh folder for their
     phase files (``MOPD_PHASE_DIR``, removed afterwards; a folder the caller's environment
-    already names is used instead, and kept); on a timeout ``tool`` prints, on
-    stderr, the phase each of this node's ranks (global ranks ``first_rank`` on, ``nproc`` of
-    them) was in and for how long, then ``timeout_hint`` (e.g. which flag gives more time).
+    already names is used instead, and kept); on a timeout ``tool`` prints, on stderr, the
+    phase each rank of the job's was in and for how long (``ranks``: the global ranks started
+    here, where known: default ``0 .. nproc - 1`` for a one-node rendezvous, else those that
+    recorded a phase, see :func:`mopd.profiling.phases.timeout_report`), then ``timeout_hint``
+    (e.g. which flag gives more time).
     """
     cmd = [
         sys.executable,
@@ -103,11 +106,10 @@ def run_torchrun(
             now = time.time()
             kill_tree(proc.pid)
             proc.wait()
+            if ranks is None and rendezvous in (None, ["--standalone"]):
+                ranks = range(nproc)  # one node: torchrun numbers its ranks 0 .. nproc - 1
             report = phases.timeout_report(
-                phases.read(phase_dir),
-                ranks=range(first_rank, first_rank + nproc),
-                timeout_s=timeout_s,
-                now=now,
+                phases.read(phase_dir), ranks=ranks, nproc=nproc, timeout_s=timeout_s, now=now
             )
             for line in [*report, *([timeout_hint] if timeout_hint else [])]:
                 print(f"{tool}: {line}" if not line.startswith(" ") else line, file=sys.stderr)

@@ -106,26 +106,38 @@ def _seconds(values: Sequence[float]) -> str:
 def timeout_report(
     phases: Mapping[int, RankPhase],
     *,
-    ranks: Sequence[int],
+    ranks: Sequence[int] | None,
+    nproc: int,
     timeout_s: float,
     now: float,
     unreported: str = "no phase recorded (its Python had not started yet)",
 ) -> list[str]:
-    """The lines a launcher prints when it killed a job at ``timeout_s``: one per group of
-    ``ranks`` in the same phase (``for`` how long they had been in it, ``up`` how long they had
-    run), then one for the ranks that recorded nothing (``unreported``)."""
+    """The lines a launcher prints when it killed a job at ``timeout_s``: one per group of ranks
+    in the same phase (``for`` how long they had been in it, ``up`` how long they had run), then
+    one for the ranks that recorded nothing (``unreported``).
+
+    Args:
+        ranks: the global ranks the launcher started, where it knows them (one node: ``0 ..
+            nproc - 1``); ``None`` on one node of several, whose ranks the rendezvous numbers:
+            then the recorded ones are listed and the others counted.
+        nproc: how many ranks the launcher started.
+    """
     lines = [f"the job timed out after {timeout_s:.0f} s and was killed; where its ranks were:"]
+    mine = sorted(phases) if ranks is None else [r for r in ranks if r in phases]
     groups: dict[str, list[RankPhase]] = {}
-    for rank in ranks:
-        if rank in phases:
-            groups.setdefault(phases[rank].phase, []).append(phases[rank])
+    for rank in mine:
+        groups.setdefault(phases[rank].phase, []).append(phases[rank])
     for phase, members in sorted(groups.items(), key=lambda kv: kv[1][0].rank):
         lines.append(
             f"  {_ranks([m.rank for m in members])}: {phase}, for "
             f"{_seconds([now - m.since for m in members])} "
             f"(up {_seconds([now - m.up_since for m in members])})"
         )
-    silent = [r for r in ranks if r not in phases]
-    if silent:
-        lines.append(f"  {_ranks(silent)}: {unreported}")
+    if ranks is not None:
+        silent = [r for r in ranks if r not in phases]
+        if silent:
+            lines.append(f"  {_ranks(silent)}: {unreported}")
+    elif len(mine) < nproc:
+        others = nproc - len(mine)
+        lines.append(f"  {others} more rank{'s' if others > 1 else ''} of this node: {unreported}")
     return lines

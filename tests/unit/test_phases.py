@@ -61,7 +61,7 @@ def test_the_report_groups_ranks_by_phase_with_their_durations() -> None:
         3: _phase(3, "step 2 of 3", since=899.6),
         5: _phase(5, "building the models", since=410.0, up=20.0),
     }
-    lines = phases.timeout_report(recorded, ranks=range(8), timeout_s=900, now=900.0)
+    lines = phases.timeout_report(recorded, ranks=range(8), nproc=8, timeout_s=900, now=900.0)
     assert lines == [
         "the job timed out after 900 s and was killed; where its ranks were:",
         "  ranks 0, 1, 3: step 2 of 3, for 0.4-25 s (up 900 s)",
@@ -70,9 +70,13 @@ def test_the_report_groups_ranks_by_phase_with_their_durations() -> None:
     ]
 
 
-def test_the_report_names_this_nodes_ranks_only() -> None:
-    recorded = {r: _phase(r, "step 1 of 1", since=10.0) for r in range(4, 8)}
-    lines = phases.timeout_report(recorded, ranks=range(4, 8), timeout_s=20, now=20.0)
-    assert lines[1:] == ["  ranks 4-7: step 1 of 1, for 10 s (up 20 s)"]
-    lines = phases.timeout_report({}, ranks=range(1), timeout_s=5, now=5.0)
+def test_one_node_of_several_lists_what_its_ranks_recorded_and_counts_the_rest() -> None:
+    """Where the rendezvous numbers the ranks, the launcher does not know which it started."""
+    recorded = {r: _phase(r, "step 1 of 1", since=10.0) for r in (5, 6, 7)}
+    lines = phases.timeout_report(recorded, ranks=None, nproc=4, timeout_s=20, now=20.0)
+    assert lines[1:] == [
+        "  ranks 5-7: step 1 of 1, for 10 s (up 20 s)",
+        "  1 more rank of this node: no phase recorded (its Python had not started yet)",
+    ]
+    lines = phases.timeout_report({}, ranks=range(1), nproc=1, timeout_s=5, now=5.0)
     assert lines[1:] == ["  rank 0: no phase recorded (its Python had not started yet)"]
