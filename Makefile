@@ -15,10 +15,11 @@ EXTRAS ?= megatron,test
 PYTHON312 ?= $(firstword $(foreach p,python3.12 $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python),$(shell $(p) -c 'import sys; print(sys.executable if sys.version_info[:2] == (3, 12) else "")' 2>/dev/null)))
 VENV_NEWEST ?= .venv-newest
 MCORE_NEWEST ?= megatron-core>=0.19,<0.20
-# the megatron-facing tests: real GPTModels on CPU ranks, megatron's schedules, the demo, the README
+# the megatron-facing tests: real GPTModels and HybridModels on CPU ranks, megatron's schedules,
+# the demo, the README
 NEWEST_TESTS ?= tests/torchrun/test_capture_megatron.py tests/torchrun/test_cpu_attention.py \
-	tests/torchrun/test_mcore_loop.py tests/torchrun/test_bridge_e2e.py tests/launch/test_demo.py \
-	tests/launch/test_readme.py
+	tests/torchrun/test_mcore_loop.py tests/torchrun/test_mcore_hybrid.py \
+	tests/torchrun/test_bridge_e2e.py tests/launch/test_demo.py tests/launch/test_readme.py
 SOURCES := pyproject.toml $(shell find capture bridge kernels profiling common mcore mopd -type f \( -name '*.py' -o -name '*.cu' -o -name '*.sh' -o -name 'py.typed' \) -not -path '*/results/*' 2>/dev/null)
 # After `make dev`: the editable install sees every edit; only the dependencies can go stale.
 EDITABLE := $(wildcard $(VENV)/.editable)
@@ -28,6 +29,7 @@ PYTEST := $(PY) -m pytest
 .PHONY: install dev demo test test-unit test-torchrun test-launch test-gpu test-newest lint typecheck clean
 
 $(VENV)/.stamp: $(STAMP_DEPS)
+	@echo "make: installing into $(VENV): $(TORCH_PIN), then this package$(if $(EDITABLE), (editable),) with [$(EXTRAS)] (megatron-core and the rest); the first time takes minutes, quietly"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
@@ -38,6 +40,7 @@ install: $(VENV)/.stamp
 
 # An editable install for working on the library (the tests then see edits without reinstalling).
 dev:
+	@echo "make: installing into $(VENV): $(TORCH_PIN), then this package (editable) with [$(EXTRAS)]; the first time takes minutes, quietly"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
@@ -64,6 +67,7 @@ test-gpu: $(VENV)/.stamp
 
 $(VENV_NEWEST)/.stamp: $(SOURCES)
 	@test -n "$(PYTHON312)" || { echo "make test-newest: no Python 3.12 found; set PYTHON312=/path/to/python3.12"; exit 1; }
+	@echo "make: installing into $(VENV_NEWEST) (Python 3.12): $(TORCH_PIN), this package with [test], $(MCORE_NEWEST); the first time downloads a large torch build"
 	test -x $(VENV_NEWEST)/bin/python || $(PYTHON312) -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
 	$(VENV_NEWEST)/bin/python -m pip install -q "$(TORCH_PIN)"

@@ -3,9 +3,11 @@
 Why this file exists: megatron-core assumes CUDA (buffers on ``torch.cuda.current_device()``,
 the RNG tracker on the CUDA generator, ``torch.cuda.synchronize`` in its pipeline schedule, SP only
 with fused norms) and its local attention supports neither context parallelism nor packed (THD)
-sequences. The demo and the multi-process tests run real GPTModels on CPU ranks, so everything
-that makes that possible lives here, in one module: :func:`apply` (idempotent, process-wide
-patches) and :func:`cpu_gpt_layer_spec` (megatron's local layer spec with :class:`CPUCoreAttention`).
+sequences, and its ``HybridModel`` ships a Transformer Engine spec only. The demo and the
+multi-process tests run real GPTModels and HybridModels on CPU ranks, so everything that makes
+that possible lives here, in one module: :func:`apply` (idempotent, process-wide patches),
+:func:`cpu_gpt_layer_spec` (megatron's local layer spec with :class:`CPUCoreAttention`) and
+:func:`cpu_hybrid_stack_spec` (a ``HybridStack`` of those layers: attention ``*`` and MLP ``-``).
 The data path (capture, bridge, kernels) never imports it; it is for CPU runs only.
 
 What :func:`apply` patches:
@@ -22,6 +24,9 @@ What :func:`apply` patches:
 - the DDP gradient buffers (``distributed.param_and_grad_buffer``): their
   ``torch.cuda.current_stream()`` (asked unconditionally before a gradient reduction since
   megatron-core 0.19) is a stream that has nothing to wait for;
+- ``HybridStack``'s final norm (megatron-core 0.18+, ``megatron.core.models.hybrid``), built with
+  Transformer Engine's ``TENorm`` by name: without Transformer Engine it is ``WrappedTorchNorm``
+  (so the SP rule above holds for it too);
 - mixture of experts: ``te_general_gemm`` is defined (as ``None``, Transformer Engine absent) in
   megatron's ``moe_utils``, whose allgather token dispatcher reads it; use
   ``moe_token_dispatcher_type="allgather"``: the alltoall and flex dispatchers make CUDA streams.
@@ -50,6 +55,7 @@ __all__ = [
     "apply",
     "check_interleaved_p2p",
     "cpu_gpt_layer_spec",
+    "cpu_hybrid_stack_spec",
     "packed_rows",
     "zigzag_positions",
 ]
@@ -121,6 +127,7 @@ def apply() -> None:
     fused_softmax.get_default_causal_mask = causal_mask
     _patch_schedules()
     _patch_moe()
+    _patch_hybrid()
     _APPLIED = True
 
 
@@ -226,6 +233,21 @@ def _patch_moe() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+def _patch_hybrid() -> None:
+    """``HybridStack``'s final norm without Transformer Engine (megatron-core releases that have
+    ``megatron.core.models.hybrid``; nothing to do before them)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core.models.hybrid") is None:
+        return
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not getattr(transformer_engine, "HAVE_TE", False):
+        hybrid_block.TENorm = WrappedTorchNorm  # type: ignore[misc]
 
 
 def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -410,3 +432,82 @@ def cpu_gpt_layer_spec() -> Any:
     spec = copy.deepcopy(get_gpt_layer_local_spec())
     spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
     return spec
+
+
+def cpu_hybrid_stack_spec() -> Any:
+    """A ``HybridStack`` spec for ``HybridModel(hybrid_stack_spec=...)`` on CPU ranks.
+
+    Layers of a ``hybrid_layer_pattern`` made of ``*`` (attention) and ``-`` (MLP), both from
+    :func:`cpu_gpt_layer_spec`: an attention layer is that layer with its MLP removed, an MLP
+    layer (megatron's ``MLPLayer``) its pre-MLP norm, MLP and residual add. The other kinds
+    (``M`` Mamba, ``G`` gated delta net, ``D`` / ``+`` latent attention, ``E`` MoE) have no CPU
+    version here: building one raises ``ValueError`` naming it (megatron's default for a kind
+    left out is an identity layer, a silently different model). megatron-core 0.18+
+    (``megatron.core.models.hybrid``); call :func:`apply` first (the stack's final norm).
+
+    Raises:
+        ImportError: this megatron-core has no ``megatron.core.models.hybrid``.
+    """
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    layer = cpu_gpt_layer_spec()
+    parts = layer.submodules
+    keys = parts.sharded_state_dict_keys_map  # checkpoint names of the norms, per layer kind
+    attention = ModuleSpec(
+        module=layer.module,
+        submodules=dataclasses.replace(
+            parts,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=IdentityOp,
+            mlp_bda=IdentityFuncOp,
+            sharded_state_dict_keys_map={
+                k: v for k, v in keys.items() if k.startswith("input_layernorm")
+            },
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=parts.pre_mlp_layernorm,
+            mlp=parts.mlp,
+            mlp_bda=parts.mlp_bda,
+            sharded_state_dict_keys_map={
+                k: v for k, v in keys.items() if k.startswith("pre_mlp_layernorm")
+            },
+        ),
+    )
+    kinds = {f.name for f in dataclasses.fields(HybridStackSubmodules)}
+    refused = {
+        field: ModuleSpec(module=_NoCPULayer, params={"kind": kind})
+        for field, kind in _NO_CPU_LAYERS.items()
+        if field in kinds  # the kinds this megatron-core release knows
+    }
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp, **refused),
+    )
+
+
+#: ``HybridStackSubmodules`` field -> the layer kind it builds, for the kinds with no CPU spec.
+_NO_CPU_LAYERS = {
+    "mamba_layer": "Mamba ('M')",
+    "gdn_layer": "gated delta net ('G')",
+    "dsa_layer": "DeepSeek sparse attention ('D')",
+    "mla_layer": "multi-latent attention ('+')",
+    "moe_layer": "mixture-of-experts ('E')",
+}
+
+
+class _NoCPULayer(torch.nn.Module):
+    """Stands in :func:`cpu_hybrid_stack_spec` for a layer kind it has no CPU version of."""
+
+    def __init__(self, *args: Any, kind: str, **kwargs: Any) -> None:
+        raise ValueError(
+            f"cpu_hybrid_stack_spec has no CPU version of {kind} layers (they need CUDA kernels "
+            "or Transformer Engine): use '*' (attention) and '-' (MLP) in the "
+            "hybrid_layer_pattern on CPU ranks, megatron's hybrid_stack_spec on GPUs"
+        )

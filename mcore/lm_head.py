@@ -2,7 +2,8 @@
 
 Why this file exists: :func:`mopd.bridge.lm_head.reshard_lm_head` needs the teacher's weight
 shard, the real vocabulary and both padded vocabularies; a megatron-core job has them on its
-models (wrapped, or as virtual-pipeline chunks). :func:`lm_head_from_models` reads them there
+GPTModels or HybridModels (wrapped, or as virtual-pipeline chunks). :func:`lm_head_from_models`
+reads them there
 and agrees them over the bridge group.
 
 The vocabulary rule lives here too (:func:`resolve_vocab_size`): megatron-LM builds its models
@@ -107,7 +108,8 @@ def resolve_vocab_size(
 
 
 def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
-    """``(output weight shard, vocab_size attribute)`` of a (wrapped) model on its last stage."""
+    """``(output weight shard, vocab_size attribute)`` of a (wrapped) GPTModel or HybridModel on
+    its last stage (both are megatron ``LanguageModule``s: ``output_layer``, ``vocab_size``)."""
     layer = find_output_layer(model)
     if layer is None:
         return None

@@ -30,7 +30,8 @@ Forward = Callable[[Any, MicroBatch], torch.Tensor]
 
 
 def default_forward(model: Any, mb: MicroBatch) -> torch.Tensor:
-    """``model(tokens, position_ids, attention_mask, packed_seq_params=...)``: a GPTModel call."""
+    """``model(tokens, position_ids, attention_mask, packed_seq_params=...)``: a GPTModel or
+    HybridModel call (the two share this signature)."""
     return model(
         mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params
     )

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from mopd.profiling.extras import can_draw
 from mopd.profiling.launch import free_port
-from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.mesh_arg import OneLineParser, prog_for
 
 if TYPE_CHECKING:
     import torch
@@ -696,7 +696,9 @@ def _spawned(local_rank: int, nproc: int, port: int, argd: dict[str, Any]) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="bench_bridge", description=__doc__.splitlines()[0])
+    p = OneLineParser(
+        prog=prog_for("mopd.profiling.bench_bridge"), description=__doc__.splitlines()[0]
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (CPU / harness check)")
     p.add_argument(
         "--nproc",

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from mopd.profiling.extras import can_draw
 from mopd.profiling.launch import free_port
-from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.mesh_arg import OneLineParser, prog_for
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +143,9 @@ def _capture_step(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="bench_capture", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(
+        prog=prog_for("mopd.profiling.bench_capture"), description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (harness check on CPU)")
     p.add_argument("--results-dir", type=Path, default=None)
     p.add_argument("--iters", type=int, default=20)

@@ -40,7 +40,7 @@ import torch
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.cupy_rows import DEFAULT_VARIANTS, OPS, VARIANTS
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
-from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.mesh_arg import OneLineParser, prog_for
 from mopd.profiling.results import CPU_CAVEAT, Progress, environment, format_table, record
 from mopd.profiling.timing import time_calls
 
@@ -284,7 +284,9 @@ def summarize(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="bench_kernels", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(
+        prog=prog_for("mopd.profiling.bench_kernels"), description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="small CPU run: harness check only")
     parser.add_argument("--gib", type=float, default=None, help="payload per buffer (>= 1 on GPU)")
     parser.add_argument("--hidden", type=int, default=8192, help="H (bf16 elements per row)")

@@ -50,7 +50,7 @@ from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, choose_chunk_tokens, fused_vocab_parallel_kl
 from mopd.profiling import kl_numerics
 from mopd.profiling.extras import can_draw
-from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.mesh_arg import OneLineParser, prog_for
 from mopd.profiling.results import default_results_dir, environment, format_table, record
 from mopd.profiling.timing import time_calls
 
@@ -311,7 +311,9 @@ def bench_numerics(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = OneLineParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = OneLineParser(
+        prog=prog_for("mopd.profiling.bench_kl"), description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="small CPU run: harness check only")
     parser.add_argument("--part", nargs="+", choices=PARTS, default=None, help="which parts")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="speed: T values")

@@ -74,7 +74,7 @@ from mopd.bridge.record import rank_roles, rank_sections, stack_records
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.topology import Topology
 from mopd.profiling.extras import can_draw
-from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.mesh_arg import OneLineParser, prog_for
 from mopd.profiling.results import environment, format_table, record
 
 __all__ = [
@@ -715,7 +715,9 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog=prog_for("mopd.profiling.bench_plan"), description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS))
     parser.add_argument(
         "--tokens-per-rank", type=int, default=4096, help="real tokens per rank in the step"

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mopd.profiling.extras import can_draw
-from mopd.profiling.mesh_arg import OneLineParser
+from mopd.profiling.mesh_arg import OneLineParser, prog_for
 
 __all__ = ["main", "measure", "plot"]
 
@@ -135,7 +135,9 @@ def plot(rows: Sequence[dict[str, object]], png: Path, title: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(prog="bench_ranges", description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog=prog_for("mopd.profiling.bench_ranges"), description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--iters", type=int, default=50_000, help="calls per timing run")
     parser.add_argument("--repeat", type=int, default=5, help="timing runs (median taken)")
     parser.add_argument("--results-dir", type=Path, default=None, help="results folder")

@@ -1,10 +1,13 @@
-"""The ``mopd`` command: ``mopd demo``, ``mopd plan``, ``mopd bench <name>``, ``mopd --version``.
+"""The ``mopd`` command: ``mopd demo``, ``mopd plan``, ``mopd bench <name>``, ``mopd nsys``,
+``mopd --version``.
 
 Why this file exists: one entry point (the ``mopd`` console script, and ``python -m mopd``) for
 everything a person runs by hand. It only dispatches:
 
 - ``mopd demo [ARGS...]``: ``mopd.profiling.demo:main(ARGS)``;
 - ``mopd plan [ARGS...]``: ``mopd.profiling.plan_inspector:main(ARGS)``;
+- ``mopd nsys [ARGS...] [-- CMD...]``: the package's ``nsys.sh`` (one Nsight Systems report per
+  rank of the demo or of CMD, the mopd ranges on) run with ``bash``, from the installed package;
 - ``mopd bench [--results-dir DIR] [--no-plot] NAME [ARGS...]``: runs
   ``python -m mopd.profiling.bench_NAME [--results-dir DIR] ARGS`` in a child process, then
   draws one PNG next to each CSV that the run created or rewrote under DIR, unless the
@@ -12,7 +15,8 @@ everything a person runs by hand. It only dispatches:
   default_results_dir`: ``profiling/results/`` inside a checkout, ``./mopd-results/`` elsewhere.
 
 Everything after the subcommand (after NAME for bench) is passed through untouched, ``--help``
-included. Nothing heavy is imported here and the targets are imported lazily, so ``mopd --help``
+included (``mopd bench NAME --help`` is the benchmark's help alone, its usage naming the command
+as typed). Nothing heavy is imported here and the targets are imported lazily, so ``mopd --help``
 and a mistyped command answer at once, in one line; a missing target exits with status 2 and
 says which.
 """
@@ -29,7 +33,7 @@ from pathlib import Path
 
 from mopd.profiling.mesh_arg import OneLineParser
 
-__all__ = ["BENCHMARKS", "bench_module", "build_parser", "main", "version"]
+__all__ = ["BENCHMARKS", "bench_module", "build_parser", "main", "nsys_script", "version"]
 
 #: ``mopd bench NAME`` -> module ``mopd.profiling.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges", "plan")
@@ -46,6 +50,13 @@ _DIST = "mopd-bridge"
 def bench_module(name: str) -> str:
     """The module ``mopd bench NAME`` runs with ``python -m``."""
     return f"mopd.profiling.bench_{name}"
+
+
+def nsys_script() -> Path:
+    """The ``nsys.sh`` shipped in the installed package (package data of ``mopd.profiling``)."""
+    from importlib import resources
+
+    return Path(str(resources.files("mopd.profiling") / "nsys.sh"))
 
 
 def version() -> str:
@@ -73,12 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``mopd`` argument parser (subcommands demo, plan, bench)."""
     parser = OneLineParser(
         prog="mopd",
-        description="mopd-bridge tools: the demo, the transfer-plan inspector, the benchmarks.",
+        description="mopd-bridge tools: the demo, the transfer-plan inspector, the benchmarks, "
+        "nsys reports.",
         epilog="Meshes everywhere: tp=8,pp=2,cp=1,dp=1,rank_offset=16 (the keys of "
         "mopd.bridge.Mesh). 'python -m mopd' is the same command.",
     )
     parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="command", metavar="{demo,plan,bench}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,plan,bench,nsys}", required=True)
     sub.add_parser(
         "demo",
         help="run the end-to-end demo (arguments go to mopd.profiling.demo)",
@@ -110,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plot", action="store_true", help="do not draw PNGs")
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    sub.add_parser(
+        "nsys",
+        help="run the demo (or -- CMD) under Nsight Systems, one report per rank (mopd nsys --help)",
+        add_help=False,
+        prefix_chars="\0",
+    )
     return parser
 
 
@@ -154,17 +172,27 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
             file=sys.stderr,
         )
         return EXIT_USAGE
+    from mopd.profiling.extras import can_draw, child_env, has_module
+    from mopd.profiling.mesh_arg import PROG_ENV
+
+    if "-h" in args or "--help" in args:  # the benchmark's own help, and nothing else
+        env = {**child_env(), PROG_ENV: f"mopd bench {name}"}
+        return subprocess.call([sys.executable, "-m", module, *args], env=env)
     if results_dir is not None:
         args = ["--results-dir", str(results_dir), *args]
     else:
         from mopd.profiling.results import default_results_dir
 
         results_dir = inner if inner is not None else default_results_dir()
-    from mopd.profiling.extras import can_draw, child_env
-
-    plot = plot and can_draw("mopd bench")  # said here once, not again by the benchmark
+    # without matplotlib, the one note "no picture" is said here, after a run that recorded a
+    # CSV (so not by the benchmark, not before its output, and not when nothing would be drawn)
+    draw = plot and has_module("matplotlib")
+    env = {
+        **child_env(parent_says=["matplotlib"] if plot and not draw else []),
+        PROG_ENV: f"mopd bench {name}",
+    }
     csvs, pngs = _snapshot(results_dir, "*.csv"), _snapshot(results_dir, "*.png")
-    rc = subprocess.call([sys.executable, "-m", module, *args], env=child_env())
+    rc = subprocess.call([sys.executable, "-m", module, *args], env=env)
     if rc != 0:
         if rc != EXIT_USAGE:  # a usage error has said why in its own one line
             print(f"mopd bench: {module} exited with status {rc}; nothing plotted", file=sys.stderr)
@@ -178,6 +206,9 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
             f"mopd bench: {module} recorded no CSV under {results_dir}; nothing plotted",
             file=sys.stderr,
         )
+        return 0
+    if not draw:
+        can_draw("mopd bench")  # says, once, that no picture is drawn and which extra adds it
         return 0
     from mopd.profiling.plots import plot_csv
 
@@ -195,6 +226,16 @@ def _run_bench(name: str, args: list[str], results_dir: Path | None, plot: bool)
     return 0
 
 
+def _run_nsys(args: list[str]) -> int:
+    """``bash nsys.sh ARGS``: its messages name ``mopd nsys``; its default command (the demo)
+    and its torchrun rewriting use this interpreter."""
+    import os
+
+    env = {**os.environ, "MOPD_PROG": "mopd nsys"}
+    env.setdefault("PYTHON", sys.executable)
+    return subprocess.call(["bash", str(nsys_script()), *args], env=env)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mopd`` console script; returns the exit status.
 
@@ -210,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     leading = argv[: argv.index(args.command)]
     if leading:
         parser.error(f"unrecognized arguments before {args.command!r}: {' '.join(leading)}")
+    if args.command == "nsys":
+        return _run_nsys(rest)
     module_name = _ENTRY_POINTS[args.command]
     entry = _load_main(module_name)
     if entry is None:

@@ -45,6 +45,14 @@ __all__ = ["DemoConfig", "main"]
 _ARGV_ENV = "MOPD_DEMO_ARGV"
 _T0_ENV = "MOPD_DEMO_T0"
 _DEFAULT_TEACHERS = ("tp=2,dp=2,rank_offset=0", "tp=4,rank_offset=4")
+#: The default ``--timeout``: a start-up allowance, then per rank on the node (each imports
+#: torch and megatron-core, all at once) and per step.
+TIMEOUT_BASE_S, TIMEOUT_PER_RANK_S, TIMEOUT_PER_STEP_S = 600.0, 60.0, 60.0
+
+
+def default_timeout_s(ranks_per_node: int, steps: int) -> float:
+    """The default ``--timeout`` of a job of ``ranks_per_node`` ranks here and ``steps`` steps."""
+    return TIMEOUT_BASE_S + TIMEOUT_PER_RANK_S * ranks_per_node + TIMEOUT_PER_STEP_S * steps
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         "global rank), e.g. tp=2,dp=2,rank_offset=0; missing keys are 1 (rank_offset: 0). "
         "Teachers take cp=1. Sample i goes to teacher i % (number of teachers).",
     )
-    p.add_argument("--nproc", type=int, default=8, help="ranks in the job (default 8)")
+    p.add_argument("--nproc", type=int, default=8, help="ranks in the job")
     p.add_argument(
         "--backend",
         choices=["auto", "gloo", "nccl"],
@@ -68,12 +76,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MESH",
         help=f"a teacher mesh, repeat per teacher (default: {' and '.join(_DEFAULT_TEACHERS)})",
     )
-    p.add_argument("--teacher-hidden", default="64,96", help="hidden size per teacher (64,96)")
-    p.add_argument("--student", default="tp=2,cp=2,dp=2", metavar="MESH", help="(tp=2,cp=2,dp=2)")
-    p.add_argument("--student-hidden", type=int, default=48)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--teacher-hidden", default="64,96", help="hidden size per teacher")
+    p.add_argument("--student", default="tp=2,cp=2,dp=2", metavar="MESH", help="the student's mesh")
+    p.add_argument("--student-hidden", type=int, default=48, help="the student's hidden size")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (every model)")
+    p.add_argument("--layers", type=int, default=2, help="layers (every model)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary (every model)")
     p.add_argument("--seq-len", type=int, default=32, help="max sample length (in [seq/2, seq])")
     p.add_argument("--samples", type=int, default=8, help="samples per step, whole job")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
@@ -81,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "--prompt-len",
         type=int,
         default=8,
-        help="prompt tokens per sample, left out of the KL and never sent (default 8)",
+        help="prompt tokens per sample, left out of the KL and never sent",
     )
     p.add_argument(
         "--loss-path",
@@ -89,19 +97,30 @@ def _parser() -> argparse.ArgumentParser:
         default="per-token",
         help="megatron's loss normalization: calculate_per_token_loss=True, or its default",
     )
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--steps", type=int, default=3, help="training steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="the student's Adam learning rate")
+    p.add_argument("--seed", type=int, default=1234, help="weights and samples")
     p.add_argument("--json", action="store_true", help="print one JSON object of the results")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank to DIR")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is killed")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds before the job is killed (then it says where each rank was); default: "
+        f"{TIMEOUT_BASE_S:.0f} + {TIMEOUT_PER_RANK_S:.0f} per rank on this node + "
+        f"{TIMEOUT_PER_STEP_S:.0f} per step ({default_timeout_s(8, 3):.0f} for 8 ranks, 3 steps: "
+        "a busy machine starts 8 ranks slowly)",
+    )
     launch = p.add_argument_group("launching (passed to torchrun)")
-    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     launch.add_argument(
         "--nproc-per-node", type=int, default=None, help="(default: --nproc / --nnodes)"
     )
-    launch.add_argument("--node-rank", type=int, default=0)
-    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
+    launch.add_argument("--node-rank", type=int, default=0, help="this node's place in the job")
+    launch.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous (multi-node)"
+    )
     p.add_argument("--inject-mismatch", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -147,6 +166,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
         if args.nnodes > 1 and not args.rdzv_endpoint:
             raise ValueError("a multi-node job needs --rdzv-endpoint HOST:PORT")
         args.nproc_per_node = per_node  # resolved once; the launch reads it
+        if args.timeout is None:  # resolved here: the launcher and every rank see one value
+            args.timeout = default_timeout_s(per_node, cfg.steps)
+        elif not args.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     except ValueError as exc:
         p.error(str(exc))
     return args, cfg
@@ -170,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = [*json.loads(os.environ[_ARGV_ENV]), "--worker"]
     args, cfg = _parse(argv)
     if args.worker:
+        from mopd.profiling import phases
+
+        phases.enter("starting: importing torch and megatron-core")
         from mopd.profiling.demo_job import worker
 
         return worker(args, cfg)
@@ -193,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stderr if args.json else sys.stdout
     print(
         f"mopd demo: {cfg.nproc} ranks, backend {backend}, {cfg.steps} steps of "
-        f"{cfg.micro_batches} micro-batches; starting the ranks (each imports torch and "
-        "megatron-core first)...",
+        f"{cfg.micro_batches} micro-batches, killed after {args.timeout:.0f} s (--timeout); "
+        "starting the ranks (each imports torch and megatron-core first)...",
         file=out,
         flush=True,
     )
@@ -221,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         env=env,
         rendezvous=rdzv,
+        tool="mopd demo",
+        timeout_hint=f"give it more time with --timeout SECONDS (this run had {args.timeout:.0f}; "
+        "a busy or slow machine starts the ranks slowly)",
     )
 
 

@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from mopd.profiling import phases
 from mopd.profiling.demo_config import DemoConfig
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=max(60.0, args.timeout / 2))
+    phases.enter("joining the job's process group (waiting for the other ranks)")
     dist.init_process_group(
         backend=backend, timeout=timeout, **({"device_id": device} if backend == "nccl" else {})
     )
@@ -69,6 +71,7 @@ def worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
         ok = _Job(cfg, args, device, timeout).run()
     finally:
         dist.destroy_process_group()
+    phases.enter("done")
     return 0 if ok else 1
 
 
@@ -125,7 +128,12 @@ class _Job:
 
         self.cfg, self.args, self.device, self.timeout = cfg, args, device, timeout
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.out = sys.stderr if args.json else sys.stdout
+
+    @property
+    def out(self) -> Any:
+        """Where the report goes: stdout (stderr under ``--json``), looked up at each print so
+        that a progress bar's routing (:meth:`Progress.routed`) applies."""
+        return sys.stderr if self.args.json else sys.stdout
 
     def say(self, text: str) -> None:
         if self.rank == 0:
@@ -360,6 +368,7 @@ class _Job:
         self.say(
             f"ranks up after {time.time() - t_start:.1f} s (python, torch, megatron-core imports)"
         )
+        phases.enter("building the models, process groups, bridge and LM-head reshard")
         self._build()
         self.say(
             f"models, groups, bridge and LM-head reshard built in {time.perf_counter() - t0:.1f} s"
@@ -378,32 +387,29 @@ class _Job:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
-        bar = None
-        if self.rank == 0 and not self.args.json:
-            from mopd.profiling.extras import optional_module
+        from mopd.profiling.results import Progress
 
-            tqdm = optional_module("tqdm", purpose="no progress bar", tool="mopd demo")
-            if tqdm is not None:
-                bar = tqdm.tqdm(
-                    total=cfg.steps,
-                    desc="mopd demo",
-                    unit="step",
-                    file=sys.stderr,
-                    dynamic_ncols=True,
-                )
+        # a bar where it can draw: rank 0's terminal (not a log, not --json), lines routed past it
+        bar = Progress(
+            total=cfg.steps,
+            desc="mopd demo",
+            unit="step",
+            leave=True,
+            quiet=self.rank != 0 or self.args.json,
+            tool="mopd demo",
+        )
         ok = True
         try:
-            for step in range(cfg.steps):
-                with ranges.span("step", step):
-                    ok = self._step(step)
-                if not ok:
-                    break
-                if bar is not None:
-                    bar.set_postfix(loss=f"{float(self.losses[step]):.4f}")
-                    bar.update(1)
+            with bar.routed():
+                for step in range(cfg.steps):
+                    phases.enter(f"step {step + 1} of {cfg.steps}")
+                    with ranges.span("step", step):
+                        ok = self._step(step)
+                    if not ok:
+                        break
+                    bar.step(f"loss={float(self.losses[step]):.4f}")
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 os.makedirs(self.args.trace, exist_ok=True)
@@ -411,6 +417,7 @@ class _Job:
                     os.path.join(self.args.trace, f"trace_rank{self.rank}.json")
                 )
         if ok:
+            phases.enter("reporting (gathering every rank's figures)")
             self._report()
         if profiler is not None and self.rank == 0:
             print(
@@ -420,6 +427,7 @@ class _Job:
             )
         from megatron.core import parallel_state
 
+        phases.enter("finishing (waiting for every rank, then ending the process groups)")
         dist.barrier()
         parallel_state.destroy_model_parallel()
         return ok

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterable
 from types import ModuleType
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "PROFILING_EXTRA",
     "can_draw",
     "child_env",
+    "has_module",
     "missing_megatron",
     "optional_module",
 ]
@@ -55,9 +57,18 @@ def optional_module(name: str, *, purpose: str, tool: str = "mopd") -> ModuleTyp
         return None
 
 
-def child_env() -> dict[str, str]:
-    """``os.environ`` for a child tool, marked with the notes already printed (not said twice)."""
-    return {**os.environ, _SAID_ENV: ",".join(sorted(_said))}
+def child_env(*, parent_says: Iterable[str] = ()) -> dict[str, str]:
+    """``os.environ`` for a child tool, marked with the notes already printed (not said twice)
+    and with those the parent will print itself afterwards (``parent_says``: module names)."""
+    return {**os.environ, _SAID_ENV: ",".join(sorted(_said | set(parent_says)))}
+
+
+def has_module(name: str) -> bool:
+    """Whether ``name`` is installed, asked without importing it and without saying anything."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def can_draw(tool: str) -> bool:

@@ -1,8 +1,10 @@
 """Starting a torchrun job from a console command, and stopping one for good.
 
 Why this file exists: ``mopd demo`` (and the benchmarks) start torchrun themselves, so a user
-types one command; a job that hangs must then be killed with every worker it started.
-:func:`kill_tree` does that (the test harness uses it for hung launches too).
+types one command; a job that hangs must then be killed with every worker it started, and say
+where each rank was. :func:`kill_tree` does the killing (the test harness uses it for hung
+launches too); :func:`run_torchrun` gives the ranks a folder for their phase files
+(:mod:`mopd.profiling.phases`) and prints them when it kills the job.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from mopd.profiling import phases
 
 __all__ = ["free_port", "kill_tree", "run_torchrun"]
 
@@ -55,12 +62,21 @@ def run_torchrun(
     timeout_s: float,
     env: dict[str, str] | None = None,
     rendezvous: list[str] | None = None,
+    ranks: Sequence[int] | None = None,
+    tool: str = "mopd",
+    timeout_hint: str = "",
 ) -> int:
     """Run ``python -m module args...`` under ``torchrun --nproc-per-node nproc``.
 
     ``rendezvous``: torchrun's rendezvous flags (default ``["--standalone"]``, one node). The
     whole job (torchrun and every worker, see :func:`kill_tree`) is killed after ``timeout_s``
-    seconds; returns the exit code (124 on timeout).
+    seconds; returns the exit code (124 on timeout). The ranks get a fresh folder for their
+    phase files (``MOPD_PHASE_DIR``, removed afterwards; a folder the caller's environment
+    already names is used instead, and kept); on a timeout ``tool`` prints, on stderr, the
+    phase each rank of the job's was in and for how long (``ranks``: the global ranks started
+    here, where known: default ``0 .. nproc - 1`` for a one-node rendezvous, else those that
+    recorded a phase, see :func:`mopd.profiling.phases.timeout_report`), then ``timeout_hint``
+    (e.g. which flag gives more time).
     """
     cmd = [
         sys.executable,
@@ -76,15 +92,30 @@ def run_torchrun(
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.wait()
-        print(f"mopd: job timed out after {timeout_s:.0f}s and was killed", file=sys.stderr)
-        return 124
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
-        return 130
+    given = full_env.get(phases.ENV_VAR)  # a caller's folder is used as it is, and kept
+    with (
+        contextlib.nullcontext(given)
+        if given
+        else tempfile.TemporaryDirectory(prefix="mopd-phases-")
+    ) as phase_dir:
+        full_env[phases.ENV_VAR] = phase_dir
+        proc = subprocess.Popen(cmd, env=full_env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            now = time.time()
+            kill_tree(proc.pid)
+            proc.wait()
+            if ranks is None and rendezvous in (None, ["--standalone"]):
+                ranks = range(nproc)  # one node: torchrun numbers its ranks 0 .. nproc - 1
+            report = phases.timeout_report(
+                phases.read(phase_dir), ranks=ranks, nproc=nproc, timeout_s=timeout_s, now=now
+            )
+            for line in [*report, *([timeout_hint] if timeout_hint else [])]:
+                print(f"{tool}: {line}" if not line.startswith(" ") else line, file=sys.stderr)
+            sys.stderr.flush()
+            return 124
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            return 130

@@ -11,6 +11,7 @@ is imported; so this module imports nothing beyond the standard library (the
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -20,17 +21,22 @@ if TYPE_CHECKING:
 __all__ = [
     "MESH_EXAMPLE",
     "MESH_KEYS",
+    "PROG_ENV",
+    "DefaultsHelpFormatter",
     "MeshSpec",
     "OneLineParser",
     "mesh_type",
     "parse_int_list",
     "parse_mesh",
+    "prog_for",
 ]
 
 #: The keys of a mesh, in the order :meth:`MeshSpec.__str__` writes them.
 MESH_KEYS = ("tp", "pp", "cp", "dp", "rank_offset")
 #: What an error message suggests.
 MESH_EXAMPLE = "tp=8,pp=2,cp=1,dp=1,rank_offset=16"
+#: Set by ``mopd bench NAME`` for the benchmark it starts: the command as the user typed it.
+PROG_ENV = "MOPD_PROG"
 #: Keys other tools used to take, and what to write instead.
 _RENAMED = {"offset": "rank_offset", "at": "rank_offset"}
 
@@ -153,11 +159,32 @@ def mesh_type(text: str) -> MeshSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def prog_for(module: str) -> str:
+    """The name a tool's usage and errors show: the ``mopd`` command that started it (e.g.
+    ``mopd bench ranges``, from :data:`PROG_ENV`), else ``python -m MODULE`` (as typed)."""
+    return os.environ.get(PROG_ENV) or f"python -m {module}"
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows each option's default, where it has one to show: not for flags
+    (``False``), options without a default (``None``) or help that already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr (``PROG: error: ...``), status 2.
+    """An argument parser whose errors are one line on stderr (``PROG: error: ...``), status 2,
+    and whose ``--help`` shows the defaults (:class:`DefaultsHelpFormatter`).
 
     Subparsers made with ``add_subparsers`` are of the same class, so theirs are one line too.
     """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

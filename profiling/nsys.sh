@@ -7,7 +7,8 @@
 # side (nsys-ui "multi-report view"), one per torchrun rank.
 #
 # Usage:
-#   profiling/nsys.sh [--out DIR] [--trace LIST] [--nsys-arg ARG]... [--dry-run] [-- COMMAND...]
+#   mopd nsys [--out DIR] [--trace LIST] [--nsys-arg ARG]... [--dry-run] [-- COMMAND...]
+#   (the installed package's copy of this script; in a checkout also bash profiling/nsys.sh ...)
 #
 #   (no command)           profiles `mopd demo` (or `python -m mopd.profiling.cli demo`)
 #   -- torchrun ... X      rewritten so that every rank runs `nsys profile ... X` itself:
@@ -26,7 +27,7 @@
 # Exit status: 2 when nsys is not on PATH or the usage is wrong; otherwise the command's.
 set -euo pipefail
 
-prog=$(basename "$0")
+prog=${MOPD_PROG:-$(basename "$0")}  # `mopd nsys` names itself
 die() {
     echo "$prog: $*" >&2
     exit 2

@@ -1239,10 +1239,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="micro-batches per step, the same on both sides (1)",
     )
-    p.add_argument(
-        "--hidden-size", type=_positive_int, default=4096, help="teacher hidden size (4096)"
-    )
-    p.add_argument("--vocab-size", type=_positive_int, default=151936, help="for logits (151936)")
+    p.add_argument("--hidden-size", type=_positive_int, default=4096, help="teacher hidden size")
+    p.add_argument("--vocab-size", type=_positive_int, default=151936, help="for logits")
     p.add_argument(
         "--dtype-bytes", type=_positive_int, default=2, help="bytes per element (2: bf16)"
     )
@@ -1261,7 +1259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "send as replicas (TeacherSpec(sp_shards=False); shows its bytes on the teacher's TP "
         "links)",
     )
-    p.add_argument("--link-gbps", type=_positive_float, default=400.0, help="per rank, Gb/s (400)")
+    p.add_argument("--link-gbps", type=_positive_float, default=400.0, help="per rank, Gb/s")
     p.add_argument(
         "--nvlink-gbps",
         type=_positive_float,
@@ -1269,15 +1267,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="student TP all-gather, Gb/s (3600)",
     )
     p.add_argument(
-        "--pcie-gbps", type=_positive_float, default=400.0, help="host path D2H/H2D, Gb/s (400)"
+        "--pcie-gbps", type=_positive_float, default=400.0, help="host path D2H/H2D, Gb/s"
     )
-    p.add_argument("--top", type=_positive_int, default=8, help="matrix rows / volumes listed (8)")
+    p.add_argument("--top", type=_positive_int, default=8, help="matrix rows / volumes listed")
     p.add_argument(
         "--png",
         type=_out_file,
         default=Path("plan.png"),
         metavar="PATH",
-        help="the picture: matrix, per-rank volumes (default ./plan.png; its folder must exist)",
+        help="the picture: matrix, per-rank volumes (its folder must exist)",
     )
     p.add_argument("--no-png", action="store_true", help="do not draw the picture")
     p.add_argument(

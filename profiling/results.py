@@ -9,11 +9,13 @@ only on a terminal, so that logs and ``--json`` output stay clean.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
+import io
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "default_results_dir",
     "environment",
     "format_table",
+    "human_seconds",
     "record",
 ]
 
@@ -98,18 +101,41 @@ class Progress:
 
     ``with Progress(total=N, desc="kernels") as bar: ...; bar.step("gather random")`` names the
     case being measured and counts it; elsewhere (a log file, ``--json``) every call is a no-op
-    and nothing at all is written. Nothing ever goes to stdout.
+    and nothing at all is written. Nothing ever goes to stdout. Lines printed while the bar is
+    drawn go through :meth:`routed` so that none lands on the bar's line.
+
+    Args:
+        unit, leave: tqdm's (``leave``: keep the finished bar on screen).
+        tool: on a terminal without tqdm, say once, naming ``tool``, that there is no bar and
+            which extra adds it (default: silently none).
     """
 
-    def __init__(self, *, total: int | None, desc: str, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        total: int | None,
+        desc: str,
+        quiet: bool = False,
+        unit: str = "it",
+        leave: bool = False,
+        tool: str | None = None,
+    ) -> None:
         self._bar: Any = None
         if quiet or not sys.stderr.isatty():
             return
+        if tool is not None:
+            from mopd.profiling.extras import optional_module
+
+            tqdm_module = optional_module("tqdm", purpose="no progress bar", tool=tool)
+            if tqdm_module is None:
+                return
         try:
             from tqdm import tqdm
         except ImportError:  # the profiling extra is not installed: no bar
             return
-        self._bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total, desc=desc, unit=unit, file=sys.stderr, leave=leave, dynamic_ncols=True
+        )
 
     @property
     def shown(self) -> bool:
@@ -127,6 +153,24 @@ class Progress:
                 self._bar.set_postfix_str(case, refresh=True)
             self._bar.update(1)
 
+    @contextlib.contextmanager
+    def routed(self) -> Iterator[None]:
+        """While the bar is drawn, ``sys.stdout`` and ``sys.stderr`` write whole lines with the
+        bar cleared first and redrawn after (tqdm's own write path for our streams), so that no
+        printed line lands on the bar's line; a no-op without a bar."""
+        if self._bar is None:
+            yield
+            return
+        out, err = sys.stdout, sys.stderr
+        routed_out, routed_err = _BarSafe(self._bar, out), _BarSafe(self._bar, err)
+        sys.stdout, sys.stderr = routed_out, routed_err  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+            routed_out.flush()
+            routed_err.flush()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -139,21 +183,101 @@ class Progress:
         self.close()
 
 
+class _BarSafe(io.TextIOBase):
+    """A text stream that writes whole lines to ``file`` around a tqdm ``bar``: clear, write,
+    redraw (a partial line waits for its newline, or for :meth:`flush`)."""
+
+    def __init__(self, bar: Any, file: Any) -> None:
+        super().__init__()
+        self._bar, self._file, self._pending = bar, file, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self._emit(lines + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            text, self._pending = self._pending, ""
+            self._emit(text)
+        self._file.flush()
+
+    def _emit(self, text: str) -> None:
+        self._bar.clear()
+        self._file.write(text)
+        self._file.flush()
+        self._bar.refresh()
+
+
+#: Column-name endings that mark a column of times, and the unit its numbers are in (seconds).
+_TIME_SUFFIXES: tuple[tuple[str, float], ...] = (
+    ("_ns", 1e-9),
+    (" ns", 1e-9),
+    ("_us", 1e-6),
+    (" us", 1e-6),
+    ("_ms", 1e-3),
+    (" ms", 1e-3),
+    ("_s", 1.0),
+)
+_TIME_UNITS: tuple[tuple[str, float], ...] = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+
+
+def human_seconds(seconds: float) -> str:
+    """``seconds`` in the unit that puts it in [1, 1000) (s, ms, µs, ns), four significant
+    figures at most: ``1.495e-05`` -> ``"14.95 µs"``, ``0.25`` -> ``"250 ms"``."""
+    if seconds == 0 or seconds != seconds:  # zero, NaN
+        return f"{seconds:g} s"
+    unit, scale = next(((u, f) for u, f in _TIME_UNITS if abs(seconds) >= f), _TIME_UNITS[-1])
+    return f"{_number(seconds / scale)} {unit}"
+
+
+def _number(v: float) -> str:
+    """Four significant figures, without an exponent where the number is of everyday size
+    (``14950.3`` -> ``"14950"``, not ``"1.495e+04"``)."""
+    if 1e4 <= abs(v) < 1e9:
+        return f"{v:.0f}"
+    return f"{v:.4g}"
+
+
+def _time_column(name: str) -> tuple[str, float] | None:
+    """``(header, seconds per unit)`` when ``name`` is a column of times (``time_ns``)."""
+    for suffix, scale in _TIME_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)], scale
+    return None
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A GitHub-flavoured Markdown table of ``rows`` (columns in first-seen order)."""
+    """A GitHub-flavoured Markdown table of ``rows`` (columns in first-seen order).
+
+    Numbers read as a person writes them: a column of times (its name ends in ``_ns``, ``_us``,
+    ``_ms`` or ``_s``) is headed without the suffix and each of its numbers carries the unit
+    that suits it (``time_ns`` 14950.3 -> ``time`` ``14.95 µs``); other floats get four
+    significant figures, with no exponent for everyday sizes. The CSV keeps the raw numbers.
+    """
     if not rows:
         return "(no rows)\n"
     cols: list[str] = []
     for row in rows:
         cols.extend(k for k in row if k not in cols)
+    times = {c: _time_column(c) for c in cols}
 
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
+    def cell(col: str, v: Any) -> str:
+        unit = times[col]
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return str(v)
+        if unit is not None:
+            return human_seconds(float(v) * unit[1])
+        return _number(v) if isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+    heads = [t[0] if (t := times[c]) is not None else c for c in cols]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(c, r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -124,6 +124,7 @@ with (out / "fake-new.csv").open("w", newline="") as f:
 if "--own" in sys.argv:
     (out / "fake-new-errors.png").write_bytes(b"own plot")
 print("ARGS", sys.argv[1:])
+print("PROG", os.environ.get("MOPD_PROG"), "SAID", os.environ.get("MOPD_EXTRAS_SAID"))
 """
 
 
@@ -146,11 +147,12 @@ def test_bench_runs_module_and_plots_new_csv(
     fake_bench: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     old = _write(fake_bench / "old.csv", "op,ms\nx,1.0\n")
-    rc = cli.main(["bench", "--results-dir", str(fake_bench), "kernels", "--rows", "3", "--help"])
+    rc = cli.main(["bench", "--results-dir", str(fake_bench), "kernels", "--rows", "3", "-v"])
     assert rc == 0
     out = capfd.readouterr().out
     # the results folder reaches the benchmark; its own arguments follow untouched
-    assert f"ARGS ['--results-dir', '{fake_bench}', '--rows', '3', '--help']" in out
+    assert f"ARGS ['--results-dir', '{fake_bench}', '--rows', '3', '-v']" in out
+    assert "PROG mopd bench kernels " in out  # its usage and errors name the command as typed
     png = fake_bench / "fake-new.png"
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000
     assert not old.with_suffix(".png").exists()  # untouched CSVs are not re-plotted
@@ -184,9 +186,47 @@ def test_a_benchmarks_usage_error_is_its_one_line(capfd: pytest.CaptureFixture[s
     assert cli.main(["bench", "ranges", "--iters", "0"]) == 2
     err = capfd.readouterr().err
     assert err == (
-        "bench_ranges: error: --iters and --repeat must be >= 1, got 0, 5 "
-        "(see bench_ranges --help)\n"
+        "mopd bench ranges: error: --iters and --repeat must be >= 1, got 0, 5 "
+        "(see mopd bench ranges --help)\n"
     )
+
+
+def test_bench_help_is_the_benchmarks_own_named_as_typed(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mopd bench ranges --help``: the benchmark's help and nothing else (no note about a
+    missing extra before it, none about a CSV after it), its usage ``mopd bench ranges``, its
+    defaults shown; run directly, the usage is the ``python -m`` command."""
+    asked: list[object] = []
+    monkeypatch.setattr(extras, "optional_module", lambda *a, **k: asked.append(a))
+    assert cli.main(["bench", "ranges", "--help"]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("usage: mopd bench ranges ["), out[:200]
+    assert "(default: 50000)" in " ".join(out.split())
+    assert err == "" and asked == []
+    res = subprocess.run(
+        [sys.executable, "-m", "mopd.profiling.bench_ranges", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "MOPD_PROG"},
+    )
+    assert res.stdout.startswith("usage: python -m mopd.profiling.bench_ranges ["), res.stdout
+    assert res.stderr == ""
+
+
+def test_bench_without_matplotlib_says_so_once_after_the_run(
+    fake_bench: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(extras, "has_module", lambda name: name != "matplotlib")
+    monkeypatch.setattr(extras, "can_draw", lambda tool: said.append(tool) or False)
+    assert cli.main(["bench", "--results-dir", str(fake_bench), "kl", "--rows", "1"]) == 0
+    out = capfd.readouterr().out
+    assert said == ["mopd bench"]  # once, by the command, after the benchmark's output
+    said_to_child = out.split("SAID ")[1].split()[0]
+    assert "matplotlib" in said_to_child.split(",")  # so the benchmark does not say it too
+    assert not list(fake_bench.glob("*.png"))
 
 
 def test_bench_failure_propagates_without_plot(fake_bench: Path) -> None:

@@ -8,17 +8,23 @@ full name's seed, so the 8-rank job (student TP2 CP2 DP2, teachers TP2 DP2 and T
 job, and a pipelined job (student and teacher PP=2 under megatron's 1F1B schedule, 4
 micro-batches, megatron's default loss path) must give the same loss per step (each on the
 response tokens: the prompts are left out by the student's loss mask, and reported as not sent).
-Also: bad flags are rejected before anything starts.
+Also: bad flags are rejected before anything starts; ``--help`` shows the defaults; every rank
+records the phases it goes through (its last one: ``done``); on a terminal the progress bar
+draws and no printed line lands on the bar's line, and off one there is no bar at all.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -33,8 +39,8 @@ FOUR_RANKS = ["--nproc", "4", "--teacher", "tp=2", "--teacher", "tp=2,rank_offse
 FOUR_RANKS += ["--student", "tp=2,cp=2"]
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _run(*args: str, timeout: float = 240, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     env.pop("MOPD_NVTX", None)
     return subprocess.run(
         [sys.executable, "-m", "mopd.profiling.demo", *args, "--timeout", str(timeout - 20)],
@@ -86,11 +92,20 @@ def test_demo_runs_verifies_and_prints_the_table(eight_ranks) -> None:
     )
 
 
-def test_parallel_job_matches_a_one_rank_run(eight_ranks) -> None:
+def test_demo_runs_with_no_progress_bar_off_a_terminal(eight_ranks) -> None:
     assert eight_ranks.returncode == 0, _explain(eight_ranks)
-    single = _run("--steps", "2", *SINGLE_RANK)
+    assert "step/s" not in eight_ranks.stderr and "%|" not in eight_ranks.stderr
+    assert "tqdm is not installed" not in eight_ranks.stderr  # no bar is skipped here
+
+
+def test_parallel_job_matches_a_one_rank_run(eight_ranks, tmp_path: Path) -> None:
+    assert eight_ranks.returncode == 0, _explain(eight_ranks)
+    single = _run("--steps", "2", *SINGLE_RANK, MOPD_PHASE_DIR=str(tmp_path))
     assert single.returncode == 0, _explain(single)
     assert "verification: OK" in single.stdout
+    from mopd.profiling import phases
+
+    assert {r: p.phase for r, p in phases.read(tmp_path).items()} == {0: "done"}
     par, ref = _losses(eight_ranks.stdout), _losses(single.stdout)
     # step 1: same weights, same tokens, float32 reductions in another order
     assert par[0] == pytest.approx(ref[0], rel=1e-5), (par, ref)
@@ -170,3 +185,50 @@ def test_demo_takes_the_one_mesh_syntax(capsys) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "at= is now rank_offset=" in err
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_on_a_terminal_the_bar_draws_and_no_line_lands_on_it() -> None:
+    """stdout and stderr on one terminal (a pty, 120 columns), as a user sees the demo."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TERM="xterm")
+    env.pop("MOPD_NVTX", None)
+    argv = [sys.executable, "-m", "mopd.profiling.demo", "--steps", "2", *SINGLE_RANK]
+    proc = subprocess.Popen(
+        [*argv, "--timeout", "220"], cwd=ROOT, env=env, stdout=slave, stderr=slave, close_fds=True
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=240) == 0
+    text = _ANSI.sub("", b"".join(chunks).decode(errors="replace"))
+    segments = [seg for line in text.split("\n") for seg in line.split("\r")]
+    bars = [seg for seg in segments if "%|" in seg]
+    assert any("2/2" in seg and "step" in seg for seg in bars), text[-3000:]  # it drew
+    for seg in bars:  # a bar's line holds the bar alone: nothing printed after it
+        assert seg.rstrip().endswith("]"), repr(seg)
+    for line in ("verification: OK", "phase (ms, max over ranks)", "loss: "):
+        hits = [seg for seg in segments if line in seg]
+        assert hits and all(seg.lstrip().startswith(line) for seg in hits), (line, hits)
+
+
+def test_help_shows_the_defaults(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in [("--nproc", "8"), ("--steps", "3"), ("--student", "tp=2,cp=2,dp=2")]:
+        assert re.search(rf"{flag} \S+ .*?\(default: {re.escape(default)}\)", out), flag
+    assert "1260 for 8 ranks, 3 steps" in out  # --timeout's default, scaled with the job
+    assert "(default: None)" not in out and "(default: False)" not in out

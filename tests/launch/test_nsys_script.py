@@ -1,5 +1,6 @@
 """profiling/nsys.sh against a fake ``nsys`` that records its argv: traces, per-rank reports,
-torchrun rewriting, and a clear exit 2 where nsys is absent."""
+torchrun rewriting, and a clear exit 2 where nsys is absent; and ``mopd nsys``, the same script
+from the installed package (what a pip user has), naming itself in its messages."""
 
 from __future__ import annotations
 
@@ -169,3 +170,58 @@ def test_exit_status_and_bad_usage(fake: dict[str, str], tmp_path: Path) -> None
     assert proc.returncode == 2 and "unknown option '--bogus'" in proc.stderr
     proc = _run(["--help"], fake, tmp_path)
     assert proc.returncode == 0 and "--nsys-arg" in proc.stdout
+
+
+def _mopd_nsys(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mopd", "nsys", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_mopd_nsys_is_the_packaged_script() -> None:
+    from mopd.profiling.cli import nsys_script
+
+    packaged = nsys_script()
+    assert packaged.name == "nsys.sh" and packaged.read_text() == SCRIPT.read_text()
+    import mopd.profiling
+
+    assert packaged.parent == Path(mopd.profiling.__file__).parent  # beside the installed code
+
+
+def test_mopd_nsys_profiles_a_command_like_the_script(fake: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "reports"
+    proc = _mopd_nsys(["--out", str(out), "--", "echo", "a b"], fake, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"mopd nsys: reports go to {out}" in proc.stderr
+    [(facts, argv)] = _calls(fake)
+    assert facts == {"RANK": "unset", "MOPD_NVTX": "1"}
+    assert "--trace=cuda,nvtx,osrt,nccl" in argv and f"--output={out}/report-%h-%p" in argv
+    assert argv[-2:] == ["echo", "a b"]
+
+
+def test_mopd_nsys_default_command_and_torchrun_from_this_python(
+    fake: dict[str, str], tmp_path: Path
+) -> None:
+    dirs = [d for d in fake["PATH"].split(os.pathsep) if not (Path(d) / "mopd").exists()]
+    env = {**fake, "PATH": os.pathsep.join(dirs)}  # the fake nsys, no mopd console script
+    proc = _mopd_nsys(["--dry-run", "--out", "o"], env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    # no mopd console script on PATH: the demo through the interpreter that ran `mopd nsys`
+    assert argv[-4:] == [sys.executable, "-m", "mopd.profiling.cli", "demo"]
+
+
+def test_mopd_nsys_usage_errors_and_help_name_it(fake: dict[str, str], tmp_path: Path) -> None:
+    proc = _mopd_nsys(["--bogus"], fake, tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("mopd nsys: unknown option '--bogus'")
+    proc = _mopd_nsys(["--help"], fake, tmp_path)
+    assert proc.returncode == 0 and "mopd nsys [--out DIR]" in proc.stdout
+    env = {**fake, "PATH": _path_without_nsys()}
+    proc = _mopd_nsys(["--", "true"], env, tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("mopd nsys: nsys (Nsight Systems CLI) is not on PATH")

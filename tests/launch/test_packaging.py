@@ -1,12 +1,14 @@
 """Tier 2 (launch): the wheel, installed the way a user installs it, ships what the README promises.
 
-Builds the wheel from this checkout. It holds the ``mopd`` namespace and nothing generic, and
-imports from a plain folder away from the source tree. Then, as a new user would: a fresh virtual
-environment, the torch pin of the Makefile first, the wheel with only its declared dependencies
-(``mopd demo`` then says in one line, before any rank starts, which extra it needs), then the
-wheel with the extra the README's install line names, and from an empty folder the commands the
-README shows with it: ``mopd --version``, ``mopd demo --steps 1`` (verifies) and the README's
-``mopd plan`` example (writes its report).
+Builds the wheel from this checkout, with no deprecation from the build backend. It holds the
+``mopd`` namespace and nothing generic, and imports from a plain folder away from the source
+tree. Then, as a new user would: a fresh virtual environment, the torch pin of the Makefile
+first, the wheel with only its declared dependencies (``mopd demo`` then says in one line, before
+any rank starts, which extra it needs), then the wheel with the extra the README's install line
+names, and from an empty folder the commands the README shows with it: ``mopd --version``,
+``mopd demo --steps 1`` (verifies; its output is a log here: no progress bar, no note about
+one), the README's ``mopd plan`` example (writes its report) and ``mopd nsys`` (the packaged
+script: its help, and its one-line refusal where Nsight Systems is not installed).
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SUBPACKAGES = ("capture", "bridge", "kernels", "profiling", "common", "mcore")
 
 
+@dataclass(frozen=True)
+class Wheel:
+    path: Path
+    build_output: str  # what pip and the build backend printed
+
+
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def built(tmp_path_factory: pytest.TempPathFactory) -> Wheel:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -37,16 +45,29 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(ROOT),
             "--no-deps",
             "--no-build-isolation",
-            "-q",
             "-w",
             str(out),
         ],
-        check=True,
         cwd=out,
         timeout=300,
+        capture_output=True,
+        text=True,
     )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     (whl,) = out.glob("mopd_bridge-*.whl")
-    return whl
+    return Wheel(path=whl, build_output=proc.stdout + proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def wheel(built: Wheel) -> Path:
+    return built.path
+
+
+def test_the_build_warns_of_no_deprecation(built: Wheel) -> None:
+    """The package's metadata is what the build backend asks for today (the license as an SPDX
+    expression): a build says nothing is deprecated."""
+    lines = [x for x in built.build_output.splitlines() if re.search(r"deprecat", x, re.I)]
+    assert not lines, "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +102,7 @@ def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
         assert f"mopd/{sub}/__init__.py" in names
         assert f"mopd/{sub}/py.typed" in names
     assert not any("/results/" in n for n in names)
+    assert "mopd/profiling/nsys.sh" in names  # what `mopd nsys` runs
     src_cu = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
     assert sorted(n.split("/")[-1] for n in names if n.endswith(".cu")) == src_cu
     entry = next(n for n in names if n.endswith("entry_points.txt"))
@@ -176,6 +198,8 @@ class FreshInstall:
     demo: subprocess.CompletedProcess[str]
     plan: subprocess.CompletedProcess[str]
     bench: subprocess.CompletedProcess[str]  # a small `mopd bench plan`
+    nsys_help: subprocess.CompletedProcess[str]
+    nsys: subprocess.CompletedProcess[str]  # `mopd nsys -- true`, no Nsight Systems here
     empty: Path  # the folder the commands ran in
 
 
@@ -222,6 +246,7 @@ def fresh_install(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Fres
     demo = run("demo", "--steps", "1", "--timeout", "1800")
     plan = run("plan", *_readme_plan_args())
     bench = run("bench", "plan", "--ranks", "16", "--tokens-per-rank", "64", "--max-len", "40")
+    nsys_help, nsys = run("nsys", "--help"), run("nsys", "--", "true")
     return FreshInstall(
         extras=extras,
         version=version,
@@ -230,6 +255,8 @@ def fresh_install(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Fres
         demo=demo,
         plan=plan,
         bench=bench,
+        nsys_help=nsys_help,
+        nsys=nsys,
         empty=empty,
     )
 
@@ -264,11 +291,9 @@ def test_fresh_install_runs_the_demo_from_an_empty_folder(fresh_install: FreshIn
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     assert "verification: OK" in res.stdout
     assert "Traceback" not in res.stderr, res.stderr[-5000:]
-    notes = [line for line in res.stderr.splitlines() if "tqdm is not installed" in line]
-    assert notes == [
-        "mopd demo: no progress bar: tqdm is not installed (pip install "
-        "'mopd-bridge[profiling]' adds it)"
-    ], res.stderr[-3000:]
+    # a log, not a terminal: no bar to draw, so no bar and no note that tqdm would add one
+    assert "tqdm" not in res.stderr and "%|" not in res.stdout + res.stderr, res.stderr[-3000:]
+    assert not [x for x in res.stdout.splitlines() + res.stderr.splitlines() if "eprecat" in x]
     assert "decreasing" not in res.stdout  # one step is no trend
 
 
@@ -297,3 +322,14 @@ def test_fresh_install_runs_a_benchmark_and_records_it(fresh_install: FreshInsta
         "mopd bench: no picture: matplotlib is not installed (pip install "
         "'mopd-bridge[profiling]' adds it)"
     ], res.stderr
+
+
+def test_fresh_install_has_the_nsys_command(fresh_install: FreshInstall):
+    """``mopd nsys`` runs the script the wheel ships (no checkout): its help, and without
+    Nsight Systems the one-line refusal naming what to install, exit status 2."""
+    res = fresh_install.nsys_help
+    assert res.returncode == 0 and "mopd nsys [--out DIR]" in res.stdout, res.stderr
+    res = fresh_install.nsys
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.startswith("mopd nsys: nsys (Nsight Systems CLI) is not on PATH")
+    assert res.stderr.count("\n") == 1

@@ -4,7 +4,9 @@ Why this file exists: the training-loop tests check that a distributed MOPD step
 teacher with TP, SP, CP, DP, PP, micro-batches) gives the loss and the gradients of the plain
 computation: the student's full weights on the whole global batch against the teacher's own full
 logits. This module loads full weights into sharded models (pipeline stages and TP shards), runs
-that plain computation, and maps full gradients back to each rank's shards.
+that plain computation, and maps full gradients back to each rank's shards. The models are
+megatron-core GPTModels or HybridModels (the same parameter names under ``decoder.layers.N``),
+and :func:`bridged_row_problems` checks the rows a step moved against the teacher's own capture.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 __all__ = [
     "ExtraLoss",
+    "bridged_row_problems",
     "compare_grads",
     "compare_loss",
     "load_sharded",
@@ -193,7 +196,7 @@ def compare_grads(
 
 
 def unwrapped(model: Any) -> torch.nn.Module:
-    """The GPTModel inside megatron's DDP wrapper."""
+    """The model inside megatron's DDP wrapper."""
     return model.module if hasattr(model, "module") else model
 
 
@@ -231,3 +234,97 @@ def masked_padded_micro_batches(
             )
         )
     return mbs
+
+
+def bridged_row_problems(
+    step: Any,
+    *,
+    teacher: tuple[Any, Any, Any, Sequence[Any] | None],
+    hidden_size: int,
+    student: tuple[Any, Any, Sequence[Any] | None],
+    stride: int,
+) -> tuple[list[str], int]:
+    """The rows a single-teacher step delivered against the teacher's own capture, bit for bit.
+
+    Collective over the world (call it inside ``distiller.step(...)``, after the schedule).
+    Reference: a second forward-only pass of the teacher over the same micro-batches
+    (:func:`mopd.mcore.teacher.run_teacher`; deterministic on CPU ranks: the same bits as the
+    step's pass), each captured ``[S, B, H]`` / ``[T, 1, H]`` row all-gathered with its key
+    ``(sample, position)``. On each student last-stage rank, ``step.bridge_step.receive(i)[0]``
+    must hold one row per counted token of its logits layout, in layout order, each equal to the
+    reference row of that token, and ``owner(i)`` must be 0 exactly there.
+
+    Args:
+        teacher: ``(mesh, model, pg_collection, micro_batches)``, ``None`` entries off the mesh.
+        student: ``(mesh, pg_collection, micro_batches)``, ``None`` entries off the mesh.
+        stride: the key stride (at least the longest sequence).
+    Returns:
+        ``(problems, rows checked on this rank)``.
+    """
+    import torch.distributed as dist
+
+    from mopd.bridge.layout import encode_keys
+    from mopd.mcore import micro_batch_layout
+    from mopd.mcore.teacher import run_teacher
+
+    t_mesh, t_model, t_pg, t_mbs = teacher
+    s_mesh, s_pg, s_mbs = student
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen: dict[int, torch.Tensor] = {}
+    if t_mbs is not None:
+        run_teacher(
+            t_model,
+            t_mbs,
+            pg_collection=t_pg,
+            on_hidden=lambda i, h: seen.__setitem__(i, h.clone()),
+        )
+    count = torch.tensor([len(s_mbs) if s_mbs is not None else len(t_mbs or [])])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    problems: list[str] = []
+    checked = 0
+    tc = t_mesh.coord(rank)
+    for i in range(int(count)):
+        rows_NH = torch.zeros((0, hidden_size))
+        keys_N = torch.zeros(0, dtype=torch.int64)
+        if i in seen and tc is not None and tc.tp_rank == 0:  # one TP replica contributes
+            lay = micro_batch_layout(t_mbs[i], rows="hidden", pg_collection=t_pg)
+            rows_NH = seen[i].reshape(-1, hidden_size)
+            keys_N = encode_keys(lay.sample_id_R, lay.position_R, stride)
+        width = torch.tensor([keys_N.numel()])
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        n = int(width)
+        pad_rows = torch.zeros((n, hidden_size), dtype=rows_NH.dtype)
+        pad_keys = torch.full((n,), -1, dtype=torch.int64)
+        pad_rows[: rows_NH.shape[0]] = rows_NH
+        pad_keys[: keys_N.numel()] = keys_N
+        all_rows = torch.empty((world * n, hidden_size), dtype=rows_NH.dtype)
+        all_keys = torch.empty(world * n, dtype=torch.int64)
+        dist.all_gather_into_tensor(all_rows, pad_rows)
+        dist.all_gather_into_tensor(all_keys, pad_keys)
+        if s_mbs is None or not s_mesh.is_last_stage(rank):
+            continue
+        valid = all_keys >= 0
+        ref_keys, ref_rows = all_keys[valid], all_rows[valid]
+        order = torch.argsort(ref_keys)
+        ref_keys, ref_rows = ref_keys[order], ref_rows[order]
+        lay = micro_batch_layout(s_mbs[i], rows="logits", pg_collection=s_pg)
+        want_N = encode_keys(lay.sample_id_R, lay.position_R, stride)
+        counted = want_N[want_N >= 0]
+        got_NH = step.bridge_step.receive(i)[0]
+        owner_N = step.bridge_step.owner(i).cpu()
+        if not torch.equal(owner_N, torch.where(want_N >= 0, 0, -1)):
+            problems.append(f"rank {rank} micro-batch {i}: owners differ from the layout's tokens")
+        if got_NH.shape[0] != counted.numel():
+            problems.append(
+                f"rank {rank} micro-batch {i}: {got_NH.shape[0]} rows for {counted.numel()} tokens"
+            )
+            continue
+        at = torch.searchsorted(ref_keys, counted).clamp(max=max(ref_keys.numel() - 1, 0))
+        if counted.numel() and not torch.equal(ref_keys[at], counted):
+            problems.append(f"rank {rank} micro-batch {i}: tokens missing from the reference")
+            continue
+        if not torch.equal(got_NH, ref_rows[at]):
+            bad = int((got_NH != ref_rows[at]).any(dim=1).sum())
+            problems.append(f"rank {rank} micro-batch {i}: {bad} of {counted.numel()} rows differ")
+        checked += counted.numel()
+    return problems, checked

@@ -1,6 +1,6 @@
-"""Test builders for real megatron-core GPTModels on CPU ranks (gloo).
+"""Test builders for real megatron-core GPTModels and HybridModels on CPU ranks (gloo).
 
-Why this file exists: tier-2 tests build many small GPTModels and compare sharded results with
+Why this file exists: tier-2 tests build many small models and compare sharded results with
 full (TP=1) ones. The CPU patches megatron needs ship with the package (:mod:`mopd.mcore.cpu`,
 applied by the harness and by :func:`build_gpt`); this module adds only what tests need on top:
 tiny configs, model builders, and gathering / loading full parameter states.
@@ -18,9 +18,11 @@ from mopd.mcore.cpu import apply
 __all__ = [
     "apply",
     "build_gpt",
+    "build_hybrid",
     "destroy_parallel",
     "full_state",
     "gather_vocab_shards",
+    "hybrid_missing",
     "init_parallel",
     "load_full_state",
     "megatron_world",
@@ -139,6 +141,63 @@ def build_gpt(
         post_process=post_process,
         share_embeddings_and_output_weights=share_embeddings,
         position_embedding_type=position_embedding_type,
+        **extra,
+    )
+
+
+def hybrid_missing() -> str | None:
+    """Why megatron-core's ``HybridModel`` cannot be built here (a skip reason), or ``None``."""
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        found = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+    except ModuleNotFoundError:  # no megatron at all
+        found = False
+    if found:
+        return None
+    try:
+        have = f"megatron-core {metadata.version('megatron-core')}"
+    except metadata.PackageNotFoundError:
+        have = "no megatron-core"
+    return (
+        f"{have} has no megatron.core.models.hybrid (HybridModel is in 0.18+; "
+        "`make test-newest` runs these tests on 0.19.x)"
+    )
+
+
+def build_hybrid(
+    config: Any,
+    *,
+    pattern: str,
+    vocab_size: int = 64,
+    max_seq_len: int = 32,
+    pre_process: bool = True,
+    post_process: bool = True,
+    share_embeddings: bool = False,
+    pg_collection: Any = None,
+):
+    """A megatron-core HybridModel with the CPU stack spec (``mopd.mcore.cpu``) and learned
+    absolute positions: ``pattern`` of ``*`` (attention) and ``-`` (MLP) layers, ``|`` between
+    pipeline stages (each rank builds its own stage's segment)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from mopd.mcore.cpu import cpu_hybrid_stack_spec
+
+    apply()
+    extra: dict[str, Any] = {}
+    if pg_collection is not None:
+        extra["pg_collection"] = pg_collection
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=cpu_hybrid_stack_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_len,
+        hybrid_layer_pattern=pattern,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type="learned_absolute",
         **extra,
     )
 

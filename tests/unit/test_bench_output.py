@@ -82,3 +82,29 @@ def test_capture_plot_carries_the_cpu_caveat(
     bench_capture.plot(rows, tmp_path / "g.png", "capture", cpu=False)
     assert "functional figures" in titles[0] and "not performance" in titles[0]
     assert "functional" not in titles[1]
+
+
+def test_tables_print_times_and_sizes_as_a_person_writes_them() -> None:
+    """A column of times is headed without its unit suffix and each time carries the unit that
+    suits it; no number of everyday size is printed with an exponent."""
+    from mopd.profiling.results import format_table, human_seconds
+
+    table = format_table(
+        [
+            {"case": "a", "time_ns": 14950.3, "fwd_bwd_ms": 0.25, "setup_s": 3.0, "n": 123456.7},
+            {"case": "b", "time_ns": 104.2, "fwd_bwd_ms": "OOM", "setup_s": 0.0005, "n": 0.01234},
+        ]
+    )
+    assert table.splitlines() == [
+        "| case | time | fwd_bwd | setup | n |",
+        "|---|---|---|---|---|",
+        "| a | 14.95 µs | 250 µs | 3 s | 123457 |",
+        "| b | 104.2 ns | OOM | 500 µs | 0.01234 |",
+    ]
+    assert "e+" not in table
+    assert [human_seconds(x) for x in (2.5e-9, 1.5e-6, 0.0421, 75.0)] == [
+        "2.5 ns",
+        "1.5 µs",
+        "42.1 ms",
+        "75 s",
+    ]

@@ -35,9 +35,12 @@ def test_version_from_the_installed_metadata(capsys: pytest.CaptureFixture[str])
     ("argv", "message"),
     [
         (["bench", "nosuch"], "mopd bench: error: argument name: invalid choice: 'nosuch'"),
-        ([], "mopd: error: the following arguments are required: {demo,plan,bench}"),
+        ([], "mopd: error: the following arguments are required: {demo,plan,bench,nsys}"),
         (["--zz", "demo"], "mopd: error: unrecognized arguments before 'demo': --zz"),
-        (["frobnicate"], "mopd: error: argument {demo,plan,bench}: invalid choice: 'frobnicate'"),
+        (
+            ["frobnicate"],
+            "mopd: error: argument {demo,plan,bench,nsys}: invalid choice: 'frobnicate'",
+        ),
     ],
 )
 def test_misuse_is_one_line_exit_2(

@@ -28,7 +28,9 @@ def test_quick_run_records_rows_that_agree(tmp_path: Path, capsys: pytest.Captur
     assert "skipping Liger-Kernel" in out or "Liger-Kernel JSD" in out
     assert "functional check on the CPU: not performance figures" in out
     # each table once: one header line per part
-    assert out.count("| method | T | H | V | fwd_bwd_ms |") == 1
+    assert (
+        out.count("| method | T | H | V | fwd_bwd |") == 1
+    )  # a column of times: units in its cells
     assert out.count("| method | path | kind | V | logit_std |") == 1
     speed = tmp_path.glob("kl-cpu-*.csv")
     (speed_csv,) = list(speed)
