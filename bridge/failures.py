@@ -17,6 +17,7 @@ failure: they share the groups that failed); it lives as long as a bridge on it 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -131,12 +132,14 @@ class _Watcher:
     def __init__(self, store: dist.Store, *, rank: int, progress: Progress) -> None:
         self.rank = rank
         self.progress = progress
+        self.main = store  # what wakes it (its own connection is blocked by its wait)
         # its own connection: a wait blocks that connection only
         self.store: dist.Store | None = store.clone()  # type: ignore[attr-defined]
         self.answered = threading.Lock()  # held by whoever answers (the thread, or stop)
         self.thread = threading.Thread(target=self._run, name=f"mopd-bridge-watcher-{rank}")
         self.thread.daemon = True
         self.thread.start()
+        _LIVE.add(self)
 
     def _say(self, store: dist.Store, answer: dict[str, Any]) -> None:
         """Answer a census (once: later calls do nothing)."""
@@ -161,17 +164,20 @@ class _Watcher:
         except Exception:  # the store went away: nothing to answer
             return
 
-    def stop(self, store: dist.Store) -> None:
-        """Leave an answer for a later census (this rank closed its bridge), wake the thread
-        through ``store`` (not its own connection, which it blocks) and let it end; close its
-        connection."""
+    def stop(self, where: str = "the bridge's close()") -> None:
+        """Leave an answer for a later census (this rank closed its bridge, or its process
+        ends: ``where``), wake the thread through the main connection and let it end; close
+        its own connection. A thread left blocked in the store when the interpreter shuts down
+        would be torn down inside C++ (``std::terminate``): the process stops every live
+        watcher at exit (``atexit``) too."""
+        _LIVE.discard(self)
         if self.store is None:
             return
         try:
             answer = _answer(self.progress)
-            answer.update(where="the bridge's close()", waiting=False)
-            self._say(store, answer)
-            store.set(f"wake/{self.rank}", "close")
+            answer.update(where=where, waiting=False)
+            self._say(self.main, answer)
+            self.main.set(f"wake/{self.rank}", "close")
         except Exception:  # the store is gone: the thread's wait ends with it
             pass
         self.thread.join(timeout=5.0)
@@ -213,8 +219,8 @@ class FailureBoard:
                 self._watcher = _Watcher(self.store, rank=rank, progress=self.progress)
             except Exception:  # a store that cannot be cloned: no census answers from here
                 self._watcher = None
-        self._finalizer = weakref.finalize(self, _stop, self._watcher, self.store)
-        self._finalizer.atexit = False  # at exit the thread is abandoned (a daemon)
+        self._finalizer = weakref.finalize(self, _stop, self._watcher)
+        self._finalizer.atexit = False  # at exit every live watcher is stopped (_stop_live)
 
     @classmethod
     def of(
@@ -405,9 +411,19 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"global rank {ranks[0]}" if len(ranks) == 1 else f"global ranks {list(ranks)}"
 
 
-def _stop(watcher: _Watcher | None, store: dist.Store) -> None:
+def _stop(watcher: _Watcher | None) -> None:
     if watcher is not None:
-        watcher.stop(store)
+        watcher.stop()
+
+
+#: Every watcher whose thread may still run (stopped at exit, before the interpreter ends).
+_LIVE: weakref.WeakSet[_Watcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live() -> None:
+    for watcher in list(_LIVE):
+        watcher.stop("its process's exit")
 
 
 #: Boards by store and group name: every bridge of a process on one group shares its board.
