@@ -11,18 +11,27 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
   process groups (:func:`mopd.mcore.megatron_process_groups`), PP allowed on both sides;
 - set-up once with :class:`mopd.mcore.Distiller` (bridge groups, the bridge, the teachers' LM
   heads resharded into the student's vocab partition);
-- each step: a global batch of samples with global ids, cut into micro-batches (sample ``i`` goes
-  to teacher ``i % num_teachers``); ``Distiller.step`` plans the bridge and runs the teachers'
-  forward-only pass; megatron's ``get_forward_backward_func()`` runs the student (1F1B with PP)
-  with the MOPD loss inside ``loss_func``; then Adam;
+- each step, on-policy: the step's prompts with global ids (sample ``i`` goes to teacher
+  ``i % num_teachers``; its prompt starts with that teacher's domain tag); each student DP
+  replica samples the responses to its share under the student's own TP/CP/PP
+  (:mod:`mopd.profiling.sampling`: temperature, a stop token, a maximum length); the rollouts
+  (prompt + response, the response mask token-aligned) are cut into micro-batches;
+  ``Distiller.step`` plans the bridge and runs the teachers' forward-only pass; megatron's
+  ``get_forward_backward_func()`` runs the student (1F1B with PP) with the MOPD loss inside
+  ``loss_func``; then Adam;
+- before each step, a held-out KL per teacher: the student against its teachers on a fixed
+  held-out set (fixed prompts with the continuations the untrained student sampled), through a
+  forward-only ``Distiller.step``, so the run shows whether the student gets closer to them;
 - step 1's bridged rows are checked on every student rank against an all-gather reference (the
   teachers' hidden states, from a second teacher pass, joined by key): any mismatch makes the job
   exit non-zero; otherwise rank 0 prints ``verification: OK``; it ends with time per phase, the
-  loss per step and bytes per link (``--json``: one JSON object instead).
+  rollout and held-out KL per step (and what they did) and bytes per link (``--json``: one JSON
+  object instead).
 
 megatron-core runs on CPU ranks through :mod:`mopd.mcore.cpu` (shipped in the package). The
-teachers are random-init models fed random tokens: the job shows data movement and training
-mechanics, not distillation quality. Under your own launcher (several nodes, say), run the
+models are tiny and random-init (teachers included), so the job shows the data movement and
+the on-policy mechanics, and a student moving towards its teachers, at toy scale. Under your
+own launcher (several nodes, say), run the
 workers directly: ``torchrun ... -m mopd.profiling.demo --worker [FLAGS]`` with ``--nproc`` the
 job's world size; ``mopd demo --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` does that for
 one node of a multi-node job.
@@ -82,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="attention heads (every model)")
     p.add_argument("--layers", type=int, default=2, help="layers (every model)")
     p.add_argument("--vocab", type=int, default=256, help="vocabulary (every model)")
-    p.add_argument("--seq-len", type=int, default=32, help="max sample length (in [seq/2, seq])")
-    p.add_argument("--samples", type=int, default=8, help="samples per step, whole job")
+    p.add_argument("--seq-len", type=int, default=32, help="longest sample: prompt + response")
+    p.add_argument("--samples", type=int, default=16, help="prompts per step, whole job")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
     p.add_argument(
         "--prompt-len",
@@ -97,9 +106,18 @@ def _parser() -> argparse.ArgumentParser:
         default="per-token",
         help="megatron's loss normalization: calculate_per_token_loss=True, or its default",
     )
-    p.add_argument("--steps", type=int, default=3, help="training steps")
-    p.add_argument("--lr", type=float, default=3e-3, help="the student's Adam learning rate")
-    p.add_argument("--seed", type=int, default=1234, help="weights and samples")
+    p.add_argument("--steps", type=int, default=16, help="training steps")
+    p.add_argument("--lr", type=float, default=6e-3, help="the student's Adam learning rate")
+    p.add_argument("--seed", type=int, default=1234, help="weights, prompts and sampling")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="the student's sampling temperature"
+    )
+    p.add_argument(
+        "--heldout-samples", type=int, default=16, help="fixed held-out samples, scored every step"
+    )
+    p.add_argument(
+        "--teacher-init-std", type=float, default=0.15, help="teachers' init std (peakedness)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object of the results")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank to DIR")
     p.add_argument(
@@ -109,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds before the job is killed (then it says where each rank was); default: "
         f"{TIMEOUT_BASE_S:.0f} + {TIMEOUT_PER_RANK_S:.0f} per rank on this node + "
-        f"{TIMEOUT_PER_STEP_S:.0f} per step ({default_timeout_s(8, 3):.0f} for 8 ranks, 3 steps: "
+        f"{TIMEOUT_PER_STEP_S:.0f} per step ({default_timeout_s(8, 16):.0f} for 8 ranks, 16 steps: "
         "a busy machine starts 8 ranks slowly)",
     )
     launch = p.add_argument_group("launching (passed to torchrun)")
@@ -149,12 +167,15 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
             vocab=args.vocab,
             seq_len=args.seq_len,
             samples=args.samples,
+            heldout_samples=args.heldout_samples,
             micro_batches=args.micro_batches,
             prompt_len=args.prompt_len,
             per_token_loss=args.loss_path == "per-token",
             steps=args.steps,
             lr=args.lr,
             seed=args.seed,
+            temperature=args.temperature,
+            teacher_init_std=args.teacher_init_std,
         )
         if args.nnodes < 1 or args.nproc % args.nnodes:
             raise ValueError(f"--nproc {args.nproc} must divide into --nnodes {args.nnodes}")

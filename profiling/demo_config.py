@@ -7,7 +7,7 @@ both import this module, neither imports the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mopd.profiling.mesh_arg import MeshSpec
 
@@ -22,14 +22,21 @@ class DemoConfig:
         nproc: ranks in the job.
         teachers / teacher_hidden: one mesh and hidden size per teacher (same vocabulary).
         student / student_hidden: the student's mesh and hidden size.
-        heads, layers, vocab, seq_len: model and batch shape (``seq_len`` = max sample length).
-        samples: samples per step over the whole job (global ids ``step * samples + i``).
+        heads, layers, vocab, seq_len: model and batch shape (``seq_len`` = the longest sample,
+            prompt plus response).
+        samples: prompts per step over the whole job (global ids ``step * samples + i``); the
+            student samples a response to each, and sample ``i`` goes to teacher
+            ``i % num_teachers``.
+        heldout_samples: the fixed held-out set (prompts with continuations the untrained
+            student sampled), scored against its teachers before every step.
         micro_batches: micro-batches per step (each a contiguous share of the samples).
         per_token_loss: megatron's ``calculate_per_token_loss`` (else its default loss path).
         steps, lr, seed: the training run.
         teacher_init_std: the teachers' init std (large -> peaked teacher distributions).
-        prompt_len: the first tokens of each sample are its prompt: the student's loss mask
-            leaves them out (the KL counts the response), so the teachers never send them.
+        prompt_len: the first tokens of each sample are its prompt (a domain tag naming its
+            teacher, then random ids): the response mask leaves them out (the KL counts the
+            response), so the teachers never send them.
+        temperature: the student samples from ``softmax(logits / temperature)``.
     """
 
     nproc: int
@@ -41,15 +48,16 @@ class DemoConfig:
     layers: int = 2
     vocab: int = 256
     seq_len: int = 32
-    samples: int = 8
+    samples: int = 16
+    heldout_samples: int = 16
     micro_batches: int = 2
     per_token_loss: bool = True
-    steps: int = 3
-    lr: float = 3e-3
+    steps: int = 16
+    lr: float = 6e-3
     seed: int = 1234
-    teacher_init_std: float = 0.2
+    teacher_init_std: float = 0.15
     prompt_len: int = 8
-    min_len: int = field(init=False, default=0)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -59,15 +67,17 @@ class DemoConfig:
             "vocab",
             "seq_len",
             "samples",
+            "heldout_samples",
             "micro_batches",
             "steps",
             "student_hidden",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.teacher_init_std > 0:
+        if not self.lr > 0 or not self.teacher_init_std > 0 or not self.temperature > 0:
             raise ValueError(
-                f"lr and teacher_init_std must be > 0, got {self.lr}, {self.teacher_init_std}"
+                f"lr, teacher_init_std and temperature must be > 0, got {self.lr}, "
+                f"{self.teacher_init_std}, {self.temperature}"
             )
         if not self.teachers:
             raise ValueError("at least one teacher is needed")
@@ -110,17 +120,28 @@ class DemoConfig:
                 f"hold none (teachers {[str(t) for t in self.teachers]}, student {self.student}, "
                 f"nproc {self.nproc})"
             )
-        if self.samples % self.micro_batches:
-            raise ValueError(
-                f"samples per step ({self.samples}) must divide into {self.micro_batches} "
-                "micro-batches"
-            )
-        per_mb = self.samples // self.micro_batches
-        if per_mb % len(self.teachers):
-            raise ValueError(
-                f"samples per micro-batch ({per_mb}) must divide by the number of teachers "
-                f"({len(self.teachers)})"
-            )
+        for what, count in (("samples", self.samples), ("heldout_samples", self.heldout_samples)):
+            if count % self.micro_batches:
+                raise ValueError(
+                    f"{what} per step ({count}) must divide into {self.micro_batches} micro-batches"
+                )
+            per_mb = count // self.micro_batches
+            if per_mb % len(self.teachers):
+                raise ValueError(
+                    f"{what} per micro-batch ({per_mb}) must divide by the number of teachers "
+                    f"({len(self.teachers)})"
+                )
+            for i, t in enumerate(self.teachers):
+                if per_mb // len(self.teachers) < t.dp:
+                    raise ValueError(
+                        f"teacher {i} gets {per_mb // len(self.teachers)} {what} per "
+                        f"micro-batch, fewer than its dp={t.dp}"
+                    )
+            if per_mb < self.student.dp:
+                raise ValueError(
+                    f"{per_mb} {what} per micro-batch are fewer than the student's "
+                    f"dp={self.student.dp}"
+                )
         for i, t in enumerate(self.teachers):
             if t.cp != 1:
                 raise ValueError(f"teacher {i}: the demo's teachers take cp=1, got cp={t.cp}")
@@ -129,25 +150,30 @@ class DemoConfig:
                     f"teacher {i}: seq_len {self.seq_len} must divide by tp={t.tp} (sequence "
                     "parallelism)"
                 )
-            if per_mb // len(self.teachers) < t.dp:
-                raise ValueError(
-                    f"teacher {i} gets {per_mb // len(self.teachers)} samples per micro-batch, "
-                    f"fewer than its dp={t.dp}"
-                )
-        if per_mb < self.student.dp:
+        if self.student.cp > 1 and self.seq_len % (2 * self.student.cp):
             raise ValueError(
-                f"{per_mb} samples per micro-batch are fewer than the student's dp={self.student.dp}"
+                f"seq_len {self.seq_len} must divide by 2 * cp = {2 * self.student.cp} (the "
+                "student's sequences are padded to that multiple, within its positions)"
             )
-        object.__setattr__(self, "min_len", max(1, self.seq_len // 2))
-        if not 0 <= self.prompt_len < self.min_len:
+        if not 1 <= self.prompt_len < self.seq_len:
             raise ValueError(
-                f"prompt_len must be in [0, {self.min_len}) (samples are {self.min_len}.."
-                f"{self.seq_len} tokens), got {self.prompt_len}"
+                f"prompt_len must be in [1, {self.seq_len}) (a domain tag first, and room for "
+                f"a response within seq_len {self.seq_len}), got {self.prompt_len}"
+            )
+        if self.vocab < self.num_teachers + 2:
+            raise ValueError(
+                f"vocab {self.vocab} needs room for the stop token, {self.num_teachers} domain "
+                "tags and prompt tokens"
             )
 
     @property
     def num_teachers(self) -> int:
         return len(self.teachers)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The longest response the student may sample (``seq_len - prompt_len``)."""
+        return self.seq_len - self.prompt_len
 
     def as_dict(self) -> dict[str, object]:
         """The configuration as plain data (for ``--json``)."""
@@ -158,10 +184,16 @@ class DemoConfig:
             "student": str(self.student),
             "student_hidden": self.student_hidden,
             "samples": self.samples,
+            "heldout_samples": self.heldout_samples,
             "micro_batches": self.micro_batches,
             "seq_len": self.seq_len,
             "vocab": self.vocab,
             "steps": self.steps,
+            "lr": self.lr,
+            "seed": self.seed,
+            "teacher_init_std": self.teacher_init_std,
             "per_token_loss": self.per_token_loss,
             "prompt_len": self.prompt_len,
+            "temperature": self.temperature,
+            "max_new_tokens": self.max_new_tokens,
         }

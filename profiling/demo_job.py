@@ -4,13 +4,18 @@ Why this file exists: :mod:`mopd.profiling.demo` parses the flags and starts tor
 then runs :func:`worker` from here, as a megatron-core user's training script would: models on
 their own meshes, :class:`mopd.mcore.Distiller` once, then per step ``Distiller.step`` around
 megatron's ``get_forward_backward_func()``, an optimizer step, step 1 verified bit-exact against
-an all-gather reference, and a report per phase.
+an all-gather reference, and a report per phase. On-policy: each step the student samples its
+responses to the step's prompts under its own mesh (:mod:`mopd.profiling.sampling`), and before
+each step a fixed held-out set is scored against the teachers, so the report shows whether the
+student gets closer to them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -30,7 +35,23 @@ if TYPE_CHECKING:
 __all__ = ["worker"]
 
 #: The timed phases of one step, in table order.
-PHASES: tuple[str, ...] = ("plan", "teacher fwd", "student fwd+bwd", "finish", "optimizer")
+PHASES: tuple[str, ...] = (
+    "held-out",
+    "sample",
+    "plan",
+    "teacher fwd",
+    "student fwd+bwd",
+    "finish",
+    "optimizer",
+)
+
+#: The token that ends a response; the domain tag of teacher ``k``'s prompts is ``1 + k``, and
+#: the rest of a prompt draws from the ids after the tags.
+STOP_TOKEN = 0
+
+#: Sampling streams: the held-out set's continuations and the training rollouts draw
+#: independent noise even where their sample ids overlap.
+HELDOUT_STREAM, ROLLOUT_STREAM = 1, 2
 
 
 def worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
@@ -284,33 +305,101 @@ class _Job:
             ),
             pool=pool,
             bridge_config=BridgeConfig(timeout_s=self.timeout.total_seconds()),
+            vocab_size=cfg.vocab,
         )
 
     # ---- data --------------------------------------------------------------------------------
 
-    def _global_batch(self, step: int) -> tuple[list[int], dict[int, torch.Tensor]]:
+    def _prompts(self, ids: list[int], salt: str) -> dict[int, torch.Tensor]:
+        """Each sample's ``[prompt_len]`` prompt: its domain tag (token ``1 + teacher``, so the
+        student can tell which teacher a prompt is distilled towards, as a domain's prompts go
+        to that domain's teacher), then ids drawn after the tags from a generator seeded by
+        ``(seed, salt)``."""
         import torch
 
         cfg = self.cfg
-        g = torch.Generator().manual_seed(cfg.seed * 7919 + step)
-        ids = list(range(step * cfg.samples, (step + 1) * cfg.samples))
-        lens = torch.randint(cfg.min_len, cfg.seq_len + 1, (cfg.samples,), generator=g).tolist()
-        return ids, {
-            i: torch.randint(0, cfg.vocab, (n,), generator=g)
-            for i, n in zip(ids, lens, strict=True)
+        g = torch.Generator().manual_seed(zlib.crc32(f"prompts/{cfg.seed}/{salt}".encode()))
+        body = torch.randint(
+            1 + cfg.num_teachers, cfg.vocab, (len(ids), cfg.prompt_len - 1), generator=g
+        )
+        return {
+            s: torch.cat([torch.tensor([1 + s % cfg.num_teachers]), body[k]])
+            for k, s in enumerate(ids)
         }
+
+    def _micro_batch_ids(self, ids: list[int]) -> list[list[int]]:
+        """The sample ids of each micro-batch (contiguous equal shares)."""
+        per = len(ids) // self.cfg.micro_batches
+        return [ids[i * per : (i + 1) * per] for i in range(self.cfg.micro_batches)]
+
+    def _replica_ids(self, ids: list[int]) -> list[int]:
+        """The samples this rank's student DP replica trains on (its DP share of every
+        micro-batch), which it also samples; none off the student."""
+        from mopd.mcore import split_samples
+
+        c = self.student_mesh.coord(self.rank)
+        if c is None:
+            return []
+        return [
+            s
+            for mb in self._micro_batch_ids(ids)
+            for s in split_samples(mb, self.student_mesh.dp, c.dp_rank)
+        ]
+
+    def _rollouts(
+        self, ids: list[int], prompts: dict[int, torch.Tensor], stream: int
+    ) -> dict[int, torch.Tensor]:
+        """Each sample's prompt and the response the student samples to it, on every rank.
+
+        Each student DP replica samples its own share (:func:`~mopd.profiling.sampling.
+        generate` under the student's TP/CP/PP), then one all-gather gives every rank every
+        rollout, each checked equal on all the ranks that sampled it (the teachers need the
+        token ids too)."""
+        import torch
+
+        from mopd.profiling.sampling import SamplingConfig, agree_responses, generate
+
+        cfg = self.cfg
+        timeout_s = self.timeout.total_seconds()
+        sampling = SamplingConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            stop_token=STOP_TOKEN,
+            vocab_size=cfg.vocab,
+            seed=cfg.seed,
+            stream=stream,
+        )
+        local: dict[int, torch.Tensor] = {}
+        if self.student is not None:
+            mine = self._replica_ids(ids)
+            responses = generate(
+                self.student,
+                [prompts[s] for s in mine],
+                mine,
+                pg_collection=self.student_pg,
+                config=sampling,
+                max_len=cfg.seq_len,
+                device=self.device,
+                timeout_s=timeout_s,
+            )
+            local = dict(zip(mine, responses, strict=True))
+        agreed = agree_responses(
+            local, ids, max_new_tokens=cfg.max_new_tokens, device=self.device, timeout_s=timeout_s
+        )
+        return {s: torch.cat([prompts[s], agreed[s]]) for s in ids}
 
     def _micro_batches(
         self, ids: list[int], tokens: dict[int, torch.Tensor]
     ) -> tuple[Any, list[Any]]:
-        """This rank's student and teacher micro-batches (``None`` where it holds no model)."""
+        """This rank's student and teacher micro-batches (``None`` where it holds no model); the
+        student's response mask is token-aligned (every token after the prompt), the library
+        derives the row mask from it."""
         import torch
 
         from mopd.mcore import packed_micro_batch, padded_micro_batch, split_samples
 
         cfg = self.cfg
-        per = cfg.samples // cfg.micro_batches
-        mbs = [ids[i * per : (i + 1) * per] for i in range(cfg.micro_batches)]
+        mbs = self._micro_batch_ids(ids)
         student = None
         c = self.student_mesh.coord(self.rank)
         if c is not None:
@@ -348,6 +437,85 @@ class _Job:
             teachers.append(mine_k)
         return student, teachers
 
+    # ---- the loss and the held-out KL --------------------------------------------------------
+
+    def _forward_step(self, dstep: Any, sums_2K: torch.Tensor) -> Any:
+        """megatron's ``forward_step_func`` for ``dstep``: the student's forward, and a
+        ``loss_func`` on :meth:`~mopd.mcore.DistillationStep.teacher_signal` (the stock loss:
+        the reverse KL to each token's teacher, summed over counted tokens) that also adds each
+        teacher's KL sum and token count (by ``owner_T``) into ``sums_2K`` ``[2, teachers]``
+        (TP rank 0 of the last stage only: the TP ranks share their tokens)."""
+        from mopd.mcore.teacher import default_forward
+
+        c = self.student_mesh.coord(self.rank)
+        counts = c is not None and c.tp_rank == 0
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+            mb = next(data_iterator)
+
+            def loss_func(logits: torch.Tensor, non_loss_data: bool = False) -> tuple[Any, ...]:
+                signal = dstep.teacher_signal(logits, mb)
+                if counts:
+                    kl_T = next(iter(signal.kl_T.values())).detach().double().cpu()
+                    owner_T = signal.owner_T.cpu()
+                    for k in range(self.cfg.num_teachers):
+                        sums_2K[0, k] += kl_T[owner_T == k].sum()
+                        sums_2K[1, k] += int((owner_T == k).sum())
+                return dstep.loss_output(signal.weighted_kl_sum(), signal)
+
+            return default_forward(model, mb), loss_func
+
+        return forward_step
+
+    def _per_teacher(self, sums_2K: torch.Tensor) -> list[float]:
+        """Each teacher's mean KL per token over the whole job (an all-reduce of the ranks'
+        ``[2, teachers]`` sums: every rank takes part)."""
+        import torch.distributed as dist
+
+        total = sums_2K.to(self.device)
+        dist.all_reduce(total)
+        total = total.cpu()
+        return [float(total[0, k] / total[1, k].clamp(min=1)) for k in range(total.shape[1])]
+
+    def _schedule(self, dstep: Any, sums_2K: torch.Tensor, *, forward_only: bool) -> None:
+        """The student's part of ``dstep`` through megatron's schedule (1F1B with PP; forward
+        only for the held-out KL); nothing off the student."""
+        import torch
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        if self.student is None:
+            return
+        fb = get_forward_backward_func(pp_size=self.student_mesh.pp, vp_size=None)
+        kwargs: dict[str, Any] = {"pg_collection": self.student_pg}
+        if self.student_mesh.pp > 1:
+            kwargs["p2p_communicator"] = P2PCommunicator(
+                pp_group=self.student_pg.pp, config=self.scfg
+            )
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            fb(
+                forward_step_func=self._forward_step(dstep, sums_2K),
+                data_iterator=dstep.data_iterator(),
+                model=[self.student],
+                num_microbatches=self.cfg.micro_batches,
+                seq_length=self.cfg.seq_len,
+                micro_batch_size=1,
+                forward_only=forward_only,
+                **kwargs,
+            )
+
+    def _heldout_kl(self) -> list[float]:
+        """Each teacher's reverse KL per token on the fixed held-out set (its routed samples'
+        response tokens), through the library: a forward-only ``Distiller.step`` pass whose
+        ``loss_func`` reads :meth:`~mopd.mcore.DistillationStep.teacher_signal`."""
+        import torch
+
+        s_mbs, t_mbs = self._micro_batches(self.heldout_ids, self.heldout_tokens)
+        sums = torch.zeros(2, self.cfg.num_teachers, dtype=torch.float64)
+        with self.distiller.step(student=s_mbs, teachers=t_mbs) as dstep:
+            self._schedule(dstep, sums, forward_only=True)
+        return self._per_teacher(sums)
+
     # ---- the run -----------------------------------------------------------------------------
 
     def _sync(self) -> None:
@@ -375,8 +543,20 @@ class _Job:
         )
         if self.rank == 0:
             self._print_meshes()
+        t0 = time.perf_counter()
+        self.heldout_ids = list(range(cfg.heldout_samples))
+        self.heldout_tokens = self._rollouts(
+            self.heldout_ids, self._prompts(self.heldout_ids, "held-out"), HELDOUT_STREAM
+        )
+        self.say(
+            f"held-out set: {cfg.heldout_samples} fixed prompts, continuations sampled by the "
+            f"untrained student in {time.perf_counter() - t0:.1f} s"
+        )
         self.times = torch.zeros(cfg.steps, len(PHASES), dtype=torch.float64)
         self.losses = torch.zeros(cfg.steps, dtype=torch.float64)
+        self.heldout_kl = torch.zeros(cfg.num_teachers, cfg.steps, dtype=torch.float64)
+        self.rollout_kl = torch.zeros(cfg.num_teachers, cfg.steps, dtype=torch.float64)
+        self.rollouts: list[dict[int, torch.Tensor]] = []
         self.link_bytes: dict[tuple[int, int, int], int] = {}
         self.verified: dict[str, Any] = {}
         profiler = None
@@ -435,43 +615,34 @@ class _Job:
     def _step(self, step: int) -> bool:
         import torch
         import torch.distributed as dist
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         cfg = self.cfg
         times = self.times[step]
-        ids, tokens = self._global_batch(step)
+        t = time.perf_counter()
+        # the student that samples this step, before its update
+        self.heldout_kl[:, step] = torch.tensor(self._heldout_kl(), dtype=torch.float64)
+        times[0] = time.perf_counter() - t
+        t = time.perf_counter()
+        ids = list(range(step * cfg.samples, (step + 1) * cfg.samples))
+        tokens = self._rollouts(ids, self._prompts(ids, f"step {step}"), ROLLOUT_STREAM)
+        self.rollouts.append(tokens)
+        times[1] = time.perf_counter() - t
         s_mbs, t_mbs = self._micro_batches(ids, tokens)
         if self.student is not None:
             self.student.zero_grad_buffer()
-        t = time.perf_counter()
         ok = True
+        sums = torch.zeros(2, cfg.num_teachers, dtype=torch.float64)
         with self.distiller.step(student=s_mbs, teachers=t_mbs) as dstep:
-            times[0] = dstep.timings["plan"]
-            times[1] = dstep.timings["teacher"]
+            times[2] = dstep.timings["plan"]
+            times[3] = dstep.timings["teacher"]
             t = time.perf_counter()
-            if self.student is not None:
-                fb = get_forward_backward_func(pp_size=self.student_mesh.pp, vp_size=None)
-                kwargs: dict[str, Any] = {"pg_collection": self.student_pg}
-                if self.student_mesh.pp > 1:
-                    kwargs["p2p_communicator"] = P2PCommunicator(
-                        pp_group=self.student_pg.pp, config=self.scfg
-                    )
-                fb(
-                    forward_step_func=dstep.forward_step,
-                    data_iterator=dstep.data_iterator(),
-                    model=[self.student],
-                    num_microbatches=cfg.micro_batches,
-                    seq_length=cfg.seq_len,
-                    micro_batch_size=1,
-                    **kwargs,
-                )
+            self._schedule(dstep, sums, forward_only=False)
             self._sync()
-            times[2] = time.perf_counter() - t
+            times[4] = time.perf_counter() - t
             if step == 0:
                 ok = self._verify(dstep, s_mbs, t_mbs, tokens)
             t = time.perf_counter()
-        times[3] = time.perf_counter() - t
+        times[5] = time.perf_counter() - t
         for mb, owner, src, dst, nbytes in dstep.bridge_step.traffic():
             del mb
             key = (owner, src, dst)
@@ -484,7 +655,8 @@ class _Job:
             for p in self.params:
                 p.grad = None
         self._sync()
-        times[4] = time.perf_counter() - t
+        times[6] = time.perf_counter() - t
+        self.rollout_kl[:, step] = torch.tensor(self._per_teacher(sums), dtype=torch.float64)
         loss = dstep.mean_loss()
         value = torch.tensor(
             [-math.inf if loss is None else loss], dtype=torch.float64, device=self.device
@@ -628,9 +800,11 @@ class _Job:
             f"vocab={cfg.vocab} layers={cfg.layers} heads={cfg.heads}"
         )
         lines.append(
-            f"step: {cfg.samples} samples in {cfg.micro_batches} micro-batches, lengths "
-            f"{cfg.min_len}..{cfg.seq_len}; megatron's {'per-token' if cfg.per_token_loss else 'default'} "
-            "loss path"
+            f"step: {cfg.samples} prompts of {cfg.prompt_len} tokens (a domain tag, 1 + teacher, "
+            f"then random ids); the student samples each response (temperature "
+            f"{cfg.temperature:g}, stop token {STOP_TOKEN}, at most {cfg.max_new_tokens} tokens); "
+            f"{cfg.micro_batches} micro-batches, megatron's "
+            f"{'per-token' if cfg.per_token_loss else 'default'} loss path, Adam lr {cfg.lr:g}"
         )
         print("\n".join(f"  {x}" for x in lines), file=self.out, flush=True)
 
@@ -649,9 +823,21 @@ class _Job:
             for key, n in part.items():
                 link_bytes[key] = link_bytes.get(key, 0) + n
         ms = times.cpu() * 1e3
-        tokens = sum(
-            sum(int(t.numel()) for t in self._global_batch(k)[1].values()) for k in range(cfg.steps)
+        tokens = sum(int(t.numel()) for step in self.rollouts for t in step.values())
+        lengths = [
+            [int(step[s].numel()) - cfg.prompt_len for s in sorted(step)] for step in self.rollouts
+        ]
+        stopped = sum(
+            int(step[s][-1]) == STOP_TOKEN and step[s].numel() > cfg.prompt_len
+            for step in self.rollouts
+            for s in step
         )
+        heldout = self.heldout_kl.tolist()
+        rollout_kl = self.rollout_kl.tolist()
+        trends = {
+            "rollout_kl": _trend([float(x) for x in self.losses]),
+            "heldout_kl": [_trend(h) for h in heldout],
+        }
         cross = sum(n for (o, s, d), n in link_bytes.items() if s != d)
         local = sum(n for (o, s, d), n in link_bytes.items() if s == d)
         masked, saved = self._masked_bytes(link_bytes)
@@ -661,7 +847,15 @@ class _Job:
                     {
                         "config": cfg.as_dict(),
                         "verification": self.verified,
+                        "rollouts": "student",
                         "loss_per_step": [float(x) for x in self.losses],
+                        "rollout_kl": rollout_kl,
+                        "heldout_kl": heldout,
+                        "response_lengths": lengths,
+                        "stopped_responses": stopped,
+                        "rollout_digest": [_digest(step) for step in self.rollouts],
+                        "heldout_digest": _digest(self.heldout_tokens),
+                        "trends": trends,
                         "phase_ms_max_over_ranks": {
                             name: [float(ms[s, k]) for s in range(cfg.steps)]
                             for k, name in enumerate(PHASES)
@@ -680,24 +874,35 @@ class _Job:
                 flush=True,
             )
             return
-        head = ["phase (ms, max over ranks)"] + [f"step {s + 1}" for s in range(cfg.steps)]
-        rows = [
-            [name] + [f"{float(ms[s, k]):.1f}" for s in range(cfg.steps)]
-            for k, name in enumerate(PHASES)
+        n = cfg.num_teachers
+        time_head = ["step", *PHASES, "total"]
+        time_rows = [
+            [str(s + 1), *(f"{float(x):.1f}" for x in ms[s]), f"{float(ms[s].sum()):.1f}"]
+            for s in range(cfg.steps)
         ]
-        rows.append(["total"] + [f"{float(ms[s].sum()):.1f}" for s in range(cfg.steps)])
-        rows.append(["loss (reverse KL / token)"] + [f"{float(x):.6f}" for x in self.losses])
-        widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-
-        def fmt(r: Sequence[str]) -> str:
-            return (
-                "  "
-                + r[0].ljust(widths[0])
-                + "".join(f"  {x.rjust(w)}" for x, w in zip(r[1:], widths[1:], strict=True))
-            )
-
-        out = [fmt(head), "  " + "-" * (sum(widths) + 2 * (len(widths) - 1))]
-        out += [fmt(r) for r in rows]
+        kl_head = ["step", "rollout KL (the loss)"]
+        kl_head += [f"rollout t{k}" for k in range(n)] + [f"held-out t{k}" for k in range(n)]
+        kl_rows = [
+            [str(s + 1), f"{float(self.losses[s]):.6f}"]
+            + [f"{rollout_kl[k][s]:.6f}" for k in range(n)]
+            + [f"{heldout[k][s]:.6f}" for k in range(n)]
+            for s in range(cfg.steps)
+        ]
+        out = ["  time per phase (ms, max over ranks):"]
+        out += _table(time_head, time_rows)
+        out.append("")
+        out.append(
+            "  reverse KL per response token of the student that samples the step (before its "
+            "update):\n  rollout = on the step's fresh rollouts (all, then per teacher tk), "
+            "held-out = on the fixed held-out set:"
+        )
+        out += _table(kl_head, kl_rows)
+        flat = [n for step in lengths for n in step]
+        out.append(
+            f"  rollouts: {len(flat)} responses sampled by the student, {min(flat)}.."
+            f"{max(flat)} tokens (mean {sum(flat) / len(flat):.1f}), {stopped} ended by the "
+            "stop token"
+        )
         out.append("")
         out.append(
             f"  bytes per link (teacher rank -> student rank, from the plans, {cfg.steps} steps):"
@@ -713,12 +918,9 @@ class _Job:
             f"  prompt tokens (loss mask) not sent: {masked} tokens, {_human(saved)} saved "
             f"({100 * saved / max(saved + cross + local, 1):.0f}% of the unmasked traffic)"
         )
-        first, last = float(self.losses[0]), float(self.losses[-1])
-        if cfg.steps == 1:  # one value is no trend
-            out.append(f"  loss: {first:.6f} (one step)")
-        else:
-            trend = "decreasing" if last < first else "not decreasing"
-            out.append(f"  loss: {first:.6f} -> {last:.6f} ({trend})")
+        out.append(f"  rollout KL: {trends['rollout_kl']}")
+        for k in range(cfg.num_teachers):
+            out.append(f"  held-out KL teacher {k}: {trends['heldout_kl'][k]}")
         print("\n".join(out), file=self.out, flush=True)
 
     def _masked_bytes(self, link_bytes: dict[tuple[int, int, int], int]) -> tuple[int, int]:
@@ -728,8 +930,8 @@ class _Job:
         cfg = self.cfg
         counted = [0] * cfg.num_teachers
         masked = [0] * cfg.num_teachers
-        for step in range(cfg.steps):
-            for s, t in self._global_batch(step)[1].items():
+        for step in self.rollouts:
+            for s, t in step.items():
                 k = s % cfg.num_teachers
                 prompt = min(cfg.prompt_len, int(t.numel()))
                 masked[k] += prompt
@@ -739,6 +941,40 @@ class _Job:
             moved[o] += n
         saved = sum(moved[k] * masked[k] // max(counted[k], 1) for k in range(cfg.num_teachers))
         return sum(masked), saved
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Lines of a right-aligned text table under ``head``."""
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+
+    def fmt(r: Sequence[str]) -> str:
+        return "    " + "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))
+
+    return [fmt(head), "    " + "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(fmt, rows)]
+
+
+def _trend(values: Sequence[float]) -> str:
+    """What a per-step series did: first -> last, their ratio, and every step where it rose."""
+    if len(values) == 1:  # one value is no trend
+        return f"{values[0]:.4f} (one step)"
+    first, last = values[0], values[-1]
+    rose = [k + 1 for k in range(1, len(values)) if values[k] > values[k - 1]]
+    if rose:  # step k (1-based) rose when its value is above step k - 1's
+        what = f"rose at step{'s' if len(rose) > 1 else ''} {', '.join(map(str, rose))}"
+    elif all(b < a for a, b in itertools.pairwise(values)):
+        what = "fell every step"
+    else:
+        what = "never rose (flat at some step)"
+    ratio = f"{last / first:.2f}x" if first > 0 else "n/a"
+    return f"{first:.4f} -> {last:.4f} ({ratio}), {what}"
+
+
+def _digest(tokens: dict[int, torch.Tensor]) -> int:
+    """CRC-32 of samples' token ids in sample-id order (rollouts compared across runs)."""
+    crc = 0
+    for s in sorted(tokens):
+        crc = zlib.crc32(f"{s}:{tokens[s].tolist()};".encode(), crc)
+    return crc
 
 
 def _human(n: int) -> str:
