@@ -206,6 +206,7 @@ def test_every_tier2_module_is_collected_test_by_test_in_the_parent():
             "-q",
             "-o",
             "addopts=",
+            "-rs",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -215,7 +216,12 @@ def test_every_tier2_module_is_collected_test_by_test_in_the_parent():
     assert res.returncode == 0, res.stdout + res.stderr
     ids = [line for line in res.stdout.splitlines() if "::" in line]
     modules = {i.split("::")[0] for i in ids}
-    assert len(modules) == len(list((ROOT / "tests/torchrun").glob("test_*.py")))
+    # a module this environment cannot run skips whole, saying why (e.g. HybridModel on 0.16)
+    skipped = set(
+        re.findall(r"^SKIPPED \[\d+\] (tests/torchrun/test_\w+\.py):\d+: \S", res.stdout, re.M)
+    )
+    files = {f"tests/torchrun/{p.name}" for p in (ROOT / "tests/torchrun").glob("test_*.py")}
+    assert modules | skipped == files and not modules & skipped, files - modules - skipped
     assert "whole-module" not in res.stdout and "cannot be imported" not in res.stdout
     assert len(ids) > 2 * len(modules)
 
