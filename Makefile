@@ -18,7 +18,7 @@ MCORE_NEWEST ?= megatron-core>=0.19,<0.20
 # the megatron-facing tests: real GPTModels and HybridModels on CPU ranks, megatron's schedules,
 # the demo, the README
 NEWEST_TESTS ?= tests/torchrun/test_capture_megatron.py tests/torchrun/test_cpu_attention.py \
-	tests/torchrun/test_mcore_loop.py tests/torchrun/test_mcore_hybrid.py \
+	tests/torchrun/test_mcore_loop.py tests/torchrun/test_mcore_hybrid.py tests/torchrun/test_true_vocab.py \
 	tests/torchrun/test_bridge_e2e.py tests/launch/test_demo.py tests/launch/test_readme.py
 SOURCES := pyproject.toml $(shell find capture bridge kernels profiling common mcore mopd -type f \( -name '*.py' -o -name '*.cu' -o -name '*.sh' -o -name 'py.typed' \) -not -path '*/results/*' 2>/dev/null)
 # After `make dev`: the editable install sees every edit; only the dependencies can go stale.
