@@ -44,58 +44,23 @@ HIDDEN_T = (48, 40)
 world = pytest.fixture(scope="module")(megatron_world)
 
 
-def _cfg(**kw: Any) -> Any:
-    from tests.support.megatron_cpu import tiny_config
-
-    return tiny_config(
-        num_layers=LAYERS, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", **kw
-    )
-
-
-def _gpt(cfg: Any, spec: Any, *, pre: bool = True, post: bool = True, pg: Any = None) -> Any:
-    from megatron.core.models.gpt import GPTModel
-
-    return GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=V,
-        max_sequence_length=S,
-        position_embedding_type="learned_absolute",
-        pre_process=pre,
-        post_process=post,
-        pg_collection=pg,
-    )
+#: every model of this module: the vocabulary, the positions, the layers; a pipelined model's
+#: micro-batches may differ in shape
+_SIZES: dict[str, Any] = dict(
+    vocab=V, seq=S, layers=LAYERS, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"
+)
 
 
 def _full(hidden: int, seed: int) -> tuple[Any, dict]:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tests.support.mcore_models import full_gpt
 
-    torch.manual_seed(seed)
-    model = _gpt(_cfg(hidden_size=hidden, init_method_std=0.05), get_gpt_layer_local_spec())
-    return model, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return full_gpt(hidden=hidden, seed=seed, **_SIZES)
 
 
 def _sharded(mesh: Any, pg: Any, full: dict, *, hidden: int, sp: bool, thd: bool, **kw: Any):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tests.support.mcore_models import sharded_gpt
 
-    from mopd.mcore.cpu import cpu_gpt_layer_spec
-    from tests.support.mcore_ref import load_sharded
-
-    c = mesh.coord(dist.get_rank())
-    cfg = _cfg(
-        hidden_size=hidden,
-        tensor_model_parallel_size=mesh.tp,
-        pipeline_model_parallel_size=mesh.pp,
-        context_parallel_size=mesh.cp,
-        sequence_parallel=sp,
-        **kw,
-    )
-    spec = cpu_gpt_layer_spec() if thd else get_gpt_layer_local_spec()
-    model = _gpt(cfg, spec, pre=c.pp_rank == 0, post=c.pp_rank == mesh.pp - 1, pg=pg)
-    names = load_sharded(
-        model, full, tp_rank=c.tp_rank, tp_size=mesh.tp, layer_offset=c.pp_rank * LAYERS // mesh.pp
-    )
-    return model, names, cfg
+    return sharded_gpt(mesh, pg, full, hidden=hidden, sp=sp, thd=thd, **_SIZES, **kw)
 
 
 class Batch:
