@@ -400,7 +400,7 @@ class Distiller:
             student_layouts=student_layouts,
             check=lambda: self._check_inputs(student, teachers),
         )
-        step = DistillationStep(self, bstep, student, samples=samples)
+        step = DistillationStep(self, bstep, student, teachers=teachers, samples=samples)
         t1 = time.perf_counter()
         held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
         try:
@@ -605,11 +605,18 @@ class DistillationStep:
         bridge_step: BridgeStep,
         student: Sequence[MicroBatch] | None,
         *,
+        teachers: Sequence[Sequence[MicroBatch] | None] | None = None,
         samples: StepSamples | None = None,
     ) -> None:
         self.distiller = distiller
         self.bridge_step = bridge_step
+        #: this rank's student micro-batches, in schedule order (``[]`` off the student)
         self.micro_batches = list(student) if student is not None else []
+        #: per teacher, this rank's micro-batches of it (what its forward-only pass ran),
+        #: ``None`` where the rank is outside that teacher's mesh
+        self.teacher_micro_batches: list[list[MicroBatch] | None] = [
+            list(t) if t is not None else None for t in (teachers or [])
+        ]
         self.num_micro_batches = bridge_step.num_micro_batches
         #: the step's samples as every rank agreed them (the rollouts form), else ``None``
         self.samples = samples

@@ -14,11 +14,13 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
 - each step, on-policy: the step's prompts with global ids (sample ``i`` goes to teacher
   ``i % num_teachers``; its prompt starts with that teacher's domain tag); each student DP
   replica samples the responses to its share under the student's own TP/CP/PP
-  (:mod:`mopd.profiling.sampling`: temperature, a stop token, a maximum length); the rollouts
-  (prompt + response, the response mask token-aligned) are cut into micro-batches;
-  ``Distiller.step`` plans the bridge and runs the teachers' forward-only pass; megatron's
-  ``get_forward_backward_func()`` runs the student (1F1B with PP) with the MOPD loss inside
-  ``loss_func``; then Adam;
+  (:mod:`mopd.profiling.sampling`: temperature, a stop token, a maximum length); each
+  replica's first rank passes them as :class:`mopd.mcore.Rollouts` to
+  ``Distiller.step(rollouts, num_micro_batches=M)`` (the other ranks pass ``None``), which
+  moves their token ids where they are used, builds every model's micro-batches (the student's
+  THD-packed, the row mask derived from each response), plans the bridge and runs the
+  teachers' forward-only pass; megatron's ``get_forward_backward_func()`` runs the student
+  (1F1B with PP, ``**schedule_kwargs()``) with the MOPD loss inside ``loss_func``; then Adam;
 - before each step, a held-out KL per teacher: the student against its teachers on a fixed
   held-out set (fixed prompts with the continuations the untrained student sampled), through a
   forward-only ``Distiller.step``, so the run shows whether the student gets closer to them;

@@ -32,13 +32,15 @@ from mopd.profiling.demo_config import DemoConfig
 if TYPE_CHECKING:
     import torch
 
+    from mopd.mcore import Rollouts
+
 __all__ = ["worker"]
 
 #: The timed phases of one step, in table order.
 PHASES: tuple[str, ...] = (
     "held-out",
     "sample",
-    "plan",
+    "exchange+plan",
     "teacher fwd",
     "student fwd+bwd",
     "finish",
@@ -300,8 +302,11 @@ class _Job:
                     self.teacher_meshes, self.teachers, self.teacher_pgs, strict=True
                 )
             ],
-            student=MeshModel(
-                mesh=self.student_mesh, model=self.student, pg_collection=self.student_pg
+            student=MeshModel(  # THD-packed micro-batches, built by Distiller.step
+                mesh=self.student_mesh,
+                model=self.student,
+                pg_collection=self.student_pg,
+                packed=True,
             ),
             pool=pool,
             bridge_config=BridgeConfig(timeout_s=self.timeout.total_seconds()),
@@ -327,37 +332,22 @@ class _Job:
             for k, s in enumerate(ids)
         }
 
-    def _micro_batch_ids(self, ids: list[int]) -> list[list[int]]:
-        """The sample ids of each micro-batch (contiguous equal shares)."""
-        per = len(ids) // self.cfg.micro_batches
-        return [ids[i * per : (i + 1) * per] for i in range(self.cfg.micro_batches)]
-
-    def _replica_ids(self, ids: list[int]) -> list[int]:
-        """The samples this rank's student DP replica trains on (its DP share of every
-        micro-batch), which it also samples; none off the student."""
-        from mopd.mcore import split_samples
-
-        c = self.student_mesh.coord(self.rank)
-        if c is None:
-            return []
-        return [
-            s
-            for mb in self._micro_batch_ids(ids)
-            for s in split_samples(mb, self.student_mesh.dp, c.dp_rank)
-        ]
-
     def _rollouts(
         self, ids: list[int], prompts: dict[int, torch.Tensor], stream: int
-    ) -> dict[int, torch.Tensor]:
-        """Each sample's prompt and the response the student samples to it, on every rank.
+    ) -> Rollouts | None:
+        """The student's rollouts of ``ids``, as this rank hands them to ``Distiller.step``.
 
-        Each student DP replica samples its own share (:func:`~mopd.profiling.sampling.
-        generate` under the student's TP/CP/PP), then one all-gather gives every rank every
-        rollout, each checked equal on all the ranks that sampled it (the teachers need the
-        token ids too)."""
-        import torch
-
-        from mopd.profiling.sampling import SamplingConfig, agree_responses, generate
+        Each student DP replica ``d`` samples part ``d`` of ``ids`` (contiguous,
+        :func:`~mopd.mcore.split_samples`) under the student's TP/CP/PP
+        (:func:`~mopd.profiling.sampling.generate`); every copy is checked equal over the job
+        (:func:`~mopd.profiling.sampling.check_copies_agree`). The replica's first rank (TP, CP
+        and PP rank 0) returns them as :class:`~mopd.mcore.Rollouts` (sample ids, routed to
+        teacher ``id % num_teachers``) and keeps their token ids for the report
+        (:attr:`sampled`); every other rank returns ``None``. Replicas in DP order hold the
+        samples in id order, so the step's micro-batches are contiguous runs of ids on any mesh.
+        """
+        from mopd.mcore import Rollouts, split_samples
+        from mopd.profiling.sampling import SamplingConfig, check_copies_agree, generate
 
         cfg = self.cfg
         timeout_s = self.timeout.total_seconds()
@@ -369,9 +359,10 @@ class _Job:
             seed=cfg.seed,
             stream=stream,
         )
+        c = self.student_mesh.coord(self.rank)
         local: dict[int, torch.Tensor] = {}
-        if self.student is not None:
-            mine = self._replica_ids(ids)
+        if self.student is not None and c is not None:
+            mine = split_samples(ids, self.student_mesh.dp, c.dp_rank)
             responses = generate(
                 self.student,
                 [prompts[s] for s in mine],
@@ -383,59 +374,18 @@ class _Job:
                 timeout_s=timeout_s,
             )
             local = dict(zip(mine, responses, strict=True))
-        agreed = agree_responses(
+        check_copies_agree(
             local, ids, max_new_tokens=cfg.max_new_tokens, device=self.device, timeout_s=timeout_s
         )
-        return {s: torch.cat([prompts[s], agreed[s]]) for s in ids}
-
-    def _micro_batches(
-        self, ids: list[int], tokens: dict[int, torch.Tensor]
-    ) -> tuple[Any, list[Any]]:
-        """This rank's student and teacher micro-batches (``None`` where it holds no model); the
-        student's response mask is token-aligned (every token after the prompt), the library
-        derives the row mask from it."""
-        import torch
-
-        from mopd.mcore import packed_micro_batch, padded_micro_batch, split_samples
-
-        cfg = self.cfg
-        mbs = self._micro_batch_ids(ids)
-        student = None
-        c = self.student_mesh.coord(self.rank)
-        if c is not None:
-            student = [
-                packed_micro_batch(
-                    (mine := split_samples(mb, self.student_mesh.dp, c.dp_rank)),
-                    [tokens[s] for s in mine],
-                    response_masks=[
-                        torch.arange(tokens[s].numel()) >= cfg.prompt_len for s in mine
-                    ],
-                    cp_size=self.student_mesh.cp,
-                    cp_rank=c.cp_rank,
-                    device=self.device,
-                )
-                for mb in mbs
-            ]
-        teachers: list[Any] = []
-        for k, mesh in enumerate(self.teacher_meshes):
-            tc = mesh.coord(self.rank)
-            if tc is None:
-                teachers.append(None)
-                continue
-            mine_k = []
-            for mb in mbs:
-                routed = [s for s in mb if s % cfg.num_teachers == k]
-                mine = split_samples(routed, mesh.dp, tc.dp_rank)
-                t_BS = torch.zeros(len(mine), cfg.seq_len, dtype=torch.int64)
-                for b, s in enumerate(mine):
-                    t_BS[b, : tokens[s].numel()] = tokens[s]
-                mine_k.append(
-                    padded_micro_batch(
-                        mine, t_BS, lengths=[tokens[s].numel() for s in mine], device=self.device
-                    )
-                )
-            teachers.append(mine_k)
-        return student, teachers
+        if c is None or (c.tp_rank, c.cp_rank, c.pp_rank) != (0, 0, 0):
+            return None
+        self.sampled.append({s: (prompts[s].tolist(), r.tolist()) for s, r in local.items()})
+        return Rollouts(
+            prompts=[prompts[s] for s in local],
+            responses=list(local.values()),
+            teachers=[s % cfg.num_teachers for s in local],
+            sample_ids=list(local),
+        )
 
     # ---- the loss and the held-out KL --------------------------------------------------------
 
@@ -445,8 +395,6 @@ class _Job:
         the reverse KL to each token's teacher, summed over counted tokens) that also adds each
         teacher's KL sum and token count (by ``owner_T``) into ``sums_2K`` ``[2, teachers]``
         (TP rank 0 of the last stage only: the TP ranks share their tokens)."""
-        from mopd.mcore.teacher import default_forward
-
         c = self.student_mesh.coord(self.rank)
         counts = c is not None and c.tp_rank == 0
 
@@ -463,7 +411,7 @@ class _Job:
                         sums_2K[1, k] += int((owner_T == k).sum())
                 return dstep.loss_output(signal.weighted_kl_sum(), signal)
 
-            return default_forward(model, mb), loss_func
+            return dstep.forward(model, mb), loss_func
 
         return forward_step
 
@@ -495,12 +443,9 @@ class _Job:
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             fb(
                 forward_step_func=self._forward_step(dstep, sums_2K),
-                data_iterator=dstep.data_iterator(),
                 model=[self.student],
-                num_microbatches=self.cfg.micro_batches,
-                seq_length=self.cfg.seq_len,
-                micro_batch_size=1,
                 forward_only=forward_only,
+                **dstep.schedule_kwargs(),  # data_iterator, num_microbatches, seq_length, ...
                 **kwargs,
             )
 
@@ -510,9 +455,8 @@ class _Job:
         ``loss_func`` reads :meth:`~mopd.mcore.DistillationStep.teacher_signal`."""
         import torch
 
-        s_mbs, t_mbs = self._micro_batches(self.heldout_ids, self.heldout_tokens)
         sums = torch.zeros(2, self.cfg.num_teachers, dtype=torch.float64)
-        with self.distiller.step(student=s_mbs, teachers=t_mbs) as dstep:
+        with self.distiller.step(self.heldout, num_micro_batches=self.cfg.micro_batches) as dstep:
             self._schedule(dstep, sums, forward_only=True)
         return self._per_teacher(sums)
 
@@ -544,9 +488,12 @@ class _Job:
         if self.rank == 0:
             self._print_meshes()
         t0 = time.perf_counter()
-        self.heldout_ids = list(range(cfg.heldout_samples))
-        self.heldout_tokens = self._rollouts(
-            self.heldout_ids, self._prompts(self.heldout_ids, "held-out"), HELDOUT_STREAM
+        #: per sampling call on a replica's first rank: sample id -> (prompt, response) token
+        #: ids (the held-out set first, then one per step; empty elsewhere), for the report
+        self.sampled: list[dict[int, tuple[list[int], list[int]]]] = []
+        heldout_ids = list(range(cfg.heldout_samples))
+        self.heldout = self._rollouts(
+            heldout_ids, self._prompts(heldout_ids, "held-out"), HELDOUT_STREAM
         )
         self.say(
             f"held-out set: {cfg.heldout_samples} fixed prompts, continuations sampled by the "
@@ -556,7 +503,6 @@ class _Job:
         self.losses = torch.zeros(cfg.steps, dtype=torch.float64)
         self.heldout_kl = torch.zeros(cfg.num_teachers, cfg.steps, dtype=torch.float64)
         self.rollout_kl = torch.zeros(cfg.num_teachers, cfg.steps, dtype=torch.float64)
-        self.rollouts: list[dict[int, torch.Tensor]] = []
         self.link_bytes: dict[tuple[int, int, int], int] = {}
         self.verified: dict[str, Any] = {}
         profiler = None
@@ -624,23 +570,23 @@ class _Job:
         times[0] = time.perf_counter() - t
         t = time.perf_counter()
         ids = list(range(step * cfg.samples, (step + 1) * cfg.samples))
-        tokens = self._rollouts(ids, self._prompts(ids, f"step {step}"), ROLLOUT_STREAM)
-        self.rollouts.append(tokens)
+        rollouts = self._rollouts(ids, self._prompts(ids, f"step {step}"), ROLLOUT_STREAM)
         times[1] = time.perf_counter() - t
-        s_mbs, t_mbs = self._micro_batches(ids, tokens)
         if self.student is not None:
             self.student.zero_grad_buffer()
         ok = True
         sums = torch.zeros(2, cfg.num_teachers, dtype=torch.float64)
-        with self.distiller.step(student=s_mbs, teachers=t_mbs) as dstep:
-            times[2] = dstep.timings["plan"]
+        t = time.perf_counter()
+        # every rank passes what it holds: a replica's first rank its samples, the others None
+        with self.distiller.step(rollouts, num_micro_batches=cfg.micro_batches) as dstep:
             times[3] = dstep.timings["teacher"]
+            times[2] = time.perf_counter() - t - times[3]  # the rollouts' exchange, the plan
             t = time.perf_counter()
             self._schedule(dstep, sums, forward_only=False)
             self._sync()
             times[4] = time.perf_counter() - t
             if step == 0:
-                ok = self._verify(dstep, s_mbs, t_mbs, tokens)
+                ok = self._verify(dstep)
             t = time.perf_counter()
         times[5] = time.perf_counter() - t
         for mb, owner, src, dst, nbytes in dstep.bridge_step.traffic():
@@ -667,11 +613,13 @@ class _Job:
 
     # ---- verification ------------------------------------------------------------------------
 
-    def _verify(self, dstep: Any, s_mbs: Any, t_mbs: list[Any], tokens: dict[int, Any]) -> bool:
+    def _verify(self, dstep: Any) -> bool:
         """Every student rank checks its bridged rows against an all-gather reference (bit-exact).
 
         Reference: each teacher's hidden states from a second forward-only pass over the same
-        micro-batches (deterministic: the same bits), all-gathered with the key of every row;
+        micro-batches (those ``Distiller.step`` built from the rollouts and ran,
+        :attr:`~mopd.mcore.DistillationStep.teacher_micro_batches`; deterministic: the same
+        bits), all-gathered with the key of every row;
         the student's rows are joined to it by key. Checked: the owner of each row
         (``sample_id % num_teachers``, ``-1`` for padding), each owned row equal to the reference
         row, one row per token of its teacher (compact, in layout order).
@@ -684,6 +632,7 @@ class _Job:
         from mopd.mcore.teacher import run_teacher
 
         cfg, dev = self.cfg, self.device
+        s_mbs, t_mbs = dstep.micro_batches, dstep.teacher_micro_batches
         stride = cfg.seq_len
         problems: list[str] = []
         checked = 0
@@ -816,21 +765,27 @@ class _Job:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         links: list[Any] = [None] * self.world
         dist.all_gather_object(links, self.link_bytes)
+        sampled: list[Any] = [None] * self.world
+        dist.all_gather_object(sampled, self.sampled)
         if self.rank != 0:
             return
         link_bytes: dict[tuple[int, int, int], int] = {}
         for part in links:
             for key, n in part.items():
                 link_bytes[key] = link_bytes.get(key, 0) + n
+        # every sampling call's samples, from the replicas' first ranks: prompt + response
+        calls: list[dict[int, list[int]]] = [{} for _ in range(1 + cfg.steps)]
+        for part in sampled:
+            for j, call in enumerate(part):
+                calls[j].update({s: p + r for s, (p, r) in call.items()})
+        heldout_tokens, rollouts = calls[0], calls[1:]
         ms = times.cpu() * 1e3
-        tokens = sum(int(t.numel()) for step in self.rollouts for t in step.values())
-        lengths = [
-            [int(step[s].numel()) - cfg.prompt_len for s in sorted(step)] for step in self.rollouts
-        ]
+        tokens = sum(len(t) for step in rollouts for t in step.values())
+        lengths = [[len(step[s]) - cfg.prompt_len for s in sorted(step)] for step in rollouts]
         stopped = sum(
-            int(step[s][-1]) == STOP_TOKEN and step[s].numel() > cfg.prompt_len
-            for step in self.rollouts
-            for s in step
+            t[-1] == STOP_TOKEN and len(t) > cfg.prompt_len
+            for step in rollouts
+            for t in step.values()
         )
         heldout = self.heldout_kl.tolist()
         rollout_kl = self.rollout_kl.tolist()
@@ -840,7 +795,7 @@ class _Job:
         }
         cross = sum(n for (o, s, d), n in link_bytes.items() if s != d)
         local = sum(n for (o, s, d), n in link_bytes.items() if s == d)
-        masked, saved = self._masked_bytes(link_bytes)
+        masked, saved = self._masked_bytes(link_bytes, rollouts)
         if self.args.json:
             print(
                 json.dumps(
@@ -853,8 +808,8 @@ class _Job:
                         "heldout_kl": heldout,
                         "response_lengths": lengths,
                         "stopped_responses": stopped,
-                        "rollout_digest": [_digest(step) for step in self.rollouts],
-                        "heldout_digest": _digest(self.heldout_tokens),
+                        "rollout_digest": [_digest(step) for step in rollouts],
+                        "heldout_digest": _digest(heldout_tokens),
                         "trends": trends,
                         "phase_ms_max_over_ranks": {
                             name: [float(ms[s, k]) for s in range(cfg.steps)]
@@ -923,19 +878,21 @@ class _Job:
             out.append(f"  held-out KL teacher {k}: {trends['heldout_kl'][k]}")
         print("\n".join(out), file=self.out, flush=True)
 
-    def _masked_bytes(self, link_bytes: dict[tuple[int, int, int], int]) -> tuple[int, int]:
+    def _masked_bytes(
+        self, link_bytes: dict[tuple[int, int, int], int], rollouts: list[dict[int, list[int]]]
+    ) -> tuple[int, int]:
         """``(tokens, bytes)`` the loss mask kept off the bridge over the run: each teacher's
         moved bytes per counted token (every counted token moves once, from the plans) times
         the prompt tokens routed to it."""
         cfg = self.cfg
         counted = [0] * cfg.num_teachers
         masked = [0] * cfg.num_teachers
-        for step in self.rollouts:
+        for step in rollouts:
             for s, t in step.items():
                 k = s % cfg.num_teachers
-                prompt = min(cfg.prompt_len, int(t.numel()))
+                prompt = min(cfg.prompt_len, len(t))
                 masked[k] += prompt
-                counted[k] += int(t.numel()) - prompt
+                counted[k] += len(t) - prompt
         moved = [0] * cfg.num_teachers
         for (o, _s, _d), n in link_bytes.items():
             moved[o] += n
@@ -969,11 +926,11 @@ def _trend(values: Sequence[float]) -> str:
     return f"{first:.4f} -> {last:.4f} ({ratio}), {what}"
 
 
-def _digest(tokens: dict[int, torch.Tensor]) -> int:
+def _digest(tokens: dict[int, list[int]]) -> int:
     """CRC-32 of samples' token ids in sample-id order (rollouts compared across runs)."""
     crc = 0
     for s in sorted(tokens):
-        crc = zlib.crc32(f"{s}:{tokens[s].tolist()};".encode(), crc)
+        crc = zlib.crc32(f"{s}:{tokens[s]};".encode(), crc)
     return crc
 
 

@@ -12,9 +12,10 @@ last stage, the logit row of each sequence's last real position is read on the C
 holds it (CP zigzag) and all-gathered over the CP group, then the vocab-parallel row is
 all-gathered over the TP group (:func:`last_position_logits`): every last-stage rank then holds
 the same bits, and picks the same token from the same noise; earlier stages get the tokens by a
-broadcast over their PP group. :func:`agree_responses` gathers every rank's copy of every
-response over the job, checks that the copies agree (:func:`judge_copies`), and gives every rank
-all of them.
+broadcast over their PP group. :func:`check_copies_agree` checks that (one all-gather of every
+rank's copy of every response, judged alike on every rank by :func:`judge_copies`); it moves no
+rollout: one rank of each replica hands its samples to the library as
+:class:`~mopd.mcore.Rollouts` (``Distiller.step`` sends the token ids where they are used).
 
 Determinism: temperature sampling by the Gumbel-max rule, ``argmax(logits / T + g)``, with the
 noise ``g`` drawn from a generator seeded by ``(seed, stream, sample id)`` (:func:`gumbel_noise`,
@@ -39,7 +40,7 @@ from mopd.mcore import MicroBatch, padded_micro_batch
 
 __all__ = [
     "SamplingConfig",
-    "agree_responses",
+    "check_copies_agree",
     "choose_tokens",
     "generate",
     "gumbel_noise",
@@ -310,15 +311,15 @@ def generate(
     return [s[n:] for s, n in zip(seqs, start, strict=True)]
 
 
-def agree_responses(
+def check_copies_agree(
     local: Mapping[int, torch.Tensor],
     sample_ids: Sequence[int],
     *,
     max_new_tokens: int,
     device: torch.device,
     timeout_s: float | None = 300.0,
-) -> dict[int, torch.Tensor]:
-    """Every sample's response on every rank of the job, its copies checked equal.
+) -> None:
+    """Check that every copy of every response is the same, and that each was sampled.
 
     Collective over the default group: each rank passes the responses it sampled (every rank
     of a replica holds its replica's; a rank outside the student passes none). One all-gather
@@ -336,7 +337,7 @@ def agree_responses(
         table_NC[index[int(s)], 0] = n
         table_NC[index[int(s)], 1 : 1 + n] = r.reshape(-1).cpu()
     every_WNC = _all_gather(table_NC.to(device), None, timeout_s).cpu()
-    return judge_copies(every_WNC, list(index))
+    judge_copies(every_WNC, list(index))
 
 
 def judge_copies(every_WNC: torch.Tensor, sample_ids: Sequence[int]) -> dict[int, torch.Tensor]:

@@ -278,6 +278,20 @@ def test_grpo_step_from_rollouts_matches_the_shifted_reference(job: Job, case: s
         for p in range(samples.prompts[j].numel() - 1, samples.prompts[j].numel() + samples.responses[j].numel() - 1)
     }  # fmt: skip
     assert got == want
+    # what the teachers ran stays readable: M micro-batches per held teacher (None off its mesh),
+    # each of the samples routed to it; over the job every routed sample, in its micro-batch
+    ran = []
+    for k, (t, mbs) in enumerate(zip(job.teachers, mopd.teacher_micro_batches, strict=True)):
+        assert (mbs is None) == (not t.holds(job.rank)), (k, mbs)
+        for i, mb in enumerate(mbs or []):
+            assert len(mbs) == M
+            ran += [(k, i, int(s)) for s in torch.as_tensor(mb.sample_ids).tolist()]
+    every_ran: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_ran, ran)
+    routed = {
+        (samples.teachers[j], i, j) for i in range(M) for j in mopd.samples.micro_batch(i)
+    }  # sample index j = sample id j: the library numbered them 0 .. N-1
+    assert set().union(*map(set, every_ran)) == routed
     if job.rank == 0:
         print(
             f"{case}: loss error {max(worst_loss, default=0):.2e}, gradient {max(worst_grad):.2e}"
