@@ -292,9 +292,10 @@ def test_grpo_step_from_rollouts_matches_the_shifted_reference(job: Job, case: s
         (samples.teachers[j], i, j) for i in range(M) for j in mopd.samples.micro_batch(i)
     }  # sample index j = sample id j: the library numbered them 0 .. N-1
     assert set().union(*map(set, every_ran)) == routed
-    if job.rank == 0:
+    if worst_loss:  # the student's last stage holds the loss
         print(
-            f"{case}: loss error {max(worst_loss, default=0):.2e}, gradient {max(worst_grad):.2e}"
+            f"{case}: global rank {job.rank}: loss error {worst_loss[0]:.2e}, "
+            f"gradient {max(worst_grad):.2e}"
         )
 
 
