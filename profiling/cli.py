@@ -36,7 +36,7 @@ from mopd.profiling.mesh_arg import OneLineParser
 __all__ = ["BENCHMARKS", "bench_module", "build_parser", "main", "nsys_script", "version"]
 
 #: ``mopd bench NAME`` -> module ``mopd.profiling.bench_NAME``.
-BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges", "plan")
+BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges", "plan", "overlap")
 
 _ENTRY_POINTS: dict[str, str] = {
     "demo": "mopd.profiling.demo",
