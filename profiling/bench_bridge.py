@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mopd.profiling.extras import can_draw
-from mopd.profiling.launch import free_port
+from mopd.profiling.launch import free_port, run_spawned
 from mopd.profiling.mesh_arg import OneLineParser, prog_for
 
 if TYPE_CHECKING:
@@ -682,19 +682,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if all(r["exact"] for r in rows + mem_rows) else 1
 
 
-def _spawned(local_rank: int, nproc: int, port: int, argd: dict[str, Any]) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    rc = _run(argparse.Namespace(**argd))
-    if rc:
-        raise SystemExit(rc)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=prog_for("mopd.profiling.bench_bridge"), description=__doc__.splitlines()[0]
@@ -732,26 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nproc = 1 if torch.cuda.is_available() else 4
     if nproc == 1:
         return _run(args)
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, nproc, port, vars(args))) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    while any(p.is_alive() for p in procs):  # a rank that fails ends the others, no hang
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        time.sleep(0.05)
-    for p in procs:
-        p.join()
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        print(f"bench_bridge: rank(s) failed (rank, exit code): {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return run_spawned(_run, vars(args), nproc=nproc, tool="bench_bridge")
 
 
 if __name__ == "__main__":

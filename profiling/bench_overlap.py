@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from mopd.profiling.extras import can_draw
-from mopd.profiling.launch import free_port
+from mopd.profiling.launch import run_spawned
 from mopd.profiling.mesh_arg import OneLineParser, prog_for
 
 __all__ = ["build_parser", "floor_ms", "main", "plot"]
@@ -438,20 +438,6 @@ def _report(
     print(f"bench_overlap: recorded {', '.join(map(str, recorded))}", file=sys.stderr)
 
 
-def _spawned(rank: int, port: int, argd: dict[str, Any]) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    rc = _run(argparse.Namespace(**argd))
-    if rc:
-        raise SystemExit(rc)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -472,26 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"runs on 2 ranks (a teacher and a student), got {os.environ['WORLD_SIZE']}"
             )
         return _run(args)
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, port, vars(args))) for r in range(2)]
-    for p in procs:
-        p.start()
-    while any(p.is_alive() for p in procs):  # a rank that fails ends the other, no hang
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        time.sleep(0.05)
-    for p in procs:
-        p.join()
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        print(f"bench_overlap: rank(s) failed (rank, exit code): {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return run_spawned(_run, vars(args), nproc=2, tool="bench_overlap")
 
 
 if __name__ == "__main__":

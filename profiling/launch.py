@@ -1,7 +1,7 @@
 """Starting a torchrun job from a console command, and stopping one for good.
 
-Why this file exists: ``mopd demo`` (and the benchmarks) start torchrun themselves, so a user
-types one command; a job that hangs must then be killed with every worker it started, and say
+Why this file exists: ``mopd demo`` (and the benchmarks) start torchrun, or their own ranks
+(:func:`run_spawned`), themselves, so a user types one command; a job that hangs must then be killed with every worker it started, and say
 where each rank was. :func:`kill_tree` does the killing (the test harness uses it for hung
 launches too); :func:`run_torchrun` gives the ranks a folder for their phase files
 (:mod:`mopd.profiling.phases`) and prints them when it kills the job.
@@ -17,12 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mopd.profiling import phases
 
-__all__ = ["free_port", "kill_tree", "run_torchrun"]
+__all__ = ["free_port", "kill_tree", "run_spawned", "run_torchrun"]
 
 
 def free_port() -> int:
@@ -119,3 +120,53 @@ def run_torchrun(
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             return 130
+
+
+def _spawned_rank(
+    run: Callable[[Any], int | None], rank: int, nproc: int, port: int, argd: dict[str, Any]
+) -> None:
+    import argparse
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rc = run(argparse.Namespace(**argd))
+    if rc:
+        raise SystemExit(rc)
+
+
+def run_spawned(
+    run: Callable[[Any], int | None], argd: dict[str, Any], *, nproc: int, tool: str
+) -> int:
+    """Run ``run(argparse.Namespace(**argd))`` on ``nproc`` spawned local ranks (env:// set for
+    a one-node job on a free loopback port) and return 0, or 1 once any rank failed: the first
+    failure ends the other ranks (none is left waiting on it), and ``tool`` names the failed
+    ranks and their exit codes on stderr. ``run`` must be a module-level function (spawn
+    pickles it by name)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(run, r, nproc, port, argd)) for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        print(f"{tool}: rank(s) failed (rank, exit code): {failed}", file=sys.stderr)
+        return 1
+    return 0

@@ -10,34 +10,21 @@ every row and in the plot's title.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mopd.profiling import bench_bridge
+from tests.support.processes import run_module
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def output() -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    res = subprocess.run(
-        [
-            sys.executable, "-m", "mopd.profiling.bench_bridge", "--nproc", "2", "--iters", "1",
-            "--samples", "4", "--max-len", "16", "--hidden", "8", "--json", "--no-record",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
+    res = run_module(
+        "mopd.profiling.bench_bridge", "--nproc", "2", "--iters", "1",
+        "--samples", "4", "--max-len", "16", "--hidden", "8", "--json", "--no-record",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     return [json.loads(line) for line in res.stdout.splitlines()]  # --json: nothing else

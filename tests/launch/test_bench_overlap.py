@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mopd.profiling import bench_overlap, cli
+from tests.support.processes import run_module
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RATIOS = (0.5, 2.0)
 
@@ -29,19 +26,9 @@ RATIOS = (0.5, 2.0)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     out = tmp_path_factory.mktemp("overlap")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    res = subprocess.run(
-        [
-            sys.executable, "-m", "mopd.profiling.bench_overlap", "--quick", "--json",
-            "--ratios", *map(str, RATIOS), "--results-dir", str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
+    res = run_module(
+        "mopd.profiling.bench_overlap", "--quick", "--json",
+        "--ratios", *map(str, RATIOS), "--results-dir", str(out),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     return [json.loads(line) for line in res.stdout.splitlines()], out  # --json: nothing else

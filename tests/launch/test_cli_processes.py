@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mopd.profiling import cli, extras
+from tests.support.processes import run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -79,16 +80,9 @@ def test_bad_flags_fail_before_torch_is_imported() -> None:
 
 
 def test_capture_quick_cpu_run_is_labelled_functional(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # the benchmark picks a free port
-    res = subprocess.run(
-        [sys.executable, "-m", "mopd.profiling.bench_capture", "--quick", "--iters", "2",
-         "--results-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-    )  # fmt: skip
+    res = run_module(  # the benchmark picks a free port
+        "mopd.profiling.bench_capture", "--quick", "--iters", "2", "--results-dir", str(tmp_path)
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("| path |") == 1
     (csv_path,) = tmp_path.glob("capture-cpu-*.csv")
