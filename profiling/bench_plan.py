@@ -68,7 +68,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import HEADER, StepMatrix, encode_step_record
+from mopd.bridge.metadata import HEADER, MEMO_STEP, UNCHANGED, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, stack_records
 from mopd.bridge.step import BridgeStep
@@ -80,6 +80,7 @@ from mopd.profiling.results import environment, format_table, record
 __all__ = [
     "BASELINE",
     "DEFAULT_RANKS",
+    "SOURCES",
     "AllGatherModel",
     "Step",
     "build_step",
@@ -96,6 +97,9 @@ __all__ = [
 #: ``results/``.
 BASELINE = "plan-scale-cpu-2026-12-01"
 _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
+#: The teacher's source modes measured: TP replicas (one sending group per TP group), or every
+#: teacher rank sending its own SP shard (``TeacherSpec(sp_shards=True)``: tp x the groups).
+SOURCES: tuple[str, ...] = ("replicas", "sp_shards")
 #: Rank counts measured by default.
 DEFAULT_RANKS: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
 _T_TP, _T_CP, _S_TP, _S_CP = 8, 2, 4, 4
@@ -144,7 +148,13 @@ def _samples(ranks: int, tokens_per_rank: int, max_len: int, seed: int) -> _Samp
 
 
 def _layout(
-    ids: np.ndarray, lengths_S: np.ndarray, cp: int, cp_rank: int, mult: int
+    ids: np.ndarray,
+    lengths_S: np.ndarray,
+    cp: int,
+    cp_rank: int,
+    mult: int,
+    sp: int = 1,
+    sp_rank: int = 0,
 ) -> TokenLayout:
     lens = lengths_S[ids]
     padded = (lens + mult - 1) // mult * mult
@@ -155,6 +165,8 @@ def _layout(
         cu_seqlens_padded=torch.from_numpy(cu),
         cp_size=cp,
         cp_rank=cp_rank,
+        sp_size=sp,
+        sp_rank=sp_rank,
     )
 
 
@@ -167,9 +179,12 @@ def _mult(tp: int, cp: int) -> int:
 class Step:
     """One simulated step: meshes, topology, the gathered matrix and what it cost to build.
 
-    ``micro``: per micro-batch the samples (what a rank builds its layouts from)."""
+    ``micro``: per micro-batch the samples (what a rank builds its layouts from);
+    ``sp_shards``: the teacher sends from its sequence-parallel shards (every teacher rank its
+    own source, ``TeacherSpec(sp_shards=True)``) instead of from TP replicas."""
 
     ranks: int
+    sp_shards: bool
     tokens: int
     samples: int
     teacher: Mesh
@@ -188,8 +203,9 @@ def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenL
     tc, sc = step.teacher.coord(rank), step.student.coord(rank)
     assert tc is not None and sc is not None
     t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
+    sp = (_T_TP, tc.tp_rank) if step.sp_shards else (1, 0)
     t = [
-        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, _T_CP, tc.cp_rank, t_mult)
+        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, _T_CP, tc.cp_rank, t_mult, *sp)
         for m in step.micro
     ]
     s = [
@@ -200,12 +216,19 @@ def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenL
 
 
 def build_step(
-    ranks: int, *, tokens_per_rank: int, max_len: int, seed: int = 0, micro_batches: int = 1
+    ranks: int,
+    *,
+    tokens_per_rank: int,
+    max_len: int,
+    seed: int = 0,
+    micro_batches: int = 1,
+    sp_shards: bool = False,
 ) -> Step:
     """Every rank's record (by the bridge's rule: :func:`~mopd.bridge.record.rank_roles`,
     :func:`~mopd.bridge.record.rank_sections`, :func:`~mopd.bridge.metadata.encode_step_record`)
     and the stacked matrix; ``tokens_per_rank`` over the whole step, split evenly into the
-    micro-batches (each its own draw of samples).
+    micro-batches (each its own draw of samples); ``sp_shards``: the teacher's sources are its
+    SP shards (each teacher rank sends its own slice of the CP-local sequence).
 
     Built one DP index (16 ranks) at a time; ranks whose records are identical (same shards,
     same roles) share one encoding.
@@ -216,9 +239,13 @@ def build_step(
     micro = tuple(_samples(ranks, per_mb, max_len, seed + i) for i in range(micro_batches))
     t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
     records: list[np.ndarray] = []
+    sp = _T_TP if sp_shards else 1
     for d in range(teacher.dp):
         t_lay = [
-            [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult) for m in micro]
+            [
+                [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult, sp, k) for m in micro]
+                for k in range(sp)
+            ]
             for c in range(_T_CP)
         ]
         s_lay = [
@@ -229,12 +256,13 @@ def build_step(
         for r in range(d * _BLOCK, (d + 1) * _BLOCK):
             tc, sc = teacher.coord(r), student.coord(r)
             assert tc is not None and sc is not None
-            roles = rank_roles(r, [teacher], student)
-            key = (tc.cp_rank, sc.cp_rank, roles)
+            roles = rank_roles(r, [teacher], student, shard_sources=[sp_shards])
+            k = tc.tp_rank if sp_shards else 0
+            key = (tc.cp_rank, k, sc.cp_rank, roles)
             if key not in same:
                 sections = rank_sections(
                     roles,
-                    teacher_layouts={0: t_lay[tc.cp_rank]},
+                    teacher_layouts={0: t_lay[tc.cp_rank][k]},
                     student_layouts=s_lay[sc.cp_rank],
                     dtypes=[torch.bfloat16],
                     hiddens=[_HIDDEN],
@@ -247,11 +275,12 @@ def build_step(
     matrix, sizes = stack_records(records)
     del records
     t1 = time.perf_counter()
-    topo = Topology.build([teacher], student)
+    topo = Topology.build([teacher], student, shard_sources=[sp_shards])
     _ = topo.index
     topology_ms = 1e3 * (time.perf_counter() - t1)
     return Step(
         ranks=ranks,
+        sp_shards=sp_shards,
         tokens=int(sum(m.lengths_S.sum() for m in micro)),
         samples=int(sum(m.lengths_S.size for m in micro)),
         teacher=teacher,
@@ -327,7 +356,14 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     they do in a job, minus the collectives (the metadata group is ``None``: the verdict of a
     step without problems is then local)."""
     b = HiddenStateBridge.__new__(HiddenStateBridge)
-    b.teachers = (TeacherSpec(mesh=step.teacher, hidden_size=_HIDDEN, dtype=torch.bfloat16),)
+    b.teachers = (
+        TeacherSpec(
+            mesh=step.teacher,
+            hidden_size=_HIDDEN,
+            dtype=torch.bfloat16,
+            sp_shards=step.sp_shards,
+        ),
+    )
     b.student = step.student
     b.topology = step.topology
     b.groups = BridgeGroups(bridge=None, student_tp=None, members=step.topology.members)
@@ -336,9 +372,10 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     b.device = torch.device("cpu")
     b._executor = Executor(rank=rank, timeout_s=b.config.timeout_s)
     b._tp_group_error = ""
-    b._roles = rank_roles(rank, [step.teacher], step.student)
+    b._roles = rank_roles(rank, [step.teacher], step.student, shard_sources=[step.sp_shards])
     b.config_sig = 1
     b._open_steps = []
+    b._memo = None
     b._live_steps = weakref.WeakSet()
     b.steps = 0
     b.closed = False
@@ -350,16 +387,21 @@ def _tokens(bs: BridgeStep) -> int:
     return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
 
 
-def _fresh(step: Step) -> StepMatrix:
+def _fresh(step: Step, bridge: HiddenStateBridge) -> StepMatrix:
     """A new copy of the gathered matrix and headers, as :func:`~mopd.bridge.metadata.
     gather_step_matrix` returns them (not timed): each step reads what the all-gather has just
-    written, not what the previous step left in the caches."""
-    return StepMatrix(step.matrix_NW.copy(), np.ascontiguousarray(step.matrix_NW[:, :HEADER]))
+    written, not what the previous step left in the caches. Every record's plan-memo words
+    are those of ``bridge``'s rank (every rank repeats its step as this one does: with a memo
+    from the step before, its tables unchanged since)."""
+    m = step.matrix_NW.copy()
+    memo = bridge._memo
+    m[:, MEMO_STEP], m[:, UNCHANGED] = (-1, 0) if memo is None else (memo.step, 1)
+    return StepMatrix(m, np.ascontiguousarray(m[:, :HEADER]))
 
 
 def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on today's path; seconds per part."""
-    gathered = _fresh(step)
+    gathered = _fresh(step, bridge)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, bridge.rank)
     t0 = time.perf_counter()
@@ -373,7 +415,7 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     bridge._open_steps.clear()
     bridge.steps = 0
     if not np.array_equal(
-        record_.numpy(), step.matrix_NW[step.topology.members.index(bridge.rank), : record_.numel()]
+        record_.numpy(), gathered.matrix[step.topology.member_index(bridge.rank), : record_.numel()]
     ):
         raise AssertionError(f"rank {bridge.rank}: its record is not its row of the matrix")
     return {"layouts": t0 - tl, "encode": t1 - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
@@ -383,7 +425,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on the path before the record-keyed cache (the calls the
     bridge made then, the retired ones written out here); seconds per part."""
     topo, rank = step.topology, bridge.rank
-    gathered = _fresh(step)
+    gathered = _fresh(step, bridge)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, rank)
     t0 = time.perf_counter()
@@ -572,6 +614,7 @@ def _row(
     matrix_mib = step.matrix_NW.nbytes / 2**20
     return {
         "ranks": step.ranks,
+        "sources": "sp_shards" if step.sp_shards else "replicas",
         "micro_batches": len(step.micro),
         "tokens": step.tokens,
         "samples": step.samples,
@@ -725,6 +768,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        choices=SOURCES,
+        default=list(SOURCES),
+        help="the teacher's sources: TP replicas, or each rank's SP shard",
+    )
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank count")
     parser.add_argument("--results-dir", type=Path, default=None)
@@ -735,15 +785,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
-    for i, n in enumerate(args.ranks):
+    runs = [(n, src) for src in args.sources for n in args.ranks]
+    for i, (n, src) in enumerate(runs):
         t0 = time.perf_counter()
-        print(f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks ...", file=sys.stderr, flush=True)
+        what = f"[{i + 1}/{len(runs)}] {n} ranks, {src}"
+        print(f"bench_plan: {what} ...", file=sys.stderr, flush=True)
         step = build_step(
             n,
             tokens_per_rank=args.tokens_per_rank,
             max_len=args.max_len,
             seed=args.seed,
             micro_batches=args.micro_batches,
+            sp_shards=src == "sp_shards",
         )
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         reps = representative_ranks(n)
@@ -754,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.collect()
         rows.append(row)
         print(
-            f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks done in "
+            f"bench_plan: {what} done in "
             f"{time.perf_counter() - t0:.1f} s (one rank's step: {row['step_host_ms']:.3g} ms, "
             f"old path {row['step_host_old_ms']:.3g} ms)",
             file=sys.stderr,
