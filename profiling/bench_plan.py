@@ -9,14 +9,20 @@ assigned to DP ranks in contiguous ranges (the teacher cuts by sample count, the
 balances tokens, so the cuts differ). Every rank's record is built by the bridge's own rule
 (:mod:`mopd.bridge.record`) and stacked as the all-gather returns it: setup, not timed.
 
+Both source modes of the teacher are timed (``--sources``): ``replicas`` (its last-stage TP
+groups send as replicas) and ``sp_shards`` (``TeacherSpec(sp_shards=True)``: every teacher
+rank sends its own SP shard, tp times the sending groups); each row names its mode.
+
 Timed for a few representative ranks (each a teacher and a student rank; the first one leads a
 source and a destination group), every per-step host function of the live bridge, called on a
 bridge object without process groups (:func:`offline_bridge`):
 
-- ``step_host_ms``: a step whose inputs the rank has seen (steady state): building its layouts
-  and record (``_local_record``), the fence and the verdict checks, the plan keys and schedule
-  lookups (``_agree_and_plan``: no planner runs), the token counts (``global_tokens`` once for
-  the step and once per micro-batch, as the loss does);
+- ``step_host_ms``: a step whose inputs the rank has seen (steady state: every rank repeats
+  its step, so every record says its tables are unchanged since the plan memo's step):
+  building its layouts and record (``_local_record``), the fence and the verdict checks, the
+  plan keys (the memo's) and schedule lookups (``_agree_and_plan``: no planner runs, no group's
+  slot table read), the token counts (``global_tokens`` once for the step and once per
+  micro-batch, as the loss does);
 - ``step_host_miss_ms``: the same with an empty schedule cache (every micro-batch planned);
 - ``step_host_old_ms``: the path before the record-keyed cache, in the same run: runs from the
   rows (key sort), a catalog per micro-batch through the records' offsets, every verdict and
@@ -657,16 +663,21 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
 
     fig = Figure(figsize=(11.0, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
-    n = [r["ranks"] for r in rows]
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    ax.plot(
-        n, [r["step_host_ms"] for r in rows], "o-", label="step host work, cached (step_host_ms)"
-    )
-    ax.plot(
-        n, [r["step_host_miss_ms"] for r in rows], "o:", label="step host work, every plan (miss)"
-    )
-    ax.plot(n, [r["step_host_old_ms"] for r in rows], "s--", label="step host work, old path")
-    ax.plot(n, [r["plan_ms"] for r in rows], "d-", label="plan + check, one micro-batch (plan_ms)")
+    for src, mark in zip(SOURCES, "os", strict=False):
+        mode = [r for r in rows if r["sources"] == src]
+        if not mode:
+            continue
+        m = [r["ranks"] for r in mode]
+        for key, style, what in (
+            ("step_host_ms", "-", "step host work, memo (step_host_ms)"),
+            ("step_host_miss_ms", ":", "step host work, every plan (miss)"),
+            ("step_host_old_ms", "--", "step host work, old path"),
+            ("plan_ms", "-.", "plan + check, one micro-batch (plan_ms)"),
+        ):
+            ax.plot(m, [r[key] for r in mode], mark + style, label=f"{what}, {src}", ms=4)
+    rows = [r for r in rows if r["sources"] == rows[0]["sources"]]  # the exchange: one mode
+    n = [r["ranks"] for r in rows]
     ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="host time")
     bx.plot(n, [r["allgather_ring_ms"] for r in rows], "^:", label="metadata, flat ring (model)")
     bx.plot(n, [r["allgather_hier_ms"] for r in rows], "v-", label="metadata, two-level (model)")
@@ -687,7 +698,6 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
 
 
 def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
-    by = {r["ranks"]: r for r in rows}
     lines = [
         f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; load average "
         f"{load[0]:.1f} at the start and {load[1]:.1f} at the end of the run): absolute times "
@@ -696,9 +706,14 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         f"the step on average, lengths uniform in [1, {args.max_len}], teacher tp8 cp2 and "
         "student tp4 cp4 colocated on the same ranks (rank r is both), THD both sides padded to "
         "2 cp tp per sequence, DP ranks holding contiguous sample ids (teacher: equal sample "
-        "counts; student: equal tokens).",
+        "counts; student: equal tokens). Two source modes (`sources`): `replicas`, the "
+        "teacher's last-stage TP groups as replicas (one sending group per TP group), and "
+        "`sp_shards`, every teacher rank sending its own SP shard (TeacherSpec(sp_shards=True): "
+        "tp = 8 times the sending groups).",
         "`step_host_ms`: one rank's per-step host work on a step it has seen (the steady "
-        "state): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
+        "state: every rank repeats its step, so every record says its tables are those of "
+        "the plan memo's step, and the rank reuses its plan keys and token counts after one "
+        "pass over the headers, reading no group's slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
         "packed_layout calls, which now derive the runs), its record (`encode_ms`), the fence, "
         "the verdict checks, plan keys and schedule lookups (`verdict_plan_ms`: no planner), "
         "the token counts (`tokens_ms`: the step's and each micro-batch's); `bridge_host_ms`: "
@@ -727,25 +742,31 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "gather to the node leader, a log-depth (Bruck) all-gather among leaders, a binomial "
         "broadcast inside the node.",
     ]
-    lo, hi, top = by.get(1024), by.get(16384), by.get(65536)
-    if hi:
-        ok = hi["step_host_ms"] <= 2
-        lines.append(
-            f"At 16,384 ranks: {hi['step_host_ms']:.3g} ms of host work per step "
-            f"({'meets' if ok else 'misses'} the <= 2 ms target; {hi['bridge_host_ms']:.3g} ms "
-            f"without building the layouts), against {hi['step_host_old_ms']:.4g} ms on the old "
-            f"path; the two-level exchange modelled at {hi['allgather_hier_ms']:.3g} ms against "
-            f"{hi['allgather_ring_ms']:.4g} ms for the flat ring "
-            f"({'meets' if hi['allgather_hier_ms'] <= 10 else 'misses'} the <= 10 ms target)."
-        )
-    if lo and top:
-        ratio = top["step_host_ms"] / lo["step_host_ms"]
-        lines.append(
-            f"Flatness: step_host_ms at 65,536 ranks is {ratio:.2f}x that at 1,024 (target "
-            f"<= 1.5x: {'met' if ratio <= 1.5 else 'missed'}; bridge_host_ms "
-            f"{top['bridge_host_ms'] / lo['bridge_host_ms']:.2f}x); the old path "
-            f"{top['step_host_old_ms'] / lo['step_host_old_ms']:.3g}x."
-        )
+    for src in SOURCES:
+        by = {r["ranks"]: r for r in rows if r["sources"] == src}
+        lo, hi, top = by.get(1024), by.get(16384), by.get(65536)
+        if hi:
+            ok = hi["step_host_ms"] <= 2
+            lines.append(
+                f"{src}: at 16,384 ranks {hi['step_host_ms']:.3g} ms of host work per step "
+                f"({'meets' if ok else 'misses'} the <= 2 ms target; "
+                f"{hi['bridge_host_ms']:.3g} ms without building the layouts, "
+                f"{hi['layouts_ms']:.3g} ms building them), against "
+                f"{hi['step_host_old_ms']:.4g} ms on the old path; the two-level exchange "
+                f"modelled at {hi['allgather_hier_ms']:.3g} ms against "
+                f"{hi['allgather_ring_ms']:.4g} ms for the flat ring "
+                f"({'meets' if hi['allgather_hier_ms'] <= 10 else 'misses'} the <= 10 ms target)."
+            )
+        if lo and top:
+            ratio = top["step_host_ms"] / lo["step_host_ms"]
+            lines.append(
+                f"{src}: flatness, step_host_ms at 65,536 ranks is {ratio:.2f}x that at 1,024 "
+                f"({top['step_host_ms']:.3g} against {lo['step_host_ms']:.3g} ms; target "
+                f"<= 1.5x: {'met' if ratio <= 1.5 else 'missed'}; bridge_host_ms "
+                f"{top['bridge_host_ms'] / lo['bridge_host_ms']:.2f}x, layouts_ms "
+                f"{top['layouts_ms'] / lo['layouts_ms']:.2f}x); the old path "
+                f"{top['step_host_old_ms'] / lo['step_host_old_ms']:.3g}x."
+            )
     cross = [r["ranks"] for r in rows if r["allgather_hier_ms"] < r["allgather_ring_ms"]]
     if cross:
         lines.append(
