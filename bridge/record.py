@@ -20,7 +20,9 @@ micro-batch), then per micro-batch a lazy :class:`~mopd.bridge.plan.RunCatalog`.
 tables, :meth:`StepView.plan_keys` hashes what a rank's plan and checks of a micro-batch depend
 on: its own groups and the groups whose sample range meets theirs (ids, rows, ranges, digests).
 Equal keys, equal plans: a rank's schedule cache is keyed on them, so a repeated micro-batch
-runs no planner.
+runs no planner. The tables are read when first looked at: a bridge whose every record says
+its tables are unchanged since the step of its plan memo reuses that step's keys and token
+counts and never reads them.
 """
 
 from __future__ import annotations
