@@ -53,6 +53,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,7 @@ from mopd.bridge.metadata import (
     StepMatrix,
     encode_step_record,
     gather_step_matrix,
+    record_tables,
 )
 from mopd.bridge.record import rank_roles, rank_sections, read_step
 from mopd.bridge.step import BridgeStep, ExchangeHandle
@@ -187,6 +189,8 @@ class HiddenStateBridge:
             hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
         )
         self._open_steps: list[BridgeStep] = []
+        #: what the last planned step derived from the job's tables (:class:`_PlanMemo`)
+        self._memo: _PlanMemo | None = None
         #: every step of this bridge still referenced somewhere (:meth:`close` empties them)
         self._live_steps: weakref.WeakSet[BridgeStep] = weakref.WeakSet()
         #: steps planned on this bridge
@@ -363,6 +367,7 @@ class HiddenStateBridge:
                 f"micro-batches of step {s0.seq}"
             )
         agreements: list[Agreement] = []
+        memo = self._memo
         with ranges.span("metadata"):
             if state == STATE_READY:
                 try:
@@ -381,6 +386,8 @@ class HiddenStateBridge:
                 state=state,
                 step=self.steps,
                 agreements=agreements,
+                memo_step=-1 if memo is None else memo.step,
+                memo_tables=None if memo is None else memo.tables,
             )
         return record, sections, tuple(agreements)
 
@@ -406,7 +413,18 @@ class HiddenStateBridge:
             with ranges.span("verdict"):
                 view = read_step(self.topology, matrix, n_slots)
                 catalogs = view.catalogs  # built on first use (a cached micro-batch needs none)
-                keys = view.plan_keys(self.rank, self._key_extra(matrix))
+                extra = self._key_extra(matrix)
+                memo = self._memo
+                if (
+                    memo is not None
+                    and n_slots_ok is not None
+                    and memo.n_slots == n_slots
+                    and memo.extra == extra
+                    and matrix.unchanged_since(memo.step)
+                ):  # every rank's tables are the memo step's: so are the keys and counts
+                    keys, tokens_I = list(memo.keys), memo.tokens_I
+                else:
+                    keys, tokens_I = view.plan_keys(self.rank, extra), None
                 cached = [ex.lookup(k) for k in keys]
                 problems = rank_checks(
                     matrix,
@@ -448,6 +466,19 @@ class HiddenStateBridge:
                 view=view,
                 keys=keys,
                 cached=cached,
+                tokens_I=tokens_I,
+            )
+            if tokens_I is None:
+                tokens_I = view.tokens_I()
+            self._memo = _PlanMemo(
+                step=self.steps,
+                tables=record_tables(
+                    matrix.matrix[self.topology.member_index(self.rank)], len(sections)
+                ),
+                n_slots=n_slots,
+                extra=extra,
+                keys=tuple(keys),
+                tokens_I=tokens_I,
             )
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
@@ -586,3 +617,19 @@ class HiddenStateBridge:
         topo = self.topology
         codes = [matrix.section_head(topo.first_leader(o), o)[0] for o in range(len(self.teachers))]
         return np.asarray(codes, dtype=np.int64).tobytes()
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _PlanMemo:
+    """What a rank derived from the job's tables at step ``step`` (its own record's section
+    offsets and tables then: ``tables``), kept for the next step: when every record of that
+    step says its tables are unchanged (:meth:`~mopd.bridge.metadata.StepMatrix.
+    unchanged_since`), the plan keys and token counts are these, and no group's table is read.
+    """
+
+    step: int
+    tables: np.ndarray
+    n_slots: int
+    extra: bytes
+    keys: tuple[bytes, ...]
+    tokens_I: np.ndarray

@@ -137,10 +137,10 @@ def rank_checks(
     n_slots = len(catalogs)
     skip = [False] * n_slots if skip is None else list(skip)
     n_sec = len(teachers) + 1
-    me = topology.members.index(rank)
+    me = topology.member_index(rank)
     topo = topology
     problems: list[str] = []
-    problems += _disagreements(matrix, agreements, members=topo.members, rank=rank)
+    problems += _disagreements(matrix, agreements, topology=topo, rank=rank)
     # replicas against their leader: same rows, same layout, same dtype / hidden / device
     mine_g = topo.index.source_groups.get(rank, ())  # this rank's groups, ascending
     for g in mine_g:
@@ -207,15 +207,19 @@ def rank_checks(
 
 
 def _disagreements(
-    matrix: StepMatrix, agreements: Sequence[Agreement], *, members: Sequence[int], rank: int
+    matrix: StepMatrix, agreements: Sequence[Agreement], *, topology: Topology, rank: int
 ) -> list[str]:
     """Where this rank's agreements differ from their first rank's (read off the matrix)."""
     problems: list[str] = []
     for a in agreements:
         first = a.ranks[0]
-        if first == rank or first not in members:
+        try:
+            j = topology.member_index(first)
+        except ValueError:
             continue
-        theirs = matrix.agreements(members.index(first)).get(a.key)
+        if first == rank:
+            continue
+        theirs = matrix.agreements(j).get(a.key)
         if theirs is None:
             problems.append(f"{a.what}: global rank {first} gives none, global rank {rank} does")
             continue

@@ -268,10 +268,12 @@ def packed_layout(
     local_N = pad_N // cp_size
     chunk_N = pad_N // (2 * cp_size) if cp_size > 1 else pad_N
     sl = _sp_slice(int(local_N.sum()), sp_size, sp_rank, "local packed length")
-    if np.unique(sample_N).size == sample_N.size:
+    srt = np.sort(sample_N)
+    if not (srt[1:] == srt[:-1]).any():
         # the runs from the sequences' CP chunks, the rows from the runs: no per-row key sort
-        runs = _packed_runs(sample_N, len_N, local_N, chunk_N, cp_size, cp_rank, sl.start, sl.stop)
-        return _from_built_runs(runs, sl.stop - sl.start)
+        return _packed_unique(
+            sample_N, len_N, local_N, chunk_N, cp_size, cp_rank, sl.start, sl.stop
+        )
     # a sample id twice: rows first, runs from the rows (layout_to_runs)
     n = torch.from_numpy(local_N)
     seq_T = torch.repeat_interleave(torch.arange(sample_N.size, dtype=_I64), n)
@@ -297,28 +299,10 @@ def packed_layout(
 def _ints(x: Sequence[int] | torch.Tensor) -> np.ndarray:
     """``x`` as a flat int64 NumPy array."""
     if isinstance(x, torch.Tensor):
+        if x.dtype == _I64 and x.device.type == "cpu" and x.dim() == 1:
+            return x.numpy()
         return x.detach().to(device="cpu", dtype=_I64).reshape(-1).numpy()
     return np.asarray(x, dtype=np.int64).reshape(-1)
-
-
-def _from_built_runs(runs_K5: np.ndarray, num_rows: int) -> TokenLayout:
-    """The layout of ``num_rows`` rows that ``runs_K5`` describes (runs of :func:`_segment_runs`:
-    disjoint rows, valid keys), built from the runs and carrying them."""
-    sample_R = np.full(num_rows, -1, dtype=np.int64)
-    pos_R = np.full(num_rows, -1, dtype=np.int64)
-    if runs_K5.shape[0]:
-        length = runs_K5[:, 4]
-        off = np.cumsum(length) - length
-        k = np.repeat(np.arange(runs_K5.shape[0]), length)
-        i = np.arange(int(length.sum()), dtype=np.int64) - off[k]
-        rows = runs_K5[k, 2] + i * runs_K5[k, 3]
-        sample_R[rows] = runs_K5[k, 0]
-        pos_R[rows] = runs_K5[k, 1] + i
-    layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
-    object.__setattr__(layout, "sample_id_R", torch.from_numpy(sample_R))
-    object.__setattr__(layout, "position_R", torch.from_numpy(pos_R))
-    _attach_runs(layout, runs_K5)
-    return layout
 
 
 def concat_layouts(layouts: Sequence[TokenLayout]) -> TokenLayout:
@@ -389,7 +373,10 @@ def _pieces(pos_S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pos_S[start][order], start[order], length[order]
 
 
-def _packed_runs(
+_PAIR = np.asarray([0, 1], dtype=np.int64)
+
+
+def _packed_unique(
     sample_N: np.ndarray,
     len_N: np.ndarray,
     local_N: np.ndarray,
@@ -398,32 +385,61 @@ def _packed_runs(
     cp_rank: int,
     lo: int,
     hi: int,
-) -> np.ndarray:
-    """Runs of a packed layout from its sequences' CP chunks, cut to local rows ``[lo, hi)``
-    (the SP slice) and to each sequence's real length."""
-    start_N = np.cumsum(local_N) - local_N
-    if cp_size > 1:
-        c = chunk_N
-        first = np.stack([cp_rank * c, (2 * cp_size - 1 - cp_rank) * c], axis=1)  # [N, 2]
-        rows = np.stack([start_N, start_N + c], axis=1)
-        n = np.stack([c, c], axis=1)
-    else:
-        first = np.zeros((sample_N.size, 1), dtype=np.int64)
-        rows, n = start_N[:, None], local_N[:, None]
-    a = np.maximum(rows, lo)
-    e = np.minimum(rows + n, hi)
-    pos = first + (a - rows)
-    count = np.clip(np.minimum(e - a, len_N[:, None] - pos), 0, None)
+) -> TokenLayout:
+    """The layout of packed sequences of distinct sample ids, local rows ``[lo, hi)`` (the SP
+    slice), built from its pieces (a CP chunk of a sequence, cut to the slice and to the real
+    length) in a fixed number of array operations, and carrying its runs: those of
+    the per-row rule gives (every piece advances one row per position, so the per-row rule only
+    joins a piece to the one before when it continues it in sample, position and row: the two
+    chunks of a sequence on the middle CP rank)."""
+    # pieces in key order (samples ascending, a sequence's chunks in position order)
     seq = np.argsort(sample_N, kind="stable")
-    k = first.shape[1]
-    take = lambda x: x[seq].reshape(-1)  # noqa: E731
-    return _segment_runs(
-        np.repeat(sample_N[seq], k),
-        take(pos),
-        take(a - lo),
-        np.ones(seq.size * k, dtype=np.int64),
-        take(count),
-    )
+    c_N, len_N = chunk_N[seq, None], len_N[seq, None]
+    start_N = (np.cumsum(local_N) - local_N)[seq, None]
+    if cp_size > 1:  # chunk cp_rank at the sequence's first rows, chunk 2 cp - 1 - cp_rank next
+        rows = start_N + c_N * _PAIR
+        first = c_N * np.asarray([cp_rank, 2 * cp_size - 1 - cp_rank], dtype=np.int64)
+    else:
+        rows, first = start_N, np.zeros_like(start_N)
+    a = np.maximum(rows, lo)
+    pos = first + (a - rows)
+    n_M = np.minimum(np.minimum(rows + c_N, hi) - a, len_N - pos).reshape(-1)
+    keep = n_M > 0  # empty pieces dropped
+    n_M = n_M[keep]
+    s_M = np.repeat(sample_N[seq], rows.shape[1])[keep]
+    p_M = pos.reshape(-1)[keep]
+    r_M = (a - lo).reshape(-1)[keep]
+    num_rows = hi - lo
+    m = n_M.size
+    runs = np.empty((0, 5), dtype=np.int64)
+    if not m:
+        sample_R = np.full(num_rows, -1, dtype=np.int64)
+        pos_R = sample_R.copy()
+    else:
+        new = np.ones(m, dtype=bool)
+        new[1:] = (s_M[1:] != s_M[:-1]) | (p_M[1:] != p_M[:-1] + n_M[:-1])
+        assert bool((new[1:] | (r_M[1:] == r_M[:-1] + n_M[:-1])).all()), "a piece jumps rows"
+        at = np.flatnonzero(new)
+        runs = np.ones((at.size, 5), dtype=np.int64)
+        runs[:, 0], runs[:, 1], runs[:, 2] = s_M[at], p_M[at], r_M[at]
+        runs[:, 4] = np.add.reduceat(n_M, at)
+        # rows: the pieces in row order, padding around them
+        o = np.argsort(r_M, kind="stable")
+        r_o, n_o = r_M[o], n_M[o]
+        seg = np.empty((3, 2 * m + 1), dtype=np.int64)  # length, sample, position - row
+        seg[:, 1::2] = n_o, s_M[o], p_M[o] - r_o
+        seg[0, 2:-1:2] = r_o[1:] - r_o[:-1] - n_o[:-1]
+        seg[0, 0], seg[0, -1] = r_o[0], num_rows - r_o[-1] - n_o[-1]
+        seg[1, 0::2], seg[2, 0::2] = -1, 0
+        sample_R = np.repeat(seg[1], seg[0])
+        pos_R = np.repeat(seg[2], seg[0])
+        pos_R += np.arange(num_rows)
+        pos_R[sample_R < 0] = -1
+    layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
+    object.__setattr__(layout, "sample_id_R", torch.from_numpy(sample_R))
+    object.__setattr__(layout, "position_R", torch.from_numpy(pos_R))
+    _attach_runs(layout, runs)
+    return layout
 
 
 def _segment_runs(

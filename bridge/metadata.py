@@ -11,8 +11,8 @@ the others send a digest that must match the leader's.
 
 Record (one int64 vector; ``n_sections = n_owners + 1``, the last one the student's)::
 
-    [MAGIC, config_sig, n_slots, err_bytes, err_offset, state, step, section_offset x n_sections,
-     section tables (every section, at fixed places), runs..., error text (UTF-8, 8 per int64),
+    [MAGIC, config_sig, n_slots, err_bytes, err_offset, state, step, memo_step, unchanged,
+     section_offset x n_sections, section tables (every section, at fixed places), runs..., error text (UTF-8, 8 per int64),
      agreements..., n_agreement_words]
 
     section table: [dtype_code, hidden, device_code, n_slots,
@@ -28,7 +28,12 @@ a gather through the offsets. ``n_tokens`` is the slot's real (counted) tokens.
 ``state`` is the rank's bridge state (:data:`STATE_READY`, :data:`STATE_OPEN`: an earlier step
 of this bridge still has micro-batches this rank has not posted, :data:`STATE_FAILED`: a step
 failed on this rank; the error text then says how) and ``step`` the number of steps it planned
-before this one (the fence: every rank must be at the same step).
+before this one (the fence: every rank must be at the same step). ``memo_step`` is the step
+whose plan keys the rank keeps (-1: none) and ``unchanged`` 1 when its section offsets and
+tables (:func:`record_tables`) are word for word those it sent then: when every record says
+both alike, the job's tables are the memo's and a rank may reuse what it derived from them
+(its plan keys, the step's token counts) without reading any group's table
+(:meth:`StepMatrix.unchanged_since`).
 ``n_slots == -1``: the rank holds nothing (it takes the others' count). ``section_offset == 0``:
 the rank has no such section. ``n_runs == -1``: a replica that sends only its digest.
 The record ends with the caller's agreements (:class:`~mopd.bridge.inputs.Agreement`: per
@@ -66,14 +71,17 @@ __all__ = [
     "encode_step_record",
     "gather_step_matrix",
     "layout_digest",
+    "record_tables",
     "table_offset",
 ]
 
 _I64 = np.int64
 #: Identifies the record format (a rank running another version of the library fails loudly).
-MAGIC = 0x6D6F_7064_0005
+MAGIC = 0x6D6F_7064_0006
 #: Fixed header words before the section offsets.
-HEADER = 7
+HEADER = 9
+#: Header words: the step of the rank's plan memo, and whether its tables are that step's.
+MEMO_STEP, UNCHANGED = 7, 8
 #: The rank's bridge state in its record: ready, an earlier step not fully posted, failed.
 STATE_READY, STATE_OPEN, STATE_FAILED = 0, 1, 2
 #: The words of one slot in a section's slot table, in order.
@@ -160,13 +168,16 @@ def encode_step_record(
     state: int = STATE_READY,
     step: int = 0,
     agreements: Sequence[Agreement] = (),
+    memo_step: int = -1,
+    memo_tables: np.ndarray | None = None,
 ) -> torch.Tensor:
     """This rank's record (see the module doc): ``[L]`` int64 CPU tensor.
 
     ``sections``: one per owner (teacher) and, last, the student's; ``None`` where the rank has
     no such role; each present one holds ``n_slots`` layouts. ``error``: the local error text
     (sections are then usually all ``None``), or with a ``state`` other than ready, what that
-    state is about.
+    state is about. ``memo_step`` / ``memo_tables``: the step whose plan keys the rank keeps
+    and its :func:`record_tables` then (``unchanged`` is 1 when this record's are equal).
     """
     n_sec = len(sections)
     live = [sec for sec in sections if sec is not None]
@@ -178,7 +189,7 @@ def encode_step_record(
     n_tab = n_sec * per if live else 0
     head = np.zeros(HEADER + n_sec + n_tab, dtype=_I64)
     head[0], head[1], head[2] = MAGIC, config_sig, n_slots
-    head[5], head[6] = state, step
+    head[5], head[6], head[MEMO_STEP] = state, step, memo_step
     parts: list[np.ndarray] = [head]
     runs_at = head.size
     for s, sec in enumerate(sections):
@@ -213,9 +224,21 @@ def encode_step_record(
         head[3], head[4] = len(text), runs_at
         pad = -len(text) % 8
         parts.append(np.frombuffer(text + b"\0" * pad, dtype="<i8").astype(_I64))
+    if memo_tables is not None and np.array_equal(head[HEADER:], memo_tables):
+        head[UNCHANGED] = 1
     block = [w for a in agreements for w in (a.key, len(a.words), *a.words)]
     parts.append(np.asarray([*block, len(block)], dtype=_I64))
     return torch.from_numpy(np.concatenate(parts))
+
+
+def record_tables(record: torch.Tensor | np.ndarray, n_sections: int) -> np.ndarray:
+    """A copy of ``record``'s section offsets and tables (``[n_sections + n_tab]`` words past
+    the header; what every rank's plan keys and token counts are computed from)."""
+    r = record.numpy() if isinstance(record, torch.Tensor) else np.asarray(record)
+    n_slots = int(r[2])
+    live = bool(r[HEADER : HEADER + n_sections].any())
+    n_tab = n_sections * (_SECTION_HEAD + SLOT_FIELDS * max(n_slots, 0)) if live else 0
+    return r[HEADER : HEADER + n_sections + n_tab].copy()
 
 
 def gather_step_matrix(
@@ -280,6 +303,8 @@ class StepMatrix:
         #: ``[n]`` each record's size (from the gather): where its agreements end; ``None``:
         #: records without agreements (offline tools)
         self._sizes = sizes_N
+        #: every header equal to the first (:meth:`uniform_slots` found it)
+        self._uniform = False
 
     def header_NH(self) -> np.ndarray:
         """``[n_members, HEADER]`` every record's fixed header: as gathered apart, or copied
@@ -292,20 +317,40 @@ class StepMatrix:
     def uniform_slots(self) -> int | None:
         """The step's micro-batch count when every record is of this format, built with one
         config, error-free, ready, at one step, and every count given agrees; else ``None``
-        (the caller then looks for what differs). A few passes over the headers."""
+        (the caller then looks for what differs). One pass over the headers when they are all
+        the first's, a few otherwise."""
         h = self.header_NH()
         if not h.shape[0]:
             return None
         first = h[0]
         if first[0] != MAGIC or first[3] != 0 or first[5] != STATE_READY:
             return None
-        if (h[:, :2] != first[:2]).any() or (h[:, 3:] != first[3:]).any():
+        if first[2] >= 0:
+            flat = h.reshape(-1)
+            if np.array_equal(flat[HEADER:], flat[:-HEADER]):  # every row the first: one pass
+                self._uniform = True
+                return int(first[2])
+        if (h[:, :2] != first[:2]).any() or (h[:, 3:7] != first[3:7]).any():
             return None
         slots = h[:, 2]
         given = slots[slots >= 0]
         if not given.size or given.min() != given.max():
             return None
         return int(given[0])
+
+    def unchanged_since(self, memo_step: int) -> bool:
+        """Whether every record says its tables are word for word those it sent at step
+        ``memo_step`` (see the module doc): then a plan key or token count derived from that
+        step's tables holds for this one. One pass over two header columns (none when every
+        header is the first's, :meth:`uniform_slots` having seen that)."""
+        h = self.header_NH()
+        if not h.shape[0] or memo_step < 0:
+            return False
+        if h[0, MEMO_STEP] != memo_step or h[0, UNCHANGED] != 1:
+            return False
+        if self._uniform:
+            return True
+        return bool((h[:, MEMO_STEP] == memo_step).all() and (h[:, UNCHANGED] == 1).all())
 
     def magic_N(self) -> np.ndarray:
         return self.header_NH()[:, 0]

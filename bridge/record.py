@@ -20,7 +20,9 @@ micro-batch), then per micro-batch a lazy :class:`~mopd.bridge.plan.RunCatalog`.
 tables, :meth:`StepView.plan_keys` hashes what a rank's plan and checks of a micro-batch depend
 on: its own groups and the groups whose sample range meets theirs (ids, rows, ranges, digests).
 Equal keys, equal plans: a rank's schedule cache is keyed on them, so a repeated micro-batch
-runs no planner.
+runs no planner. The tables are read when first looked at: a bridge whose every record says
+its tables are unchanged since the step of its plan memo reuses that step's keys and token
+counts and never reads them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -140,9 +143,7 @@ def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndar
     return (hi_I[:, None] >= lo_XI.T) & (lo_I[:, None] <= hi_XI.T) & (lo_I <= hi_I)[:, None]
 
 
-def _catalogs(
-    topology: Topology, matrix: StepMatrix, src: np.ndarray, dst: np.ndarray
-) -> LazySequence[RunCatalog]:
+def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
     """A step's catalogs, each built on first access (a micro-batch a rank has planned before
     needs none); the columns they read (``(n_rows, sample_min, sample_max)`` of every group,
     ``[I, X, 3]``) are copied once, on the first."""
@@ -151,6 +152,7 @@ def _catalogs(
     def build(j: int) -> RunCatalog:
         if not fields:
             cols = [_ROWS, _SMIN, _SMAX]
+            src, dst = view.source_GIF, view.dest_DIF
             fields.append(
                 (
                     np.ascontiguousarray(src[:, :, cols].transpose(1, 0, 2)),
@@ -158,31 +160,58 @@ def _catalogs(
                 )
             )
         src_I, dst_I = fields[0]
-        return topology.catalog(matrix, j, fields=(src_I[j], dst_I[j]))
+        return view.topology.catalog(view.matrix, j, fields=(src_I[j], dst_I[j]))
 
-    return LazySequence(int(src.shape[1]), build, noun="micro-batch")
+    return LazySequence(view.n_slots, build, noun="micro-batch")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class StepView:
-    """One rank's reading of a gathered, agreed step (:func:`read_step`).
+    """One rank's reading of a gathered, agreed step (:func:`read_step`); nothing is read
+    before it is looked at.
 
     Attributes:
         topology: the bridge's groups.
         matrix: the gathered records.
         n_slots: micro-batches of the step.
         source_GIF: ``[G, n_slots, SLOT_FIELDS]`` every source group leader's slot tables
-            (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`).
-        dest_DIF: ``[D, n_slots, SLOT_FIELDS]`` every destination group leader's.
+            (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`; read on first use).
+        dest_DIF: ``[D, n_slots, SLOT_FIELDS]`` every destination group leader's (the same).
         catalogs: per micro-batch, the planner's lazy catalog (each built on first access).
     """
 
     topology: Topology
     matrix: StepMatrix
     n_slots: int
-    source_GIF: np.ndarray
-    dest_DIF: np.ndarray
-    catalogs: Sequence[RunCatalog]
+
+    @cached_property
+    def source_GIF(self) -> np.ndarray:
+        topology, matrix, n_slots = self.topology, self.matrix, self.n_slots
+        n_sec = topology.student_section + 1
+        if topology.student_section == 1:  # one teacher: every source group is its
+            return matrix.slot_tables(topology.source_leader, 0, n_sections=n_sec, n_slots=n_slots)
+        src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
+        for o in range(topology.student_section):
+            sel = np.flatnonzero(topology.source_section == o)
+            if sel.size:
+                src[sel] = matrix.slot_tables(
+                    topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
+                )
+        return src
+
+    @cached_property
+    def dest_DIF(self) -> np.ndarray:
+        topology = self.topology
+        return self.matrix.slot_tables(
+            topology.dest_leader,
+            topology.student_section,
+            n_sections=topology.student_section + 1,
+            n_slots=self.n_slots,
+        )
+
+    @cached_property
+    def catalogs(self) -> Sequence[RunCatalog]:
+        return _catalogs(self)
 
     def tokens_I(self) -> np.ndarray:
         """``[n_slots]`` real tokens the student wants per micro-batch over all its
@@ -248,30 +277,8 @@ def _hull(groups_GIF: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
     """The step as one rank reads it: every group leader's slot tables (one strided slice per
     section, the same column in every record: :meth:`~mopd.bridge.metadata.StepMatrix.
-    slot_tables`) and the per-micro-batch catalogs on them (built when first looked at: a
-    micro-batch whose schedule is cached is never decoded). The step must be agreed
-    (same ``n_slots`` everywhere, no errors: the bridge's fence and checks ran)."""
-    n_sec = topology.student_section + 1
-    sections = topology.source_section
-    if topology.student_section == 1:  # one teacher: every source group is its
-        src = matrix.slot_tables(topology.source_leader, 0, n_sections=n_sec, n_slots=n_slots)
-    else:
-        src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
-        for o in range(topology.student_section):
-            sel = np.flatnonzero(sections == o)
-            if sel.size:
-                src[sel] = matrix.slot_tables(
-                    topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
-                )
-    dst = matrix.slot_tables(
-        topology.dest_leader, topology.student_section, n_sections=n_sec, n_slots=n_slots
-    )
-    catalogs = _catalogs(topology, matrix, src, dst)
-    return StepView(
-        topology=topology,
-        matrix=matrix,
-        n_slots=n_slots,
-        source_GIF=src,
-        dest_DIF=dst,
-        catalogs=catalogs,
-    )
+    slot_tables`, read when first looked at) and the per-micro-batch catalogs on them (built
+    when first looked at: a micro-batch whose schedule is cached is never decoded). The step
+    must be agreed (same ``n_slots`` everywhere, no errors: the bridge's fence and checks
+    ran)."""
+    return StepView(topology=topology, matrix=matrix, n_slots=n_slots)

@@ -84,10 +84,12 @@ class BridgeStep:
         view: StepView,
         keys: Sequence[bytes],
         cached: Sequence[tuple[bool, RankSchedule | None]],
+        tokens_I: np.ndarray | None = None,
     ) -> None:
         self._bridge = bridge
         self._view = view
-        self._tokens_I: np.ndarray | None = None  # global_tokens, read once
+        #: global_tokens per micro-batch: given (the bridge's memo), or read once
+        self._tokens_I: np.ndarray | None = tokens_I
         #: this step's number on its bridge (the same on every rank); its transfers carry it
         self.seq = seq
         self._catalogs = catalogs  # the ones plan_step checked: their decoded runs are kept

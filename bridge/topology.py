@@ -16,6 +16,7 @@ large job pays for its peers, not for every group.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,7 +146,21 @@ class Topology:
 
     def first_leader(self, section: int) -> int:
         """Member index of the first rank of ``section``'s (a teacher's) first source group."""
-        return int(self.source_leader[np.flatnonzero(self.source_section == section)[0]])
+        return self._first_leaders[section]
+
+    @cached_property
+    def _first_leaders(self) -> dict[int, int]:
+        sec = self.source_section
+        return {
+            int(o): int(self.source_leader[np.flatnonzero(sec == o)[0]]) for o in np.unique(sec)
+        }
+
+    def member_index(self, global_rank: int) -> int:
+        """``global_rank``'s member index (its position in :attr:`members`; a binary search)."""
+        j = bisect.bisect_left(self.members, global_rank)
+        if j == len(self.members) or self.members[j] != global_rank:
+            raise ValueError(f"global rank {global_rank} is not a member of this bridge")
+        return j
 
     @cached_property
     def index(self) -> GroupIndex:

@@ -9,14 +9,20 @@ assigned to DP ranks in contiguous ranges (the teacher cuts by sample count, the
 balances tokens, so the cuts differ). Every rank's record is built by the bridge's own rule
 (:mod:`mopd.bridge.record`) and stacked as the all-gather returns it: setup, not timed.
 
+Both source modes of the teacher are timed (``--sources``): ``replicas`` (its last-stage TP
+groups send as replicas) and ``sp_shards`` (``TeacherSpec(sp_shards=True)``: every teacher
+rank sends its own SP shard, tp times the sending groups); each row names its mode.
+
 Timed for a few representative ranks (each a teacher and a student rank; the first one leads a
 source and a destination group), every per-step host function of the live bridge, called on a
 bridge object without process groups (:func:`offline_bridge`):
 
-- ``step_host_ms``: a step whose inputs the rank has seen (steady state): building its layouts
-  and record (``_local_record``), the fence and the verdict checks, the plan keys and schedule
-  lookups (``_agree_and_plan``: no planner runs), the token counts (``global_tokens`` once for
-  the step and once per micro-batch, as the loss does);
+- ``step_host_ms``: a step whose inputs the rank has seen (steady state: every rank repeats
+  its step, so every record says its tables are unchanged since the plan memo's step):
+  building its layouts and record (``_local_record``), the fence and the verdict checks, the
+  plan keys (the memo's) and schedule lookups (``_agree_and_plan``: no planner runs, no group's
+  slot table read), the token counts (``global_tokens`` once for the step and once per
+  micro-batch, as the loss does);
 - ``step_host_miss_ms``: the same with an empty schedule cache (every micro-batch planned);
 - ``step_host_old_ms``: the path before the record-keyed cache, in the same run: runs from the
   rows (key sort), a catalog per micro-batch through the records' offsets, every verdict and
@@ -68,7 +74,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import HEADER, StepMatrix, encode_step_record
+from mopd.bridge.metadata import HEADER, MEMO_STEP, UNCHANGED, StepMatrix, encode_step_record
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, stack_records
 from mopd.bridge.step import BridgeStep
@@ -80,6 +86,7 @@ from mopd.profiling.results import environment, format_table, record
 __all__ = [
     "BASELINE",
     "DEFAULT_RANKS",
+    "SOURCES",
     "AllGatherModel",
     "Step",
     "build_step",
@@ -96,6 +103,9 @@ __all__ = [
 #: ``results/``.
 BASELINE = "plan-scale-cpu-2026-12-01"
 _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
+#: The teacher's source modes measured: TP replicas (one sending group per TP group), or every
+#: teacher rank sending its own SP shard (``TeacherSpec(sp_shards=True)``: tp x the groups).
+SOURCES: tuple[str, ...] = ("replicas", "sp_shards")
 #: Rank counts measured by default.
 DEFAULT_RANKS: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
 _T_TP, _T_CP, _S_TP, _S_CP = 8, 2, 4, 4
@@ -144,7 +154,13 @@ def _samples(ranks: int, tokens_per_rank: int, max_len: int, seed: int) -> _Samp
 
 
 def _layout(
-    ids: np.ndarray, lengths_S: np.ndarray, cp: int, cp_rank: int, mult: int
+    ids: np.ndarray,
+    lengths_S: np.ndarray,
+    cp: int,
+    cp_rank: int,
+    mult: int,
+    sp: int = 1,
+    sp_rank: int = 0,
 ) -> TokenLayout:
     lens = lengths_S[ids]
     padded = (lens + mult - 1) // mult * mult
@@ -155,6 +171,8 @@ def _layout(
         cu_seqlens_padded=torch.from_numpy(cu),
         cp_size=cp,
         cp_rank=cp_rank,
+        sp_size=sp,
+        sp_rank=sp_rank,
     )
 
 
@@ -167,9 +185,12 @@ def _mult(tp: int, cp: int) -> int:
 class Step:
     """One simulated step: meshes, topology, the gathered matrix and what it cost to build.
 
-    ``micro``: per micro-batch the samples (what a rank builds its layouts from)."""
+    ``micro``: per micro-batch the samples (what a rank builds its layouts from);
+    ``sp_shards``: the teacher sends from its sequence-parallel shards (every teacher rank its
+    own source, ``TeacherSpec(sp_shards=True)``) instead of from TP replicas."""
 
     ranks: int
+    sp_shards: bool
     tokens: int
     samples: int
     teacher: Mesh
@@ -188,8 +209,9 @@ def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenL
     tc, sc = step.teacher.coord(rank), step.student.coord(rank)
     assert tc is not None and sc is not None
     t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
+    sp = (_T_TP, tc.tp_rank) if step.sp_shards else (1, 0)
     t = [
-        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, _T_CP, tc.cp_rank, t_mult)
+        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, _T_CP, tc.cp_rank, t_mult, *sp)
         for m in step.micro
     ]
     s = [
@@ -200,12 +222,19 @@ def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenL
 
 
 def build_step(
-    ranks: int, *, tokens_per_rank: int, max_len: int, seed: int = 0, micro_batches: int = 1
+    ranks: int,
+    *,
+    tokens_per_rank: int,
+    max_len: int,
+    seed: int = 0,
+    micro_batches: int = 1,
+    sp_shards: bool = False,
 ) -> Step:
     """Every rank's record (by the bridge's rule: :func:`~mopd.bridge.record.rank_roles`,
     :func:`~mopd.bridge.record.rank_sections`, :func:`~mopd.bridge.metadata.encode_step_record`)
     and the stacked matrix; ``tokens_per_rank`` over the whole step, split evenly into the
-    micro-batches (each its own draw of samples).
+    micro-batches (each its own draw of samples); ``sp_shards``: the teacher's sources are its
+    SP shards (each teacher rank sends its own slice of the CP-local sequence).
 
     Built one DP index (16 ranks) at a time; ranks whose records are identical (same shards,
     same roles) share one encoding.
@@ -216,9 +245,13 @@ def build_step(
     micro = tuple(_samples(ranks, per_mb, max_len, seed + i) for i in range(micro_batches))
     t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
     records: list[np.ndarray] = []
+    sp = _T_TP if sp_shards else 1
     for d in range(teacher.dp):
         t_lay = [
-            [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult) for m in micro]
+            [
+                [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult, sp, k) for m in micro]
+                for k in range(sp)
+            ]
             for c in range(_T_CP)
         ]
         s_lay = [
@@ -229,12 +262,13 @@ def build_step(
         for r in range(d * _BLOCK, (d + 1) * _BLOCK):
             tc, sc = teacher.coord(r), student.coord(r)
             assert tc is not None and sc is not None
-            roles = rank_roles(r, [teacher], student)
-            key = (tc.cp_rank, sc.cp_rank, roles)
+            roles = rank_roles(r, [teacher], student, shard_sources=[sp_shards])
+            k = tc.tp_rank if sp_shards else 0
+            key = (tc.cp_rank, k, sc.cp_rank, roles)
             if key not in same:
                 sections = rank_sections(
                     roles,
-                    teacher_layouts={0: t_lay[tc.cp_rank]},
+                    teacher_layouts={0: t_lay[tc.cp_rank][k]},
                     student_layouts=s_lay[sc.cp_rank],
                     dtypes=[torch.bfloat16],
                     hiddens=[_HIDDEN],
@@ -247,11 +281,12 @@ def build_step(
     matrix, sizes = stack_records(records)
     del records
     t1 = time.perf_counter()
-    topo = Topology.build([teacher], student)
+    topo = Topology.build([teacher], student, shard_sources=[sp_shards])
     _ = topo.index
     topology_ms = 1e3 * (time.perf_counter() - t1)
     return Step(
         ranks=ranks,
+        sp_shards=sp_shards,
         tokens=int(sum(m.lengths_S.sum() for m in micro)),
         samples=int(sum(m.lengths_S.size for m in micro)),
         teacher=teacher,
@@ -327,7 +362,14 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     they do in a job, minus the collectives (the metadata group is ``None``: the verdict of a
     step without problems is then local)."""
     b = HiddenStateBridge.__new__(HiddenStateBridge)
-    b.teachers = (TeacherSpec(mesh=step.teacher, hidden_size=_HIDDEN, dtype=torch.bfloat16),)
+    b.teachers = (
+        TeacherSpec(
+            mesh=step.teacher,
+            hidden_size=_HIDDEN,
+            dtype=torch.bfloat16,
+            sp_shards=step.sp_shards,
+        ),
+    )
     b.student = step.student
     b.topology = step.topology
     b.groups = BridgeGroups(bridge=None, student_tp=None, members=step.topology.members)
@@ -336,9 +378,10 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     b.device = torch.device("cpu")
     b._executor = Executor(rank=rank, timeout_s=b.config.timeout_s)
     b._tp_group_error = ""
-    b._roles = rank_roles(rank, [step.teacher], step.student)
+    b._roles = rank_roles(rank, [step.teacher], step.student, shard_sources=[step.sp_shards])
     b.config_sig = 1
     b._open_steps = []
+    b._memo = None
     b._live_steps = weakref.WeakSet()
     b.steps = 0
     b.closed = False
@@ -350,16 +393,21 @@ def _tokens(bs: BridgeStep) -> int:
     return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
 
 
-def _fresh(step: Step) -> StepMatrix:
+def _fresh(step: Step, bridge: HiddenStateBridge) -> StepMatrix:
     """A new copy of the gathered matrix and headers, as :func:`~mopd.bridge.metadata.
     gather_step_matrix` returns them (not timed): each step reads what the all-gather has just
-    written, not what the previous step left in the caches."""
-    return StepMatrix(step.matrix_NW.copy(), np.ascontiguousarray(step.matrix_NW[:, :HEADER]))
+    written, not what the previous step left in the caches. Every record's plan-memo words
+    are those of ``bridge``'s rank (every rank repeats its step as this one does: with a memo
+    from the step before, its tables unchanged since)."""
+    m = step.matrix_NW.copy()
+    memo = bridge._memo
+    m[:, MEMO_STEP], m[:, UNCHANGED] = (-1, 0) if memo is None else (memo.step, 1)
+    return StepMatrix(m, np.ascontiguousarray(m[:, :HEADER]))
 
 
 def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on today's path; seconds per part."""
-    gathered = _fresh(step)
+    gathered = _fresh(step, bridge)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, bridge.rank)
     t0 = time.perf_counter()
@@ -373,7 +421,7 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     bridge._open_steps.clear()
     bridge.steps = 0
     if not np.array_equal(
-        record_.numpy(), step.matrix_NW[step.topology.members.index(bridge.rank), : record_.numel()]
+        record_.numpy(), gathered.matrix[step.topology.member_index(bridge.rank), : record_.numel()]
     ):
         raise AssertionError(f"rank {bridge.rank}: its record is not its row of the matrix")
     return {"layouts": t0 - tl, "encode": t1 - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
@@ -383,7 +431,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on the path before the record-keyed cache (the calls the
     bridge made then, the retired ones written out here); seconds per part."""
     topo, rank = step.topology, bridge.rank
-    gathered = _fresh(step)
+    gathered = _fresh(step, bridge)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, rank)
     t0 = time.perf_counter()
@@ -572,6 +620,7 @@ def _row(
     matrix_mib = step.matrix_NW.nbytes / 2**20
     return {
         "ranks": step.ranks,
+        "sources": "sp_shards" if step.sp_shards else "replicas",
         "micro_batches": len(step.micro),
         "tokens": step.tokens,
         "samples": step.samples,
@@ -614,16 +663,21 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
 
     fig = Figure(figsize=(11.0, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
-    n = [r["ranks"] for r in rows]
     ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    ax.plot(
-        n, [r["step_host_ms"] for r in rows], "o-", label="step host work, cached (step_host_ms)"
-    )
-    ax.plot(
-        n, [r["step_host_miss_ms"] for r in rows], "o:", label="step host work, every plan (miss)"
-    )
-    ax.plot(n, [r["step_host_old_ms"] for r in rows], "s--", label="step host work, old path")
-    ax.plot(n, [r["plan_ms"] for r in rows], "d-", label="plan + check, one micro-batch (plan_ms)")
+    for src, mark in zip(SOURCES, "os", strict=False):
+        mode = [r for r in rows if r["sources"] == src]
+        if not mode:
+            continue
+        m = [r["ranks"] for r in mode]
+        for key, style, what in (
+            ("step_host_ms", "-", "step host work, memo (step_host_ms)"),
+            ("step_host_miss_ms", ":", "step host work, every plan (miss)"),
+            ("step_host_old_ms", "--", "step host work, old path"),
+            ("plan_ms", "-.", "plan + check, one micro-batch (plan_ms)"),
+        ):
+            ax.plot(m, [r[key] for r in mode], mark + style, label=f"{what}, {src}", ms=4)
+    rows = [r for r in rows if r["sources"] == rows[0]["sources"]]  # the exchange: one mode
+    n = [r["ranks"] for r in rows]
     ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="host time")
     bx.plot(n, [r["allgather_ring_ms"] for r in rows], "^:", label="metadata, flat ring (model)")
     bx.plot(n, [r["allgather_hier_ms"] for r in rows], "v-", label="metadata, two-level (model)")
@@ -644,7 +698,6 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
 
 
 def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
-    by = {r["ranks"]: r for r in rows}
     lines = [
         f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; load average "
         f"{load[0]:.1f} at the start and {load[1]:.1f} at the end of the run): absolute times "
@@ -653,9 +706,14 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         f"the step on average, lengths uniform in [1, {args.max_len}], teacher tp8 cp2 and "
         "student tp4 cp4 colocated on the same ranks (rank r is both), THD both sides padded to "
         "2 cp tp per sequence, DP ranks holding contiguous sample ids (teacher: equal sample "
-        "counts; student: equal tokens).",
+        "counts; student: equal tokens). Two source modes (`sources`): `replicas`, the "
+        "teacher's last-stage TP groups as replicas (one sending group per TP group), and "
+        "`sp_shards`, every teacher rank sending its own SP shard (TeacherSpec(sp_shards=True): "
+        "tp = 8 times the sending groups).",
         "`step_host_ms`: one rank's per-step host work on a step it has seen (the steady "
-        "state): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
+        "state: every rank repeats its step, so every record says its tables are those of "
+        "the plan memo's step, and the rank reuses its plan keys and token counts after one "
+        "pass over the headers, reading no group's slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
         "packed_layout calls, which now derive the runs), its record (`encode_ms`), the fence, "
         "the verdict checks, plan keys and schedule lookups (`verdict_plan_ms`: no planner), "
         "the token counts (`tokens_ms`: the step's and each micro-batch's); `bridge_host_ms`: "
@@ -684,25 +742,31 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "gather to the node leader, a log-depth (Bruck) all-gather among leaders, a binomial "
         "broadcast inside the node.",
     ]
-    lo, hi, top = by.get(1024), by.get(16384), by.get(65536)
-    if hi:
-        ok = hi["step_host_ms"] <= 2
-        lines.append(
-            f"At 16,384 ranks: {hi['step_host_ms']:.3g} ms of host work per step "
-            f"({'meets' if ok else 'misses'} the <= 2 ms target; {hi['bridge_host_ms']:.3g} ms "
-            f"without building the layouts), against {hi['step_host_old_ms']:.4g} ms on the old "
-            f"path; the two-level exchange modelled at {hi['allgather_hier_ms']:.3g} ms against "
-            f"{hi['allgather_ring_ms']:.4g} ms for the flat ring "
-            f"({'meets' if hi['allgather_hier_ms'] <= 10 else 'misses'} the <= 10 ms target)."
-        )
-    if lo and top:
-        ratio = top["step_host_ms"] / lo["step_host_ms"]
-        lines.append(
-            f"Flatness: step_host_ms at 65,536 ranks is {ratio:.2f}x that at 1,024 (target "
-            f"<= 1.5x: {'met' if ratio <= 1.5 else 'missed'}; bridge_host_ms "
-            f"{top['bridge_host_ms'] / lo['bridge_host_ms']:.2f}x); the old path "
-            f"{top['step_host_old_ms'] / lo['step_host_old_ms']:.3g}x."
-        )
+    for src in SOURCES:
+        by = {r["ranks"]: r for r in rows if r["sources"] == src}
+        lo, hi, top = by.get(1024), by.get(16384), by.get(65536)
+        if hi:
+            ok = hi["step_host_ms"] <= 2
+            lines.append(
+                f"{src}: at 16,384 ranks {hi['step_host_ms']:.3g} ms of host work per step "
+                f"({'meets' if ok else 'misses'} the <= 2 ms target; "
+                f"{hi['bridge_host_ms']:.3g} ms without building the layouts, "
+                f"{hi['layouts_ms']:.3g} ms building them), against "
+                f"{hi['step_host_old_ms']:.4g} ms on the old path; the two-level exchange "
+                f"modelled at {hi['allgather_hier_ms']:.3g} ms against "
+                f"{hi['allgather_ring_ms']:.4g} ms for the flat ring "
+                f"({'meets' if hi['allgather_hier_ms'] <= 10 else 'misses'} the <= 10 ms target)."
+            )
+        if lo and top:
+            ratio = top["step_host_ms"] / lo["step_host_ms"]
+            lines.append(
+                f"{src}: flatness, step_host_ms at 65,536 ranks is {ratio:.2f}x that at 1,024 "
+                f"({top['step_host_ms']:.3g} against {lo['step_host_ms']:.3g} ms; target "
+                f"<= 1.5x: {'met' if ratio <= 1.5 else 'missed'}; bridge_host_ms "
+                f"{top['bridge_host_ms'] / lo['bridge_host_ms']:.2f}x, layouts_ms "
+                f"{top['layouts_ms'] / lo['layouts_ms']:.2f}x); the old path "
+                f"{top['step_host_old_ms'] / lo['step_host_old_ms']:.3g}x."
+            )
     cross = [r["ranks"] for r in rows if r["allgather_hier_ms"] < r["allgather_ring_ms"]]
     if cross:
         lines.append(
@@ -725,6 +789,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--max-len", type=int, default=4096, help="longest sample")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        choices=SOURCES,
+        default=list(SOURCES),
+        help="the teacher's sources: TP replicas, or each rank's SP shard",
+    )
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
     parser.add_argument("--json", action="store_true", help="one JSON object per rank count")
     parser.add_argument("--results-dir", type=Path, default=None)
@@ -735,15 +806,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
-    for i, n in enumerate(args.ranks):
+    runs = [(n, src) for src in args.sources for n in args.ranks]
+    for i, (n, src) in enumerate(runs):
         t0 = time.perf_counter()
-        print(f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks ...", file=sys.stderr, flush=True)
+        what = f"[{i + 1}/{len(runs)}] {n} ranks, {src}"
+        print(f"bench_plan: {what} ...", file=sys.stderr, flush=True)
         step = build_step(
             n,
             tokens_per_rank=args.tokens_per_rank,
             max_len=args.max_len,
             seed=args.seed,
             micro_batches=args.micro_batches,
+            sp_shards=src == "sp_shards",
         )
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         reps = representative_ranks(n)
@@ -754,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.collect()
         rows.append(row)
         print(
-            f"bench_plan: [{i + 1}/{len(args.ranks)}] {n} ranks done in "
+            f"bench_plan: {what} done in "
             f"{time.perf_counter() - t0:.1f} s (one rank's step: {row['step_host_ms']:.3g} ms, "
             f"old path {row['step_host_old_ms']:.3g} ms)",
             file=sys.stderr,

@@ -26,7 +26,7 @@ from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.groups import GroupPool, all_gather_flat, all_gather_nodes, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, padded_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import gather_step_matrix
+from mopd.bridge.metadata import HEADER, gather_step_matrix
 from mopd.profiling.synthetic import key_pattern
 from tests.support.bridges import poison_outputs
 
@@ -63,7 +63,7 @@ def test_two_level_all_gather_is_the_flat_one_bit_for_bit(node_size: int) -> Non
     ]
     assert flat.dtype == two.dtype and np.array_equal(flat, two)
     # the headers gathered apart are the matrix's first words
-    assert np.array_equal(flat_head, two_head) and np.array_equal(flat_head, flat[:, :7])
+    assert np.array_equal(flat_head, two_head) and np.array_equal(flat_head, flat[:, :HEADER])
     # the primitive itself, on a width the nodes do not divide evenly
     part = torch.full((7,), me, dtype=torch.int64) * 1000 + torch.arange(7)
     out_flat = torch.full((7 * n,), -1, dtype=torch.int64)

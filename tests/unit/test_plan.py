@@ -558,9 +558,19 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
     assert bench_plan.main([*argv, "--json", "--no-record"]) == 0
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["ranks"] for r in rows] == [16, 32]
-    # progress on stderr, one line as each rank count starts and ends
-    assert "[1/2] 16 ranks ..." in err and "[2/2] 32 ranks done in" in err, err
+    # both source modes by default, each at every rank count
+    assert [(r["ranks"], r["sources"]) for r in rows] == [
+        (16, "replicas"),
+        (32, "replicas"),
+        (16, "sp_shards"),
+        (32, "sp_shards"),
+    ]
+    # progress on stderr, one line as each run starts and ends
+    assert "[1/4] 16 ranks, replicas ..." in err and "[4/4] 32 ranks, sp_shards done in" in err
+    # SP-shard sources: every teacher rank its own source group (tp = 8 of them per TP group)
+    for rep, shard in zip(rows[:2], rows[2:], strict=True):
+        n_sources = rep["ranks"] // 8
+        assert shard["groups"] - rep["groups"] == 7 * n_sources, (rep, shard)
     for r in rows:
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
         # another setup than the recorded one: no baseline beside it

@@ -1,0 +1,106 @@
+"""The plan memo: a step whose records all say their tables are unchanged since the memo's step
+reuses the memo's plan keys and token counts without reading any group's table; any rank that
+changed, or another memo step, makes every rank read the tables again. Keys and counts are
+those a fresh reading gives, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mopd.bridge.metadata import (
+    HEADER,
+    MEMO_STEP,
+    UNCHANGED,
+    StepMatrix,
+    encode_step_record,
+    record_tables,
+)
+from mopd.bridge.record import read_step
+from mopd.profiling import bench_plan
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["replicas", "sp_shards"])
+def step(request: pytest.FixtureRequest) -> bench_plan.Step:
+    return bench_plan.build_step(
+        64, tokens_per_rank=256, max_len=200, micro_batches=3, sp_shards=request.param
+    )
+
+
+def _plan(step: bench_plan.Step, bridge, matrix: StepMatrix):  # type: ignore[no-untyped-def]
+    t_lay, s_lay = bench_plan._rank_layouts(step, bridge.rank)
+    _, sections, _ = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+    bs = bridge._agree_and_plan(matrix, sections)
+    bs.finished = True
+    bridge._open_steps.clear()
+    bridge.steps = 0
+    return bs
+
+
+def _fresh_keys(step: bench_plan.Step, rank: int, matrix: StepMatrix, extra: bytes) -> list:
+    return read_step(step.topology, StepMatrix(matrix.matrix.copy()), 3).plan_keys(rank, extra)
+
+
+@pytest.mark.parametrize("pick", [0, 1, 2])
+def test_a_repeated_step_reuses_the_memo_and_equals_a_fresh_reading(
+    step: bench_plan.Step, pick: int
+) -> None:
+    rank = bench_plan.representative_ranks(step.ranks)[pick]
+    bridge = bench_plan.offline_bridge(step, rank)
+    first = _plan(step, bridge, bench_plan._fresh(step, bridge))
+    assert "source_GIF" in first._view.__dict__  # no memo yet: the tables were read
+    memo = bridge._memo
+    assert memo is not None and memo.step == 0
+    matrix = bench_plan._fresh(step, bridge)  # every record: memo step 0, unchanged
+    again = _plan(step, bridge, matrix)
+    view = again._view
+    assert "source_GIF" not in view.__dict__ and "dest_DIF" not in view.__dict__
+    extra = bridge._key_extra(matrix)
+    assert list(bridge._memo.keys) == _fresh_keys(step, rank, matrix, extra)
+    want = read_step(step.topology, StepMatrix(matrix.matrix.copy()), 3).tokens_I()
+    assert again.global_tokens() == int(want.sum())
+    assert [again.global_tokens(i) for i in range(3)] == want.tolist()
+    assert bridge.executor.schedules_built == len(
+        [s for s in first._slots if s.schedule is not None]
+    )  # nothing planned twice
+
+
+@pytest.mark.parametrize("change", ["one rank changed", "another memo step"])
+def test_a_step_that_differs_anywhere_reads_the_tables_again(
+    step: bench_plan.Step, change: str
+) -> None:
+    rank = bench_plan.representative_ranks(step.ranks)[0]
+    bridge = bench_plan.offline_bridge(step, rank)
+    _plan(step, bridge, bench_plan._fresh(step, bridge))
+    matrix = bench_plan._fresh(step, bridge)
+    far = step.ranks - 1  # a rank far from this one's groups
+    col = UNCHANGED if change == "one rank changed" else MEMO_STEP
+    matrix.matrix[far, col] = 0 if col == UNCHANGED else 5
+    matrix = StepMatrix(matrix.matrix, np.ascontiguousarray(matrix.matrix[:, :HEADER]))
+    assert matrix.uniform_slots() == 3 and not matrix.unchanged_since(0)
+    again = _plan(step, bridge, matrix)
+    assert "source_GIF" in again._view.__dict__
+    assert list(bridge._memo.keys) == _fresh_keys(step, rank, matrix, bridge._key_extra(matrix))
+
+
+def test_the_record_says_unchanged_only_for_equal_tables(step: bench_plan.Step) -> None:
+    from mopd.bridge.layout import packed_layout
+    from mopd.bridge.metadata import Section
+
+    lay = [packed_layout([1, 2], [5, 3]), packed_layout([3], [4])]
+    sec = [Section(layouts=lay, send_runs=True, dtype=torch.bfloat16, hidden=8), None]
+    rec = encode_step_record(config_sig=1, n_slots=2, error="", sections=sec)
+    tables = record_tables(rec, 2)
+    assert rec[MEMO_STEP] == -1 and rec[UNCHANGED] == 0
+    same = encode_step_record(
+        config_sig=1, n_slots=2, error="", sections=sec, memo_step=4, memo_tables=tables
+    )
+    assert same[MEMO_STEP] == 4 and same[UNCHANGED] == 1
+    assert np.array_equal(record_tables(same, 2), tables)
+    other = [packed_layout([1, 2], [5, 2]), lay[1]]  # one token fewer in micro-batch 0
+    sec2 = [Section(layouts=other, send_runs=True, dtype=torch.bfloat16, hidden=8), None]
+    changed = encode_step_record(
+        config_sig=1, n_slots=2, error="", sections=sec2, memo_step=4, memo_tables=tables
+    )
+    assert changed[MEMO_STEP] == 4 and changed[UNCHANGED] == 0
