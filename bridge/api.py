@@ -6,8 +6,9 @@ point-to-point slots between stages, so nothing collective over the whole bridge
 inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
 
 1. :meth:`HiddenStateBridge.plan_step`, outside the schedule, on every rank of the bridge group:
-   one metadata exchange for all micro-batches of both sides (:mod:`mopd.bridge.metadata`: the
-   records' headers and sizes, then the records; flat, or in two levels over node groups),
+   one metadata exchange for all micro-batches of both sides (:mod:`mopd.bridge.metadata`: an
+   all-reduce of the records' header summary, then the records; flat, or in two levels over
+   node groups),
    checks whose verdict every rank shares (bad input raises the same ``ValueError`` on every
    rank before any data moves), and each rank's own plan per micro-batch
    (:mod:`mopd.bridge.plan`, work proportional to its own runs and its peers').
@@ -325,7 +326,7 @@ class HiddenStateBridge:
         )
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
-            m, sizes, header = self._executor.timed(
+            m, summary = self._executor.timed(
                 lambda: gather_step_matrix(
                     record,
                     group=meta_group,
@@ -339,7 +340,7 @@ class HiddenStateBridge:
                     f"{list(self.topology.members)}"
                 ),
             )
-        return self._agree_and_plan(StepMatrix(m, header, sizes), sections, agreements)
+        return self._agree_and_plan(StepMatrix(m, summary), sections, agreements)
 
     def _local_record(
         self,
@@ -401,7 +402,7 @@ class HiddenStateBridge:
         plans (or cached schedules); the step. Collective only in the verdict."""
         ex = self._executor
         meta_group = self.groups.metadata_group
-        n_slots_ok = matrix.uniform_slots()  # every record ready and agreeing (one pass)
+        n_slots_ok = matrix.uniform_slots()  # every record ready and agreeing (the summary)
         if n_slots_ok is None:
             members = self.topology.members
             agreed_state(matrix, members=members, rank=self.rank, executor=ex)  # the fence

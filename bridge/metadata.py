@@ -12,8 +12,8 @@ the others send a digest that must match the leader's.
 Record (one int64 vector; ``n_sections = n_owners + 1``, the last one the student's)::
 
     [MAGIC, config_sig, n_slots, err_bytes, err_offset, state, step, memo_step, unchanged,
-     section_offset x n_sections, section tables (every section, at fixed places), runs..., error text (UTF-8, 8 per int64),
-     agreements..., n_agreement_words]
+     size, section_offset x n_sections, section tables (every section, at fixed places),
+     runs..., error text (UTF-8, 8 per int64), agreements..., n_agreement_words]
 
     section table: [dtype_code, hidden, device_code, n_slots,
                     per slot: n_rows, n_runs, runs_offset, sample_min, sample_max, digest,
@@ -37,8 +37,15 @@ both alike, the job's tables are the memo's and a rank may reuse what it derived
 ``n_slots == -1``: the rank holds nothing (it takes the others' count). ``section_offset == 0``:
 the rank has no such section. ``n_runs == -1``: a replica that sends only its digest.
 The record ends with the caller's agreements (:class:`~mopd.bridge.inputs.Agreement`: per
-agreement ``[key, n_words, words...]``) and their word count, read from the record's end (the
-gather brings every record's size).
+agreement ``[key, n_words, words...]``) and their word count, read from the record's end
+(``size`` is the record's length).
+
+The gather is two collectives: an all-reduce of every header word's largest and smallest value
+(:func:`header_summary`: the widest record, and whether every rank's header says the same
+fence), then the records, padded to the widest. When the summary says every rank is ready, at
+one step, error-free, with one config and one micro-batch count, no rank reads any other's
+header (:meth:`StepMatrix.uniform_slots`); otherwise every rank reads them all off the matrix
+and names what differs, the same on every rank.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import torch.distributed as dist
 from mopd.bridge.groups import NodeGroups, all_gather_flat, all_gather_nodes
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, layout_to_runs
+from mopd.common import dist as cdist
 
 __all__ = [
     "DTYPES",
@@ -70,18 +78,22 @@ __all__ = [
     "dtype_code",
     "encode_step_record",
     "gather_step_matrix",
+    "header_summary",
     "layout_digest",
     "record_tables",
+    "reduced_summary",
     "table_offset",
+    "uniform_count",
 ]
 
 _I64 = np.int64
 #: Identifies the record format (a rank running another version of the library fails loudly).
-MAGIC = 0x6D6F_7064_0006
+MAGIC = 0x6D6F_7064_0007
 #: Fixed header words before the section offsets.
-HEADER = 9
-#: Header words: the step of the rank's plan memo, and whether its tables are that step's.
-MEMO_STEP, UNCHANGED = 7, 8
+HEADER = 10
+#: Header words: the micro-batch count, the step of the rank's plan memo, whether its tables
+#: are that step's, and the record's length.
+N_SLOTS, MEMO_STEP, UNCHANGED, SIZE = 2, 7, 8, 9
 #: The rank's bridge state in its record: ready, an earlier step not fully posted, failed.
 STATE_READY, STATE_OPEN, STATE_FAILED = 0, 1, 2
 #: The words of one slot in a section's slot table, in order.
@@ -228,7 +240,46 @@ def encode_step_record(
         head[UNCHANGED] = 1
     block = [w for a in agreements for w in (a.key, len(a.words), *a.words)]
     parts.append(np.asarray([*block, len(block)], dtype=_I64))
+    head[SIZE] = sum(p.size for p in parts)
     return torch.from_numpy(np.concatenate(parts))
+
+
+def header_summary(header_H: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """``[2 * HEADER]`` int64: one record's header as the summary's all-reduce (MAX) takes it,
+    ``[header, -header]``, so that the reduced vector holds every word's largest value and,
+    negated, its smallest. A rank that holds nothing (``n_slots == -1``) counts as the largest
+    count in the smallest half, so the counts agree when every rank that gives one gives it."""
+    h = torch.as_tensor(np.asarray(header_H, dtype=_I64)[:HEADER].copy())
+    low = h.clone()
+    if int(low[N_SLOTS]) < 0:
+        low[N_SLOTS] = _NO_SLOTS
+    return torch.cat([h, -low])
+
+
+#: ``n_slots`` of a rank that holds nothing, in the summary's smallest half
+_NO_SLOTS = 2**62
+
+
+def reduced_summary(header_NH: np.ndarray) -> np.ndarray:
+    """``[2 * HEADER]``: what the gather's all-reduce of every member's :func:`header_summary`
+    returns, computed from the ``[n_members, HEADER]`` headers in one process (offline tools,
+    tests)."""
+    h = np.asarray(header_NH, dtype=_I64)
+    low = h.copy()
+    low[low[:, N_SLOTS] < 0, N_SLOTS] = _NO_SLOTS
+    return np.concatenate([h.max(axis=0), (-low).max(axis=0)])
+
+
+def uniform_count(summary_2H: np.ndarray) -> int | None:
+    """The step's micro-batch count when the reduced summary (:func:`header_summary`) says
+    every record is of this format, one config, error-free, ready, at one step, every count
+    given the same; else ``None`` (some rank differs: read the headers)."""
+    hi, lo = summary_2H[:HEADER], -summary_2H[HEADER:]
+    same = hi == lo
+    same[[MEMO_STEP, UNCHANGED, SIZE]] = True  # the memo is judged apart; sizes differ
+    if not same.all() or hi[0] != MAGIC or hi[3] != 0 or hi[5] != STATE_READY or hi[N_SLOTS] < 0:
+        return None
+    return int(hi[N_SLOTS])
 
 
 def record_tables(record: torch.Tensor | np.ndarray, n_sections: int) -> np.ndarray:
@@ -249,16 +300,16 @@ def gather_step_matrix(
     device: torch.device,
     timeout_s: float | None,
     nodes: NodeGroups | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All-gather every member's record: ``([n, width] int64, sizes [n], headers [n, HEADER])``,
-    the same everywhere.
+) -> tuple[np.ndarray, np.ndarray]:
+    """All-gather every member's record: ``([n, width] int64, summary [2 * HEADER])``, the
+    same everywhere.
 
     Row ``j`` is member ``j``'s record (members in group-rank order, zero-padded to the widest).
-    Two all-gathers: each record's size with its fixed header (so that the fence and verdicts
-    read every rank's header from one compact array, :class:`StepMatrix` ``header_NH``, not a
-    word per row of the wide matrix), then the padded records, each flat over ``group`` or, with
-    ``nodes``, in two levels (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same
-    bytes). Tensors travel on ``device`` (CPU for a gloo group).
+    Two collectives: an all-reduce (MAX) over ``group`` of every header's
+    :func:`header_summary` (the widest record's size, and whether every header agrees: a
+    constant number of words per rank, whatever the job's size), then the padded records, flat
+    over ``group`` or, with ``nodes``, in two levels (:func:`~mopd.bridge.groups.
+    all_gather_nodes`; CPU, the same bytes). Tensors travel on ``device`` (CPU for a gloo group).
     """
 
     def all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -267,19 +318,19 @@ def gather_step_matrix(
         else:
             all_gather_flat(out, inp, group=group, timeout_s=timeout_s)
 
-    head = torch.zeros(HEADER + 1, dtype=torch.int64)
-    head[0] = record.numel()
-    head[1 : 1 + min(HEADER, record.numel())] = record[:HEADER]
-    heads = torch.empty(n_members * (HEADER + 1), dtype=torch.int64, device=device)
-    all_gather(heads, head.to(device))
-    heads_n = heads.cpu().numpy().reshape(n_members, HEADER + 1)
-    sizes_n = np.ascontiguousarray(heads_n[:, 0])
-    width = int(sizes_n.max())
+    head = torch.zeros(HEADER, dtype=torch.int64)
+    head[: min(HEADER, record.numel())] = record[:HEADER]
+    head[SIZE] = record.numel()  # a record of another format may not say it
+    summary = header_summary(head).to(device)
+    if group is not None and dist.get_world_size(group) > 1:
+        cdist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group, timeout_s=timeout_s)
+    summary_2H = summary.cpu().numpy()
+    width = int(summary_2H[SIZE])
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
     all_gather(every, padded)
-    return every.cpu().numpy().reshape(n_members, width), sizes_n, heads_n[:, 1:].copy()
+    return every.cpu().numpy().reshape(n_members, width), summary_2H
 
 
 class StepMatrix:
@@ -290,26 +341,19 @@ class StepMatrix:
     front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
     """
 
-    def __init__(
-        self,
-        matrix: np.ndarray,
-        header_NH: np.ndarray | None = None,
-        sizes_N: np.ndarray | None = None,
-    ) -> None:
+    def __init__(self, matrix: np.ndarray, summary_2H: np.ndarray | None = None) -> None:
         self.matrix = matrix
-        #: ``[n, HEADER]`` the records' headers when the gather brought them apart
-        #: (:func:`gather_step_matrix`), else copied from the matrix on first use
-        self._header = header_NH
-        #: ``[n]`` each record's size (from the gather): where its agreements end; ``None``:
-        #: records without agreements (offline tools)
-        self._sizes = sizes_N
-        #: every header equal to the first (:meth:`uniform_slots` found it)
+        #: ``[2 * HEADER]`` the gather's reduced :func:`header_summary` (``None``: offline,
+        #: the headers are read off the matrix)
+        self.summary_2H = summary_2H
+        self._header: np.ndarray | None = None
+        #: every header agrees (:meth:`uniform_slots` found it)
         self._uniform = False
 
     def header_NH(self) -> np.ndarray:
-        """``[n_members, HEADER]`` every record's fixed header: as gathered apart, or copied
-        once in one pass over the matrix's rows (a column of a wide matrix touches a page per
-        row)."""
+        """``[n_members, HEADER]`` every record's fixed header, copied once in one pass over the
+        matrix's rows (a column of a wide matrix touches a page per row): what the fence and
+        the verdicts read when the summary says some rank differs."""
         if self._header is None:
             self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
         return self._header
@@ -317,20 +361,20 @@ class StepMatrix:
     def uniform_slots(self) -> int | None:
         """The step's micro-batch count when every record is of this format, built with one
         config, error-free, ready, at one step, and every count given agrees; else ``None``
-        (the caller then looks for what differs). One pass over the headers when they are all
-        the first's, a few otherwise."""
+        (the caller then looks for what differs). From the gather's summary when there is one
+        (no header read), else one pass over the headers when they are all the first's, a few
+        otherwise."""
+        if self.summary_2H is not None:
+            count = uniform_count(self.summary_2H)
+            self._uniform = count is not None
+            return count
         h = self.header_NH()
         if not h.shape[0]:
             return None
         first = h[0]
         if first[0] != MAGIC or first[3] != 0 or first[5] != STATE_READY:
             return None
-        if first[2] >= 0:
-            flat = h.reshape(-1)
-            if np.array_equal(flat[HEADER:], flat[:-HEADER]):  # every row the first: one pass
-                self._uniform = True
-                return int(first[2])
-        if (h[:, :2] != first[:2]).any() or (h[:, 3:7] != first[3:7]).any():
+        if (h[:, :2] != first[:2]).any() or (h[:, 3:MEMO_STEP] != first[3:MEMO_STEP]).any():
             return None
         slots = h[:, 2]
         given = slots[slots >= 0]
@@ -342,14 +386,15 @@ class StepMatrix:
         """Whether every record says its tables are word for word those it sent at step
         ``memo_step`` (see the module doc): then a plan key or token count derived from that
         step's tables holds for this one. One pass over two header columns (none when every
-        header is the first's, :meth:`uniform_slots` having seen that)."""
+        header agrees, :meth:`uniform_slots` having seen that in the summary)."""
+        if memo_step < 0 or not self.matrix.shape[0]:
+            return False
+        if self._uniform and self.summary_2H is not None:
+            hi, lo = self.summary_2H[:HEADER], -self.summary_2H[HEADER:]
+            return bool(
+                hi[MEMO_STEP] == lo[MEMO_STEP] == memo_step and hi[UNCHANGED] == lo[UNCHANGED] == 1
+            )
         h = self.header_NH()
-        if not h.shape[0] or memo_step < 0:
-            return False
-        if h[0, MEMO_STEP] != memo_step or h[0, UNCHANGED] != 1:
-            return False
-        if self._uniform:
-            return True
         return bool((h[:, MEMO_STEP] == memo_step).all() and (h[:, UNCHANGED] == 1).all())
 
     def magic_N(self) -> np.ndarray:
@@ -371,10 +416,10 @@ class StepMatrix:
         return self.header_NH()[:, 6]
 
     def agreements(self, j: int) -> dict[int, np.ndarray]:
-        """Member ``j``'s agreements, ``key -> words`` (empty when the sizes are unknown)."""
-        if self._sizes is None:
+        """Member ``j``'s agreements, ``key -> words`` (read from the end its ``size`` says)."""
+        end = int(self.matrix[j, SIZE]) - 1
+        if end < 0:
             return {}
-        end = int(self._sizes[j]) - 1
         n = int(self.matrix[j, end])
         block = self.matrix[j, end - n : end]
         out: dict[int, np.ndarray] = {}

@@ -74,7 +74,14 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import HEADER, MEMO_STEP, UNCHANGED, StepMatrix, encode_step_record
+from mopd.bridge.metadata import (
+    HEADER,
+    MEMO_STEP,
+    UNCHANGED,
+    StepMatrix,
+    encode_step_record,
+    reduced_summary,
+)
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, stack_records
 from mopd.bridge.step import BridgeStep
@@ -394,24 +401,29 @@ def _tokens(bs: BridgeStep) -> int:
 
 
 def _fresh(step: Step, bridge: HiddenStateBridge) -> StepMatrix:
-    """A new copy of the gathered matrix and headers, as :func:`~mopd.bridge.metadata.
+    """A new copy of the gathered matrix and the summary, as :func:`~mopd.bridge.metadata.
     gather_step_matrix` returns them (not timed): each step reads what the all-gather has just
     written, not what the previous step left in the caches. Every record's plan-memo words
     are those of ``bridge``'s rank (every rank repeats its step as this one does: with a memo
     from the step before, its tables unchanged since)."""
-    m = step.matrix_NW.copy()
     memo = bridge._memo
-    m[:, MEMO_STEP], m[:, UNCHANGED] = (-1, 0) if memo is None else (memo.step, 1)
-    return StepMatrix(m, np.ascontiguousarray(m[:, :HEADER]))
+    words = (-1, 0) if memo is None else (memo.step, 1)
+    header_NH = step.matrix_NW[:, :HEADER].copy()
+    header_NH[:, MEMO_STEP], header_NH[:, UNCHANGED] = words
+    summary_2H = reduced_summary(header_NH)  # what the all-reduce returns
+    m = step.matrix_NW.copy()
+    m[:, MEMO_STEP], m[:, UNCHANGED] = words
+    return StepMatrix(m, summary_2H)
 
 
 def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on today's path; seconds per part."""
-    gathered = _fresh(step, bridge)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, bridge.rank)
     t0 = time.perf_counter()
     record_, sections, _agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+    t_enc = time.perf_counter()
+    gathered = _fresh(step, bridge)  # the all-gather, after the record is built (not timed)
     t1 = time.perf_counter()
     bs = bridge._agree_and_plan(gathered, sections)
     t2 = time.perf_counter()
@@ -424,14 +436,13 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
         record_.numpy(), gathered.matrix[step.topology.member_index(bridge.rank), : record_.numel()]
     ):
         raise AssertionError(f"rank {bridge.rank}: its record is not its row of the matrix")
-    return {"layouts": t0 - tl, "encode": t1 - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
+    return {"layouts": t0 - tl, "encode": t_enc - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
 
 
 def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     """One step of ``bridge``'s rank on the path before the record-keyed cache (the calls the
     bridge made then, the retired ones written out here); seconds per part."""
     topo, rank = step.topology, bridge.rank
-    gathered = _fresh(step, bridge)
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, rank)
     t0 = time.perf_counter()
@@ -439,6 +450,8 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     t_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in t_lay]
     s_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in s_lay]
     bridge._local_record({0: t_rows}, s_rows, None, None, [])
+    t_enc = time.perf_counter()
+    gathered = _fresh(step, bridge)  # the all-gather, after the record is built (not timed)
     t1 = time.perf_counter()
     matrix = StepMatrix(gathered.matrix)  # the headers were read off the matrix then
     agreed_state(matrix, members=topo.members, rank=rank, executor=bridge.executor)
@@ -479,7 +492,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
         raise RuntimeError(f"rank {rank}: unexpected verdicts {problems[:2]}")
     return {
         "layouts": t0 - tl,
-        "encode": t1 - t0,
+        "encode": t_enc - t0,
         "verdict": t2 - t1,
         "plan": t3 - t2,
         "tokens": t4 - t3,
@@ -551,14 +564,16 @@ class AllGatherModel:
         bytes_per_rank: mean record bytes (what a rank contributes before padding).
         padded_bytes_per_rank: the widest record (every record travels padded to it).
         gathered_bytes: what every rank receives and holds (``n`` padded records).
-        ring_ms: flat ring, two all-gathers (sizes with the 7-word headers, then records):
-            ``2 (n - 1) alpha + (n - 1) (w + 64) / beta``.
-        hier_ms: the two-level exchange the bridge runs (:func:`~mopd.bridge.groups.
-            all_gather_nodes`, nodes of ``NODE`` ranks), both all-gathers: a gather to the
-            node leader over NVLink (``(k - 1) (alpha_nvl + w / beta_nvl)``), the leaders'
-            log-depth all-gather (``ceil(log2(n / k)) alpha + (n - k) w / beta``), a binomial
-            broadcast of the matrix inside the node (``ceil(log2 k) (alpha_nvl + n w /
-            beta_nvl)``).
+        ring_ms: flat ring: the summary's all-reduce (``s = 2 HEADER`` words: ``2 (n - 1)
+            alpha + 2 s / beta``), then the records' all-gather (``(n - 1) (alpha + w /
+            beta)``).
+        hier_ms: the two-level exchange the bridge runs: the summary's all-reduce in log
+            depth (``ceil(log2 n) (alpha + s / beta)``), then the records' two-level
+            all-gather (:func:`~mopd.bridge.groups.all_gather_nodes`, nodes of ``NODE``
+            ranks): a gather to the node leader over NVLink (``(k - 1) (alpha_nvl + w /
+            beta_nvl)``), the leaders' log-depth all-gather (``ceil(log2(n / k)) alpha +
+            (n - k) w / beta``), a binomial broadcast of the matrix inside the node
+            (``ceil(log2 k) (alpha_nvl + n w / beta_nvl)``).
     """
 
     bytes_per_rank: float
@@ -581,13 +596,16 @@ def _two_level_s(n: int, w: float) -> float:
 def model_allgather(n: int, sizes_N: np.ndarray) -> AllGatherModel:
     """The model of :class:`AllGatherModel` for records of ``sizes_N`` int64 words."""
     w = int(sizes_N.max()) * 8
-    ring = 2 * (n - 1) * ALPHA_S + (n - 1) * (w + 8 * (HEADER + 1)) / BETA_BPS
+    summary = 8 * 2 * HEADER
+    reduce_ring = 2 * (n - 1) * ALPHA_S + 2 * summary / BETA_BPS
+    reduce_tree = math.ceil(math.log2(max(n, 2))) * (ALPHA_S + summary / BETA_BPS)
+    ring = reduce_ring + (n - 1) * (ALPHA_S + w / BETA_BPS)
     return AllGatherModel(
         bytes_per_rank=float(sizes_N.mean()) * 8,
         padded_bytes_per_rank=w,
         gathered_bytes=n * w,
         ring_ms=1e3 * ring,
-        hier_ms=1e3 * (_two_level_s(n, 8 * (HEADER + 1)) + _two_level_s(n, w)),
+        hier_ms=1e3 * (reduce_tree + _two_level_s(n, w)),
     )
 
 
@@ -712,8 +730,9 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "tp = 8 times the sending groups).",
         "`step_host_ms`: one rank's per-step host work on a step it has seen (the steady "
         "state: every rank repeats its step, so every record says its tables are those of "
-        "the plan memo's step, and the rank reuses its plan keys and token counts after one "
-        "pass over the headers, reading no group's slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
+        "the plan memo's step, and the rank reuses its plan keys and token counts, reading no "
+        "other rank's header (the gather's all-reduced summary says they agree) and no group's "
+        "slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
         "packed_layout calls, which now derive the runs), its record (`encode_ms`), the fence, "
         "the verdict checks, plan keys and schedule lookups (`verdict_plan_ms`: no planner), "
         "the token counts (`tokens_ms`: the step's and each micro-batch's); `bridge_host_ms`: "
@@ -723,8 +742,9 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "every verdict and plan_rank each step, one rank reading every student group for "
         "duplicate samples, global_tokens decoding every student group per call), with the same "
         "layout constructors (their runs dropped, so the record derives them from the rows); "
-        "`*_old_ms` its parts. Each timed step reads a fresh copy of the gathered matrix (as "
-        "after an all-gather; the copy is not timed). "
+        "`*_old_ms` its parts. Each timed step builds its layouts and record, then reads a "
+        "fresh copy of the gathered matrix (as after the all-gather, which follows the record; "
+        "the copy is not timed; the old path reads the headers off it, as it did). "
         f"The least of up to {args.repeats} steps (old and miss: a third of that; on this "
         "shared machine the least disturbed step is the figure, for every path alike), "
         "the slowest of three ranks (rank 0, one in the middle, the last teacher leader).",
@@ -734,12 +754,13 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "4096 tokens per rank). `peak_mib` = `matrix_mib` (the gathered metadata every rank "
         "holds) + `plan_alloc_mib` (tracemalloc peak of planning one micro-batch).",
         f"All-gather model: records padded to the widest (`metadata_padded_bytes_per_rank`), "
-        f"two collectives (sizes with the headers, 64 bytes a rank; records); ring: "
-        f"2 (n-1) alpha + (n-1) (w + 64) / beta with alpha = "
+        f"two collectives (an all-reduce of the {2 * HEADER}-word header summary, then the "
+        f"records); ring: 2 (n-1) alpha + 2 s / beta for the all-reduce, (n-1) (alpha + w / "
+        f"beta) for the records, with alpha = "
         f"{ALPHA_S * 1e6:g} us per hop and beta = {BETA_BPS / 1e9:g} GB/s; two-level (what "
         f"the bridge runs from create_bridge_groups(metadata_nodes_from=...) on): nodes of "
-        f"{NODE} (NVLink alpha {ALPHA_NVL_S * 1e6:g} us, {BETA_NVL_BPS / 1e9:g} GB/s), a "
-        "gather to the node leader, a log-depth (Bruck) all-gather among leaders, a binomial "
+        f"{NODE} (NVLink alpha {ALPHA_NVL_S * 1e6:g} us, {BETA_NVL_BPS / 1e9:g} GB/s), the "
+        "summary's all-reduce in log depth, then a gather to the node leader, a log-depth (Bruck) all-gather among leaders, a binomial "
         "broadcast inside the node.",
     ]
     for src in SOURCES:

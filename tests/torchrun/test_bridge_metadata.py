@@ -26,7 +26,7 @@ from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.groups import GroupPool, all_gather_flat, all_gather_nodes, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, padded_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import HEADER, gather_step_matrix
+from mopd.bridge.metadata import HEADER, SIZE, gather_step_matrix, reduced_summary
 from mopd.profiling.synthetic import key_pattern
 from tests.support.bridges import poison_outputs
 
@@ -54,16 +54,18 @@ def test_two_level_all_gather_is_the_flat_one_bit_for_bit(node_size: int) -> Non
     # records of different widths, random 64-bit words (negative ones too)
     record = torch.from_numpy(rng.integers(-(2**62), 2**62, size=3 + 5 * me, dtype=np.int64))
     common = {"n_members": n, "device": torch.device("cpu"), "timeout_s": _TIMEOUT_S}
-    flat, flat_sizes, flat_head = gather_step_matrix(record, group=groups.meta, **common)
-    two, two_sizes, two_head = gather_step_matrix(
+    flat, flat_summary = gather_step_matrix(record, group=groups.meta, **common)
+    two, two_summary = gather_step_matrix(
         record, group=groups.meta, nodes=groups.meta_nodes, **common
     )
-    assert np.array_equal(flat_sizes, two_sizes) and flat_sizes.tolist() == [
-        3 + 5 * j for j in range(n)
-    ]
+    sizes = [3 + 5 * j for j in range(n)]
     assert flat.dtype == two.dtype and np.array_equal(flat, two)
-    # the headers gathered apart are the matrix's first words
-    assert np.array_equal(flat_head, two_head) and np.array_equal(flat_head, flat[:, :HEADER])
+    assert flat.shape == (n, max(sizes))
+    # the all-reduced summary: every header word's largest and smallest, the widest record
+    assert np.array_equal(flat_summary, two_summary) and flat_summary[SIZE] == max(sizes)
+    header_NH = flat[:, :HEADER].copy()
+    header_NH[:, SIZE] = sizes  # what each rank's header says of its record's length
+    assert np.array_equal(flat_summary, reduced_summary(header_NH))
     # the primitive itself, on a width the nodes do not divide evenly
     part = torch.full((7,), me, dtype=torch.int64) * 1000 + torch.arange(7)
     out_flat = torch.full((7 * n,), -1, dtype=torch.int64)

@@ -18,7 +18,7 @@ import torch
 
 from mopd.bridge.inputs import Agreement, StepChecks
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import StepMatrix, encode_step_record
+from mopd.bridge.metadata import SIZE, StepMatrix, encode_step_record
 from mopd.bridge.record import stack_records
 from mopd.mcore import padded_micro_batch
 from mopd.mcore.checks import SHAPE_FIELDS, check_micro_batches
@@ -142,10 +142,10 @@ def test_agreements_survive_the_step_record():
         encode_step_record(config_sig=1, n_slots=-1, error="some text", sections=[None, None]),
     ]
     matrix, sizes = stack_records(recs)
-    m = StepMatrix(matrix, None, sizes)
+    assert sizes.tolist() == [r.numel() for r in recs] == matrix[:, SIZE].tolist()
+    m = StepMatrix(matrix)  # each record says where it ends: its padding is never read
     got = m.agreements(0)
     assert set(got) == {a.key, b.key} and got[a.key].tolist() == [5, -1, 2**40]
     assert got[b.key].size == 0
     assert m.agreements(1) == {} and m.error(1) == "some text"
-    assert StepMatrix(matrix).agreements(0) == {}  # sizes unknown: none read
     assert isinstance(got[a.key], np.ndarray)
