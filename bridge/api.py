@@ -70,14 +70,17 @@ from mopd.bridge.inputs import Agreement, LayoutArg, StepChecks, called, check_b
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import (
+    SIZE,
     STATE_FAILED,
     STATE_OPEN,
     STATE_READY,
     Section,
     StepMatrix,
     encode_step_record,
-    gather_step_matrix,
+    gather_records,
     record_tables,
+    reduce_summary,
+    reuses_memo,
 )
 from mopd.bridge.record import rank_roles, rank_sections, read_step
 from mopd.bridge.step import BridgeStep, ExchangeHandle
@@ -211,6 +214,7 @@ class HiddenStateBridge:
         for step in list(self._live_steps):
             step._drop()
         self._open_steps = []
+        self._memo = None
         # the board's watcher ends with the last bridge on its group (other bridges of this
         # process on the same group share it)
         self._executor.board = None
@@ -327,20 +331,39 @@ class HiddenStateBridge:
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
             m, summary = self._executor.timed(
-                lambda: gather_step_matrix(
-                    record,
-                    group=meta_group,
-                    n_members=len(self.topology.members),
-                    device=cdist.group_device(meta_group),
-                    timeout_s=self.config.timeout_s,
-                    nodes=self.groups.meta_nodes,
-                ),
+                lambda: self._gather(record, meta_group),
                 lambda: (
                     "the bridge's metadata all-gather over global ranks "
                     f"{list(self.topology.members)}"
                 ),
             )
         return self._agree_and_plan(StepMatrix(m, summary), sections, agreements)
+
+    def _gather(
+        self, record: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's record and the summary (:mod:`mopd.bridge.metadata`): the summary's
+        all-reduce, then the records' all-gather, or none when every record is the plan
+        memo's step's but for its header (the memo's matrix serves; the same answer on every
+        rank). A memo that cannot serve is dropped before the gather (one matrix held)."""
+        device = cdist.group_device(group)
+        summary = reduce_summary(
+            record, group=group, device=device, timeout_s=self.config.timeout_s
+        )
+        memo = self._memo
+        if memo is not None and reuses_memo(summary, memo.step):
+            return memo.matrix, summary
+        self._memo = None
+        matrix = gather_records(
+            record,
+            width=int(summary[SIZE]),
+            group=group,
+            n_members=len(self.topology.members),
+            device=device,
+            timeout_s=self.config.timeout_s,
+            nodes=self.groups.meta_nodes,
+        )
+        return matrix, summary
 
     def _local_record(
         self,
@@ -473,9 +496,8 @@ class HiddenStateBridge:
                 tokens_I = view.tokens_I()
             self._memo = _PlanMemo(
                 step=self.steps,
-                tables=record_tables(
-                    matrix.matrix[self.topology.member_index(self.rank)], len(sections)
-                ),
+                tables=record_tables(matrix.matrix[self.topology.member_index(self.rank)]),
+                matrix=matrix.matrix,
                 n_slots=n_slots,
                 extra=extra,
                 keys=tuple(keys),
@@ -622,14 +644,16 @@ class HiddenStateBridge:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _PlanMemo:
-    """What a rank derived from the job's tables at step ``step`` (its own record's section
-    offsets and tables then: ``tables``), kept for the next step: when every record of that
-    step says its tables are unchanged (:meth:`~mopd.bridge.metadata.StepMatrix.
-    unchanged_since`), the plan keys and token counts are these, and no group's table is read.
+    """What a rank derived from the job's records at step ``step`` (its own record past the
+    header then: ``tables``; the gathered ``matrix``), kept for the next step: when every
+    record of the next says it is that step's but for its header (:func:`~mopd.bridge.
+    metadata.reuses_memo`), the matrix is not gathered again, and the plan keys and token
+    counts are these: no group's table is read.
     """
 
     step: int
     tables: np.ndarray
+    matrix: np.ndarray
     n_slots: int
     extra: bytes
     keys: tuple[bytes, ...]

@@ -29,10 +29,11 @@ a gather through the offsets. ``n_tokens`` is the slot's real (counted) tokens.
 of this bridge still has micro-batches this rank has not posted, :data:`STATE_FAILED`: a step
 failed on this rank; the error text then says how) and ``step`` the number of steps it planned
 before this one (the fence: every rank must be at the same step). ``memo_step`` is the step
-whose plan keys the rank keeps (-1: none) and ``unchanged`` 1 when its section offsets and
-tables (:func:`record_tables`) are word for word those it sent then: when every record says
-both alike, the job's tables are the memo's and a rank may reuse what it derived from them
-(its plan keys, the step's token counts) without reading any group's table
+whose plan keys the rank keeps (-1: none) and ``unchanged`` 1 when its record past the header
+(:func:`record_tables`) is word for word the one it sent then: when every record says both
+alike, the job's records are the memo step's but for their headers, so no rank gathers them
+again (:func:`reuses_memo`): each reads the memo step's matrix, and reuses what it derived
+from it (its plan keys, the step's token counts) without reading any group's table
 (:meth:`StepMatrix.unchanged_since`).
 ``n_slots == -1``: the rank holds nothing (it takes the others' count). ``section_offset == 0``:
 the rank has no such section. ``n_runs == -1``: a replica that sends only its digest.
@@ -77,11 +78,14 @@ __all__ = [
     "device_code",
     "dtype_code",
     "encode_step_record",
+    "gather_records",
     "gather_step_matrix",
     "header_summary",
     "layout_digest",
     "record_tables",
+    "reduce_summary",
     "reduced_summary",
+    "reuses_memo",
     "table_offset",
     "uniform_count",
 ]
@@ -189,7 +193,8 @@ def encode_step_record(
     no such role; each present one holds ``n_slots`` layouts. ``error``: the local error text
     (sections are then usually all ``None``), or with a ``state`` other than ready, what that
     state is about. ``memo_step`` / ``memo_tables``: the step whose plan keys the rank keeps
-    and its :func:`record_tables` then (``unchanged`` is 1 when this record's are equal).
+    and its :func:`record_tables` then (``unchanged`` is 1 when this record's are equal: the
+    record is that step's but for its header).
     """
     n_sec = len(sections)
     live = [sec for sec in sections if sec is not None]
@@ -236,12 +241,13 @@ def encode_step_record(
         head[3], head[4] = len(text), runs_at
         pad = -len(text) % 8
         parts.append(np.frombuffer(text + b"\0" * pad, dtype="<i8").astype(_I64))
-    if memo_tables is not None and np.array_equal(head[HEADER:], memo_tables):
-        head[UNCHANGED] = 1
     block = [w for a in agreements for w in (a.key, len(a.words), *a.words)]
     parts.append(np.asarray([*block, len(block)], dtype=_I64))
-    head[SIZE] = sum(p.size for p in parts)
-    return torch.from_numpy(np.concatenate(parts))
+    record = np.concatenate(parts)
+    record[SIZE] = record.size
+    if memo_tables is not None and np.array_equal(record[HEADER:], memo_tables):
+        record[UNCHANGED] = 1
+    return torch.from_numpy(record)
 
 
 def header_summary(header_H: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -282,14 +288,23 @@ def uniform_count(summary_2H: np.ndarray) -> int | None:
     return int(hi[N_SLOTS])
 
 
-def record_tables(record: torch.Tensor | np.ndarray, n_sections: int) -> np.ndarray:
-    """A copy of ``record``'s section offsets and tables (``[n_sections + n_tab]`` words past
-    the header; what every rank's plan keys and token counts are computed from)."""
+def record_tables(record: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A copy of ``record`` past its header, up to its ``size`` (a row of a gathered matrix
+    drops its padding): the section offsets, tables, runs, error text and agreements, all
+    that a rank reads of another's record besides the header."""
     r = record.numpy() if isinstance(record, torch.Tensor) else np.asarray(record)
-    n_slots = int(r[2])
-    live = bool(r[HEADER : HEADER + n_sections].any())
-    n_tab = n_sections * (_SECTION_HEAD + SLOT_FIELDS * max(n_slots, 0)) if live else 0
-    return r[HEADER : HEADER + n_sections + n_tab].copy()
+    return r[HEADER : int(r[SIZE])].copy()
+
+
+def reuses_memo(summary_2H: np.ndarray, memo_step: int) -> bool:
+    """Whether the reduced summary says every record is the one its rank sent at step
+    ``memo_step`` but for its header (every rank agreed, each with that memo and unchanged):
+    then that step's gathered matrix serves this one, and nothing is gathered. The summary is
+    the same on every rank, so is the answer (a rank without a memo says ``memo_step -1``)."""
+    if memo_step < 0 or uniform_count(summary_2H) is None:
+        return False
+    hi, lo = summary_2H[:HEADER], -summary_2H[HEADER:]
+    return bool(hi[MEMO_STEP] == lo[MEMO_STEP] == memo_step and hi[UNCHANGED] == lo[UNCHANGED] == 1)
 
 
 def gather_step_matrix(
@@ -302,35 +317,63 @@ def gather_step_matrix(
     nodes: NodeGroups | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """All-gather every member's record: ``([n, width] int64, summary [2 * HEADER])``, the
-    same everywhere.
+    same everywhere: :func:`reduce_summary`, then :func:`gather_records` (the bridge skips the
+    second when its plan memo serves, :func:`reuses_memo`)."""
+    summary_2H = reduce_summary(record, group=group, device=device, timeout_s=timeout_s)
+    matrix = gather_records(
+        record,
+        width=int(summary_2H[SIZE]),
+        group=group,
+        n_members=n_members,
+        device=device,
+        timeout_s=timeout_s,
+        nodes=nodes,
+    )
+    return matrix, summary_2H
 
-    Row ``j`` is member ``j``'s record (members in group-rank order, zero-padded to the widest).
-    Two collectives: an all-reduce (MAX) over ``group`` of every header's
-    :func:`header_summary` (the widest record's size, and whether every header agrees: a
-    constant number of words per rank, whatever the job's size), then the padded records, flat
-    over ``group`` or, with ``nodes``, in two levels (:func:`~mopd.bridge.groups.
-    all_gather_nodes`; CPU, the same bytes). Tensors travel on ``device`` (CPU for a gloo group).
-    """
 
-    def all_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
-        if nodes is not None:
-            all_gather_nodes(out, inp, nodes=nodes, timeout_s=timeout_s)
-        else:
-            all_gather_flat(out, inp, group=group, timeout_s=timeout_s)
-
+def reduce_summary(
+    record: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout_s: float | None,
+) -> np.ndarray:
+    """``[2 * HEADER]``: the all-reduce (MAX) over ``group`` of every member's
+    :func:`header_summary`, the same everywhere: the widest record's size, and whether every
+    header agrees, in a constant number of words per rank whatever the job's size. Tensors
+    travel on ``device`` (CPU for a gloo group)."""
     head = torch.zeros(HEADER, dtype=torch.int64)
     head[: min(HEADER, record.numel())] = record[:HEADER]
     head[SIZE] = record.numel()  # a record of another format may not say it
     summary = header_summary(head).to(device)
     if group is not None and dist.get_world_size(group) > 1:
         cdist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group, timeout_s=timeout_s)
-    summary_2H = summary.cpu().numpy()
-    width = int(summary_2H[SIZE])
+    return summary.cpu().numpy()
+
+
+def gather_records(
+    record: torch.Tensor,
+    *,
+    width: int,
+    group: dist.ProcessGroup | None,
+    n_members: int,
+    device: torch.device,
+    timeout_s: float | None,
+    nodes: NodeGroups | None = None,
+) -> np.ndarray:
+    """``[n, width]`` int64: row ``j`` member ``j``'s record (members in group-rank order,
+    zero-padded to ``width``, the widest: the summary's ``size``), the same everywhere; one
+    all-gather flat over ``group`` or, with ``nodes``, in two levels
+    (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same bytes)."""
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
-    all_gather(every, padded)
-    return every.cpu().numpy().reshape(n_members, width), summary_2H
+    if nodes is not None:
+        all_gather_nodes(every, padded, nodes=nodes, timeout_s=timeout_s)
+    else:
+        all_gather_flat(every, padded, group=group, timeout_s=timeout_s)
+    return every.cpu().numpy().reshape(n_members, width)
 
 
 class StepMatrix:
@@ -390,10 +433,7 @@ class StepMatrix:
         if memo_step < 0 or not self.matrix.shape[0]:
             return False
         if self._uniform and self.summary_2H is not None:
-            hi, lo = self.summary_2H[:HEADER], -self.summary_2H[HEADER:]
-            return bool(
-                hi[MEMO_STEP] == lo[MEMO_STEP] == memo_step and hi[UNCHANGED] == lo[UNCHANGED] == 1
-            )
+            return reuses_memo(self.summary_2H, memo_step)
         h = self.header_NH()
         return bool((h[:, MEMO_STEP] == memo_step).all() and (h[:, UNCHANGED] == 1).all())
 

@@ -18,7 +18,8 @@ source and a destination group), every per-step host function of the live bridge
 bridge object without process groups (:func:`offline_bridge`):
 
 - ``step_host_ms``: a step whose inputs the rank has seen (steady state: every rank repeats
-  its step, so every record says its tables are unchanged since the plan memo's step):
+  its step, so every record says it is the plan memo's step's but for its header, and the
+  summary's all-reduce lets every rank skip gathering the records, the memo's matrix serving):
   building its layouts and record (``_local_record``), the fence and the verdict checks, the
   plan keys (the memo's) and schedule lookups (``_agree_and_plan``: no planner runs, no group's
   slot table read), the token counts (``global_tokens`` once for the step and once per
@@ -80,7 +81,9 @@ from mopd.bridge.metadata import (
     UNCHANGED,
     StepMatrix,
     encode_step_record,
+    record_tables,
     reduced_summary,
+    reuses_memo,
 )
 from mopd.bridge.plan import check_rank, plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, stack_records
@@ -400,17 +403,21 @@ def _tokens(bs: BridgeStep) -> int:
     return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
 
 
-def _fresh(step: Step, bridge: HiddenStateBridge) -> StepMatrix:
-    """A new copy of the gathered matrix and the summary, as :func:`~mopd.bridge.metadata.
-    gather_step_matrix` returns them (not timed): each step reads what the all-gather has just
-    written, not what the previous step left in the caches. Every record's plan-memo words
-    are those of ``bridge``'s rank (every rank repeats its step as this one does: with a memo
-    from the step before, its tables unchanged since)."""
+def _fresh(step: Step, bridge: HiddenStateBridge, *, reuse: bool = True) -> StepMatrix:
+    """The gathered matrix and the summary as the bridge's exchange gives them (not timed):
+    with a plan memo every record repeats (``reuse``), the memo's matrix, nothing gathered
+    (:func:`~mopd.bridge.metadata.reuses_memo`); otherwise a new copy of the matrix, so the
+    step reads what the all-gather has just written, not what the previous step left in the
+    caches. Every record's plan-memo words are those of ``bridge``'s rank (every rank repeats
+    its step as this one does: with a memo from the step before, its record unchanged since)."""
     memo = bridge._memo
     words = (-1, 0) if memo is None else (memo.step, 1)
     header_NH = step.matrix_NW[:, :HEADER].copy()
     header_NH[:, MEMO_STEP], header_NH[:, UNCHANGED] = words
     summary_2H = reduced_summary(header_NH)  # what the all-reduce returns
+    if reuse and memo is not None and reuses_memo(summary_2H, memo.step):
+        return StepMatrix(memo.matrix, summary_2H)
+    bridge._memo = None  # as the bridge drops a memo that cannot serve
     m = step.matrix_NW.copy()
     m[:, MEMO_STEP], m[:, UNCHANGED] = words
     return StepMatrix(m, summary_2H)
@@ -433,7 +440,8 @@ def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     bridge._open_steps.clear()
     bridge.steps = 0
     if not np.array_equal(
-        record_.numpy(), gathered.matrix[step.topology.member_index(bridge.rank), : record_.numel()]
+        record_tables(record_),
+        record_tables(gathered.matrix[step.topology.member_index(bridge.rank)]),
     ):
         raise AssertionError(f"rank {bridge.rank}: its record is not its row of the matrix")
     return {"layouts": t0 - tl, "encode": t_enc - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
@@ -451,7 +459,7 @@ def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
     s_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in s_lay]
     bridge._local_record({0: t_rows}, s_rows, None, None, [])
     t_enc = time.perf_counter()
-    gathered = _fresh(step, bridge)  # the all-gather, after the record is built (not timed)
+    gathered = _fresh(step, bridge, reuse=False)  # the all-gather, after the record (not timed)
     t1 = time.perf_counter()
     matrix = StepMatrix(gathered.matrix)  # the headers were read off the matrix then
     agreed_state(matrix, members=topo.members, rank=rank, executor=bridge.executor)
@@ -729,10 +737,10 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "`sp_shards`, every teacher rank sending its own SP shard (TeacherSpec(sp_shards=True): "
         "tp = 8 times the sending groups).",
         "`step_host_ms`: one rank's per-step host work on a step it has seen (the steady "
-        "state: every rank repeats its step, so every record says its tables are those of "
-        "the plan memo's step, and the rank reuses its plan keys and token counts, reading no "
-        "other rank's header (the gather's all-reduced summary says they agree) and no group's "
-        "slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
+        "state: every rank repeats its step, so every record says it is the plan memo's "
+        "step's but for its header; the summary's all-reduce says so alike everywhere, so no "
+        "rank gathers the records again (the memo's matrix serves) or reads another's header, "
+        "and the rank reuses its plan keys and token counts, reading no group's slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
         "packed_layout calls, which now derive the runs), its record (`encode_ms`), the fence, "
         "the verdict checks, plan keys and schedule lookups (`verdict_plan_ms`: no planner), "
         "the token counts (`tokens_ms`: the step's and each micro-batch's); `bridge_host_ms`: "

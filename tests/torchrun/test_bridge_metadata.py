@@ -8,6 +8,10 @@
 - A step whose micro-batches have the same plan inputs on a rank as an earlier step runs no
   planner there (``plan_rank`` and ``check_rank`` are counted); a changed layout of one DP
   shard makes exactly the ranks that plan with it (its own and its peers) plan again.
+- A step whose every record is the previous step's but for its header gathers no records (the
+  summary's all-reduce says so alike on every rank: the memo's matrix serves), flat or in two
+  levels; one changed DP shard, or one rank without the memo, makes every rank gather them again;
+  every row of every step is bit-exact.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge import checks as bridge_checks
+from mopd.bridge import metadata as bridge_metadata
 from mopd.bridge import step as bridge_step
 from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.config import BridgeConfig, TeacherSpec
@@ -176,3 +181,34 @@ def test_a_repeated_step_runs_no_planner_and_a_changed_peer_plans_again() -> Non
         # back to the first layouts: their keys are still cached
         _run_step(bridge)
         assert calls["plan"] - first["plan"] == planned
+
+
+@pytest.mark.parametrize("nodes", [None, 4], ids=["flat", "two levels"])
+def test_a_repeated_step_gathers_no_records(nodes: int | None) -> None:
+    bridge = _bridge(nodes)
+    gathers = [0]
+    real = bridge_metadata.gather_records
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        gathers[0] += 1
+        return real(*a, **k)
+
+    def run(**kw: int) -> int:
+        before = gathers[0]
+        _run_step(bridge, **kw)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, gathers[0] - before)
+        assert len(set(everyone)) == 1, everyone  # every rank decided alike
+        return everyone[0]
+
+    with mock.patch("mopd.bridge.api.gather_records", counted):
+        assert run() == 1  # the first step: no memo
+        assert run() == 0  # the same records: the memo's matrix serves
+        assert run() == 0
+        assert run(short_dp=3) == 1  # DP shard 3's layouts changed: gathered again
+        assert run(short_dp=3) == 0
+        assert run() == 1  # back: it differs from the memo (the step before), so gathered
+        assert run() == 0
+        bridge._memo = None if dist.get_rank() == 5 else bridge._memo  # one rank lost its memo
+        assert run() == 1
+        assert run() == 0

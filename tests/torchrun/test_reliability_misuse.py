@@ -555,18 +555,23 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
     gloo = create_bridge_groups(POOL, [TEACHER], STUDENT)
     assert gloo.meta is not gloo.bridge and dist.get_backend(gloo.meta) == "gloo"
     seen: list[tuple[str, Any, Any]] = []
-    real_gather = api_mod.gather_step_matrix
+    real_summary, real_gather = api_mod.reduce_summary, api_mod.gather_records
     real_flat = executor_mod.all_gather_flat
 
-    def gather(record, *, group, device, **kw):
+    def summary(record, *, group, device, **kw):
         seen.append(("metadata", group, device))
+        return real_summary(record, group=group, device=device, **kw)
+
+    def gather(record, *, group, device, **kw):
+        seen.append(("records", group, device))
         return real_gather(record, group=group, device=device, **kw)
 
     def flat(output, input_, *, group, timeout_s):
         seen.append(("all-gather", group, output.device))
         return real_flat(output, input_, group=group, timeout_s=timeout_s)
 
-    monkeypatch.setattr(api_mod, "gather_step_matrix", gather)
+    monkeypatch.setattr(api_mod, "reduce_summary", summary)
+    monkeypatch.setattr(api_mod, "gather_records", gather)
     monkeypatch.setattr(executor_mod, "all_gather_flat", flat)  # the TP all-gather
     monkeypatch.setattr(integrity_mod, "all_gather_flat", flat)  # checksums and the verdict
     b = HiddenStateBridge(
@@ -576,7 +581,10 @@ def test_metadata_and_verdict_go_over_a_gloo_group_beside_the_data_group(monkeyp
         config=BridgeConfig(timeout_s=TIMEOUT_S, integrity=True),
     )
     got = b.exchange(**kwargs()).wait()
-    assert seen[0] == ("metadata", groups.meta, torch.device("cpu"))
+    assert seen[:2] == [
+        ("metadata", groups.meta, torch.device("cpu")),
+        ("records", groups.meta, torch.device("cpu")),
+    ]
     verdicts = [g for kind, g, _ in seen if kind == "all-gather" and g is not groups.student_tp]
     assert verdicts == [groups.meta]
     if STUDENT.is_last_stage(rank()):

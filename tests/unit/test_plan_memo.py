@@ -92,16 +92,36 @@ def test_the_record_says_unchanged_only_for_equal_tables(step: bench_plan.Step) 
     lay = [packed_layout([1, 2], [5, 3]), packed_layout([3], [4])]
     sec = [Section(layouts=lay, send_runs=True, dtype=torch.bfloat16, hidden=8), None]
     rec = encode_step_record(config_sig=1, n_slots=2, error="", sections=sec)
-    tables = record_tables(rec, 2)
+    tables = record_tables(rec)
     assert rec[MEMO_STEP] == -1 and rec[UNCHANGED] == 0
     same = encode_step_record(
         config_sig=1, n_slots=2, error="", sections=sec, memo_step=4, memo_tables=tables
     )
     assert same[MEMO_STEP] == 4 and same[UNCHANGED] == 1
-    assert np.array_equal(record_tables(same, 2), tables)
+    assert np.array_equal(record_tables(same), tables)
     other = [packed_layout([1, 2], [5, 2]), lay[1]]  # one token fewer in micro-batch 0
     sec2 = [Section(layouts=other, send_runs=True, dtype=torch.bfloat16, hidden=8), None]
     changed = encode_step_record(
         config_sig=1, n_slots=2, error="", sections=sec2, memo_step=4, memo_tables=tables
     )
     assert changed[MEMO_STEP] == 4 and changed[UNCHANGED] == 0
+
+
+def test_a_changed_agreement_or_error_text_is_a_changed_record() -> None:
+    """Unchanged means the whole record past its header: what another rank reads of it."""
+    from mopd.bridge.inputs import Agreement
+    from mopd.bridge.layout import packed_layout
+    from mopd.bridge.metadata import Section
+
+    lay = [packed_layout([1, 2], [5, 3])]
+    sec = [Section(layouts=lay, send_runs=True, dtype=torch.bfloat16, hidden=8), None]
+    agree = Agreement(what="shapes", ranks=(0, 1), fields=("s",), words=(16,))
+    base = {"config_sig": 1, "n_slots": 1, "error": "", "sections": sec, "agreements": [agree]}
+    tables = record_tables(encode_step_record(**base))
+    again = encode_step_record(**base, memo_step=0, memo_tables=tables, step=1)
+    assert again[UNCHANGED] == 1  # another step, the same record past the header
+    other = Agreement(what="shapes", ranks=(0, 1), fields=("s",), words=(32,))
+    changed = encode_step_record(
+        **{**base, "agreements": [other]}, memo_step=0, memo_tables=tables, step=1
+    )
+    assert changed[UNCHANGED] == 0
