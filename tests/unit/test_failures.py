@@ -194,12 +194,20 @@ def test_a_led_bridge_error_keeps_its_own_view():
     )
 
 
+def _new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The threads started since ``before`` (other tests' threads may end meanwhile)."""
+    return [t for t in threading.enumerate() if t not in before]
+
+
 def test_closing_a_board_ends_its_watcher(store):
-    before = threading.active_count()
+    before = set(threading.enumerate())
     a = board(store, 0, [0, 1])
-    assert threading.active_count() == before + 1
+    (watcher,) = _new_threads(before)
+    assert watcher.name == "mopd-bridge-watcher-0" and watcher.is_alive()
     a.close()
-    assert threading.active_count() == before
+    assert not watcher.is_alive() and _new_threads(before) == []
     b = board(store, 1, [0, 1])
+    (watcher,) = _new_threads(before)
+    assert watcher.name == "mopd-bridge-watcher-1"
     del b  # the last reference gone: its watcher ends too
-    assert threading.active_count() == before
+    assert not watcher.is_alive() and _new_threads(before) == []
