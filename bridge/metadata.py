@@ -250,26 +250,22 @@ def encode_step_record(
     return torch.from_numpy(record)
 
 
-def header_summary(header_H: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """``[2 * HEADER]`` int64: one record's header as the summary's all-reduce (MAX) takes it,
-    ``[header, -header]``, so that the reduced vector holds every word's largest value and,
-    negated, its smallest. A rank that holds nothing (``n_slots == -1``) counts as the largest
-    count in the smallest half, so the counts agree when every rank that gives one gives it."""
-    h = torch.as_tensor(np.asarray(header_H, dtype=_I64)[:HEADER].copy())
-    low = h.clone()
-    if int(low[N_SLOTS]) < 0:
-        low[N_SLOTS] = _NO_SLOTS
-    return torch.cat([h, -low])
-
-
 #: ``n_slots`` of a rank that holds nothing, in the summary's smallest half
 _NO_SLOTS = 2**62
 
 
+def header_summary(header_H: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """``[2 * HEADER]`` int64: one record's header as the summary's all-reduce (MAX) takes it
+    (:func:`reduced_summary` of that one header)."""
+    return torch.from_numpy(reduced_summary(np.asarray(header_H, dtype=_I64)[None, :HEADER]))
+
+
 def reduced_summary(header_NH: np.ndarray) -> np.ndarray:
-    """``[2 * HEADER]``: what the gather's all-reduce of every member's :func:`header_summary`
-    returns, computed from the ``[n_members, HEADER]`` headers in one process (offline tools,
-    tests)."""
+    """``[2 * HEADER]``: every word's largest value over the ``[n, HEADER]`` headers, then
+    every word's smallest, negated (``[max, -min]``, so that an all-reduce (MAX) of each
+    member's :func:`header_summary` returns the same). A rank that holds nothing
+    (``n_slots == -1``) counts as the largest count in the smallest half, so the counts agree
+    when every rank that gives one gives it."""
     h = np.asarray(header_NH, dtype=_I64)
     low = h.copy()
     low[low[:, N_SLOTS] < 0, N_SLOTS] = _NO_SLOTS
