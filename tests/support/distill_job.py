@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GLOBAL_MB", "HS", "HT", "Injected", "Job", "M", "S", "V"]
+__all__ = ["GLOBAL_MB", "HS", "HT", "Injected", "Job", "M", "S", "V", "fail_at", "sleep_at"]
 
 V, S, HT, HS = 64, 16, 48, 32
 GLOBAL_MB = 4  # samples per global micro-batch
@@ -37,6 +37,8 @@ class Job:
         timeout_s: ``BridgeConfig.timeout_s``; the pool's too unless ``pool_timeout=False``
             (then ``GroupPool()`` without one: the Distiller bounds it).
         student_pp: the student's pipeline size (``tp2 dp2`` at 1, ``tp2 pp2`` at 2).
+        wrong_pg: give the Distiller another mesh's (``tp4``) process groups as the student's
+            (a misconfigured job).
         config: more ``BridgeConfig`` settings.
     """
 
@@ -46,6 +48,7 @@ class Job:
         timeout_s: float,
         student_pp: int = 1,
         pool_timeout: bool = True,
+        wrong_pg: bool = False,
         **config: Any,
     ) -> None:
         from megatron.core.models.gpt import GPTModel
@@ -62,6 +65,7 @@ class Job:
         self.smesh = Mesh(tp=2, dp=2 // student_pp, pp=student_pp, name="student")
         self.tpg = megatron_process_groups(self.tmesh, self.pool)
         self.spg = megatron_process_groups(self.smesh, self.pool)
+        other = megatron_process_groups(Mesh(tp=4, name="other"), self.pool) if wrong_pg else None
 
         def build(mesh: Any, pg: Any, hidden: int, seed: int) -> Any:
             torch.manual_seed(seed)
@@ -89,7 +93,7 @@ class Job:
         self.student = build(self.smesh, self.spg, HS, 12)
         self.distiller = Distiller(
             teachers=[MeshModel(mesh=self.tmesh, model=self.teacher, pg_collection=self.tpg)],
-            student=MeshModel(mesh=self.smesh, model=self.student, pg_collection=self.spg),
+            student=MeshModel(mesh=self.smesh, model=self.student, pg_collection=other or self.spg),
             pool=self.pool,
             bridge_config=BridgeConfig(timeout_s=timeout_s, **config),
         )
@@ -100,12 +104,14 @@ class Job:
         self.pool.close()
         self.teacher = self.student = self.tpg = self.spg = None
 
-    def batches(self, seed: int, *, variable: bool = False) -> tuple[Any, Any]:
-        """This rank's (student, teacher) micro-batches of a step."""
+    def batches(
+        self, seed: int, *, variable: bool = False, ids: list[int] | None = None
+    ) -> tuple[Any, Any]:
+        """This rank's (student, teacher) micro-batches of a step (``ids``: the samples' ids)."""
         from mopd.mcore import padded_micro_batch, split_samples
 
         g = torch.Generator().manual_seed(seed)
-        ids = [1000 * seed + i for i in range(M * GLOBAL_MB)]
+        ids = ids or [1000 * seed + i for i in range(M * GLOBAL_MB)]
         lens = torch.randint(3, S + 1, (len(ids),), generator=g).tolist() if variable else None
         toks = torch.randint(0, V, (len(ids), S), generator=g)
 
@@ -177,6 +183,19 @@ class Job:
         with self.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
             self.schedule(step, before=before)
         return step.mean_loss()
+
+
+def fail_at(where: int) -> Callable[[int], None]:
+    """A ``before`` for :meth:`Job.schedule`: every rank's student forward of micro-batch
+    ``where`` raises :class:`Injected`."""
+
+    def before(i: int) -> None:
+        if i == where:
+            raise Injected(
+                f"rank {dist.get_rank()}: the student's forward fails at micro-batch {where}"
+            )
+
+    return before
 
 
 def sleep_at(rank: int, where: int, seconds: float) -> Callable[[int], None]:

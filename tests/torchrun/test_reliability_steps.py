@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.support.distill_job import GLOBAL_MB, Injected, Job, M, V, fail_at, sleep_at
 from tests.support.megatron_cpu import megatron_world
 from tests.support.reliability import everyone, outcome, own_view
 
@@ -41,141 +41,21 @@ TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 400
 TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
 
-V, S, HT, HS = 64, 16, 48, 32
-GLOBAL_MB = 4  # samples per global micro-batch
-M = 3  # micro-batches per step
 T_S = 4.0  # the bridge's and the groups' timeout
 SLACK_S = 8.0
-
-
-class Injected(RuntimeError):
-    """The fault a test injects."""
-
 
 world = pytest.fixture(scope="module")(megatron_world)
 
 
-class Job:
-    """Models, groups, a Distiller and the step runner, on fresh groups (timeout ``T_S``)."""
-
-    def __init__(self, *, student_pp: int = 1, wrong_pg: bool = False, **config: Any) -> None:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        from mopd.bridge import BridgeConfig, GroupPool, Mesh
-        from mopd.mcore import Distiller, MeshModel, megatron_process_groups
-        from tests.support.megatron_cpu import tiny_config
-
-        self.rank = dist.get_rank()
-        pool = GroupPool(timeout_s=T_S)
-        self.tmesh = Mesh(tp=2, name="teacher")
-        self.smesh = Mesh(tp=2, dp=2 // student_pp, pp=student_pp, name="student")
-        self.tpg = megatron_process_groups(self.tmesh, pool)
-        self.spg = megatron_process_groups(self.smesh, pool)
-        other = megatron_process_groups(Mesh(tp=4, name="other"), pool) if wrong_pg else None
-
-        def build(mesh: Any, pg: Any, hidden: int, seed: int) -> Any:
-            torch.manual_seed(seed)
-            c = mesh.coord(self.rank)
-            cfg = tiny_config(
-                hidden_size=hidden,
-                tensor_model_parallel_size=mesh.tp,
-                pipeline_model_parallel_size=mesh.pp,
-                variable_seq_lengths=True,
-                moe_token_dispatcher_type="alltoall",
-                init_method_std=0.05,
-            )
-            return GPTModel(
-                config=cfg,
-                transformer_layer_spec=get_gpt_layer_local_spec(),
-                vocab_size=V,
-                max_sequence_length=S,
-                position_embedding_type="learned_absolute",
-                pre_process=c.pp_rank == 0,
-                post_process=c.pp_rank == mesh.pp - 1,
-                pg_collection=pg,
-            )
-
-        self.teacher = build(self.tmesh, self.tpg, HT, 11).eval() if self.tpg else None
-        self.student = build(self.smesh, self.spg, HS, 12)
-        self.distiller = Distiller(
-            teachers=[MeshModel(mesh=self.tmesh, model=self.teacher, pg_collection=self.tpg)],
-            student=MeshModel(mesh=self.smesh, model=self.student, pg_collection=other or self.spg),
-            pool=pool,
-            bridge_config=BridgeConfig(timeout_s=T_S, **config),
-        )
-
-    def batches(
-        self, seed: int, *, variable: bool, ids: list[int] | None = None
-    ) -> tuple[Any, Any]:
-        """This rank's (student, teacher) micro-batches of a step (``ids``: the samples' ids)."""
-        from mopd.mcore import padded_micro_batch, split_samples
-
-        g = torch.Generator().manual_seed(seed)
-        ids = ids or [1000 * seed + i for i in range(M * GLOBAL_MB)]
-        lens = torch.randint(3, S + 1, (len(ids),), generator=g).tolist() if variable else None
-        toks = torch.randint(0, V, (len(ids), S), generator=g)
-
-        def mbs(mesh: Any) -> list[Any] | None:
-            c = mesh.coord(self.rank)
-            if c is None:
-                return None
-            out = []
-            for i in range(M):
-                cols = split_samples(
-                    list(range(i * GLOBAL_MB, (i + 1) * GLOBAL_MB)), mesh.dp, c.dp_rank
-                )
-                out.append(
-                    padded_micro_batch(
-                        [ids[k] for k in cols],
-                        toks[cols],
-                        lengths=[lens[k] for k in cols] if lens else None,
-                    )
-                )
-            return out
-
-        return mbs(self.smesh), mbs(self.tmesh)
-
-    def schedule(self, step: Any, *, fail_at: int | None = None, sleep: float = 0.0) -> None:
-        """Megatron's schedule over the step (forward only); ``fail_at``: raise in the student's
-        forward at that micro-batch; ``sleep``: seconds this rank sleeps before its forward."""
-        import time
-
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        calls = [0]
-
-        def forward_step(data_iterator: Any, model: Any) -> Any:
-            if calls[0] == fail_at:
-                raise Injected(f"rank {self.rank}: the student's forward fails at micro-batch 1")
-            if sleep and calls[0] == 0:
-                time.sleep(sleep)
-            calls[0] += 1
-            return step.forward_step(data_iterator, model)
-
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=step.data_iterator(),
-            model=[self.student],
-            num_microbatches=step.num_micro_batches,
-            seq_length=S,
-            micro_batch_size=GLOBAL_MB // 2,
-            forward_only=True,
-            pg_collection=self.spg,
-        )
-
-    def run(self, seed: int, *, variable: bool, **fault: Any) -> float | None:
-        """One step: plan, teacher pass, schedule, finish; the step's mean KL (last stage)."""
-        s_mbs, t_mbs = self.batches(seed, variable=variable)
-        with self.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
-            self.schedule(step, **fault)
-        return step.mean_loss()
+def new_job(**kw: Any) -> Job:
+    """A job on fresh groups (timeout ``T_S``)."""
+    return Job(timeout_s=T_S, **kw)
 
 
 @pytest.mark.parametrize("variable", [False, True], ids=["fixed", "variable"])
 def test_a_step_failed_inside_the_schedule_fails_the_next_step_on_every_rank(world, variable):
-    job = Job()
-    first = outcome(lambda: job.run(1, variable=variable, fail_at=1))
+    job = new_job()
+    first = outcome(lambda: job.run(1, variable=variable, before=fail_at(1)))
     nxt = outcome(lambda: job.run(2, variable=variable))
     later = outcome(lambda: job.run(3, variable=variable))
     seen = everyone({"first": first[:3], "next": nxt[:3], "later": later[:3]})
@@ -197,9 +77,9 @@ def test_a_step_failed_inside_the_schedule_fails_the_next_step_on_every_rank(wor
 
 
 def test_two_steps_open_at_once_raise_before_data_moves_and_the_outer_one_is_exact(world):
-    alone = Job()
+    alone = new_job()
     want = [alone.run(seed, variable=True) for seed in (5, 6, 7)]
-    job = Job()
+    job = new_job()
     s5, t5 = job.batches(5, variable=True)
     s6, t6 = job.batches(6, variable=True)
     issued = []
@@ -230,9 +110,9 @@ def test_a_timeout_in_megatrons_own_collectives_fails_every_later_step(world):
     3 (found busy by the census, the teachers waiting for its transfers). Every rank ends the
     step with a named error or refuses the next one at once; afterwards every call is
     refused."""
-    job = Job()
+    job = new_job()
     sleepy = T_S + 2.0
-    first = outcome(lambda: job.run(1, variable=False, sleep=sleepy if job.rank == 3 else 0.0))
+    first = outcome(lambda: job.run(1, variable=False, before=sleep_at(3, 0, sleepy)))
     nxt = outcome(lambda: job.run(2, variable=False))
     later = outcome(lambda: job.run(3, variable=False))
     seen = everyone(
@@ -275,7 +155,7 @@ def test_cu_seqlens_shorter_than_the_tokens(world):
 
     from mopd.mcore import MicroBatch
 
-    job = Job()
+    job = new_job()
     s_mbs, t_mbs = job.batches(1, variable=False)
     if job.smesh.coord(job.rank).dp_rank == 1:  # 2 packed samples of 16 tokens, cu_seqlens 24
         cu = torch.tensor([0, 16, 24], dtype=torch.int32)
@@ -304,7 +184,7 @@ def test_cu_seqlens_shorter_than_the_tokens(world):
 
 
 def test_no_micro_batches_on_a_student_stage_that_is_not_the_last(world):
-    job = Job(student_pp=2)  # student stages: ranks 0-1, then 2-3
+    job = new_job(student_pp=2)  # student stages: ranks 0-1, then 2-3
     s_mbs, t_mbs = job.batches(1, variable=False)
     msg = fails_alike(
         job,
@@ -327,7 +207,7 @@ def test_no_micro_batches_on_a_student_stage_that_is_not_the_last(world):
 
 
 def test_token_ids_beyond_the_vocabulary_under_tp(world):
-    job = Job()
+    job = new_job()
     s_mbs, t_mbs = job.batches(1, variable=False)
     if job.rank == 1:
         s_mbs[1].tokens[0, 3] = V  # megatron's vocab-parallel embedding would zero it silently
@@ -340,7 +220,7 @@ def test_token_ids_beyond_the_vocabulary_under_tp(world):
 
 @pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed"])
 def test_one_sample_on_two_student_dp_ranks(world, allowed):
-    job = Job(duplicate_samples=allowed)
+    job = new_job(duplicate_samples=allowed)
     ids = [100 + i for i in range(M * GLOBAL_MB)]
     ids[3] = ids[0]  # micro-batch 0: DP rank 0 gets samples 0-1, DP rank 1 samples 2-3
     s_mbs, t_mbs = job.batches(1, variable=False, ids=ids)
@@ -362,7 +242,7 @@ def test_one_sample_on_two_student_dp_ranks(world, allowed):
 
 
 def test_a_student_mesh_that_disagrees_with_its_pg_collection(world):
-    got = outcome(lambda: Job(wrong_pg=True))
+    got = outcome(lambda: new_job(wrong_pg=True))
     seen = everyone(got[:2])
     assert all(s == seen[0] for s in seen), seen
     kind, msg = seen[0]
@@ -377,7 +257,7 @@ def test_a_student_mesh_that_disagrees_with_its_pg_collection(world):
 def test_mean_loss_that_times_out_is_named_and_fails_the_bridge(world):
     """Rank 2 never asks for the mean loss: rank 0 (its DP peer) times out by name; its bridge
     then refuses the next step at once."""
-    job = Job()
+    job = new_job()
     s_mbs, t_mbs = job.batches(1, variable=False)
     with job.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
         job.schedule(step)
@@ -403,7 +283,7 @@ def test_non_finite_teacher_rows_are_named_before_the_loss_reads_them(world):
     rank raises ``BridgeNonFiniteError`` inside megatron's schedule, naming teacher 0,
     micro-batch 1 and itself, before the loss reads the rows; the next step is the same
     ``BridgeStateError`` on every rank, at once."""
-    job = Job()
+    job = new_job()
     calls = [0]
     if job.teacher is not None:
 
@@ -434,7 +314,7 @@ def test_a_teacher_pass_raising_on_one_rank_fails_the_step_by_name_everywhere(wo
     all-reduce (torch's error); the students waiting for rank 1's rows time out by name; no
     rank returns. Afterwards every rank's calls are refused or time out by name, then refused
     at once."""
-    job = Job()
+    job = new_job()
     if job.rank == 1:
 
         def broken(module: Any, args: Any) -> None:
