@@ -22,7 +22,8 @@ groups, LM heads off its models) is :mod:`mopd.mcore`'s.
 
 The bridge and its planning call are :mod:`.api`'s; a planned step (:class:`BridgeStep`,
 :class:`ExchangeHandle`) is :mod:`.step`'s; the configs (:class:`TeacherSpec`,
-:class:`BridgeConfig`) are :mod:`.config`'s. Internals live in their modules (:mod:`.checks`,
+:class:`BridgeConfig`) are :mod:`.config`'s; a bridge across worlds (a teacher job beside the
+student's job) is made on :func:`connect_worlds`'s :class:`WorldLink` (:mod:`.worlds`). Internals live in their modules (:mod:`.checks`,
 :mod:`.inputs`, :mod:`.plan`, :mod:`.record`, :mod:`.metadata`, :mod:`.topology`,
 :mod:`.schedule`, :mod:`.order`, :mod:`.executor`, :mod:`.transport`, :mod:`.integrity`,
 :mod:`.compact`).
@@ -46,6 +47,7 @@ from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padde
 from mopd.bridge.lm_head import LMHeadShard, VocabSpec, reshard_lm_head
 from mopd.bridge.mesh import Mesh, MeshCoord, mesh_from_groups
 from mopd.bridge.step import BridgeStep, ExchangeHandle
+from mopd.bridge.worlds import WorldLink, connect_worlds
 from mopd.common.deprecation import moved_names
 
 __all__ = [
@@ -67,8 +69,10 @@ __all__ = [
     "TeacherSpec",
     "TokenLayout",
     "VocabSpec",
+    "WorldLink",
     "compact_rows",
     "concat_layouts",
+    "connect_worlds",
     "create_bridge_groups",
     "layout_rows",
     "mesh_from_groups",

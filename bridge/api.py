@@ -86,6 +86,7 @@ from mopd.bridge.record import rank_roles, rank_sections, read_step
 from mopd.bridge.step import BridgeStep, ExchangeHandle
 from mopd.bridge.topology import Topology
 from mopd.bridge.transport import comm_failure
+from mopd.bridge.worlds import WorldLink
 from mopd.common import dist as cdist
 from mopd.common import ranges
 
@@ -111,6 +112,9 @@ class HiddenStateBridge:
         store: the key-value store the job's first failure is published in, under the
             metadata group's name (:mod:`mopd.bridge.failures`; default: torch.distributed's
             default store): every rank's error then leads with it.
+        link: the worlds the meshes span (:func:`~mopd.bridge.worlds.connect_worlds`; the
+            meshes and ``groups`` in its bridge ranks): the failure board lives in the link's
+            store (``store`` unless given) and names ranks by world.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class HiddenStateBridge:
         groups: BridgeGroups,
         config: BridgeConfig | None = None,
         store: dist.Store | None = None,
+        link: WorldLink | None = None,
     ) -> None:
         if not teachers:
             raise ValueError("the bridge needs at least one teacher")
@@ -134,7 +139,7 @@ class HiddenStateBridge:
         self.student = student
         self.groups = groups
         self.config = config or BridgeConfig()
-        self.rank = dist.get_rank()
+        self.rank = groups.rank
         self.topology = Topology.build(
             [t.mesh for t in self.teachers],
             student,
@@ -167,7 +172,8 @@ class HiddenStateBridge:
                 rank=self.rank,
                 members=self.topology.members,
                 timeout_s=self.config.timeout_s,
-                store=store,
+                store=link.store if link is not None and store is None else store,
+                names=link.names if link is not None else None,
             ),
         )
         self._tp_group_error = self._check_student_tp_group()
@@ -247,7 +253,7 @@ class HiddenStateBridge:
                 f"ranks {list(want)} (create_bridge_groups makes it) or keep_sp_shard=True"
             )
         try:
-            got = tuple(dist.get_process_group_ranks(tp))
+            got = tuple(cdist.group_ranks(tp))
         except Exception as exc:
             return f"groups.student_tp is not a process group this rank belongs to ({exc})"
         if tuple(sorted(got)) != tuple(sorted(want)):

@@ -67,6 +67,7 @@ from mopd.bridge.transport import (
     comm_failure,
     time_left,
 )
+from mopd.common import dist as cdist
 from mopd.common import ranges
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
@@ -717,7 +718,7 @@ class Executor:
                         lambda: (
                             f"the student TP all-gather after the crossing (micro-batch "
                             f"{slot.index}, over global ranks "
-                            f"{dist.get_process_group_ranks(tp_group)})"
+                            f"{cdist.group_ranks(tp_group)})"
                         ),
                     )
             self._checks.gathered(

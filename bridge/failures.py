@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -193,6 +193,8 @@ class FailureBoard:
         rank: this global rank.
         members: every global rank of the group (ascending).
         census_s: how long a census waits for answers.
+        names: rewrites a published text's rank names (a bridge across worlds names each
+            rank by its world: :meth:`~mopd.bridge.worlds.WorldLink.names`).
     """
 
     def __init__(
@@ -203,8 +205,10 @@ class FailureBoard:
         rank: int,
         members: Sequence[int],
         census_s: float = CENSUS_S,
+        names: Callable[[str], str] | None = None,
     ) -> None:
         self.store = dist.PrefixStore(namespace, store)
+        self.names = names
         self.rank = rank
         self.members = tuple(members)
         self.census_s = census_s
@@ -231,6 +235,7 @@ class FailureBoard:
         members: Sequence[int],
         timeout_s: float,
         store: dist.Store | None = None,
+        names: Callable[[str], str] | None = None,
     ) -> FailureBoard | None:
         """The board of ``group`` (shared by every bridge on it in this process), or ``None``
         off the group or when there is no store to publish in."""
@@ -250,6 +255,7 @@ class FailureBoard:
                 rank=rank,
                 members=members,
                 census_s=min(CENSUS_S, timeout_s / 2),
+                names=names,
             )
             _BOARDS[name] = board
         return board
@@ -298,6 +304,8 @@ class FailureBoard:
         return self.first
 
     def _publish(self, text: str, blames: bool) -> str:
+        if self.names is not None:
+            text = self.names(text)
         try:
             got = self.store.compare_set("first", "", text).decode(errors="replace")
         except Exception:  # the store is gone: this rank's view is all there is

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from mopd.bridge.config import DEFAULT_TIMEOUT_S
 from mopd.bridge.mesh import Mesh, bridge_members
+from mopd.bridge.worlds import WorldLink
 from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
@@ -170,7 +171,7 @@ def all_gather_nodes(
     c = input_.numel()
     k = nodes.node_size
     members = nodes.node_members
-    me = dist.get_rank()
+    me = cdist.rank_in(nodes.node if nodes.node is not None else nodes.leaders)
     leader = members[0]
     dev = output.device
     n_total = output.numel() // max(c, 1) if c else 0
@@ -178,7 +179,7 @@ def all_gather_nodes(
         parts = [torch.empty_like(input_) for _ in members] if len(members) > 1 else [input_]
     if len(members) > 1:
         work = dist.gather(
-            input_, parts if me == leader else None, dst=leader, group=nodes.node, async_op=True
+            input_, parts if me == leader else None, group=nodes.node, group_dst=0, async_op=True
         )
         cdist.wait(work, device=dev, timeout_s=left())
     if me == leader:
@@ -194,11 +195,7 @@ def all_gather_nodes(
             recv = torch.empty(cnt * k * c, dtype=input_.dtype, device=dev)
             to = nodes.leader_ranks[(at - have) % n_lead]
             frm = nodes.leader_ranks[(at + have) % n_lead]
-            ops = [
-                dist.P2POp(dist.isend, send, to, group=nodes.leaders, tag=rnd),
-                dist.P2POp(dist.irecv, recv, frm, group=nodes.leaders, tag=rnd),
-            ]
-            for w in dist.batch_isend_irecv(ops):
+            for w in cdist.batch_p2p([(send, to)], [(recv, frm)], group=nodes.leaders, tag=rnd):
                 cdist.wait(w, device=dev, timeout_s=left())
             held.extend(recv.split(k * c))
             have += cnt
@@ -207,7 +204,7 @@ def all_gather_nodes(
         ordered = held[n_lead - at :] + held[: n_lead - at]
         output.copy_(torch.cat(ordered)[: n_total * c])
     if len(members) > 1:
-        work = dist.broadcast(output, src=leader, group=nodes.node, async_op=True)
+        work = dist.broadcast(output, group=nodes.node, group_src=0, async_op=True)
         cdist.wait(work, device=dev, timeout_s=left())
 
 
@@ -351,6 +348,7 @@ class BridgeGroups:
         members: global ranks of the bridge group, sorted.
         meta: a gloo group over ``members`` for the host-side step metadata and verdicts
             (``None``: use ``bridge``).
+        (``rank``: this process in the meshes' rank space, read off the groups.)
         meta_nodes: the two-level metadata groups (:func:`all_gather_nodes`), or ``None``: the
             metadata goes as one flat all-gather over :attr:`metadata_group`.
     """
@@ -360,6 +358,12 @@ class BridgeGroups:
     members: tuple[int, ...]
     meta: dist.ProcessGroup | None = None
     meta_nodes: NodeGroups | None = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the meshes' rank space: its global rank, or its bridge rank
+        when the bridge spans several worlds (:mod:`mopd.bridge.worlds`)."""
+        return cdist.rank_in(self.metadata_group)
 
     @property
     def metadata_group(self) -> dist.ProcessGroup | None:
@@ -381,13 +385,19 @@ def create_bridge_groups(
     *,
     metadata_nodes_from: int = METADATA_NODES_FROM,
     metadata_node_size: int = METADATA_NODE_SIZE,
+    link: WorldLink | None = None,
 ) -> BridgeGroups:
     """Create the bridge's groups (collective over the default group, order in the module doc)
     and return this rank's.
 
     ``metadata_nodes_from``: from this many bridge ranks on, the step metadata goes in two
     levels over nodes of ``metadata_node_size`` consecutive ranks (:func:`all_gather_nodes`);
-    below it, one flat all-gather."""
+    below it, one flat all-gather.
+
+    ``link``: the meshes span several worlds (:func:`~mopd.bridge.worlds.connect_worlds`; the
+    meshes in bridge ranks, the student's world first): the bridge, metadata and node groups
+    are the link's (every rank of every world calls this, in its own world), the student's TP
+    groups its own world's ``pool``'s."""
     for name, v in (
         ("metadata_nodes_from", metadata_nodes_from),
         ("metadata_node_size", metadata_node_size),
@@ -395,6 +405,15 @@ def create_bridge_groups(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     members = bridge_members(teachers, student)
+    if link is not None:
+        return _linked_bridge_groups(
+            pool,
+            link,
+            members,
+            student,
+            nodes_from=metadata_nodes_from,
+            node_size=metadata_node_size,
+        )
     world = dist.get_world_size()
     if members[-1] >= world:
         raise ValueError(
@@ -430,4 +449,57 @@ def create_bridge_groups(
         members=members,
         meta=pool.get(members, backend="gloo", purpose=_META),
         meta_nodes=nodes,
+    )
+
+
+def _linked_bridge_groups(
+    pool: GroupPool,
+    link: WorldLink,
+    members: tuple[int, ...],
+    student: Mesh,
+    *,
+    nodes_from: int,
+    node_size: int,
+) -> BridgeGroups:
+    """:func:`create_bridge_groups` across worlds: the same groups, made on the link."""
+    if members[-1] >= link.roster.size:
+        raise ValueError(
+            f"meshes use bridge ranks up to {members[-1]} but the link's worlds have "
+            f"{link.roster.size} ranks ({dict(zip(link.roster.names, link.roster.sizes, strict=True))})"
+        )
+    if (
+        link.offset(link.roster.names[0]) != 0
+        or student.rank_offset + student.size > (link.roster.sizes[0])
+    ):
+        raise ValueError(f"the student's mesh {student} must lie in the host's (first) world")
+    bridge = link.group(members, purpose=_DATA)
+    if bridge is not None:
+        if cdist.moves_cuda(bridge) and torch.cuda.is_available():
+            dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier(group=bridge)
+    in_student_world = link.world == link.roster.names[0]
+    if student.tp > 1 and in_student_world:  # the student's world's own groups (offset 0)
+        for d, c in student.shards():
+            pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
+    meta = link.group(members, backend="gloo", purpose=_META)
+    nodes = None
+    if len(members) >= nodes_from and 1 < node_size < len(members):
+        cut = node_ranks(members, node_size)
+        mine = [r for r in cut if link.rank in r]
+        leaders = tuple(r[0] for r in cut)
+        if mine:
+            nodes = NodeGroups(
+                node=link.group(mine[0], backend="gloo", purpose=_NODE),
+                leaders=link.group(leaders, backend="gloo", purpose=_NODE),
+                node_members=mine[0],
+                leader_ranks=leaders,
+                node_size=node_size,
+            )
+    tp_group = None
+    coord = student.coord(link.rank)
+    if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
+        tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
+    return BridgeGroups(
+        bridge=bridge, student_tp=tp_group, members=members, meta=meta, meta_nodes=nodes
     )

@@ -393,7 +393,7 @@ class RowChecks(NoChecks):
         rows = [sched.slice_rows_of(o) for o in owners]
         mine = torch.cat([state.slice_sums[o] for o in owners])
         every = torch.empty(group_size * mine.numel(), dtype=_I64, device=mine.device)
-        ranks = dist.get_process_group_ranks(tp_group)
+        ranks = cdist.group_ranks(tp_group)
         timed(
             lambda: all_gather_flat(every, mine, group=tp_group, timeout_s=time_left(deadline)),
             f"the checksums of the student TP all-gather (integrity, micro-batch {index}, "
@@ -465,7 +465,7 @@ def integrity_verdict(
     device = cdist.group_device(group)
     n = dist.get_world_size(group)
     every = torch.empty(n * mine.numel(), dtype=_I64, device=device)
-    ranks = dist.get_process_group_ranks(group)
+    ranks = cdist.group_ranks(group)
     timed(
         lambda: all_gather_flat(every, mine.to(device), group=group, timeout_s=time_left(deadline)),
         f"the integrity verdict (all-gather over global ranks {ranks})",

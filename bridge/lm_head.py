@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from mopd.bridge.executor import Executor, Slot
 from mopd.bridge.groups import BridgeGroups, all_gather_flat
@@ -171,7 +170,7 @@ def reshard_lm_head(
     Returns:
         The :class:`LMHeadShard` on student last-stage ranks, ``None`` elsewhere.
     """
-    rank = dist.get_rank()
+    rank = groups.rank
     device = cdist.group_device(groups.bridge)
     meta = groups.metadata_group
     problems: list[str] = []

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
@@ -28,6 +27,7 @@ from mopd.bridge.plan import RunCatalog, plan_rank
 from mopd.bridge.record import StepView
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
+from mopd.common import dist as cdist
 from mopd.common import ranges
 
 __all__ = [
@@ -365,7 +365,7 @@ class BridgeStep:
         j, rel = divmod(row, max(n, 1))
         if j != sched.dest.slot:
             tp = b.groups.student_tp
-            who = dist.get_process_group_ranks(tp)[j] if tp is not None else j
+            who = cdist.group_ranks(tp)[j] if tp is not None else j
             src = self._peer_sender(slot.index, who, owner, rel)
             via = ""
             if src is not None:

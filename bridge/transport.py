@@ -196,8 +196,6 @@ class P2PTransport:
     ) -> Posted:
         """Post every message in one batch (``tag``: the step's fence on the wire; gloo matches
         by it, NCCL pairs in issue order)."""
-        ops = [dist.P2POp(dist.isend, m.rows, m.peer, group=group, tag=tag) for m in sends]
-        ops += [dist.P2POp(dist.irecv, m.rows, m.peer, group=group, tag=tag) for m in recvs]
         posted = Posted(
             device=device,
             send_descs=[m.what for m in sends],
@@ -207,7 +205,12 @@ class P2PTransport:
         )
         try:
             with ranges.span("send_recv", index):
-                works = dist.batch_isend_irecv(ops) if ops else []
+                works = cdist.batch_p2p(
+                    [(m.rows, m.peer) for m in sends],
+                    [(m.rows, m.peer) for m in recvs],
+                    group=group,
+                    tag=tag,
+                )
         except Exception as exc:
             raise comm_failure(
                 exc,
@@ -216,7 +219,7 @@ class P2PTransport:
                 timeout_s=self.timeout_s,
                 elapsed_s=0.0,
             ) from exc
-        if len(works) == len(ops):
+        if len(works) == len(sends) + len(recvs):
             posted.send_works = list(works[: len(sends)])
             posted.recv_works = list(works[len(sends) :])
         else:  # one coalesced work for the whole batch (NCCL): it covers both directions

@@ -10,7 +10,8 @@ cross-entropy :func:`cross_entropy`), a model's
 process groups on its own mesh (:func:`megatron_process_groups`), meshes read off megatron's
 groups (:func:`mesh_from_pg_collection`, :func:`mesh_from_parallel_state`) and the teachers' LM
 heads read off the models (:func:`lm_head_from_models`); one step's on-policy samples
-(:class:`Rollouts`), from which :meth:`Distiller.step` builds every rank's micro-batches. The internals (the teachers'
+(:class:`Rollouts`), from which :meth:`Distiller.step` builds every rank's micro-batches; a
+teacher world's end of a bridge across worlds (:class:`TeacherServer`). The internals (the teachers'
 forward-only pass, the stock loss function) live in their modules (:mod:`.teacher`,
 :mod:`.loss`). :mod:`mopd.mcore.cpu` makes megatron-core run on CPU ranks (gloo) for the demo and
 the tests; it is not imported here.
@@ -36,6 +37,7 @@ from mopd.mcore.lm_head import lm_head_from_models
 from mopd.mcore.logprob import cross_entropy, token_logprobs
 from mopd.mcore.loss import TeacherSignal, megatron_loss_output, teacher_signal
 from mopd.mcore.rollouts import Rollouts
+from mopd.mcore.worlds import TeacherServer
 
 __all__ = [
     "DistillationStep",
@@ -43,6 +45,7 @@ __all__ = [
     "MeshModel",
     "MicroBatch",
     "Rollouts",
+    "TeacherServer",
     "TeacherSignal",
     "cross_entropy",
     "lm_head_from_models",

@@ -25,7 +25,9 @@ its logits) and :meth:`DistillationStep.loss_output` (what the schedule expects)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from mopd.bridge.lm_head import LMHeadShard
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.transport import comm_failure
+from mopd.bridge.worlds import WorldLink
 from mopd.capture import ReusableBuffer
 from mopd.common import dist as cdist
 from mopd.common.log import warn_once
@@ -96,6 +99,10 @@ class MeshModel:
             micro-batch's tokens, positions, mask and packed-sequence parameters).
         packed: how the model takes the micro-batches :meth:`Distiller.step` builds from
             rollouts: THD-packed sequences (``True``), or a padded ``[B, S]`` batch.
+        world: the world the model runs in when the bridge spans several
+            (:func:`~mopd.bridge.worlds.connect_worlds`), its ``mesh`` in that world's ranks;
+            ``None``: this process's world. A teacher in another world is
+            ``MeshModel(mesh=..., world="teacher-0")``, without a model.
     """
 
     mesh: Mesh
@@ -103,6 +110,7 @@ class MeshModel:
     pg_collection: Any | None = None
     forward: Forward | None = None
     packed: bool = False
+    world: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -111,6 +119,8 @@ class MeshModel:
             raise ValueError(f"MeshModel.packed must be a bool, got {self.packed!r}")
         if (self.model is None) != (self.pg_collection is None):
             raise ValueError("MeshModel: give both model and pg_collection, or neither")
+        if self.world is not None and not isinstance(self.world, str):
+            raise ValueError(f"MeshModel.world must be a world's name, got {self.world!r}")
 
     def holds(self, rank: int) -> bool:
         return self.mesh.coord(rank) is not None
@@ -165,7 +175,11 @@ class Distiller:
             ``vocab_size`` attribute, which must then be the same on every model (a warning
             at the first step whose token ids suggest it is padded).
         store: where a failure is published for every rank to name it (the bridge's
-            ``store``; default: torch.distributed's default store).
+            ``store``; default: torch.distributed's default store, or the link's).
+        link: the teachers run in other worlds (other jobs): the link between the worlds
+            (:func:`~mopd.bridge.worlds.connect_worlds`, this world the student's). A teacher
+            of another world is ``MeshModel(mesh=..., world=name)``; its world runs a
+            :class:`~mopd.mcore.worlds.TeacherServer`. Every step takes the rollouts form.
 
     Attributes:
         vocab_size: the real vocabulary, agreed on every rank.
@@ -183,7 +197,10 @@ class Distiller:
         teacher_sp_shards: bool = True,
         vocab_size: int | None = None,
         store: dist.Store | None = None,
+        link: WorldLink | None = None,
     ) -> None:
+        teachers, student = _in_bridge_ranks(teachers, student, link)
+        self.link = link
         if vocab_size is not None:
             resolve_vocab_size(vocab_size, [])  # its type and sign, before any collective
         if not isinstance(teacher_sp_shards, bool):
@@ -206,15 +223,32 @@ class Distiller:
         # shape (send takes the rows at once); a teacher sending its SP shards never uses it
         self._capture_buffers = tuple(ReusableBuffer() for _ in self.teachers)
         self.student = student
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank() if link is None else link.rank
         self.bridge_config = bridge_config or BridgeConfig()
         self.kl_config = kl_config or KLConfig(reduction="sum")
         meshes = [t.mesh for t in self.teachers]
+        self._session = None
+        if link is not None:
+            self._session = link.open_session()
+            if link.world == link.roster.names[0] and link.world_rank == 0:
+                link.announce(
+                    f"{self._session}/distiller",
+                    _describe_setup(
+                        self.teachers,
+                        student,
+                        link,
+                        bridge_config=bridge_config or BridgeConfig(),
+                        vocab_size=vocab_size,
+                        teacher_sp_shards=teacher_sp_shards,
+                    ),
+                )
+        self._steps = 0
         pool.bound_by(self.bridge_config.timeout_s)  # a pool without timeout_s: the bridge's
-        groups = create_bridge_groups(pool, meshes, student.mesh)
-        problems = _check_pg_collection(student, "the student", self.rank)
+        groups = create_bridge_groups(pool, meshes, student.mesh, link=link)
+        offset = 0 if link is None else link.offset()
+        problems = _check_pg_collection(student, "the student", self.rank, offset)
         for o, t in enumerate(self.teachers):
-            problems += _check_pg_collection(t, f"teacher {o}", self.rank)
+            problems += _check_pg_collection(t, f"teacher {o}", self.rank, offset)
         cdist.same_verdict(
             problems,
             group=groups.metadata_group,
@@ -270,6 +304,7 @@ class Distiller:
             groups=groups,
             config=self.bridge_config,
             store=store,
+            link=link,
         )
         self.lm_heads: list[LMHeadShard | None] = [
             lm_head_from_models(
@@ -303,6 +338,10 @@ class Distiller:
         if self.closed:
             return
         self.closed = True
+        link = self.link
+        if link is not None and link.world == link.roster.names[0] and link.world_rank == 0:
+            with contextlib.suppress(Exception):  # the link is gone: its servers see that
+                link.announce(f"{self._session}/close", "1")
         self.bridge.close()
         self.groups = self.bridge.groups
         self.lm_heads = [None] * len(self.teachers)
@@ -349,9 +388,49 @@ class Distiller:
         Raises:
             ValueError: the same on every rank, before anything moves, for bad input.
         """
+        try:
+            return self._step(
+                rollouts, num_micro_batches=num_micro_batches, student=student, teachers=teachers
+            )
+        except Exception as exc:
+            raise self.named(exc) from None
+
+    def named(self, exc: BaseException) -> BaseException:
+        """``exc`` with the ranks it names named by their worlds (a bridge across worlds:
+        ``global rank 1 of world "teacher-0"``); itself otherwise."""
+        if self.link is not None and exc.args and isinstance(exc.args[0], str):
+            exc.args = (self.link.names(exc.args[0]), *exc.args[1:])
+        return exc
+
+    def _announce_step(self, num_micro_batches: int) -> None:
+        """The student's world tells the teacher worlds' servers that step ``k`` starts, with
+        ``M`` (from its rank 0; the other worlds wait for it between steps)."""
+        link = self.link
+        if link is None or link.world != link.roster.names[0]:
+            return
+        if link.world_rank == 0:
+            link.announce(
+                f"{self._session}/step/{self._steps}",
+                json.dumps({"num_micro_batches": num_micro_batches}),
+            )
+        self._steps += 1
+
+    def _step(
+        self,
+        rollouts: Rollouts | None,
+        *,
+        num_micro_batches: int | None,
+        student: Sequence[MicroBatch] | None,
+        teachers: Sequence[Sequence[MicroBatch] | None] | None,
+    ) -> DistillationStep:
         if self.closed:
             self.bridge.executor.check_usable()  # refused: closed
         samples = None
+        if self.link is not None and (student is not None or teachers is not None):
+            raise ValueError(
+                "a Distiller across worlds takes the rollouts form: step(rollouts, "
+                "num_micro_batches=M) (the teacher worlds build their own micro-batches)"
+            )
         if num_micro_batches is not None or rollouts is not None:
             if student is not None or teachers is not None:
                 raise ValueError(
@@ -360,6 +439,7 @@ class Distiller:
                 )
             if num_micro_batches is None:
                 raise ValueError("Distiller.step(rollouts) needs num_micro_batches=M")
+            self._announce_step(num_micro_batches)
             samples, student, teachers = self._from_rollouts(rollouts, num_micro_batches)
         if teachers is None:
             raise ValueError("Distiller.step needs rollouts or student= and teachers=")
@@ -461,6 +541,7 @@ class Distiller:
                 sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
                 device=device,
                 max_sequence_length=_max_positions(mm.model),
+                rank=self.rank,
             )
 
         return (
@@ -512,6 +593,74 @@ class Distiller:
         return StepChecks(counts, tuple(agreements))
 
 
+def _in_bridge_ranks(
+    teachers: Sequence[MeshModel], student: MeshModel, link: WorldLink | None
+) -> tuple[list[MeshModel], MeshModel]:
+    """The models with their meshes in the bridge's rank space (checked before anything
+    moves: a model of another world has no model here; ``world`` needs a link)."""
+    if not isinstance(student, MeshModel) or not all(isinstance(t, MeshModel) for t in teachers):
+        raise ValueError(
+            "Distiller takes MeshModels: got "
+            f"{[type(t).__name__ for t in teachers]} and {type(student).__name__}"
+        )
+    models = [*teachers, student]
+    if link is None:
+        worlds = sorted({m.world for m in models if m.world is not None})
+        if worlds:
+            raise ValueError(
+                f"MeshModels name worlds {worlds} but no link was given: pass "
+                "link=connect_worlds(...)"
+            )
+        return list(teachers), student
+    out = []
+    for i, m in enumerate(models):
+        what = "the student" if i == len(teachers) else f"teacher {i}"
+        world = link.world if m.world is None else m.world
+        if world not in link.roster.names:
+            raise ValueError(
+                f"{what}: world {world!r} is not on the link (worlds: {list(link.roster.names)})"
+            )
+        if world != link.world and m.model is not None:
+            raise ValueError(
+                f"{what} runs in world {world!r}: this process (world {link.world!r}) "
+                "cannot hold its model; pass MeshModel(mesh=..., world=...) without one"
+            )
+        out.append(dataclasses.replace(m, mesh=link.to_bridge(m.mesh, world), world=world))
+    if out[-1].world != link.roster.names[0]:
+        raise ValueError(
+            f"the student must run in the link's host world {link.roster.names[0]!r}, "
+            f"not {out[-1].world!r}"
+        )
+    return out[:-1], out[-1]
+
+
+def _describe_setup(
+    teachers: Sequence[MeshModel],
+    student: MeshModel,
+    link: WorldLink,
+    *,
+    bridge_config: BridgeConfig,
+    vocab_size: int | None,
+    teacher_sp_shards: bool,
+) -> str:
+    """What a teacher world's :class:`~mopd.mcore.worlds.TeacherServer` needs to build the
+    same Distiller (JSON; meshes in their own worlds' ranks)."""
+
+    def mesh(m: MeshModel) -> dict[str, Any]:
+        local = dataclasses.replace(m.mesh, rank_offset=m.mesh.rank_offset - link.offset(m.world))
+        return {"world": m.world, "mesh": list(local.as_ints()), "name": local.name}
+
+    return json.dumps(
+        {
+            "teachers": [mesh(t) for t in teachers],
+            "student": mesh(student),
+            "bridge_config": dataclasses.asdict(bridge_config),
+            "vocab_size": vocab_size,
+            "teacher_sp_shards": teacher_sp_shards,
+        }
+    )
+
+
 def _max_positions(model: Any) -> int | None:
     """A model's ``max_sequence_length`` where it bounds positions (learned absolute position
     embeddings), else ``None``."""
@@ -534,8 +683,9 @@ def _describe(mbs: Any) -> str:
     )
 
 
-def _check_pg_collection(mm: MeshModel, what: str, rank: int) -> list[str]:
-    """Where ``mm``'s ``pg_collection`` disagrees with its mesh on this rank's groups."""
+def _check_pg_collection(mm: MeshModel, what: str, rank: int, offset: int = 0) -> list[str]:
+    """Where ``mm``'s ``pg_collection`` disagrees with its mesh on this rank's groups
+    (``offset``: this world's first rank in the meshes' rank space, when they span worlds)."""
     if mm.pg_collection is None or mm.mesh.coord(rank) is None:
         return []
     problems = []
@@ -546,7 +696,7 @@ def _check_pg_collection(mm: MeshModel, what: str, rank: int) -> list[str]:
         group = getattr(mm.pg_collection, kind, None)
         if group is None:
             continue
-        got = dist.get_process_group_ranks(group)
+        got = [r + offset for r in dist.get_process_group_ranks(group)]
         if sorted(got) != sorted(want):
             problems.append(
                 f"{what}: its pg_collection.{kind} spans global ranks {sorted(got)}, but its "
@@ -917,8 +1067,13 @@ class DistillationStep:
         there), which every rank's next :meth:`Distiller.step` reports as the same
         :class:`~mopd.bridge.errors.BridgeStateError`."""
         if exc_type is None:
-            self.finish()
+            try:
+                self.finish()
+            except Exception as err:
+                raise self.distiller.named(err) from None
             return
+        if isinstance(exc, BaseException):
+            self.distiller.named(exc)  # re-raised as it is, its ranks named by world
         named = None
         if (
             isinstance(exc, Exception)
@@ -937,7 +1092,7 @@ class DistillationStep:
             d.bridge.executor.mark_failed(named)
         self.bridge_step.__exit__(exc_type, exc, tb)
         if named is not None:
-            raise named from exc if isinstance(exc, Exception) else None
+            raise self.distiller.named(named) from exc if isinstance(exc, Exception) else None
 
 
 def _transport_failure(exc: BaseException) -> bool:

@@ -149,7 +149,7 @@ def lm_head_from_models(
         ValueError: the same on every rank, for sizes that do not fit (see
             :func:`resolve_vocab_size`, :class:`~mopd.bridge.lm_head.VocabSpec`).
     """
-    rank = dist.get_rank()
+    rank = groups.rank
     meta = groups.metadata_group
     t_head = (
         _head_of(teacher_model)

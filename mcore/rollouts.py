@@ -263,7 +263,7 @@ def exchange_rollouts(
             rollouts on any rank, sample ids given on some ranks only or given twice, advantages
             on some ranks only, fewer samples than ``M``.
     """
-    rank = dist.get_rank()
+    rank = cdist.rank_in(group)
     rollouts = rollouts if rollouts is not None else Rollouts(prompts=[], responses=[])
     problems: list[str] = []
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
@@ -275,7 +275,7 @@ def exchange_rollouts(
         for p in rollouts.problems(vocab_size=vocab_size, num_teachers=len(teachers))
     ]
     cdist.same_verdict(problems, group=group, timeout_s=timeout_s, what="rollouts")
-    members = dist.get_process_group_ranks(group) if group is not None else [rank]
+    members = cdist.group_ranks(group) if group is not None else [rank]
     world = len(members)
     mine = rollouts._headers()
     counts = torch.zeros(world, dtype=torch.int64)
@@ -364,7 +364,7 @@ def _send_tokens(
 ) -> dict[int, torch.Tensor]:
     """The all-to-all of token ids: each sample from the rank holding it to the ranks using
     it, int32, in sample order per pair. Returns this rank's ``sample index -> [L_j]`` int64."""
-    rank = dist.get_rank()
+    rank = cdist.rank_in(group)
     index = {r: i for i, r in enumerate(members)}  # global rank -> rank in the group
     me = index.get(rank, -1)
     owners = owner_N.tolist()
@@ -431,6 +431,7 @@ def rollout_micro_batches(
     sequence_parallel: bool,
     device: torch.device | str,
     max_sequence_length: int | None = None,
+    rank: int | None = None,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one model, from the step's samples (see the module doc).
 
@@ -444,10 +445,12 @@ def rollout_micro_batches(
         sequence_parallel: the model runs SP (packed sequences and the padded length then
             divide by its TP size).
         max_sequence_length: the model's (learned positions): a longer step is a ``ValueError``.
+        rank: this rank in the meshes' rank space (default: its global rank; a bridge across
+            worlds: its bridge rank).
     Returns:
         ``M`` micro-batches; a DP rank with no sample in one gets a placeholder (all padding).
     """
-    coord = mesh.coord(dist.get_rank())
+    coord = mesh.coord(dist.get_rank() if rank is None else rank)
     if coord is None:
         raise ValueError(f"this rank is outside {mesh}")
     m = samples.num_micro_batches
