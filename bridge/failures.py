@@ -284,9 +284,14 @@ class FailureBoard:
         rank waited for in particular (the first suspects)."""
         first = self.read()
         if first is None:
-            blame = self._census(peers or ())
-            if blame is None and self._census_elsewhere():
+            # whoever took a census but went down before publishing it: take it again
+            for key in ("census", "census again"):
+                blame = self._census(peers or (), key=key)
+                if blame is not None or not self._census_elsewhere(key):
+                    break
                 first = self._wait_first(self.census_s + 2.0)
+                if first is not None:
+                    break
             if first is None:
                 first = self._publish(*blame) if blame else self.cause(symptom)
         if first == self._mine and not self._blamed:
@@ -324,21 +329,24 @@ class FailureBoard:
 
     # --- the census ----------------------------------------------------------------------------
 
-    def _census_elsewhere(self) -> bool:
+    def _census_elsewhere(self, key: str = "census") -> bool:
+        """Whether another rank took the census of ``key``."""
         try:
-            return bool(self.store.check(["census"]))
+            return bool(self.store.check([key])) and self.store.get(key).decode() != str(self.rank)
         except Exception:
             return False
 
-    def _census(self, suspects: Sequence[int]) -> tuple[str, bool] | None:
+    def _census(self, suspects: Sequence[int], key: str = "census") -> tuple[str, bool] | None:
         """Ask every rank where it is; ``(cause naming the ranks at fault, True)``, or ``None``
-        (another rank takes the census, the store is gone, or nobody is at fault)."""
+        (another rank takes the census, the store is gone, or nobody is at fault). ``key``:
+        who takes it (the first rank to claim the key); a second census reads the answers the
+        first one collected (a rank answers once)."""
         others = [r for r in self.members if r != self.rank]
         if not others:
             return None
         try:
             me = str(self.rank)
-            if self.store.compare_set("census", "", me).decode() != me:
+            if self.store.compare_set(key, "", me).decode() != me:
                 return None
             wake = [f"wake/{r}" for r in others]
             self.store.multi_set(wake, ["census"] * len(others))  # type: ignore[attr-defined]

@@ -1,0 +1,118 @@
+"""Tier 2 (launch): the teacher in its own torchrun job, the student in another, one bridge.
+
+What a user of two jobs relies on, each world a separate ``torchrun`` with its own default
+group (gloo, its own master port), connected by one address
+(:mod:`tests.support.worlds_job`: a GRPO step from ``Rollouts``, teacher TP2 PP2 and student
+TP2 DP2 + SP):
+
+- the rows every student rank receives are bit-equal to the same step run as one 8-rank world,
+  and the loss and every finalized ``main_grad`` match float64 (loss rtol 1e-5, grads 1e-4);
+- two teacher worlds, each sample routed to one of them, are exact the same way;
+- a teacher rank SIGKILLed in its forward is named, by its world, on every student rank within
+  the timeout (and the teacher job ends);
+- bad rollouts on one student rank are the same ``ValueError`` on every rank of both worlds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.launch
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 600
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _job(world: str, nproc: int, out: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(_port()), "-m", "tests.support.worlds_job", "--world", world,
+        "--out", str(out), *args,
+    ]  # fmt: skip
+    log = open(out / f"{world}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _run(out: Path, teachers: int, fault: str | None = None) -> list[int]:
+    """The student job and ``teachers`` teacher jobs, connected; their exit codes."""
+    address = f"127.0.0.1:{_port()}"
+    names = ["student"] + [f"teacher-{k}" for k in range(teachers)]
+    extra = ["--fault", fault] if fault else []
+    jobs = [_job("student", 4, out, "--worlds", ",".join(names), "--address", address, *extra)]
+    jobs += [_job(n, 4, out, "--address", address, *extra) for n in names[1:]]
+    try:
+        return [j.wait(timeout=TIMEOUT) for j in jobs]
+    finally:
+        for j in jobs:
+            if j.poll() is None:
+                j.kill()
+
+
+def _student(out: Path, world: str = "student") -> list[dict[str, Any]]:
+    return [torch.load(out / f"{world}-{r}.pt", weights_only=False) for r in range(4)]
+
+
+def _tail(out: Path) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("*.log")))
+
+
+def test_two_worlds_are_bit_equal_to_one_world_and_match_float64(tmp_path: Path) -> None:
+    codes = _run(tmp_path, teachers=1)
+    assert codes == [0, 0], _tail(tmp_path)
+    one = _job("one", 8, tmp_path)
+    assert one.wait(timeout=TIMEOUT) == 0, _tail(tmp_path)
+    served = [json.loads((tmp_path / f"teacher-0-{r}.json").read_text()) for r in range(4)]
+    assert served == [{"served": 1}] * 4
+    for two, ref in zip(_student(tmp_path), _student(tmp_path, "one"), strict=True):
+        assert not two["problems"], two["problems"]
+        assert two["loss"] == ref["loss"]
+        assert sorted(two["rows"]) == sorted(ref["rows"]) == [0, 1]
+        for i, rows in two["rows"].items():
+            assert sorted(rows) == sorted(ref["rows"][i])
+            for k, r in rows.items():
+                assert r.numel() > 0 and torch.equal(r, ref["rows"][i][k])
+
+
+def test_two_teacher_worlds_routed_match_float64(tmp_path: Path) -> None:
+    codes = _run(tmp_path, teachers=2)
+    assert codes == [0, 0, 0], _tail(tmp_path)
+    for rep in _student(tmp_path):
+        assert not rep["problems"], rep["problems"]
+        assert rep["loss_err"] < 1e-5
+        owners = {k for rows in rep["rows"].values() for k in rows}
+        assert owners == {0, 1}  # both teacher worlds delivered rows here
+
+
+def test_a_killed_teacher_rank_is_named_on_every_student_rank(tmp_path: Path) -> None:
+    codes = _run(tmp_path, teachers=1, fault="kill-teacher")
+    assert codes[0] == 0 and codes[1] != 0, _tail(tmp_path)
+    for rep in _student(tmp_path):
+        assert rep["error"] == "BridgeCommError", rep
+        assert 'global rank 1 of world "teacher-0"' in rep["text"].split("failed first")[0], rep
+        assert rep["elapsed_s"] < 60 + 30
+
+
+def test_bad_rollouts_are_one_value_error_in_both_worlds(tmp_path: Path) -> None:
+    codes = _run(tmp_path, teachers=1, fault="bad-rollouts")
+    assert codes == [0, 0], _tail(tmp_path)
+    texts = {rep["text"] for rep in _student(tmp_path)}
+    texts |= {json.loads((tmp_path / f"teacher-0-{r}.json").read_text())["text"] for r in range(4)}
+    errors = {rep["error"] for rep in _student(tmp_path)}
+    assert errors == {"ValueError"} and len(texts) == 1, texts
+    assert "teacher" in texts.pop()
