@@ -128,7 +128,7 @@ def grpo_forward_step(mopd: Any, beta: float = BETA) -> Any:
     return forward_step
 
 
-def train_step(job: Job, step: int, forward_step: Any = grpo_forward_step) -> Any:
+def train_step(job: Job, step: int) -> Any:
     """One step: each DP replica's first rank hands its samples to ``distiller.step`` (the other
     ranks pass ``None``), megatron's schedule runs the student, then the optimizer."""
     mesh = job.student_mesh
@@ -137,7 +137,7 @@ def train_step(job: Job, step: int, forward_step: Any = grpo_forward_step) -> An
     held = rollouts(step, firsts.index(rank)) if rank in firsts else None
     with job.distiller.step(held, num_micro_batches=2) as mopd:
         get_forward_backward_func()(
-            forward_step_func=forward_step(mopd), model=[job.student], **mopd.schedule_kwargs(),
+            forward_step_func=grpo_forward_step(mopd), model=[job.student], **mopd.schedule_kwargs(),
             pg_collection=job.student_pg,
         )
     for p in job.student.parameters():
