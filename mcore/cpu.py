@@ -75,8 +75,8 @@ _APPLIED = False
 QUIETED: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, r"Transformer Engine and Apex are not installed", r"megatron\."),
     (UserWarning, r"Apex is not installed\. Falling back to Torch Norm", r"megatron\."),
-    (UserWarning, r"When using sequence parallelism it is recommended to set the environment "
-     r"variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
+    (UserWarning, r"When using [\w ]+ it is recommended to set the environment variable "
+     r"CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
     (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_scope", r"megatron\."),
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\."),
     (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", r"torch\."),
@@ -88,12 +88,13 @@ def quiet() -> None:
 
     Exactly these, each once per rank otherwise: "Transformer Engine and Apex are not
     installed" (several forms, at import) and "Apex is not installed. Falling back to Torch
-    Norm" (at import and per model), megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (CUDA-only)
-    and its "full scope is deprecated" note on its own default ``cuda_graph_scope``, and torch's
-    ``FutureWarning`` that ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are
-    deprecated (megatron-core calls them; this library calls their new names). Every other
-    warning stays, this library's included. Call it before importing megatron-core (its
-    import-time notices) or at any point for the rest; idempotent.
+    Norm" (at import and per model), megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (for
+    sequence parallelism and for async gradient all-reduce; CUDA-only) and its "full scope is
+    deprecated" note on its own default ``cuda_graph_scope``, and torch's ``FutureWarning`` that
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are deprecated (megatron-core calls
+    them; this library calls their new names). Every other warning stays, this library's
+    included. Call it before importing megatron-core (its import-time notices) or at any point
+    for the rest; idempotent.
     """
     import warnings
 
