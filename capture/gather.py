@@ -14,11 +14,9 @@ import torch
 import torch.distributed as dist
 
 from mopd.common import ranges
+from mopd.common.dist import all_gather_into
 
 __all__ = ["ReusableBuffer", "all_gather_into", "gather_sequence_parallel"]
-
-#: ``all_gather_into_tensor`` under the name torch >= 2.13 prefers (it deprecates the old one).
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ReusableBuffer:

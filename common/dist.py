@@ -34,6 +34,7 @@ import torch.distributed as dist
 __all__ = [
     "MESSAGE_BYTES",
     "ReduceOpLike",
+    "all_gather_into",
     "all_reduce",
     "batch_p2p",
     "group_device",
@@ -49,6 +50,10 @@ __all__ = [
 #: What ``dist.all_reduce`` takes as ``op``: a ``ReduceOp`` or one of its members
 #: (``dist.ReduceOp.SUM`` is a ``ReduceOp.RedOpType``).
 ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
+
+#: ``all_gather_into_tensor`` under the name torch >= 2.13 prefers (it deprecates the old one):
+#: ``all_gather_into(output, input, group=..., async_op=...)``.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: Bytes of a problem's text carried to every rank by :func:`same_verdict`.
 MESSAGE_BYTES = 4000
@@ -209,7 +214,7 @@ def same_verdict(
     mine = torch.tensor([1 if problems else 0], dtype=torch.int64, device=device)
     every = torch.empty(n, dtype=torch.int64, device=device)
     wait(
-        dist.all_gather_into_tensor(every, mine, group=group, async_op=True),
+        all_gather_into(every, mine, group=group, async_op=True),
         device=device,
         timeout_s=timeout_s,
     )

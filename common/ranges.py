@@ -51,7 +51,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+#: The environment variable that turns ranges on at import (``MOPD_NVTX=1``).
 ENV_VAR: Final = "MOPD_NVTX"
+#: What every range name starts with (``mopd/send_recv``).
 PREFIX: Final = "mopd/"
 
 #: The pipeline phases a range may name. ``register_phase`` adds more (e.g. for a new stage).

@@ -6,8 +6,10 @@ with fused norms) and its local attention supports neither context parallelism n
 sequences, and its ``HybridModel`` ships a Transformer Engine spec only. The demo and the
 multi-process tests run real GPTModels and HybridModels on CPU ranks, so everything that makes
 that possible lives here, in one module: :func:`apply` (idempotent, process-wide patches),
-:func:`cpu_gpt_layer_spec` (megatron's local layer spec with :class:`CPUCoreAttention`) and
-:func:`cpu_hybrid_stack_spec` (a ``HybridStack`` of those layers: attention ``*`` and MLP ``-``).
+:func:`cpu_gpt_layer_spec` (megatron's local layer spec with :class:`CPUCoreAttention`),
+:func:`cpu_hybrid_stack_spec` (a ``HybridStack`` of those layers: attention ``*`` and MLP ``-``)
+and :func:`quiet` (megatron-core's known notices on a machine without Transformer Engine and
+Apex, listed in :data:`QUIETED`; nothing of this library's own).
 The data path (capture, bridge, kernels) never imports it; it is for CPU runs only.
 
 What :func:`apply` patches:
@@ -50,17 +52,54 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mopd.common import dist as cdist
+
 __all__ = [
+    "QUIETED",
     "CPUCoreAttention",
     "apply",
     "check_interleaved_p2p",
     "cpu_gpt_layer_spec",
     "cpu_hybrid_stack_spec",
     "packed_rows",
+    "quiet",
     "zigzag_positions",
 ]
 
 _APPLIED = False
+
+#: What :func:`quiet` silences, as ``(category, message regex, module regex)`` warning filters:
+#: megatron-core's notices where Transformer Engine and Apex are absent (its CPU ranks), each
+#: printed once per rank, and torch's deprecation of the two collectives megatron-core calls by
+#: their old names. This library calls neither old name, so none of its own warnings match.
+QUIETED: tuple[tuple[type[Warning], str, str], ...] = (
+    (UserWarning, r"Transformer Engine and Apex are not installed", r"megatron\."),
+    (UserWarning, r"Apex is not installed\. Falling back to Torch Norm", r"megatron\."),
+    (UserWarning, r"When using [\w ]+ it is recommended to set the environment variable "
+     r"CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
+    (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_scope", r"megatron\."),
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\."),
+    (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", r"torch\."),
+)  # fmt: skip
+
+
+def quiet() -> None:
+    """Silence megatron-core's known notices on CPU ranks (the filters of :data:`QUIETED`).
+
+    Exactly these, each once per rank otherwise: "Transformer Engine and Apex are not
+    installed" (several forms, at import) and "Apex is not installed. Falling back to Torch
+    Norm" (at import and per model), megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (for
+    sequence parallelism and for async gradient all-reduce; CUDA-only) and its "full scope is
+    deprecated" note on its own default ``cuda_graph_scope``, and torch's ``FutureWarning`` that
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are deprecated (megatron-core calls
+    them; this library calls their new names). Every other warning stays, this library's
+    included. Call it before importing megatron-core (its import-time notices) or at any point
+    for the rest; idempotent.
+    """
+    import warnings
+
+    for category, message, module in QUIETED:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def apply() -> None:
@@ -301,7 +340,7 @@ class _GatherCP(torch.autograd.Function):
         ctx.rows = x.shape[0]
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        cdist.all_gather_into(out, x.contiguous(), group=group)
         return out
 
     @staticmethod

@@ -75,6 +75,7 @@ from mopd.mcore.rollouts import (
 )
 from mopd.mcore.teacher import (
     Forward,
+    check_interleaved_micro_batches,
     check_pipeline_shapes,
     default_forward,
     model_config,
@@ -717,7 +718,8 @@ def _layouts(
 ) -> Callable[[], list[Any]]:
     """The layouts of a rank's micro-batches, built inside the bridge's guarded phase (the
     student's with its loss masks applied, ``mask=True``); a pipelined model's micro-batch
-    shapes are checked there too (an agreed error before anything runs)."""
+    shapes, and a virtual-pipeline model's micro-batch count, are checked there too (an agreed
+    error before anything runs)."""
     pg = side.pg_collection
 
     def build() -> list[Any]:
@@ -726,6 +728,7 @@ def _layouts(
         check_pipeline_shapes(
             mbs, config=model_config(side.model), pp=side.mesh.pp, cp_size=side.mesh.cp, what=what
         )
+        check_interleaved_micro_batches(len(mbs), model=side.model, pp=side.mesh.pp, what=what)
         if not mask and any(mb.loss_mask is not None for mb in mbs):
             warn_once(
                 "a teacher's micro-batches carry a loss_mask: it is ignored (the student's "

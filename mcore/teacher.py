@@ -23,7 +23,13 @@ from mopd.capture import OutputLayerInputCapture, ReusableBuffer
 from mopd.common import ranges
 from mopd.mcore.batch import MicroBatch
 
-__all__ = ["check_pipeline_shapes", "default_forward", "pipeline_shape", "run_teacher"]
+__all__ = [
+    "check_interleaved_micro_batches",
+    "check_pipeline_shapes",
+    "default_forward",
+    "pipeline_shape",
+    "run_teacher",
+]
 
 #: ``forward(model, micro_batch) -> output`` (megatron's output tensor of the stage).
 Forward = Callable[[Any, MicroBatch], torch.Tensor]
@@ -83,6 +89,43 @@ def check_pipeline_shapes(
             "variable_seq_lengths=False: set variable_seq_lengths=True (megatron then exchanges "
             "activation shapes between stages), or give every micro-batch one shape"
         )
+
+
+def check_interleaved_micro_batches(
+    num_micro_batches: int, *, model: Any, pp: int, what: str
+) -> None:
+    """``ValueError`` if megatron's interleaved (virtual pipeline) schedule would refuse
+    ``num_micro_batches`` for ``model``, a list of more than one chunk at pipeline size ``pp > 1``.
+
+    The schedule runs the micro-batches in groups of ``N = microbatch_group_size_per_vp_stage``
+    (the config's; megatron defaults it to ``pp``) and refuses, once the step has started, unless
+    ``pp <= N <= M`` and the last group is whole or at least ``pp`` long (``M % N == 0`` or
+    ``M % N >= pp``). Nothing to check for one chunk or ``pp == 1`` (no interleaving).
+    """
+    chunks = len(model) if isinstance(model, list | tuple) else 1
+    if chunks < 2 or pp < 2:
+        return
+    config = model_config(model)
+    n = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
+    m = num_micro_batches
+    rest = m % n
+    if pp <= n <= m and not 0 < rest < pp:
+        return
+    rule = (
+        f"{what}: {m} micro-batches for {chunks} virtual-pipeline chunks at pipeline size {pp}, "
+        f"which megatron's interleaved schedule refuses: it runs them in groups of N = "
+        f"microbatch_group_size_per_vp_stage = {n} and needs pp <= N <= M and M % N either 0 or "
+        f">= pp (here M = {m}, M % N = {rest}); "
+    )
+    if n < pp:  # no count helps
+        raise ValueError(
+            rule + f"set microbatch_group_size_per_vp_stage to at least {pp} (megatron's "
+            "default is the pipeline size)"
+        )
+    allowed = sorted({k * n for k in range(1, 4)} | {n + r for r in range(pp, n)})[:3]
+    raise ValueError(
+        rule + f"use a multiple of {n} micro-batches (e.g. {', '.join(map(str, allowed))})"
+    )
 
 
 def model_config(model: Any) -> Any:

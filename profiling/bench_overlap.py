@@ -36,8 +36,9 @@ about the machine than the library (the run prints the load average it saw). Tim
 thread per rank, the ratios are the figure.
 
 Run: ``python -m mopd.profiling.bench_overlap [--ratios 0.5 1 2] [--json] [--results-dir DIR]``
-(or ``mopd bench overlap``). ``--json`` prints one JSON object per ratio (``teacher_to_student``,
-``step_over_floor``, ...); otherwise a table. Records ``overlap-<machine>-<date>.{csv,md}`` in
+(or ``mopd bench overlap``). Each ratio says on stderr when it starts and what it measured
+(``n of N``); then a table (``--json``: one JSON object per ratio, ``teacher_to_student``,
+``step_over_floor``, ..., and nothing else on stdout) and a summary line. Records ``overlap-<machine>-<date>.{csv,md}`` in
 the results folder (:func:`mopd.profiling.results.default_results_dir`; not with ``--no-record``).
 """
 
@@ -57,7 +58,7 @@ from mopd.profiling.extras import can_draw
 from mopd.profiling.launch import run_spawned
 from mopd.profiling.mesh_arg import OneLineParser, prog_for
 
-__all__ = ["build_parser", "floor_ms", "main", "plot"]
+__all__ = ["build_parser", "floor_ms", "main", "plot", "summary"]
 
 #: the global ranks: the teacher's, then the student's (disjoint meshes)
 TEACHER_RANK, STUDENT_RANK = 0, 1
@@ -280,8 +281,11 @@ class _Job:
         self.dist.all_gather_object(out, mine, group=self.sync)
         both = {"teacher": out[TEACHER_RANK], "student": out[STUDENT_RANK]}
         if self.args.verbose and self.rank == 0:
-            parts = {side: {k: round(1e3 * v, 1) for k, v in f.items()} for side, f in both.items()}
-            print(f"bench_overlap: step ms {parts}", file=sys.stderr, flush=True)
+            parts = "; ".join(
+                f"{side} " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in f.items())
+                for side, f in both.items()
+            )
+            print(f"bench_overlap: step: {parts}", file=sys.stderr, flush=True)
         return both
 
     def measure(self, steps: int, *, lockstep: bool, first: int) -> dict[str, float]:
@@ -304,6 +308,20 @@ class _Job:
         if self.distiller is not None:
             self.distiller.close()
         self.pool.close()
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """One line: the bridge's step against its floor, beside lockstep's, over the ratios run."""
+
+    def span(key: str, fmt: str) -> str:
+        lo, hi = min(r[key] for r in rows), max(r[key] for r in rows)
+        return f"{lo:{fmt}}x" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}x-{hi:{fmt}}x"
+
+    return (
+        f"summary: over {len(rows)} teacher sizes ({span('teacher_to_student', '.2f')} the "
+        f"student), the bridge's step is {span('step_over_floor', '.2f')} its floor, lockstep's "
+        f"{span('lockstep_over_floor', '.2f')}"
+    )
 
 
 def _row(args: argparse.Namespace, ratio: float, layers: int, lock: dict, bridge: dict) -> dict:
@@ -337,15 +355,12 @@ def _row(args: argparse.Namespace, ratio: float, layers: int, lock: dict, bridge
 
 def _run(args: argparse.Namespace) -> int:
     """One rank: calibrate a teacher per ratio, time both modes, rank 0 prints and records."""
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings(
-        "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
-    )
+    from mopd.mcore import cpu
+
+    cpu.quiet()  # megatron-core's known CPU notices, before it is imported
     cores = sorted(os.sched_getaffinity(0))
     rank = int(os.environ["RANK"])
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
@@ -353,8 +368,6 @@ def _run(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from mopd.mcore import cpu
 
     cpu.apply()
     parallel_state.initialize_model_parallel()
@@ -369,7 +382,14 @@ def _run(args: argparse.Namespace) -> int:
         probe = job.measure(1, lockstep=True, first=step)
         step += 2
         per_layer = probe["teacher_ms"] / probe["student_ms"]
-        for ratio in args.ratios:
+        for i, ratio in enumerate(args.ratios):
+            if rank == 0:  # each ratio takes a while: say which one runs
+                print(
+                    f"bench_overlap: {i + 1} of {len(args.ratios)}: teacher at {ratio:g}x the "
+                    "student: sizing it, then timing lockstep and the bridge...",
+                    file=sys.stderr,
+                    flush=True,
+                )
             layers = max(1, round(ratio / per_layer))
             job.use_teacher(layers)
             for _ in range(CALIBRATIONS):  # the per-layer cost is not all of the teacher's step
@@ -386,8 +406,16 @@ def _run(args: argparse.Namespace) -> int:
             bridge = job.measure(args.steps, lockstep=False, first=step)
             step += args.steps + 1
             rows.append(_row(args, ratio, layers, lock, bridge))
-            if rank == 0 and not args.json:
-                print(f"bench_overlap: ratio {ratio}: {rows[-1]}", file=sys.stderr, flush=True)
+            if rank == 0:
+                r = rows[-1]
+                print(
+                    f"bench_overlap: {i + 1} of {len(args.ratios)}: teacher {r['teacher_layers']} "
+                    f"layers = {r['teacher_to_student']:g}x the student: step "
+                    f"{r['step_ms']:.1f} ms = {r['step_over_floor']:.3f}x its floor (lockstep "
+                    f"{r['lockstep_over_floor']:.3f}x)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         job.close()
     if rank == 0:
@@ -406,6 +434,7 @@ def _report(
             print(json.dumps(row), flush=True)
     else:
         print(format_table(rows), flush=True)
+    print(summary(rows), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.no_record:
         return
     notes = (
@@ -424,8 +453,9 @@ def _report(
         "floor_ms. Below 1.0 is possible: the floor's fill is a whole micro-batch, while only "
         "part of one is exposed (the student's forward of its first micro-batch runs beside the "
         "teacher's; after the teacher's last send only the student's last loss and backward "
-        "remain). `bridge_teacher_ms`, `bridge_student_ms`, `bridge_schedule_ms`: the same parts "
-        "in the bridge mode (the student's schedule then includes its waits for rows)."
+        "remain). `bridge_teacher_ms`, `bridge_schedule_ms`: the teacher rank's Distiller.step and "
+        "the student's schedule in the bridge mode (the schedule then includes its waits for "
+        f"rows). {summary(rows)}"
     )
     csv_path, md_path = record("overlap", rows, out_dir=args.results_dir, notes=notes)
     recorded = [csv_path, md_path]

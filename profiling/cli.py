@@ -12,7 +12,8 @@ everything a person runs by hand. It only dispatches:
   ``python -m mopd.profiling.bench_NAME [--results-dir DIR] ARGS`` in a child process, then
   draws one PNG next to each CSV that the run created or rewrote under DIR, unless the
   benchmark drew its own plot of it. DIR defaults to :func:`mopd.profiling.results.
-  default_results_dir`: ``profiling/results/`` inside a checkout, ``./mopd-results/`` elsewhere.
+  default_results_dir`: ``mopd-results/`` at the root of a checkout (git ignores it),
+  ``./mopd-results/`` elsewhere.
 
 Everything after the subcommand (after NAME for bench) is passed through untouched, ``--help``
 included (``mopd bench NAME --help`` is the benchmark's help alone, its usage naming the command
@@ -116,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DIR",
-        help="where the benchmark records (passed to it); default: profiling/results/ inside a "
-        "checkout of mopd-bridge, ./mopd-results/ elsewhere",
+        help="where the benchmark records (passed to it); default: mopd-results/ at the root of "
+        "a checkout of mopd-bridge (git ignores it), ./mopd-results/ elsewhere",
     )
     bench.add_argument("--no-plot", action="store_true", help="do not draw PNGs")
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")

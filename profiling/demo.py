@@ -26,9 +26,15 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
   forward-only ``Distiller.step``, so the run shows whether the student gets closer to them;
 - step 1's bridged rows are checked on every student rank against an all-gather reference (the
   teachers' hidden states, from a second teacher pass, joined by key): any mismatch makes the job
-  exit non-zero; otherwise rank 0 prints ``verification: OK``; it ends with time per phase, the
-  rollout and held-out KL per step (and what they did) and bytes per link (``--json``: one JSON
-  object instead).
+  exit non-zero; otherwise rank 0 prints ``verification: OK``; a line per step off a terminal (a
+  progress bar on one); then time per phase, the rollout and held-out KL per step (and what
+  they did), the bytes moved (``--links``: per link); the results JSON and a PNG of the KL
+  curves go to the results folder (:mod:`mopd.profiling.demo_report`), and the last line is the
+  verdict, ``mopd demo: OK - rows exact, student learned: held-out KL 0.60x / 0.68x``
+  (``--json``: the results as one JSON object on stdout instead, the rest on stderr).
+
+``--preset 4`` / ``--preset 8`` (the default) pick the job's ranks and meshes; bad flags are one
+line leading with the failing flag and value, then the rule and its fix.
 
 megatron-core runs on CPU ranks through :mod:`mopd.mcore.cpu` (shipped in the package). The
 models are tiny and random-init (teachers included), so the job shows the data movement and
@@ -56,6 +62,13 @@ __all__ = ["DemoConfig", "main"]
 _ARGV_ENV = "MOPD_DEMO_ARGV"
 _T0_ENV = "MOPD_DEMO_T0"
 _DEFAULT_TEACHERS = ("tp=2,dp=2,rank_offset=0", "tp=4,rank_offset=4")
+#: ``--preset N``: the job's ranks, teacher meshes and student mesh (flags given as well win).
+PRESETS: dict[int, tuple[int, tuple[str, ...], str]] = {
+    8: (8, _DEFAULT_TEACHERS, "tp=2,cp=2,dp=2"),
+    4: (4, ("tp=2,rank_offset=0", "tp=2,rank_offset=2"), "tp=2,cp=2"),
+}
+#: Teacher hidden sizes when ``--teacher-hidden`` is not given: these in turn, one per teacher.
+DEFAULT_TEACHER_HIDDEN = (64, 96)
 #: The default ``--timeout``: a start-up allowance, then per rank on the node (each imports
 #: torch and megatron-core, all at once) and per step.
 TIMEOUT_BASE_S, TIMEOUT_PER_RANK_S, TIMEOUT_PER_STEP_S = 600.0, 60.0, 60.0
@@ -74,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
         "global rank), e.g. tp=2,dp=2,rank_offset=0; missing keys are 1 (rank_offset: 0). "
         "Teachers take cp=1. Sample i goes to teacher i % (number of teachers).",
     )
+    p.add_argument(
+        "--preset",
+        type=int,
+        choices=sorted(PRESETS),
+        default=None,
+        help="a job of 4 or 8 ranks: 8 is the default run; 4: teachers tp=2 (ranks 0-1) and "
+        "tp=2,rank_offset=2, student tp=2,cp=2 (it sets --nproc, --teacher and --student; "
+        "any of them given as well wins)",
+    )
     p.add_argument("--nproc", type=int, default=8, help="ranks in the job")
     p.add_argument(
         "--backend",
@@ -87,7 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MESH",
         help=f"a teacher mesh, repeat per teacher (default: {' and '.join(_DEFAULT_TEACHERS)})",
     )
-    p.add_argument("--teacher-hidden", default="64,96", help="hidden size per teacher")
+    p.add_argument(
+        "--teacher-hidden",
+        default=None,
+        help="hidden size per teacher (default: 64, 96, 64, ... in turn, one per teacher)",
+    )
     p.add_argument("--student", default="tp=2,cp=2,dp=2", metavar="MESH", help="the student's mesh")
     p.add_argument("--student-hidden", type=int, default=48, help="the student's hidden size")
     p.add_argument("--heads", type=int, default=4, help="attention heads (every model)")
@@ -120,7 +146,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--teacher-init-std", type=float, default=0.15, help="teachers' init std (peakedness)"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object of the results")
+    p.add_argument(
+        "--json", action="store_true", help="print the results as one JSON object on stdout"
+    )
+    p.add_argument(
+        "--links", action="store_true", help="also print the bytes per teacher-to-student link"
+    )
+    p.add_argument(
+        "--results-dir",
+        default=None,
+        metavar="DIR",
+        help="where the results JSON and the loss-curve PNG go (default: mopd-results/ at the "
+        "root of a checkout, which git ignores; ./mopd-results/ elsewhere)",
+    )
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler trace per rank to DIR")
     p.add_argument(
         "--timeout",
@@ -156,12 +194,25 @@ def _mesh(text: str, what: str) -> MeshSpec:
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, DemoConfig]:
     p = _parser()
+    preset, _ = p.parse_known_args(argv)
+    teachers = _DEFAULT_TEACHERS
+    if preset.preset is not None:  # the preset's values as defaults: flags given win
+        nproc, teachers, student = PRESETS[preset.preset]
+        p.set_defaults(nproc=nproc, student=student)
     args = p.parse_args(argv)
+    args.teacher = args.teacher or list(teachers)
     try:
+        if args.teacher_hidden is None:
+            hidden = tuple(
+                DEFAULT_TEACHER_HIDDEN[i % len(DEFAULT_TEACHER_HIDDEN)]
+                for i in range(len(args.teacher))
+            )
+        else:
+            hidden = parse_int_list(args.teacher_hidden, what="--teacher-hidden size")
         cfg = DemoConfig(
             nproc=args.nproc,
-            teachers=tuple(_mesh(t, "--teacher") for t in (args.teacher or _DEFAULT_TEACHERS)),
-            teacher_hidden=parse_int_list(args.teacher_hidden, what="--teacher-hidden size"),
+            teachers=tuple(_mesh(t, "--teacher") for t in args.teacher),
+            teacher_hidden=hidden,
             student=_mesh(args.student, "--student"),
             student_hidden=args.student_hidden,
             heads=args.heads,

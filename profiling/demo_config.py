@@ -11,7 +11,23 @@ from dataclasses import dataclass
 
 from mopd.profiling.mesh_arg import MeshSpec
 
-__all__ = ["DemoConfig"]
+__all__ = ["DemoConfig", "flag"]
+
+#: Configuration fields whose flag is not ``--`` plus the name with dashes.
+_FLAGS = {"per_token_loss": "--loss-path"}
+
+
+def flag(field: str) -> str:
+    """The ``mopd demo`` flag that sets a :class:`DemoConfig` field (``seq_len`` -> ``--seq-len``)."""
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _short(m: MeshSpec) -> str:
+    """A mesh as a user writes it: the sizes that are not 1, and a non-zero ``rank_offset``."""
+    parts = [f"{k}={getattr(m, k)}" for k in ("tp", "cp", "dp", "pp") if getattr(m, k) != 1]
+    if m.rank_offset:
+        parts.append(f"rank_offset={m.rank_offset}")
+    return ",".join(parts) or "tp=1"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +76,7 @@ class DemoConfig:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        # each message leads with the flag and value that fail, then the rule and the fix
         for name in (
             "nproc",
             "heads",
@@ -73,52 +90,69 @@ class DemoConfig:
             "student_hidden",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.teacher_init_std > 0 or not self.temperature > 0:
-            raise ValueError(
-                f"lr, teacher_init_std and temperature must be > 0, got {self.lr}, "
-                f"{self.teacher_init_std}, {self.temperature}"
-            )
+                raise ValueError(f"{flag(name)} {getattr(self, name)}: must be >= 1")
+        for name in ("lr", "teacher_init_std", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{flag(name)} {getattr(self, name):g}: must be > 0")
         if not self.teachers:
-            raise ValueError("at least one teacher is needed")
+            raise ValueError("--teacher: at least one teacher is needed")
         if len(self.teacher_hidden) != len(self.teachers):
             raise ValueError(
-                f"{len(self.teachers)} teacher meshes but {len(self.teacher_hidden)} teacher "
-                f"hidden sizes {list(self.teacher_hidden)}"
+                f"--teacher-hidden {','.join(map(str, self.teacher_hidden))}: "
+                f"{len(self.teacher_hidden)} hidden sizes for {len(self.teachers)} teacher meshes "
+                "(--teacher); give one per teacher"
             )
         models = [
-            (f"teacher {i}", m, h)
-            for i, (m, h) in enumerate(zip(self.teachers, self.teacher_hidden, strict=True))
+            (f"--teacher {_short(m)}", m, h, "--teacher-hidden")
+            for m, h in zip(self.teachers, self.teacher_hidden, strict=True)
         ]
-        models.append(("student", self.student, self.student_hidden))
-        if any(m.rank_offset is None for _, m, _ in models):
+        models.append(
+            (
+                f"--student {_short(self.student)}",
+                self.student,
+                self.student_hidden,
+                "--student-hidden",
+            )
+        )
+        if any(m.rank_offset is None for _, m, _, _ in models):
             raise ValueError("every mesh needs its rank_offset (the parser defaults it to 0)")
         covered: set[int] = set()
-        for label, m, h in models:
+        for label, m, h, hidden_flag in models:
             end = m.rank_offset + m.size
             if end > self.nproc:
                 raise ValueError(
-                    f"{label} mesh ({m}) needs global ranks {m.rank_offset}..{end - 1}, the job "
-                    f"has {self.nproc}"
+                    f"{label}: needs global ranks {m.rank_offset}..{end - 1}, the job has "
+                    f"{self.nproc} (--nproc {self.nproc}); give --nproc {end} or a smaller mesh "
+                    "(--preset 4 or 8 sets meshes that fit)"
                 )
             covered |= set(range(m.rank_offset, end))
             if self.heads % m.tp:
+                fits = [t for t in range(1, self.heads + 1) if self.heads % t == 0]
                 raise ValueError(
-                    f"{label}: {self.heads} attention heads do not divide by tp={m.tp}"
+                    f"{label}: {self.heads} attention heads do not divide by tp={m.tp}; use a tp "
+                    f"that divides --heads {self.heads} ({', '.join(map(str, fits))}), or --heads "
+                    f"a multiple of {m.tp} (hidden sizes a multiple of it)"
                 )
             if h < 1 or h % self.heads:
                 raise ValueError(
-                    f"{label}: hidden size {h} must be a positive multiple of {self.heads} heads"
+                    f"{hidden_flag} {h}: the hidden size of {label} must be a positive multiple "
+                    f"of --heads {self.heads}"
                 )
             if self.vocab % m.tp:
-                raise ValueError(f"{label}: vocab {self.vocab} does not divide by tp={m.tp}")
+                raise ValueError(
+                    f"--vocab {self.vocab}: does not divide by tp={m.tp} of {label}; use a "
+                    f"multiple of {m.tp}"
+                )
             if self.layers % m.pp:
-                raise ValueError(f"{label}: {self.layers} layers do not divide by pp={m.pp}")
+                raise ValueError(
+                    f"--layers {self.layers}: {self.layers} layers do not divide by pp={m.pp} of "
+                    f"{label}; use a multiple of {m.pp}"
+                )
         if covered != set(range(self.nproc)):
             raise ValueError(
-                f"every rank must hold a model; ranks {sorted(set(range(self.nproc)) - covered)} "
-                f"hold none (teachers {[str(t) for t in self.teachers]}, student {self.student}, "
-                f"nproc {self.nproc})"
+                f"--nproc {self.nproc}: ranks {sorted(set(range(self.nproc)) - covered)} hold no "
+                f"model (teachers {', '.join(_short(t) for t in self.teachers)}, student "
+                f"{_short(self.student)}); give --nproc {max(covered) + 1} or meshes over every rank"
             )
         # Distiller.step splits any count (a DP rank or teacher with no sample in a micro-batch
         # runs a placeholder); each micro-batch needs a sample, and each teacher one per set
@@ -126,31 +160,32 @@ class DemoConfig:
         for what, count in (("samples", self.samples), ("heldout_samples", self.heldout_samples)):
             if count < least:
                 raise ValueError(
-                    f"{what} ({count}) must be at least {least}: one per micro-batch "
-                    f"({self.micro_batches}) and one per teacher ({self.num_teachers}, sample i "
-                    "goes to teacher i % teachers)"
+                    f"{flag(what)} {count}: must be at least {least}, one per micro-batch "
+                    f"(--micro-batches {self.micro_batches}) and one per teacher "
+                    f"({self.num_teachers}, sample i goes to teacher i % teachers)"
                 )
-        for i, t in enumerate(self.teachers):
+        for t in self.teachers:
             if t.cp != 1:
-                raise ValueError(f"teacher {i}: the demo's teachers take cp=1, got cp={t.cp}")
+                raise ValueError(f"--teacher {_short(t)}: the demo's teachers take cp=1")
             if self.seq_len % t.tp:
                 raise ValueError(
-                    f"teacher {i}: seq_len {self.seq_len} must divide by tp={t.tp} (sequence "
-                    "parallelism)"
+                    f"--seq-len {self.seq_len}: must divide by tp={t.tp} of --teacher "
+                    f"{_short(t)} (sequence parallelism)"
                 )
         if self.student.cp > 1 and self.seq_len % (2 * self.student.cp):
             raise ValueError(
-                f"seq_len {self.seq_len} must divide by 2 * cp = {2 * self.student.cp} (the "
-                "student's sequences are padded to that multiple, within its positions)"
+                f"--seq-len {self.seq_len}: must divide by 2 * cp = {2 * self.student.cp} of "
+                f"--student {_short(self.student)} (its sequences are padded to that multiple, "
+                "within its positions)"
             )
         if not 1 <= self.prompt_len < self.seq_len:
             raise ValueError(
-                f"prompt_len must be in [1, {self.seq_len}) (a domain tag first, and room for "
-                f"a response within seq_len {self.seq_len}), got {self.prompt_len}"
+                f"--prompt-len {self.prompt_len}: must be in [1, {self.seq_len}) (a domain tag "
+                f"first, and room for a response within --seq-len {self.seq_len})"
             )
         if self.vocab < self.num_teachers + 2:
             raise ValueError(
-                f"vocab {self.vocab} needs room for the stop token, {self.num_teachers} domain "
+                f"--vocab {self.vocab}: needs room for the stop token, {self.num_teachers} domain "
                 "tags and prompt tokens"
             )
 

@@ -58,21 +58,14 @@ HELDOUT_STREAM, ROLLOUT_STREAM = 1, 2
 
 def worker(args: argparse.Namespace, cfg: DemoConfig) -> int:
     """One rank of the demo (torchrun's env:// gives the world); returns the exit code."""
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    # megatron-core without TE/apex warns on import and on each deprecated c10d call it makes
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings(
-        "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
-    )
-    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
+    from mopd.mcore import cpu
+
+    cpu.quiet()  # megatron-core's known notices without Transformer Engine / Apex, once per rank
     backend = os.environ.get("MOPD_DEMO_BACKEND", "gloo")
     if backend == "gloo":
-        from mopd.mcore import cpu
-
         cpu.apply()
         device = torch.device("cpu")
     else:
@@ -529,11 +522,19 @@ class _Job:
             with bar.routed():
                 for step in range(cfg.steps):
                     phases.enter(f"step {step + 1} of {cfg.steps}")
+                    t_step = time.perf_counter()
                     with ranges.span("step", step):
                         ok = self._step(step)
                     if not ok:
                         break
                     bar.step(f"loss={float(self.losses[step]):.4f}")
+                    if not bar.shown:  # a log: a line per step, so it is never silent for long
+                        held = " / ".join(f"{float(x):.4f}" for x in self.heldout_kl[:, step])
+                        self.say(
+                            f"step {step + 1}/{cfg.steps}: rollout KL "
+                            f"{float(self.losses[step]):.4f}, held-out KL {held} "
+                            f"({time.perf_counter() - t_step:.1f} s)"
+                        )
         finally:
             bar.close()
             if profiler is not None:
@@ -545,6 +546,11 @@ class _Job:
         if ok:
             phases.enter("reporting (gathering every rank's figures)")
             self._report()
+        elif self.rank == 0 and self.verified:
+            from mopd.profiling.demo_report import verdict
+
+            line = verdict(rows_ok=False, bad_ranks=self.verified["bad_ranks"], heldout=[])
+            print(line, file=self.out, flush=True)
         if profiler is not None and self.rank == 0:
             print(
                 f"traces: {self.args.trace}/trace_rank<r>.json ({self.world} ranks)",
@@ -796,38 +802,35 @@ class _Job:
         cross = sum(n for (o, s, d), n in link_bytes.items() if s != d)
         local = sum(n for (o, s, d), n in link_bytes.items() if s == d)
         masked, saved = self._masked_bytes(link_bytes, rollouts)
+        result = {
+            "config": cfg.as_dict(),
+            "verification": self.verified,
+            "rollouts": "student",
+            "loss_per_step": [float(x) for x in self.losses],
+            "rollout_kl": rollout_kl,
+            "heldout_kl": heldout,
+            "response_lengths": lengths,
+            "stopped_responses": stopped,
+            "rollout_digest": [_digest(step) for step in rollouts],
+            "heldout_digest": _digest(heldout_tokens),
+            "trends": trends,
+            "phase_ms_max_over_ranks": {
+                name: [float(ms[s, k]) for s in range(cfg.steps)] for k, name in enumerate(PHASES)
+            },
+            "bytes_sent": cross,
+            "bytes_local": local,
+            "masked_tokens": masked,
+            "bytes_saved_by_mask": saved,
+            "logits_bytes_instead": 4 * cfg.vocab * tokens,
+            "links": [
+                {"teacher": o, "src": s, "dst": d, "bytes": n}
+                for (o, s, d), n in sorted(link_bytes.items())
+            ],
+        }
+        ending = self._record(result)
         if self.args.json:
-            print(
-                json.dumps(
-                    {
-                        "config": cfg.as_dict(),
-                        "verification": self.verified,
-                        "rollouts": "student",
-                        "loss_per_step": [float(x) for x in self.losses],
-                        "rollout_kl": rollout_kl,
-                        "heldout_kl": heldout,
-                        "response_lengths": lengths,
-                        "stopped_responses": stopped,
-                        "rollout_digest": [_digest(step) for step in rollouts],
-                        "heldout_digest": _digest(heldout_tokens),
-                        "trends": trends,
-                        "phase_ms_max_over_ranks": {
-                            name: [float(ms[s, k]) for s in range(cfg.steps)]
-                            for k, name in enumerate(PHASES)
-                        },
-                        "bytes_sent": cross,
-                        "bytes_local": local,
-                        "masked_tokens": masked,
-                        "bytes_saved_by_mask": saved,
-                        "logits_bytes_instead": 4 * cfg.vocab * tokens,
-                        "links": [
-                            {"teacher": o, "src": s, "dst": d, "bytes": n}
-                            for (o, s, d), n in sorted(link_bytes.items())
-                        ],
-                    }
-                ),
-                flush=True,
-            )
+            print(json.dumps(result), flush=True)
+            print("\n".join(ending), file=self.out, flush=True)
             return
         n = cfg.num_teachers
         time_head = ["step", *PHASES, "total"]
@@ -859,14 +862,17 @@ class _Job:
             "stop token"
         )
         out.append("")
+        if self.args.links:
+            out.append(
+                f"  bytes per link (teacher rank -> student rank, from the plans, {cfg.steps} "
+                "steps):"
+            )
+            for (owner, src, dst), nbytes in sorted(link_bytes.items()):
+                kind = "local copy" if src == dst else "sent"
+                out.append(f"    teacher{owner} r{src} -> r{dst}  {_human(nbytes):>10}  {kind}")
         out.append(
-            f"  bytes per link (teacher rank -> student rank, from the plans, {cfg.steps} steps):"
-        )
-        for (owner, src, dst), nbytes in sorted(link_bytes.items()):
-            kind = "local copy" if src == dst else "sent"
-            out.append(f"    teacher{owner} r{src} -> r{dst}  {_human(nbytes):>10}  {kind}")
-        out.append(
-            f"  total: {_human(cross)} sent, {_human(local)} local copies (teacher logits instead: "
+            f"  bytes over {len(link_bytes)} teacher-to-student links (--links lists them): "
+            f"{_human(cross)} sent, {_human(local)} local copies (teacher logits instead: "
             f"{_human(4 * cfg.vocab * tokens)}, {tokens} tokens x {cfg.vocab} fp32)"
         )
         out.append(
@@ -876,7 +882,28 @@ class _Job:
         out.append(f"  rollout KL: {trends['rollout_kl']}")
         for k in range(cfg.num_teachers):
             out.append(f"  held-out KL teacher {k}: {trends['heldout_kl'][k]}")
-        print("\n".join(out), file=self.out, flush=True)
+        print("\n".join(out + ending), file=self.out, flush=True)
+
+    def _record(self, result: dict[str, Any]) -> list[str]:
+        """Write the results JSON and the loss-curve PNG (rank 0); the run's last lines: where
+        they went, then the verdict."""
+        from pathlib import Path
+
+        from mopd.profiling.demo_report import verdict, write
+        from mopd.profiling.extras import can_draw
+        from mopd.profiling.results import default_results_dir, environment
+
+        out_dir = Path(self.args.results_dir) if self.args.results_dir else default_results_dir()
+        json_path, png = write(
+            result, out_dir=out_dir, env=environment(), draw=can_draw("mopd demo")
+        )
+        wrote = f"  results: {json_path}" + (f" and its loss curves {png.name}" if png else "")
+        line = verdict(
+            rows_ok=bool(self.verified.get("ok")),
+            bad_ranks=int(self.verified.get("bad_ranks", 0)),
+            heldout=result["heldout_kl"],
+        )
+        return [wrote, line]
 
     def _masked_bytes(
         self, link_bytes: dict[tuple[int, int, int], int], rollouts: list[dict[int, list[int]]]

@@ -22,9 +22,10 @@
 #   --trace LIST     nsys --trace list (default: $MOPD_NSYS_TRACE or cuda,nvtx,osrt, plus nccl when
 #                    `nsys profile --help` lists it; NCCL's own NVTX ranges arrive via nvtx anyway)
 #   --nsys-arg ARG   one extra argument for `nsys profile` (repeatable), e.g. --nsys-arg=--sample=none
-#   --dry-run        print the command instead of running it
+#   --dry-run        print the command instead of running it (nsys need not be installed)
 #
-# Exit status: 2 when nsys is not on PATH or the usage is wrong; otherwise the command's.
+# Exit status: 2 when nsys is not on PATH (except for --dry-run) or the usage is wrong;
+# otherwise the command's.
 set -euo pipefail
 
 prog=${MOPD_PROG:-$(basename "$0")}  # `mopd nsys` names itself
@@ -59,15 +60,20 @@ done
 
 nsys_bin=$(command -v nsys || true)
 if [[ -z $nsys_bin ]]; then
-    die "nsys (Nsight Systems CLI) is not on PATH; install Nsight Systems or add its bin folder" \
-        "to PATH (e.g. /opt/nvidia/nsight-systems/<version>/bin)"
+    if ((dry_run)); then
+        nsys_bin=nsys  # a dry run only prints the command: nsys is named there, not run
+    else
+        die "nsys (Nsight Systems CLI) is not on PATH; install Nsight Systems or add its bin" \
+            "folder to PATH (e.g. /opt/nvidia/nsight-systems/<version>/bin); --dry-run prints" \
+            "the command without it"
+    fi
 fi
 
 if [[ -z $trace ]]; then
     trace=cuda,nvtx,osrt
     # Newer nsys versions trace NCCL directly (--trace=...,nccl); ask this one, from the
-    # help text of its --trace option only.
-    if "$nsys_bin" profile --help 2>/dev/null \
+    # help text of its --trace option only (a dry run without nsys cannot ask).
+    if [[ $nsys_bin == */* ]] && "$nsys_bin" profile --help 2>/dev/null \
         | awk '/--trace[=[:space:]]/ && !f {f=1; print; next}
                f && /^[[:space:]]*(-[A-Za-z], )?--[a-z]/ {exit}
                f {print}' \

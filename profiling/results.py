@@ -2,8 +2,9 @@
 
 Why this file exists: every benchmark (kernels, KL, bridge, capture, ranges, planning) prints
 figures side by side with its peers and records them with the machine, the versions and the
-date, in one place: inside a checkout of this repository ``profiling/results/``, elsewhere
-``./mopd-results/`` (``--results-dir`` changes it). Long runs show their progress on stderr, and
+date, in one place: ``mopd-results/`` at the root of a checkout of this repository (which git
+ignores: a run leaves no untracked file; the figures the repository keeps are copied to
+``profiling/results/`` by hand), ``./mopd-results/`` elsewhere (``--results-dir`` changes it). Long runs show their progress on stderr, and
 only on a terminal, so that logs and ``--json`` output stay clean.
 """
 
@@ -31,7 +32,7 @@ __all__ = [
     "record",
 ]
 
-#: Where an installed package records when it runs outside a checkout (relative to the cwd).
+#: The results folder's name: at the root of a checkout (git ignores it), else in the cwd.
 INSTALLED_RESULTS_DIR = Path("mopd-results")
 #: What a figure measured on the CPU is worth: the tables, notes and plots of CPU runs say it.
 CPU_CAVEAT = "CPU run: functional figures (the harness runs, outputs are checked), not performance"
@@ -91,9 +92,10 @@ def checkout_root() -> Path | None:
 
 
 def default_results_dir() -> Path:
-    """``profiling/results`` of the checkout (:func:`checkout_root`), else ``./mopd-results``."""
+    """``mopd-results`` at the root of the checkout (:func:`checkout_root`; git ignores it), else
+    ``./mopd-results``."""
     root = checkout_root()
-    return root / "profiling" / "results" if root is not None else INSTALLED_RESULTS_DIR
+    return root / INSTALLED_RESULTS_DIR if root is not None else INSTALLED_RESULTS_DIR
 
 
 class Progress:

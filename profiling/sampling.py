@@ -107,7 +107,7 @@ def _all_gather(x: torch.Tensor, group: Any, timeout_s: float | None) -> torch.T
     """``[n, *x.shape]``: ``x`` of every rank of ``group``, in group-rank order."""
     n = dist.get_world_size(group)
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    work = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=True)
+    work = cdist.all_gather_into(out, x.contiguous(), group=group, async_op=True)
     cdist.wait(work, device=x.device, timeout_s=timeout_s)
     return out.view(n, *x.shape)
 

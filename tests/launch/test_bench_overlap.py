@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,18 +25,19 @@ RATIOS = (0.5, 2.0)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path, str]:
     out = tmp_path_factory.mktemp("overlap")
     res = run_module(
         "mopd.profiling.bench_overlap", "--quick", "--json",
         "--ratios", *map(str, RATIOS), "--results-dir", str(out),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line) for line in res.stdout.splitlines()], out  # --json: nothing else
+    rows = [json.loads(line) for line in res.stdout.splitlines()]  # --json: nothing else
+    return rows, out, res.stderr
 
 
 def test_one_object_per_ratio_with_the_figures_a_reader_compares(run: tuple) -> None:
-    rows, _ = run
+    rows, _, _ = run
     assert [r["ratio_asked"] for r in rows] == list(RATIOS)
     for r in rows:
         for key in ("teacher_to_student", "step_over_floor", "lockstep_over_floor", "floor_ms"):
@@ -67,7 +69,7 @@ def test_lockstep_waits_for_the_teacher(run: tuple) -> None:
 
 
 def test_the_record_is_written(run: tuple) -> None:
-    rows, out = run
+    rows, out, _ = run
     (csv_path,) = out.glob("overlap-*.csv")
     with csv_path.open() as f:
         recorded = list(csv.DictReader(f))
@@ -75,6 +77,20 @@ def test_the_record_is_written(run: tuple) -> None:
     md = csv_path.with_suffix(".md").read_text()
     assert "Load average" in md and "## Environment" in md
     assert csv_path.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+    # every figure the notes name by its column name is a column of the table
+    named = set(re.findall(r"`(\w+_(?:ms|floor|student))`", md))
+    assert named and named <= set(recorded[0]), named - set(recorded[0])
+
+
+def test_progress_n_of_n_and_a_summary_line_no_raw_dicts(run: tuple) -> None:
+    rows, _, err = run
+    done = re.findall(
+        r"^bench_overlap: (\d) of 2: teacher \d+ layers = [\d.]+x the student: step", err, re.M
+    )
+    assert done == ["1", "2"], err[-3000:]
+    assert "{" not in err, err[-3000:]  # no Python dict printed
+    assert err.rstrip().splitlines()[-2].startswith("summary: over 2 teacher sizes"), err[-1000:]
+    assert bench_overlap.summary(rows).split(" (")[0] == "summary: over 2 teacher sizes"
 
 
 def test_floor_is_the_slower_side_plus_one_faster_micro_batch() -> None:

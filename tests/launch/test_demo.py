@@ -3,9 +3,11 @@ torchrun).
 
 What can fail here: the job's exit code, its step-1 verification (bridged rows against an
 all-gather reference), the final tables (time per phase, rollout and held-out KL per step) and
-the trend lines, its ``--json`` form (``"rollouts": "student"``, a held-out KL list per teacher),
-the detection of a corrupted bridge buffer (a hidden ``--inject-mismatch`` flag must make the job
-exit non-zero), and whether the student gets closer to its teachers: with the default settings
+the trend lines, its last line (the verdict, agreeing with the table), the results JSON and the
+loss-curve PNG it writes, a line per step in a log, its ``--json`` form (``"rollouts":
+"student"``, a held-out KL list per teacher), the detection of a corrupted bridge buffer (a hidden
+``--inject-mismatch`` flag must make the job exit non-zero, with a FAILED verdict; run on the
+4-rank preset), and whether the student gets closer to its teachers: with the default settings
 (a one-rank run of them), the held-out KL of every teacher ends at most 0.9x where it started.
 
 Independence of the parallelism: every weight is drawn from its full name's seed, and a sample's
@@ -18,7 +20,8 @@ to float tolerance; later steps are not compared, since a reordering-sized diffe
 near-tied token there and every later step then differs. The job hands its rollouts to the
 library (``Distiller.step(rollouts, num_micro_batches=M)`` builds every micro-batch), so counts
 that split unevenly over micro-batches, DP ranks and teachers run and verify too. Also: bad
-flags are rejected before anything starts; ``--help`` shows the defaults; every rank records
+flags are rejected before anything starts, in one line leading with the failing flag and value
+and naming the fix; the presets set the meshes and flags given win; ``--help`` shows the defaults; every rank records
 the phases it goes through (its last one: ``done``); on a terminal the progress bar draws and no
 printed line lands on the bar's line, and off one there is no bar at all.
 """
@@ -34,6 +37,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 from pathlib import Path
 from typing import Any
@@ -47,16 +51,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("held-out", "sample", "exchange+plan", "teacher fwd", "student fwd+bwd", "finish")
 PHASES += ("optimizer",)
 SINGLE_RANK = ["--nproc", "1", "--teacher", "tp=1", "--teacher", "tp=1", "--student", "tp=1"]
-FOUR_RANKS = ["--nproc", "4", "--teacher", "tp=2", "--teacher", "tp=2,rank_offset=2"]
-FOUR_RANKS += ["--student", "tp=2,cp=2"]
 DEFAULTS = demo._parse([])[1]  # the settings of a plain `mopd demo`
 
 
-def _run(*args: str, timeout: float = 300, **env_extra: str) -> subprocess.CompletedProcess[str]:
+#: Where the demo runs of this module record (not the checkout's mopd-results/).
+RESULTS = Path(tempfile.mkdtemp(prefix="mopd-demo-tests-"))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: the demo's last line when it worked
+VERDICT = re.compile(
+    r"^mopd demo: OK - rows exact, student (learned|did not learn): held-out KL "
+    r"([\d.]+)x / ([\d.]+)x$"
+)
+
+
+def _run(
+    *args: str, timeout: float = 300, results: Path = RESULTS, **env_extra: str
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     env.pop("MOPD_NVTX", None)
+    argv = [*args, "--results-dir", str(results), "--timeout", str(timeout - 20)]
     return subprocess.run(
-        [sys.executable, "-m", "mopd.profiling.demo", *args, "--timeout", str(timeout - 20)],
+        [sys.executable, "-m", "mopd.profiling.demo", *argv],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -105,8 +120,13 @@ def _explain(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def eight_ranks() -> subprocess.CompletedProcess[str]:
-    return _run("--steps", "2")
+def eight_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("eight")
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(eight_results: Path) -> subprocess.CompletedProcess[str]:
+    return _run("--steps", "2", "--links", results=eight_results)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +181,42 @@ def test_demo_runs_verifies_and_prints_the_table(eight_ranks) -> None:
         _says_what_happened(trend[1], [r[4 + k] for r in kl])
 
 
+def test_demo_ends_in_its_verdict_and_writes_its_results_and_curves(
+    eight_ranks, eight_results: Path
+) -> None:
+    """The last line is the verdict, agreeing with the KL table; the results JSON and a PNG of
+    the loss curves are written where --results-dir says, and named before the verdict."""
+    assert eight_ranks.returncode == 0, _explain(eight_ranks)
+    lines = eight_ranks.stdout.rstrip("\n").splitlines()
+    m = VERDICT.match(lines[-1])
+    assert m, lines[-3:]
+    kl = _table(eight_ranks.stdout, "rollout KL (the loss)")
+    for k in range(2):  # held-out KL of teacher k: last over first
+        assert float(m[2 + k]) == pytest.approx(kl[-1][4 + k] / kl[0][4 + k], abs=6e-3)
+    learned = all(kl[-1][4 + k] < kl[0][4 + k] for k in range(2))
+    assert (m[1] == "learned") == learned
+    (json_path,) = eight_results.glob("demo-*.json")
+    (png,) = eight_results.glob("demo-*.png")
+    assert json_path.with_suffix(".png") == png and png.read_bytes().startswith(PNG_MAGIC)
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).std() > 0.05  # more than a blank canvas
+    data = json.loads(json_path.read_text())
+    assert data["verification"]["ok"] and len(data["heldout_kl"][0]) == 2
+    assert data["environment"]["torch"] and data["config"]["nproc"] == 8
+    assert lines[-2] == f"  results: {json_path} and its loss curves {png.name}"
+
+
+def test_a_log_gets_a_line_per_step(eight_ranks) -> None:
+    """Off a terminal (no bar), every step says it finished, with its KLs and time."""
+    steps = re.findall(
+        r"^  step (\d)/2: rollout KL [\d.]+, held-out KL [\d.]+ / [\d.]+ \([\d.]+ s\)$",
+        eight_ranks.stdout,
+        re.M,
+    )
+    assert steps == ["1", "2"], eight_ranks.stdout[-3000:]
+
+
 def test_demo_runs_with_no_progress_bar_off_a_terminal(eight_ranks) -> None:
     assert eight_ranks.returncode == 0, _explain(eight_ranks)
     assert "step/s" not in eight_ranks.stderr and "%|" not in eight_ranks.stderr
@@ -187,6 +243,10 @@ def test_the_student_approaches_its_teachers(one_rank_default, one_rank_phases) 
     _says_what_happened(result["trends"]["rollout_kl"], result["loss_per_step"])
     rollout_kl = result["rollout_kl"]
     assert len(rollout_kl) == 2 and all(len(r) == steps for r in rollout_kl)
+    # under --json the verdict ends stderr (stdout is the JSON alone)
+    m = VERDICT.match(proc.stderr.rstrip("\n").splitlines()[-1])
+    assert m and m[1] == "learned", proc.stderr[-2000:]
+    assert [float(m[2]), float(m[3])] == pytest.approx([h[-1] / h[0] for h in heldout], abs=6e-3)
     lengths = result["response_lengths"]
     assert len(lengths) == steps and all(len(x) == DEFAULTS.samples for x in lengths)
     assert all(1 <= n <= DEFAULTS.max_new_tokens for x in lengths for n in x)
@@ -254,10 +314,14 @@ def test_uneven_shares_run_and_verify() -> None:
 
 
 def test_injected_mismatch_fails_the_job() -> None:
-    proc = _run("--steps", "1", "--inject-mismatch", *FOUR_RANKS)
+    """On the 4-rank preset: a corrupted bridged row fails the job, named, in its verdict."""
+    proc = _run("--steps", "1", "--inject-mismatch", "--preset", "4")
     assert proc.returncode != 0, _explain(proc)
+    assert proc.stdout.startswith("mopd demo: 4 ranks"), _explain(proc)
     assert "verification: MISMATCH" in proc.stdout, _explain(proc)
     assert "verification: OK" not in proc.stdout
+    last = proc.stdout.rstrip("\n").splitlines()[-1]
+    assert last == "mopd demo: FAILED - bridged rows differ from the all-gather reference on 1 rank"
     assert re.search(
         r"teacher 0 micro-batch 0: 1 of \d+ rows differ from the reference", proc.stderr
     ), _explain(proc)
@@ -266,33 +330,57 @@ def test_injected_mismatch_fails_the_job() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--student", "tp=3"], "do not divide by tp=3"),
-        (["--nproc", "4"], "needs global ranks"),
+        (
+            ["--teacher", "tp=3"],
+            "--teacher tp=3: 4 attention heads do not divide by tp=3; use a tp that divides "
+            "--heads 4 (1, 2, 4), or --heads a multiple of 3",
+        ),
+        (["--student", "tp=3"], "--student tp=3: 4 attention heads do not divide by tp=3"),
+        (["--lr", "-1"], "error: --lr -1: must be > 0 (see"),
+        (["--nproc", "4"], "--teacher tp=4,rank_offset=4: needs global ranks 4..7"),
         (
             ["--teacher", "tp=2", "--teacher", "tp=2", "--student", "tp=2,cp=2"],
-            "ranks [4, 5, 6, 7] hold none",
+            "--nproc 8: ranks [4, 5, 6, 7] hold no model",
         ),
         (["--student", "tp=2,zz=1"], "unknown key 'zz'"),
-        (["--teacher-hidden", "64"], "2 teacher meshes but 1 teacher hidden sizes"),
+        (["--teacher-hidden", "64"], "--teacher-hidden 64: 1 hidden sizes for 2 teacher meshes"),
         (["--teacher", "tp=2,abc"], "'abc' is not KEY=VALUE"),
-        (["--samples", "1"], "samples (1) must be at least 2: one per micro-batch (2)"),
-        (["--micro-batches", "3", "--samples", "2"], "samples (2) must be at least 3"),
+        (["--samples", "1"], "--samples 1: must be at least 2, one per micro-batch"),
+        (["--micro-batches", "3", "--samples", "2"], "--samples 2: must be at least 3"),
         (["--teacher-hidden", "64,abc"], "'abc' in '64,abc' is not an integer"),
-        (["--student", "tp=2,pp=3"], "2 layers do not divide by pp=3"),
-        (["--temperature", "0"], "temperature must be > 0"),
-        (["--prompt-len", "0"], "prompt_len must be in [1, 32)"),
-        (["--heldout-samples", "1"], "heldout_samples (1) must be at least 2"),
+        (["--student", "tp=2,pp=3"], "--layers 2: 2 layers do not divide by pp=3"),
+        (["--temperature", "0"], "--temperature 0: must be > 0"),
+        (["--prompt-len", "0"], "--prompt-len 0: must be in [1, 32)"),
+        (["--heldout-samples", "1"], "--heldout-samples 1: must be at least 2"),
         (
             ["--teacher", "tp=2,dp=2", "--teacher", "tp=2,rank_offset=4", "--seq-len", "34"],
-            "seq_len 34 must divide by 2 * cp = 4",
+            "--seq-len 34: must divide by 2 * cp = 4",
         ),
+        (["--preset", "3"], "invalid choice: 3 (choose from 4, 8)"),
     ],
 )
 def test_bad_flags_are_rejected_before_launch(argv, message, capsys) -> None:
+    """One line, leading with the failing flag and value, then the rule and the fix."""
     with pytest.raises(SystemExit) as exc:
         demo.main(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_presets_set_the_meshes_and_flags_given_win() -> None:
+    _, cfg = demo._parse(["--preset", "4"])
+    assert cfg.nproc == 4 and [str(t) for t in cfg.teachers] == [
+        "tp=2,pp=1,cp=1,dp=1,rank_offset=0",
+        "tp=2,pp=1,cp=1,dp=1,rank_offset=2",
+    ]
+    assert str(cfg.student) == "tp=2,pp=1,cp=2,dp=1,rank_offset=0"
+    assert cfg.teacher_hidden == (64, 96)
+    assert demo._parse(["--preset", "8"])[1] == DEFAULTS  # the default run
+    _, cfg = demo._parse(["--preset", "4", "--student", "tp=4"])
+    assert str(cfg.student) == "tp=4,pp=1,cp=1,dp=1,rank_offset=0" and cfg.nproc == 4
+    _, cfg = demo._parse(["--teacher", "tp=4", "--nproc", "4", "--student", "tp=4"])
+    assert cfg.teacher_hidden == (64,)  # one teacher, one default hidden size
 
 
 @pytest.mark.skipif(
@@ -323,6 +411,7 @@ def test_on_a_terminal_the_bar_draws_and_no_line_lands_on_it() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", TERM="xterm")
     env.pop("MOPD_NVTX", None)
     argv = [sys.executable, "-m", "mopd.profiling.demo", "--steps", "2", *SINGLE_RANK]
+    argv += ["--results-dir", str(RESULTS / "terminal")]
     proc = subprocess.Popen(
         [*argv, "--timeout", "220"], cwd=ROOT, env=env, stdout=slave, stderr=slave, close_fds=True
     )
@@ -347,6 +436,8 @@ def test_on_a_terminal_the_bar_draws_and_no_line_lands_on_it() -> None:
     for line in ("verification: OK", "time per phase (ms, max over ranks)", "rollout KL: "):
         hits = [seg for seg in segments if line in seg]
         assert hits and all(seg.lstrip().startswith(line) for seg in hits), (line, hits)
+    assert VERDICT.match([seg for seg in segments if seg.strip()][-1].rstrip()), text[-2000:]
+    assert not re.search(r"^  step \d/2: rollout KL", text, re.M)  # the bar says it there
 
 
 def test_help_shows_the_defaults(capsys) -> None:

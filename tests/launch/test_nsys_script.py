@@ -1,6 +1,7 @@
 """profiling/nsys.sh against a fake ``nsys`` that records its argv: traces, per-rank reports,
-torchrun rewriting, and a clear exit 2 where nsys is absent; and ``mopd nsys``, the same script
-from the installed package (what a pip user has), naming itself in its messages."""
+torchrun rewriting, a clear exit 2 where nsys is absent (a ``--dry-run`` needs none); and
+``mopd nsys``, the same script from the installed package (what a pip user has), naming itself
+in its messages."""
 
 from __future__ import annotations
 
@@ -91,6 +92,27 @@ def test_missing_nsys_exits_2_with_message(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc
     assert "nsys (Nsight Systems CLI) is not on PATH" in proc.stderr
     assert "never" not in proc.stdout
+
+
+def test_dry_run_needs_no_nsys(tmp_path: Path) -> None:
+    """``--dry-run`` prints the command it would run, nsys named in it, without nsys installed:
+    the torchrun rewrite, each rank under ``nsys profile``, the default trace list."""
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "MOPD_NSYS_OUT"}}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), _path_without_nsys()])
+    assert shutil.which("nsys", path=env["PATH"]) is None
+    proc = _run(
+        ["--dry-run", "--out", "r", "--", "torchrun", "--nproc-per-node", "2", "x.py"],
+        env,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    assert argv[:4] == ["torchrun", "--nproc-per-node", "2", "--no-python"]
+    assert argv[4:7] == ["nsys", "profile", "--trace=cuda,nvtx,osrt"]
+    assert "--output=r/report-rank%q{RANK}" in argv and argv[-1] == "x.py"
+    assert not (tmp_path / "r").exists()  # nothing made, nothing run
+    proc = _mopd_nsys(["--dry-run", "--", "echo", "hi"], env, tmp_path)
+    assert proc.returncode == 0 and shlex.split(proc.stdout)[:2] == ["nsys", "profile"], proc
 
 
 def test_plain_command_traces_and_report_name(fake: dict[str, str], tmp_path: Path) -> None:

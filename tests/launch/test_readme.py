@@ -1,219 +1,184 @@
-"""Tier 2 (launch): every Python block of README.md runs as written, on CPU (gloo under torchrun),
-with the command the README prints for it.
+"""Tier 2 (launch): the examples run as the docs print them, and every code block of the docs is
+an example's.
 
-A README that drifts from the code is a broken promise to its first user. Each ```python block
-is announced by an HTML comment: ``<!-- readme-test: python -->`` (one process, ``python
-example.py``), ``<!-- readme-test: torchrun=N -->`` (N ranks), ``after=NAME`` (runs after the
-block marked ``prelude=NAME``, which is not run on its own), ``requires=MODULE`` (left out, with
-the reason, where MODULE cannot be found: a block for a newer megatron-core). Blocks that share a
-prelude run in one launch, in README order, each followed by a marker line the test checks, so a
-failure names its block. A Python block without a comment fails the test. A multi-rank launch
-runs the command the README prints before it (``torchrun --nproc-per-node N example.py``, N the
-block's ranks) from the folder holding ``example.py``, in the environment as it is (torchrun
-then picks a free port itself), warnings not silenced.
+A page that drifts from the code is a broken promise to its first user. What is checked:
 
-The training blocks are also checked for what their reader trusts (:mod:`tests.support.
-readme_checks`): the same batch at learning rate 0 twice hands the optimizer the same gradients;
-the GRPO block's loss and gradients equal a float64 reference that counts exactly the rows
-predicting response tokens; and the same blocks under the README's one documented change for
-mixed precision (``BF16 = True``) pass the same checks within bf16's tolerance, and against the
-fp32 run's gradients.
+- every ```python block of README.md and docs/ is part of a file in examples/: the line before
+  it ends by linking the file and a colon (``..., from [examples/train.py](...):``) and the
+  block is that file's text, verbatim (whole, or a run of whole lines); so no block is untested
+  and none hides a grouping;
+- every example is printed as a command somewhere in those pages (``OMP_NUM_THREADS=1 torchrun
+  --nproc-per-node 4 examples/train.py``, ``python examples/kl_loss.py``), and each command
+  printed runs as printed (``bash -c``, from the checkout's root, this environment's
+  ``torchrun`` and ``python`` first on ``PATH``, warnings not silenced by the test): exit 0, no
+  abort at exit, at most 10 lines of output (one line per step from one rank, megatron-core's
+  known CPU notices silenced by the example's one call of ``mopd.mcore.cpu.quiet``; checked
+  before megatron-core 0.19, which logs GPTModel's deprecation on every rank), the result named
+  once, in the last line of stdout; an example for a newer megatron-core says so in one line;
+- the training examples are also checked for what their reader trusts, in one launch of their
+  own functions (:mod:`tests.support.readme_checks`): the same batch at learning rate 0 twice
+  hands the optimizer the same gradients; loss and gradients equal a float64 reference that
+  counts exactly the rows predicting response tokens, for ``examples/train.py`` in fp32 and in
+  bf16 (within bf16's tolerance, and against the fp32 job's gradients) and for
+  ``examples/grpo.py`` (teachers on some ranks only, the policy-gradient term included);
+- every relative link of the pages points at a file that exists.
+
+Each example runs once (one launch per printed command, shared by the tests that read it).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-_BLOCK = re.compile(
-    r"(?:<!--\s*readme-test:(?P<spec>[^>]*)-->\s*\n)?```python\n(?P<code>.*?)```", re.S
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+#: the most lines an example prints (the issue's bound for the 4-rank training example)
+MAX_LINES = 10
+#: a command as the pages print it
+_COMMAND = re.compile(
+    r"(?:OMP_NUM_THREADS=1 torchrun --nproc-per-node \d+|python) examples/\w+\.py(?: --[\w-]+)*"
 )
-#: a multi-rank command as the README prints it, in backticks
-_COMMAND = re.compile(r"`(torchrun --nproc-per-node (\d+) (\w+\.py))`")
+_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+_FROM = re.compile(r"\[`?(examples/\w+\.py)`?\]\([^)]*\):$")
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-@dataclass(frozen=True)
-class Block:
-    line: int
-    start: int  # character offset of the block (its marker) in the README
-    code: str
-    run: str  # "python", "torchrun", "prelude" or "" (unmarked)
-    nproc: int
-    after: str
-    name: str
-    requires: str  # a module the block needs ("" for none)
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
-def _blocks() -> list[Block]:
-    text = README.read_text()
-    out = []
-    for m in _BLOCK.finditer(text):
-        line = text.count("\n", 0, m.start("code"))
-        fields = dict(f.split("=", 1) if "=" in f else (f, "") for f in (m["spec"] or "").split())
-        if "prelude" in fields:
-            run = "prelude"
-        elif "torchrun" in fields:
-            run = "torchrun"
-        elif "python" in fields:
-            run = "python"
-        else:
-            run = ""
-        out.append(
-            Block(
-                line=line,
-                start=m.start(),
-                code=m["code"],
-                run=run,
-                nproc=int(fields.get("torchrun") or 1),
-                after=fields.get("after", ""),
-                name=fields.get("prelude", ""),
-                requires=fields.get("requires", ""),
+@cache
+def _commands() -> tuple[str, ...]:
+    """Every example command the pages print, once each, in page order."""
+    found: list[str] = []
+    for page in PAGES:
+        found += [c for c in _COMMAND.findall(page.read_text()) if c not in found]
+    return tuple(found)
+
+
+def _megatron_core() -> tuple[int, int]:
+    return tuple(map(int, re.findall(r"\d+", version("megatron-core"))[:2]))  # type: ignore[return-value]
+
+
+def test_every_python_block_is_an_examples_text() -> None:
+    blocks = 0
+    for page in PAGES:
+        text = page.read_text()
+        for m in _BLOCK.finditer(text):
+            blocks += 1
+            line = text.count("\n", 0, m.start()) + 1
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            src = _FROM.search(before)
+            assert src, (
+                f"{_rel(page)}:{line}: a python block must follow a line ending in a link to its "
+                f"example and a colon ('[examples/NAME.py](...):'), got {before!r}"
             )
-        )
-    return out
+            code = (ROOT / src[1]).read_text()
+            block = m[1]
+            assert block in code and (code.startswith(block) or f"\n{block}" in code), (
+                f"{_rel(page)}:{line}: the block is not a run of whole lines of {src[1]}"
+            )
+    assert blocks >= 5
 
 
-def test_every_python_block_is_marked() -> None:
-    blocks = _blocks()
-    assert len(blocks) >= 4
-    unmarked = [b.line for b in blocks if not b.run]
-    assert not unmarked, f"README python blocks without a readme-test comment at lines {unmarked}"
-    preludes = {b.name for b in blocks if b.run == "prelude"}
-    assert {b.after for b in blocks if b.after} <= preludes
+def test_every_example_is_printed_as_a_command() -> None:
+    printed = {re.search(r"examples/\w+\.py", c)[0] for c in _commands()}  # type: ignore[index]
+    assert printed == {_rel(p) for p in EXAMPLES}, "examples without a printed command, or gone"
 
 
-def test_every_multi_rank_example_ends_its_process_groups() -> None:
-    """A multi-rank example that leaves its process groups to the interpreter's exit aborts now
-    and then in the destructors ("terminate called without an active exception"), after every
-    rank printed its result: each launch's code ends them itself."""
-    for key, group in _groups():
-        if any(b.run == "torchrun" for b in group):
-            code = "".join(b.code for b in group)
-            if group[0].after:
-                code = _prelude(group[0].after).code + code
-            assert "dist.destroy_process_group" in code, f"README blocks of {key} never end it"
+def test_every_relative_link_resolves() -> None:
+    for page in PAGES:
+        for target in _LINK.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (page.parent / target).exists(), f"{_rel(page)} links to {target}, not there"
 
 
-def _prelude(name: str) -> Block:
-    return next(b for b in _blocks() if b.run == "prelude" and b.name == name)
-
-
-def _groups() -> list[tuple[str, list[Block]]]:
-    """Launches: blocks sharing a prelude together; the others each alone."""
-    blocks = _blocks()
-    runs = [b for b in blocks if b.run in ("python", "torchrun")]
-    groups: dict[str, list[Block]] = {}
-    for b in runs:
-        groups.setdefault(b.after or f"line {b.line}", []).append(b)
-    return sorted(groups.items())
-
-
-#: Appended to the launch of the blocks after the ``megatron-models`` prelude (they define
-#: ``train_step``, the models, ``adam`` and its ``master`` weights, ``rollouts`` and
-#: ``grpo_forward_step``): the checks of :mod:`tests.support.readme_checks`.
-TRAINING_CHECK = f"""
-import sys
-sys.path.insert(0, {str(ROOT)!r})
-from tests.support.readme_checks import check_training_blocks
-check_training_blocks(globals())
-"""
-#: The README's one documented change for mixed precision.
-FP32_LINE = "BF16 = False"
-
-
-def _launch(parts: list[str], group: list[Block], left_out: list[Block], tmp_path: Path) -> str:
-    """Run ``parts`` as the README prints it (``torchrun --nproc-per-node N example.py``, or
-    ``python example.py``) in ``tmp_path``; the output, once the blocks' markers are checked."""
-    nproc = max(b.nproc for b in group)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
-    env.pop("PYTHONWARNINGS", None)
-    env["OMP_NUM_THREADS"] = "1"  # a shared machine; the README's command is unchanged
-    env["MOPD_README_GRADS"] = str(tmp_path)  # the fp32 run's gradients, for the bf16 run
-    if any(b.run == "torchrun" for b in group):
-        cmd, ranks, name = _printed_command(group[0])
-        assert ranks == nproc, f"the README prints {ranks} ranks for blocks that need {nproc}"
-        cmd[0] = str(Path(sys.executable).parent / cmd[0])  # this environment's torchrun
-    else:
-        cmd, name = [sys.executable, "example.py"], "example.py"
-    (tmp_path / name).write_text("\n".join(parts))
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"README blocks failed (exit {proc.returncode}):\n{out[-6000:]}"
-    # a rank that exits without ending its process groups may abort in gloo's destructors
-    # after printing its results (exit code still 0 now and then): the text gives it away
-    assert "terminate called" not in out, f"README blocks aborted at exit:\n{out[-6000:]}"
-    for b in group:
-        assert out.count(f"README block at line {b.line}: ok") == nproc, out[-3000:]
-    for b in left_out:
-        assert f"README block at line {b.line}: ok" not in out
-    for line in sorted({x for x in out.splitlines() if x.startswith("README GRPO")}):
-        print(line)  # the figures the checks measured (pytest -s shows them)
-    return out
-
-
-def _printed_command(block: Block) -> tuple[list[str], int, str]:
-    """``(argv, ranks, script name)`` of the last multi-rank command the README prints before
-    ``block`` (its prelude's, for a block that runs after one)."""
-    if block.after:
-        block = _prelude(block.after)
-    text = README.read_text()
-    found = [m for m in _COMMAND.finditer(text) if m.start() < block.start]
-    assert found, (
-        f"README prints no `torchrun --nproc-per-node N example.py` before line {block.line}"
+@cache
+def _run(command: str) -> subprocess.CompletedProcess[str]:
+    """``command`` as printed, by bash, from the checkout's root; this environment's torchrun
+    and python first on PATH, no torchrun variables inherited."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PYTHONWARNINGS",
+    ):
+        env.pop(name, None)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
-    m = found[-1]
-    return shlex.split(m[1]), int(m[2]), m[3]
 
 
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except ModuleNotFoundError:
-        return True
-
-
-def test_every_launch_has_its_command_printed() -> None:
-    for key, group in _groups():
-        if any(b.run == "torchrun" for b in group):
-            _, ranks, _ = _printed_command(group[0])
-            assert ranks == max(b.nproc for b in group), f"README blocks of {key}"
-
-
-@pytest.mark.parametrize(("key", "group"), _groups(), ids=[k for k, _ in _groups()])
-def test_readme_blocks_run(key: str, group: list[Block], tmp_path: Path) -> None:
-    preludes = {b.name: b for b in _blocks() if b.run == "prelude"}
-    left_out = [b for b in group if b.requires and _missing(b.requires)]
-    group = [b for b in group if b not in left_out]
-    if not group:
-        pytest.skip(f"needs {left_out[0].requires}, which this environment does not have")
-    nproc = max(b.nproc for b in group)
-    parts = []
-    if group[0].after:
-        parts.append(preludes[group[0].after].code)
-    for b in group:
-        parts.append(b.code)
-        parts.append(f'print("README block at line {b.line}: ok", flush=True)\n')
-    check = any("def train_step" in b.code for b in group)
-    if check:
-        parts.append(TRAINING_CHECK)
-    out = _launch(parts, group, left_out, tmp_path)
-    if not check:
+@pytest.mark.parametrize("command", _commands())
+def test_example_runs_as_printed(command: str) -> None:
+    proc = _run(command)
+    out = (proc.stdout + proc.stderr).rstrip("\n")
+    lines = out.splitlines()
+    name = re.search(r"examples/(\w+\.py)", command)[1]  # type: ignore[index]
+    assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{out[-6000:]}"
+    assert "terminate called" not in out, f"{command} aborted at exit:\n{out[-6000:]}"
+    if name == "hybrid.py" and _megatron_core() < (0, 18):
+        assert lines == [
+            f"hybrid.py: HybridModel needs megatron-core 0.18 or newer; this is "
+            f"{version('megatron-core')} (pip install 'megatron-core>=0.18')"
+        ], out
         return
-    assert out.count("README training loop: same gradients over two steps") == nproc
-    assert out.count("README GRPO block (fp32): loss and gradients match") == nproc, out[-3000:]
-    # the one documented change for mixed precision: the same blocks, the same checks, in bf16
-    assert parts[0].count(FP32_LINE) == 1, "the prelude's precision switch moved"
-    parts[0] = parts[0].replace(FP32_LINE, "BF16 = True")
-    out = _launch(parts, group, left_out, tmp_path)
-    assert out.count("README GRPO block (bf16): loss and gradients match") == nproc, out[-3000:]
-    assert out.count("README GRPO block in bf16: gradients") == nproc, out[-3000:]
+    if _megatron_core() < (0, 19):  # 0.19 logs GPTModel's deprecation on every rank
+        assert len(lines) <= MAX_LINES, f"{command} printed {len(lines)} lines:\n{out[-6000:]}"
+        assert not [x for x in lines if "Warning" in x], f"{command} warned:\n{out}"
+    printed = proc.stdout.rstrip("\n").splitlines()
+    assert printed and printed[-1].startswith(f"{name}: "), f"{command}: no result last:\n{out}"
+    assert sum(x.startswith(f"{name}: ") for x in lines) == 1, out  # the result, once
+
+
+def test_training_examples_print_one_line_per_step_from_one_rank() -> None:
+    for command in _commands():
+        if "examples/train.py" in command or "examples/grpo.py" in command:
+            lines = _run(command).stdout.splitlines()
+            steps = [x for x in lines if re.match(r"^step \d+/\d+: ", x)]
+            total = int(re.match(r"^step \d+/(\d+)", steps[0])[1])  # type: ignore[index]
+            assert [x.split(":")[0] for x in steps] == [
+                f"step {s}/{total}" for s in range(1, total + 1)
+            ]
+
+
+def test_training_examples_are_right() -> None:
+    """:mod:`tests.support.readme_checks`, one launch of 4 ranks: each check's line on every rank."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    proc = subprocess.run(
+        [torchrun, "--nproc-per-node", "4", "-m", "tests.support.readme_checks"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    for line in (
+        "examples/train.py (fp32): same gradients over two steps",
+        "examples/train.py (fp32): loss and gradients match the float64 reference",
+        "examples/train.py (bf16): same gradients over two steps",
+        "examples/train.py (bf16): gradients",
+        "examples/train.py (bf16): loss and gradients match the float64 reference",
+        "examples/grpo.py: loss and gradients match the float64 reference",
+    ):
+        assert out.count(line) == 4, (line, out[-4000:])
+    for line in sorted({x for x in out.splitlines() if x.startswith("examples/")}):
+        print(line)  # the figures the checks measured (pytest -s shows them)

@@ -5,7 +5,9 @@ What a user relies on: the student as a list of model chunks under megatron's in
 schedule, one data iterator per chunk (``[step.data_iterator() for _ in chunks]``), trains on the
 response-only KL with the loss and every finalized ``main_grad`` of the plain computation
 (:func:`tests.support.mcore_ref.reference_step`, float64): loss within rtol 1e-5, gradients
-within 1e-4 of their norm. And ``mopd.mcore.cpu`` refuses, before any communication, the
+within 1e-4 of their norm; a micro-batch count megatron's interleaved schedule would refuse
+once running (3 at PP=2) is the same ``ValueError`` on every rank from ``distiller.step``,
+naming the rule. And ``mopd.mcore.cpu`` refuses, before any communication, the
 setting that corrupts megatron's interleaved schedule on gloo at PP=2 (``batch_p2p_comm=True``);
 and a pipelined student given packed micro-batches of different lengths without
 ``variable_seq_lengths`` fails at ``distiller.step`` on every rank with the fix named.
@@ -197,6 +199,19 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
                     c, names[v], ref_grads, tp_rank=0, tp_size=1, rtol=1e-4, worst=worst_grad
                 )
             ]
+    # 3 micro-batches at PP=2, which megatron's interleaved schedule refuses once running (it
+    # wants a multiple of its group size, the pipeline size): the same ValueError on every rank
+    # from distiller.step, naming the rule, before the teachers' pass and the schedule
+    from mopd.mcore import Rollouts
+
+    ones = torch.ones(4, dtype=torch.int64)
+    held = Rollouts(prompts=[ones[:2]] * 6, responses=[ones] * 6) if rank == 0 else None
+    with pytest.raises(
+        ValueError,
+        match=r"student: 3 micro-batches for 2 virtual-pipeline chunks at pipeline size 2.*"
+        r"use a multiple of 2 micro-batches \(e\.g\. 2, 4, 6\)",
+    ):
+        distiller.step(held, num_micro_batches=3)
     if smesh.is_last_stage(rank):
         print(
             f"vpp: largest relative loss error {max(worst_loss, default=0.0):.2e}, gradient {max(worst_grad):.2e}"

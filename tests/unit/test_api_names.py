@@ -1,8 +1,9 @@
-"""Tier 1: the README's API lists are exactly the packages' public names, and moved names still
-resolve for one release, with a warning that says where they went.
+"""Tier 1: the API reference pages (docs/api/) list exactly the packages' public names, each
+with its docstring's first paragraph, and moved names still resolve for one release, with a
+warning that says where they went.
 
-A reader takes the README's list for the whole public surface: a name missing there, or listed
-but gone, is a broken promise either way.
+A reader takes the reference for the whole public surface: a name missing there, or listed but
+gone, or described by a docstring that has since changed, is a broken promise either way.
 """
 
 from __future__ import annotations
@@ -14,10 +15,43 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-# "- `mopd.bridge` (23, no megatron): `A`, `B`, ... ."
-LIST_RE = re.compile(r"^- `(mopd(?:\.\w+)+)` \((\d+)[,)][^:]*: (.*)\.$", re.M)
-LISTED = ("mopd.mcore", "mopd.capture", "mopd.bridge", "mopd.kernels", "mopd.common.ranges")
+from tests.support.api_pages import PACKAGES, page_path, render
+
+ROOT = Path(__file__).resolve().parents[2]
+# a row of a page's table: "| `Name` | kind | what it is |"
+ROW_RE = re.compile(r"^\| `(\w+)` \| (\w+) \| (.*) \|$", re.M)
+
+
+def page_rows(package: str) -> list[tuple[str, str, str]]:
+    return ROW_RE.findall(page_path(package).read_text())
+
+
+def test_every_public_package_has_a_page_and_the_index_links_them() -> None:
+    pages = sorted(p.name for p in (ROOT / "docs" / "api").glob("mopd.*.md"))
+    assert pages == sorted(f"{p}.md" for p in PACKAGES)
+    index = (ROOT / "docs" / "api" / "README.md").read_text()
+    for package in PACKAGES:
+        assert f"]({package}.md)" in index, package
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_page_lists_the_packages_all_each_with_a_line(package: str) -> None:
+    module = importlib.import_module(package)
+    rows = page_rows(package)
+    assert [name for name, _, _ in rows] == list(module.__all__) == sorted(module.__all__)
+    for name, kind, line in rows:
+        getattr(module, name)  # every listed name exists
+        assert kind in ("class", "exception", "function", "constant"), (name, kind)
+        assert len(line) > 10, f"{package}.{name} has no description (a docstring or #: comment)"
+    assert f"({len(module.__all__)}, its `__all__`" in page_path(package).read_text()
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_page_is_what_the_docstrings_say(package: str) -> None:
+    assert page_path(package).read_text() == render(package), (
+        f"docs/api/{package}.md is out of date: run python -m tests.support.api_pages"
+    )
+
 
 #: old place -> (name, new place) for every name moved in this release.
 MOVED = [
@@ -35,26 +69,10 @@ MOVED = [
 ]
 
 
-def readme_lists() -> dict[str, tuple[int, list[str]]]:
-    found = {}
-    for module, count, names in LIST_RE.findall(README.read_text()):
-        assert module not in found, f"{module} listed twice"
-        found[module] = (int(count), re.findall(r"`(\w+)`", names))
-    return found
-
-
-def test_readme_lists_every_public_package() -> None:
-    assert sorted(readme_lists()) == sorted(LISTED)
-
-
-@pytest.mark.parametrize("module", LISTED)
-def test_readme_list_is_the_modules_all(module: str) -> None:
-    count, names = readme_lists()[module]
-    public = importlib.import_module(module).__all__
-    assert count == len(names), f"README says {count} names for {module} and lists {len(names)}"
-    assert names == sorted(public) == list(public)
-    for name in public:
-        getattr(importlib.import_module(module), name)  # every listed name exists
+def test_moved_names_are_listed_in_the_reference() -> None:
+    moved = (ROOT / "docs" / "api" / "README.md").read_text().split("## Moved in this release")[1]
+    for old, name, new in MOVED:
+        assert name in moved and old in moved and new in moved, (old, name, new)
 
 
 @pytest.mark.parametrize(("old", "name", "new"), MOVED)

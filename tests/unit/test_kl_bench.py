@@ -10,6 +10,7 @@ that ``--baseline`` pairs an earlier run's errors with this one's.
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,22 @@ def test_quick_run_records_rows_that_agree(tmp_path: Path, capsys: pytest.Captur
     assert (
         out.count("| method | T | H | V | fwd_bwd |") == 1
     )  # a column of times: units in its cells
-    assert out.count("| method | path | kind | V | logit_std |") == 1
+    # the numerics: a line per case as it goes, the worst errors per method, path and kind, and
+    # a summary line; every row in the CSV
+    assert re.findall(r"^  (\d) of 2: V=1000 logit std [\d.]+: measured \(\d+ s\)$", out, re.M) == [
+        "1",
+        "2",
+    ]
+    assert (
+        out.count("| method | path | kind | cases | worst_loss_rel_err | worst_grad_rel_err |") == 1
+    )
+    assert "| method | path | kind | V | logit_std |" not in out
+    summary = re.search(
+        r"^summary over 24 rows, relative error against float64: ours up to (\S+) \(loss\)",
+        out,
+        re.M,
+    )
+    assert summary and float(summary[1]) < 1e-5, out[-2000:]
     speed = tmp_path.glob("kl-cpu-*.csv")
     (speed_csv,) = list(speed)
     rows = _rows(speed_csv)
@@ -87,6 +103,20 @@ def test_peers_compute_the_same_gradients() -> None:
     for g in grads[1:]:
         for a, b in zip(g, grads[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_cpu_run_names_what_it_skips_in_one_line() -> None:
+    numerics = bench_kl._parse(["--part", "numerics"])
+    line = bench_kl.cpu_skips(numerics, cuda=False)
+    assert line == (
+        "mopd bench kl on a CPU: skipped the speed part (it needs CUDA; --quick checks its "
+        "harness on the CPU) and Liger-Kernel in the numerics (a GPU peer)"
+    )
+    quick = bench_kl._parse(["--quick"])  # both parts run: only the GPU peer is left out
+    assert bench_kl.cpu_skips(quick, cuda=False) == (
+        "mopd bench kl on a CPU: skipped Liger-Kernel in the numerics (a GPU peer)"
+    )
+    assert bench_kl.cpu_skips(numerics, cuda=True) is None
 
 
 def test_speed_part_refuses_a_cpu_only_machine() -> None:
