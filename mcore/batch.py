@@ -39,10 +39,10 @@ import torch
 from mopd.bridge.layout import (
     TokenLayout,
     cp_positions,
-    encode_keys,
     megatron_padded_length,
     packed_layout,
     padded_layout,
+    token_keys,
 )
 
 __all__ = [
@@ -303,9 +303,10 @@ def _apply_loss_mask(
     dropped = real & ~mask_R
     if not bool(dropped.any()):
         return layout
-    stride = int(max(int(logits.position_R.max()), int(layout.position_R.max()))) + 1
-    gone = encode_keys(logits.sample_id_R[dropped], logits.position_R[dropped], stride)
-    keys = encode_keys(layout.sample_id_R, layout.position_R, stride)
+    gone, keys = token_keys(
+        [logits.sample_id_R[dropped], layout.sample_id_R],
+        [logits.position_R[dropped], layout.position_R],
+    )
     out = (keys >= 0) & torch.isin(keys, gone)
     minus = torch.full((), -1, dtype=torch.int64)
     return TokenLayout(
