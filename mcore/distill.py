@@ -494,8 +494,12 @@ class Distiller:
                 deferred.append(exc)
                 return None
 
-        student = build(self.student, None)
-        teachers = [build(t, o) for o, t in enumerate(self.teachers)]
+        try:
+            student = build(self.student, None)
+            teachers = [build(t, o) for o, t in enumerate(self.teachers)]
+        except BaseException as exc:  # the others go on to plan: the job's first failure
+            ex.mark_failed(exc)
+            raise
         return samples, student, teachers, deferred[0] if deferred else None
 
     def _check_inputs(

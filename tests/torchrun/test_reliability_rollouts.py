@@ -14,11 +14,16 @@ compared bit for bit). The samples sit on global rank 0 (the holder); the others
   the field's index and value, before any token moves; the bridge stays usable and the next
   step is exact;
 - a rank that raises or stalls inside the rollouts exchange (between the headers' all-gather
-  and the tokens' all-to-all), or never calls the step (it goes on to the job's next
+  and the tokens' all-to-all), raises building its micro-batches from it, or never calls the step (it goes on to the job's next
   collective) -> every other rank's first error is a named bridge error leading with ``global
   rank r failed first (step 0, the rollouts exchange)`` (or where the absent rank is), within
   ``timeout_s`` + 30 s, never a raw transport error; the next step is the library's
   ``BridgeStateError`` (on the absent rank, alone in its exchange: a named timeout).
+
+- on a ``GroupPool()`` without a timeout, a student rank asleep ``4 T`` before its first
+  forward -> every other rank named within ``2 T + 4`` s, before the sleeper wakes: every wait
+  under the Distiller is bounded by its ``timeout_s``, the pipeline groups made before it
+  included.
 
 A rank killed inside the exchange is ``tests/launch/test_reliability_kill.py``.
 """
@@ -32,13 +37,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.distill_job import N_ROLLOUTS, Injected, Job
+from tests.support.distill_job import N_ROLLOUTS, Injected, Job, sleep_at
 from tests.support.megatron_cpu import megatron_world
 from tests.support.reliability import everyone, outcome, own_view
 
 TORCHRUN_NPROC = 4
 TORCHRUN_TIMEOUT = 500
-TORCHRUN_STRICT_P2P = 1  # NCCL's point-to-point rules (tests/support/strict_p2p.py)
+# strict point-to-point mode off: it bounds every wait by its group's current timeout itself
+# (NCCL's behaviour), which would hide gloo's fixed point-to-point timeout that the GroupPool()
+# case checks; the same job's steps run under it in test_reliability_steps.py
 
 T_S = 4.0  # the bridge's and the groups' timeout
 SLACK_S = 30.0  # what a peer may take past the timeout to be named (the census included)
@@ -232,22 +239,24 @@ def test_sample_ids_on_some_ranks_only_name_the_ranks_not_a_placeholder(job: Any
 # --- faults in the rollouts exchange: named on every rank, then the library's state error ------
 
 
-def _in_exchange(monkeypatch: Any, rank: int, fault: Callable[[], None]) -> None:
+def _in_exchange(monkeypatch: Any, rank: int, fault: Callable[[], None], *, after: bool) -> None:
     """Global rank ``rank`` runs ``fault`` inside the rollouts exchange, after the headers'
-    all-gather, before the tokens' all-to-all."""
+    all-gather, before the tokens' all-to-all; or (``after``) once the exchange is done, as it
+    builds its micro-batches from it (before the step's planning)."""
     import torch.distributed as dist
 
-    from mopd.mcore import rollouts
+    from mopd.mcore import distill, rollouts
 
     if dist.get_rank() != rank:
         return
-    send = rollouts._send_tokens
+    module, name = (distill, "rollout_micro_batches") if after else (rollouts, "_send_tokens")
+    inner = getattr(module, name)
 
     def faulty(*args: Any, **kwargs: Any) -> Any:
         fault()
-        return send(*args, **kwargs)
+        return inner(*args, **kwargs)
 
-    monkeypatch.setattr(rollouts, "_send_tokens", faulty)
+    monkeypatch.setattr(module, name, faulty)
 
 
 def _raise() -> None:
@@ -258,14 +267,15 @@ def _stall() -> None:
     time.sleep(T_S + 4.0)
 
 
-@pytest.mark.parametrize("fault", ["raises", "stalls", "never calls"])
+@pytest.mark.parametrize("fault", ["raises", "stalls", "raises after", "never calls"])
 def test_a_fault_in_the_rollouts_exchange_is_named_on_every_rank(
     world: Any, monkeypatch: Any, fault: str
 ) -> None:
     fresh = Job(timeout_s=T_S)  # a fault breaks its groups: a job of its own
     culprit = 3 if fault == "never calls" else 1
     if fault != "never calls":
-        _in_exchange(monkeypatch, culprit, _raise if fault == "raises" else _stall)
+        how = _stall if fault == "stalls" else _raise
+        _in_exchange(monkeypatch, culprit, how, after=fault == "raises after")
     held = fresh.rollouts(SEED)
     if fault == "never calls" and fresh.rank == culprit:
         first = ("skipped", "", 0.0, None)  # it goes on to the next collective of the job
@@ -280,7 +290,7 @@ def test_a_fault_in_the_rollouts_exchange_is_named_on_every_rank(
     for r, s in enumerate(seen):
         kind, msg, elapsed = s["first"]
         if r == culprit:
-            want = {"raises": "Injected", "stalls": None, "never calls": "skipped"}[fault]
+            want = {"stalls": None, "never calls": "skipped"}.get(fault, "Injected")
             assert want is None or kind == want, (r, s)
         else:
             assert kind in NAMED and msg.startswith(lead), (r, s)
@@ -289,9 +299,39 @@ def test_a_fault_in_the_rollouts_exchange_is_named_on_every_rank(
             assert s["next"][0] == "BridgeStateError" and s["next"][2] < 2.0, (r, s)
         else:  # it never saw the failure: its exchange, alone, times out by name
             assert s["next"][0] in NAMED and s["next"][1].startswith(lead), (r, s)
-    if fault == "raises":
+    if fault.startswith("raises"):
         assert seen[2]["first"][1].startswith(lead + "Injected: rank 1 fails inside"), seen[2]
     if fault == "stalls":
         assert "busy outside any collective" in seen[0]["first"][1], seen[0]
     print(fault, [(s["first"][0], round(s["first"][2], 1)) for s in seen])
     fresh.close()
+
+
+# --- every wait bounded: a GroupPool() in the README's topology ---------------------------------
+
+
+def test_a_group_pool_without_a_timeout_bounds_every_wait_in_the_readme_topology(world: Any):
+    """Student rank 3 sleeps ``4 T`` before its first forward, on a pool made without a
+    timeout: every other rank's first error is a named bridge error leading with rank 3 (alive,
+    busy outside any collective) within ``2 T + 4`` s, well before rank 3 wakes, so no wait
+    outlasts the Distiller's timeout: megatron's TP all-reduce, the bridge's waits, and
+    megatron's pipeline sends and receives on the pipeline groups made before the Distiller
+    (gloo keeps a group's point-to-point timeout from its creation, ``GroupPool()``'s 300 s:
+    the CPU patches bound those waits by the group's current timeout)."""
+    t = 3.0  # the Distiller's timeout (the pool has none)
+    job = Job(timeout_s=t, pool_timeout=False, readme=True)
+    assert job.pool.timeout_s == t  # GroupPool() bounded by the Distiller's timeout
+    t0 = time.monotonic()
+    first = outcome(lambda: job.run_rollouts(job.rollouts(1), before=sleep_at(3, 0, 4 * t)))
+    mine = {"first": first[:3], "own": own_view(first), "rank": job.rank}
+    mine["elapsed"] = time.monotonic() - t0
+    seen = everyone(mine)
+    print("first errors:", [(s["first"][0], round(s["elapsed"], 1)) for s in seen])
+    for s in seen:
+        kind, msg, _ = s["first"]
+        assert kind in NAMED, s
+        assert msg.startswith("global rank 3 failed first (step 0, "), s
+        assert "busy outside any collective, in before (" in msg, s
+        if s["rank"] != 3:
+            assert s["elapsed"] <= 2 * t + 4.0, s  # rank 3 sleeps 4 T: nobody waited for it
+    job.close()
