@@ -53,15 +53,16 @@ _COMM_MODULES = (
 #: A rank's places in a step, in the order a step goes through them: phase -> (rank, words).
 _PHASES = {
     "idle": (-1, "before any step"),
-    "plan": (0, "planning"),
-    "planned": (1, "after planning"),
-    "teacher": (2, "the teachers' forward of micro-batch {i}"),
-    "send": (2, "sending micro-batch {i}"),
-    "forward": (3, "the student's forward of micro-batch {i}"),
-    "receive": (3, "receiving micro-batch {i}"),
-    "finish": (4, "finishing"),
-    "done": (5, "done"),
-    "mean_loss": (6, "mean_loss()"),
+    "rollouts": (0, "the rollouts exchange"),
+    "plan": (1, "planning"),
+    "planned": (2, "after planning"),
+    "teacher": (3, "the teachers' forward of micro-batch {i}"),
+    "send": (3, "sending micro-batch {i}"),
+    "forward": (4, "the student's forward of micro-batch {i}"),
+    "receive": (4, "receiving micro-batch {i}"),
+    "finish": (5, "finishing"),
+    "done": (6, "done"),
+    "mean_loss": (7, "mean_loss()"),
 }
 #: Within one micro-batch of a phase: the teacher's forward before its send, the student's
 #: forward before its receive.

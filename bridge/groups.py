@@ -275,7 +275,9 @@ class GroupPool:
     def bound_by(self, timeout_s: float) -> None:
         """A bridge's own ``timeout_s`` for a pool made without one: from now on every group of
         the pool (those made already and later ones) waits at most that long (never longer
-        than before). Local; a pool given ``timeout_s`` is left as it is."""
+        than before). Local; a pool given ``timeout_s`` is left as it is. (gloo keeps an
+        existing group's point-to-point timeout from its creation; megatron's pipeline waits
+        on CPU ranks take the group's new one through :func:`mopd.mcore.cpu.apply`.)"""
         if self.explicit_timeout or not timeout_s < self.timeout_s:
             return
         self.timeout_s = float(timeout_s)

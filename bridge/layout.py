@@ -52,6 +52,7 @@ __all__ = [
     "megatron_padded_length",
     "packed_layout",
     "padded_layout",
+    "token_keys",
 ]
 
 _I64 = torch.int64
@@ -108,10 +109,48 @@ class TokenLayout:
 
 
 def encode_keys(sample_id_R: torch.Tensor, position_R: torch.Tensor, stride: int) -> torch.Tensor:
-    """``[R]`` int64 keys ``sample_id * stride + position``; ``-1`` where the row is padding."""
-    return torch.where(
-        sample_id_R >= 0, sample_id_R * stride + position_R, torch.full_like(sample_id_R, -1)
-    )
+    """``[R]`` int64 keys ``sample_id * stride + position``; ``-1`` where the row is padding.
+
+    Readable keys for small ids (tests, tools). A real row whose key would not fit int64 is a
+    ``ValueError``, never a wrapped key; :func:`token_keys` compares tokens of any sample id.
+    """
+    real = sample_id_R >= 0
+    if bool(real.any()):
+        top = int(sample_id_R[real].max())
+        if top > (2**63 - 1 - max(int(position_R[real].max()), 0)) // max(stride, 1):
+            raise ValueError(
+                f"encode_keys: sample id {top} * stride {stride} + position overflows int64; "
+                "use token_keys"
+            )
+    return torch.where(real, sample_id_R * stride + position_R, torch.full_like(sample_id_R, -1))
+
+
+def token_keys(
+    sample_ids: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Keys of the tokens of several ``[R_k]`` row sets, equal exactly when two rows hold the
+    same ``(sample_id, position)``, for every int64 sample id.
+
+    ``index * stride + position``, where ``index`` is the sample id's place among the distinct
+    ids of all the sets and ``stride`` is one past the largest position (no product of an id:
+    a sample id near ``2**63`` cannot wrap into another's key). ``-1`` where a row is padding
+    (``sample_id < 0``). Returns one ``[R_k]`` int64 tensor per set, on the CPU.
+    """
+    sids = [s.reshape(-1).cpu() for s in sample_ids]
+    pos = [p.reshape(-1).cpu() for p in positions]
+    real = [s >= 0 for s in sids]
+    every = torch.cat([s[m] for s, m in zip(sids, real, strict=True)]) if sids else None
+    if every is None or every.numel() == 0:
+        return [torch.full_like(s, -1) for s in sids]
+    ids = torch.unique(every)  # sorted
+    stride = max(int(p[m].max()) for p, m in zip(pos, real, strict=True) if bool(m.any())) + 1
+    if ids.numel() * stride >= 2**62:
+        raise ValueError(f"{ids.numel()} samples with positions up to {stride} overflow int64 keys")
+    out = []
+    for s, p, m in zip(sids, pos, real, strict=True):
+        index = torch.searchsorted(ids, s.clamp(min=0))
+        out.append(torch.where(m, index * stride + p, torch.full_like(s, -1)))
+    return out
 
 
 def megatron_padded_length(length: int, *, cp_size: int = 1, sp_size: int = 1) -> int:
@@ -338,7 +377,9 @@ def _row_runs(layout: TokenLayout) -> torch.Tensor:
     if row.numel() == 0:
         return torch.empty((0, 5), dtype=_I64)
     s, p = s[row], p[row]
-    order = torch.argsort(s * (int(p.max()) + 1) + p, stable=True)
+    # (sample_id, position) order without a combined key (an id near 2**63 would wrap it)
+    order = torch.argsort(p, stable=True)
+    order = order[torch.argsort(s[order], stable=True)]
     s, p, row = s[order], p[order], row[order]
     n = row.numel()
     d = row[1:] - row[:-1]

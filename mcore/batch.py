@@ -29,35 +29,91 @@ nothing crosses the bridge.
 from __future__ import annotations
 
 import itertools
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from mopd.bridge.layout import (
     TokenLayout,
     cp_positions,
-    encode_keys,
     megatron_padded_length,
     packed_layout,
     padded_layout,
+    token_keys,
 )
 
 __all__ = [
+    "ID_LIMIT",
     "MicroBatch",
     "Rows",
     "micro_batch_layout",
     "packed_micro_batch",
     "padded_micro_batch",
     "row_mask_from_response",
+    "sample_id_problem",
     "split_samples",
 ]
 
 #: Which rows a layout describes: ``"hidden"`` the ``[S, B]`` / THD order of hidden states (the
 #: teacher's capture; a student's SP slice), ``"logits"`` the ``[B, S]`` / THD order of logits.
 Rows = Literal["hidden", "logits"]
+
+
+#: Sample ids lie in ``[0, ID_LIMIT)``: every non-negative int64 (the loss never depends on
+#: their values, only on which rows share one).
+ID_LIMIT = 2**63
+
+
+def _is_int(v: Any) -> bool:
+    """An integer, not a bool: a Python or NumPy integer, or a 0-d integer tensor."""
+    if isinstance(v, torch.Tensor):
+        return (
+            v.dim() == 0
+            and not v.dtype.is_floating_point
+            and not v.dtype.is_complex
+            and v.dtype != torch.bool
+        )
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_)
+
+
+def _shown(v: Any, limit: int = 40) -> str:
+    """``repr(v)`` for a message, cut to ``limit`` characters."""
+    text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def sample_id_problem(sample_ids: Any) -> str | None:
+    """What is wrong with ``sample_ids`` (``None``: nothing), naming the first bad entry: an
+    integer tensor or a sequence of integers (no floats, bools or strings: ``2.5`` is not
+    taken as ``2``), each in ``[0, 2**63)``. Local, never raises."""
+    if isinstance(sample_ids, torch.Tensor):
+        if sample_ids.device.type == "meta":
+            return "sample_ids is a tensor on the meta device (it holds no values)"
+        if (
+            sample_ids.dtype.is_floating_point
+            or sample_ids.dtype.is_complex
+            or (sample_ids.dtype == torch.bool)
+        ):
+            return f"sample_ids is a {sample_ids.dtype} tensor: give integers"
+        values: list[Any] = sample_ids.reshape(-1).tolist()
+    elif isinstance(sample_ids, Sequence) and not isinstance(sample_ids, str | bytes):
+        values = list(sample_ids)
+    else:
+        return f"sample_ids is a {type(sample_ids).__name__}: give a list or tensor of integers"
+    for j, v in enumerate(values):
+        if not _is_int(v):
+            return f"sample_ids[{j}] is {_shown(v)} ({type(v).__name__}): give integers"
+        if not 0 <= int(v) < ID_LIMIT:
+            return (
+                f"sample_ids[{j}] is {_shown(int(v))}, outside [0, 2**63) (a sample id is a "
+                "non-negative int64)"
+            )
+    return None
 
 
 def _ints(x: Any) -> list[int]:
@@ -303,9 +359,10 @@ def _apply_loss_mask(
     dropped = real & ~mask_R
     if not bool(dropped.any()):
         return layout
-    stride = int(max(int(logits.position_R.max()), int(layout.position_R.max()))) + 1
-    gone = encode_keys(logits.sample_id_R[dropped], logits.position_R[dropped], stride)
-    keys = encode_keys(layout.sample_id_R, layout.position_R, stride)
+    gone, keys = token_keys(
+        [logits.sample_id_R[dropped], layout.sample_id_R],
+        [logits.position_R[dropped], layout.position_R],
+    )
     out = (keys >= 0) & torch.isin(keys, gone)
     minus = torch.full((), -1, dtype=torch.int64)
     return TokenLayout(

@@ -23,7 +23,7 @@ from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.capture.unwrap import unwrap_model
 from mopd.common.log import warn_once
-from mopd.mcore.batch import MicroBatch, _ints
+from mopd.mcore.batch import MicroBatch, _ints, sample_id_problem
 from mopd.mcore.lm_head import MEGATRON_VOCAB_MULTIPLE, VOCAB_ATTRIBUTE, looks_padded
 from mopd.mcore.teacher import pipeline_shape
 
@@ -160,12 +160,10 @@ def _check_fields(
     student: bool,
 ) -> None:
     """The structure of one micro-batch (no host sync)."""
-    try:
-        ids = _ints(mb.sample_ids)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: sample_ids must be ints, got {mb.sample_ids!r}") from exc
-    if ids and min(ids) < 0:
-        raise ValueError(f"{where}: sample_ids must be non-negative, got {ids[:8]}")
+    wrong = sample_id_problem(mb.sample_ids)
+    if wrong is not None:
+        raise ValueError(f"{where}: {wrong}")
+    ids = _ints(mb.sample_ids)
     tokens = mb.tokens
     if tokens is None:
         if needs_tokens:

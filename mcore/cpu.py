@@ -23,6 +23,12 @@ What :func:`apply` patches:
   pipeline) schedule refuses, before any communication, PP=2 with ``batch_p2p_comm=True``
   (megatron's default): there the previous and next stage are one rank and gloo swaps its
   activations and gradients silently; ``overlap_p2p_comm=True, batch_p2p_comm=False`` is right;
+- megatron's pipeline sends and receives (``pipeline_parallel.p2p_communication``): their
+  ``wait()`` waits at most the pipeline group's current timeout. gloo fixes a group's
+  point-to-point timeout when the group is made (torch has no call that changes it; a
+  collective's follows ``GroupPool.bound_by``), so a pipeline group made by a ``GroupPool()``
+  before a ``Distiller`` bounded it would otherwise wait the pool's 300 s, not the Distiller's
+  ``timeout_s``, for a stage that stalled or raised;
 - the DDP gradient buffers (``distributed.param_and_grad_buffer``): their
   ``torch.cuda.current_stream()`` (asked unconditionally before a gradient reduction since
   megatron-core 0.19) is a stream that has nothing to wait for;
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import math
 from typing import Any
 
@@ -165,6 +172,7 @@ def apply() -> None:
     tutils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
     _patch_schedules()
+    _patch_p2p()
     _patch_moe()
     _patch_hybrid()
     _APPLIED = True
@@ -237,6 +245,77 @@ def _patch_schedules() -> None:
         return interleaved(**kwargs)
 
     schedules.forward_backward_pipelining_with_interleaving = checked_interleaved
+
+
+def _group_timeout(group: Any) -> datetime.timedelta | None:
+    """``group``'s current timeout on the CPU (what its collectives wait, and what
+    ``GroupPool.bound_by`` sets), or ``None`` where it cannot be read."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # not a gloo group, or another torch
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+class _BoundedWork:
+    """A point-to-point work whose ``wait()`` without a timeout waits at most ``timeout``."""
+
+    def __init__(self, work: Any, timeout: datetime.timedelta | None) -> None:
+        self._work = work
+        self._timeout = timeout
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> Any:
+        timeout = timeout if timeout is not None else self._timeout
+        return self._work.wait() if timeout is None else self._work.wait(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _bounded(works: Any, group: Any) -> Any:
+    """``works`` (a list or a dict of them) with each ``wait()`` bounded by ``group``'s
+    current timeout."""
+    timeout = _group_timeout(group if group is not None else dist.group.WORLD)
+    if isinstance(works, dict):
+        return {k: _BoundedWork(w, timeout) for k, w in works.items()}
+    return [_BoundedWork(w, timeout) for w in works]
+
+
+class _P2PDistributed:
+    """``torch.distributed`` for megatron's p2p module: ``batch_isend_irecv`` returns bounded
+    works (:class:`_BoundedWork`); everything else is ``torch.distributed`` itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def batch_isend_irecv(ops: list[Any]) -> Any:
+        return _bounded(dist.batch_isend_irecv(ops), ops[0].group if ops else None)
+
+
+class _P2PTorch:
+    """``torch`` for megatron's p2p module (its ``distributed`` is :class:`_P2PDistributed`)."""
+
+    distributed = _P2PDistributed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _patch_p2p() -> None:
+    """megatron's pipeline waits bounded by the pipeline group's current timeout: its batched
+    sends and receives (and their shapes') through :class:`_P2PTorch`, its unbatched ones
+    (``batch_p2p_comm=False``, over the pipeline group or, at PP=2, the world) by their
+    caller's group."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    p2p_communication.torch = _P2PTorch()  # type: ignore[attr-defined]
+    unbatched = p2p_communication._p2p_ops
+
+    def bounded_p2p_ops(**kwargs: Any) -> Any:
+        return _bounded(unbatched(**kwargs), kwargs.get("group"))
+
+    p2p_communication._p2p_ops = bounded_p2p_ops
 
 
 def check_interleaved_p2p(model: Any, p2p_communicator: Any, pg_collection: Any) -> None:

@@ -370,7 +370,8 @@ class Distiller:
 
         - ``step(rollouts, num_micro_batches=M)``: the step's on-policy samples, each rank
           passing the :class:`~mopd.mcore.rollouts.Rollouts` it holds (``None`` or empty where
-          it holds none). The library agrees them on every rank, moves their token ids to the
+          it holds none; the exception its sampler or the ``Rollouts`` raised where it could
+          not build them, so that every rank refuses the step alike instead of waiting for it). The library agrees them on every rank, moves their token ids to the
           ranks that use them and builds every model's micro-batches (the student's DP split
           of ``M`` micro-batches with the row mask derived from each response and
           ``labels``; each teacher's split of the samples routed to it; packed or padded as
@@ -387,7 +388,12 @@ class Distiller:
                 (over all teacher shards) holds the samples of student micro-batch ``i``;
                 ``None`` where the rank is outside that teacher's mesh.
         Raises:
-            ValueError: the same on every rank, before anything moves, for bad input.
+            ValueError: the same on every rank, before anything moves, for bad input (in the
+                first form: a malformed or missing ``Rollouts``, ``num_micro_batches`` bad or
+                left out, on any subset of ranks).
+            BridgeTimeoutError, BridgeCommError: a rank failed, stalled or died in the step,
+                named (the rollouts exchange included, as the phase "the rollouts exchange").
+            BridgeStateError: an earlier step failed; at once where this rank saw it.
         """
         try:
             return self._step(
@@ -403,7 +409,7 @@ class Distiller:
             exc.args = (self.link.names(exc.args[0]), *exc.args[1:])
         return exc
 
-    def _announce_step(self, num_micro_batches: int) -> None:
+    def _announce_step(self, num_micro_batches: int | None) -> None:
         """The student's world tells the teacher worlds' servers that step ``k`` starts, with
         ``M`` (from its rank 0; the other worlds wait for it between steps)."""
         link = self.link
@@ -432,16 +438,21 @@ class Distiller:
                 "a Distiller across worlds takes the rollouts form: step(rollouts, "
                 "num_micro_batches=M) (the teacher worlds build their own micro-batches)"
             )
-        if num_micro_batches is not None or rollouts is not None:
-            if student is not None or teachers is not None:
-                raise ValueError(
-                    "Distiller.step takes rollouts and num_micro_batches, or student= and "
-                    "teachers= micro-batches, not both"
-                )
-            if num_micro_batches is None:
-                raise ValueError("Distiller.step(rollouts) needs num_micro_batches=M")
+        deferred: ValueError | None = None
+        micro = student is not None or teachers is not None
+        if not micro or num_micro_batches is not None or rollouts is not None:
+            both = (
+                [
+                    f"global rank {self.rank}: Distiller.step takes rollouts and "
+                    "num_micro_batches, or student= and teachers= micro-batches, not both"
+                ]
+                if micro
+                else []
+            )
             self._announce_step(num_micro_batches)
-            samples, student, teachers = self._from_rollouts(rollouts, num_micro_batches)
+            samples, student, teachers, deferred = self._from_rollouts(
+                rollouts, num_micro_batches, both
+            )
         if teachers is None:
             raise ValueError("Distiller.step needs rollouts or student= and teachers=")
         if len(teachers) != len(self.teachers):
@@ -479,7 +490,7 @@ class Distiller:
         bstep = self.bridge.plan_step(
             teacher_layouts=teacher_layouts or None,
             student_layouts=student_layouts,
-            check=lambda: self._check_inputs(student, teachers),
+            check=lambda: self._check_inputs(student, teachers, deferred),
         )
         step = DistillationStep(self, bstep, student, teachers=teachers, samples=samples)
         t1 = time.perf_counter()
@@ -510,15 +521,28 @@ class Distiller:
         return step
 
     def _from_rollouts(
-        self, rollouts: Rollouts | None, num_micro_batches: int
-    ) -> tuple[StepSamples | None, list[MicroBatch] | None, list[list[MicroBatch] | None]]:
-        """The step's samples and this rank's micro-batches of each model it holds."""
-        if self.rank not in self.groups.members:  # outside every mesh: nothing to build
-            if rollouts is not None and len(rollouts):
+        self, rollouts: Any, num_micro_batches: Any, problems: Sequence[str] = ()
+    ) -> tuple[
+        StepSamples | None,
+        list[MicroBatch] | None,
+        list[list[MicroBatch] | None],
+        ValueError | None,
+    ]:
+        """The step's samples, this rank's micro-batches of each model it holds, and what is
+        wrong with them on this rank only (a ``ValueError`` the planning's guarded phase
+        shares: :meth:`_check_inputs`). ``problems``: this rank's own, shared in the
+        rollouts' verdict."""
+        rank = self.rank
+        if rank not in self.groups.members:  # outside every mesh: nothing to build
+            if isinstance(rollouts, Rollouts) and len(rollouts):
                 raise ValueError(
-                    f"global rank {self.rank} is outside every mesh: it cannot hold rollouts"
+                    f"global rank {rank} is outside every mesh: it cannot hold rollouts"
                 )
-            return None, None, [None] * len(self.teachers)
+            return None, None, [None] * len(self.teachers), None
+        ex = self.bridge.executor
+        if ex.failure_hard:  # the transport may be out of step: refuse locally
+            ex.check_usable()
+        ex.at(self.bridge.steps, "rollouts")
         samples = exchange_rollouts(
             rollouts,
             num_micro_batches=num_micro_batches,
@@ -527,40 +551,54 @@ class Distiller:
             group=self.groups.metadata_group,
             vocab_size=self.vocab_size,
             timeout_s=self.bridge_config.timeout_s,
+            executor=ex,
+            problems=problems,
         )
         device = cdist.group_device(self.groups.bridge)
+        deferred: list[ValueError] = []
 
         def build(mm: MeshModel, teacher: int | None) -> list[MicroBatch] | None:
-            if mm.model is None or not mm.holds(self.rank):
+            if mm.model is None or not mm.holds(rank):
                 return None
             config = model_config(mm.model)
-            return rollout_micro_batches(
-                samples,
-                mesh=mm.mesh,
-                teacher=teacher,
-                packed=mm.packed,
-                sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
-                device=device,
-                max_sequence_length=_max_positions(mm.model),
-                rank=self.rank,
-            )
+            try:
+                return rollout_micro_batches(
+                    samples,
+                    mesh=mm.mesh,
+                    teacher=teacher,
+                    packed=mm.packed,
+                    sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                    device=device,
+                    max_sequence_length=_max_positions(mm.model),
+                    rank=rank,
+                )
+            except ValueError as exc:  # this rank's model only: shared at planning
+                deferred.append(exc)
+                return None
 
-        return (
-            samples,
-            build(self.student, None),
-            [build(t, o) for o, t in enumerate(self.teachers)],
-        )
+        try:
+            student = build(self.student, None)
+            teachers = [build(t, o) for o, t in enumerate(self.teachers)]
+        except BaseException as exc:  # the others go on to plan: the job's first failure
+            ex.mark_failed(exc)
+            raise
+        return samples, student, teachers, deferred[0] if deferred else None
 
     def _check_inputs(
         self,
         student: Sequence[MicroBatch] | None,
         teachers: Sequence[Sequence[MicroBatch] | None],
+        deferred: ValueError | None = None,
     ) -> StepChecks:
         """This rank's checks of a step's micro-batches (run inside the bridge's guarded phase,
         so a problem is the same ``ValueError`` on every rank): each model it holds has its
         micro-batches, and every field its schedule reads fits them
         (:func:`~mopd.mcore.checks.check_micro_batches`); returns the counts (a mapping) and
-        the shapes each model replica's ranks must give alike, which the bridge compares."""
+        the shapes each model replica's ranks must give alike, which the bridge compares.
+        ``deferred``: what building this rank's micro-batches from rollouts found, raised
+        first."""
+        if deferred is not None:
+            raise deferred
         counts: dict[str, int] = {}
         agreements = []
         for what, mm, mbs in [

@@ -31,6 +31,7 @@ from mopd.common import dist as cdist
 __all__ = [
     "MEGATRON_VOCAB_MULTIPLE",
     "VOCAB_ATTRIBUTE",
+    "head_shard_problem",
     "lm_head_from_models",
     "looks_padded",
     "model_vocab_size",
@@ -107,9 +108,10 @@ def resolve_vocab_size(
     return sizes.pop(), False
 
 
-def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
-    """``(output weight shard, vocab_size attribute)`` of a (wrapped) GPTModel or HybridModel on
-    its last stage (both are megatron ``LanguageModule``s: ``output_layer``, ``vocab_size``)."""
+def _head_of(model: Any) -> tuple[torch.Tensor, int, Any, torch.Tensor] | None:
+    """``(output weight shard detached, vocab_size attribute, output layer, the weight as the
+    model holds it)`` of a (wrapped) GPTModel or HybridModel on its last stage (both are
+    megatron ``LanguageModule``s: ``output_layer``, ``vocab_size``)."""
     layer = find_output_layer(model)
     if layer is None:
         return None
@@ -117,7 +119,41 @@ def _head_of(model: Any) -> tuple[torch.Tensor, int] | None:
     inner: Any = _inner(model)
     if weight is None:  # tied embeddings: the last stage's copy of the word embeddings
         weight = inner.shared_embedding_or_output_weight()
-    return weight.detach(), model_vocab_size(model)
+    return weight.detach(), model_vocab_size(model), layer, weight
+
+
+def head_shard_problem(
+    layer: Any, weight: torch.Tensor, *, vocab: int, tp: int, what: str
+) -> str | None:
+    """Why ``weight`` is not this rank's whole TP shard of a model's LM head (``None``: it is).
+
+    Megatron's output layer holds ``vocab / tp`` rows per TP rank (``vocab``: the model's
+    ``vocab_size`` attribute, its padded vocabulary). megatron-core's generalized tensor
+    parallelism (GTP, 0.19+) can shard it further, over a ``gtp_remat`` group (the layer's
+    ``gtp_remat_size``, a ``GTPShardedParam`` weight): each rank then holds a slice of its TP
+    shard (padded), which the LM-head reshard would read as the whole shard, a partial head.
+    Such a model is refused by name: a GTP marker on the layer or the weight, or fewer rows
+    than the TP shard has. Local, never raises.
+    """
+    rows = int(weight.shape[0]) if weight.dim() == 2 else -1
+    want = vocab // tp if tp > 0 and vocab % tp == 0 else -1
+    remat = getattr(layer, "gtp_remat_size", None)
+    marked = (
+        (isinstance(remat, int) and not isinstance(remat, bool) and remat > 1)
+        or "GTP" in type(weight).__name__
+        or bool(getattr(weight, "is_gtp_weight_remat", False))
+    )
+    if not marked and (want < 0 or rows >= want):
+        return None
+    how = f"gtp_remat_size={remat}" if isinstance(remat, int) and remat > 1 else "GTP"
+    return (
+        f"{what}: its output_layer.weight holds {rows} rows ({tuple(weight.shape)}, a "
+        f"{type(weight).__name__}) where its TP shard has {want} (vocab_size {vocab} / tp {tp}): "
+        f"megatron-core's generalized tensor parallelism ({how}) shards the LM head below the "
+        "TP shard, and the LM-head reshard reads whole TP shards (it would read a partial "
+        "head); build this model's output layer without GTP (its "
+        "tensor_parallel_num_weight_shards equal to its tensor_model_parallel_size)"
+    )
 
 
 def lm_head_from_models(
@@ -147,7 +183,9 @@ def lm_head_from_models(
             :func:`resolve_vocab_size`).
     Raises:
         ValueError: the same on every rank, for sizes that do not fit (see
-            :func:`resolve_vocab_size`, :class:`~mopd.bridge.lm_head.VocabSpec`).
+            :func:`resolve_vocab_size`, :class:`~mopd.bridge.lm_head.VocabSpec`), and for a
+            model whose output layer is sharded below its TP shard (megatron-core's GTP:
+            :func:`head_shard_problem`), before any row moves.
     """
     rank = groups.rank
     meta = groups.metadata_group
@@ -161,6 +199,13 @@ def lm_head_from_models(
         if student_model is not None and student.is_last_stage(rank)
         else None
     )
+    problems = []
+    for what, head, mesh in (("the teacher", t_head, teacher), ("the student", s_head, student)):
+        if head is not None:
+            found = head_shard_problem(head[2], head[3], vocab=head[1], tp=mesh.tp, what=what)
+            if found is not None:
+                problems.append(f"global rank {rank}: {found}")
+    cdist.same_verdict(problems, group=meta, timeout_s=timeout_s, what="the LM head")
     # teacher vocab attribute, teacher padded, student padded, teacher H, student vocab attribute
     known = torch.full((5,), -1, dtype=torch.int64)
     if t_head is not None:

@@ -22,56 +22,145 @@ columns all padding), so a pipelined model runs them without ``variable_seq_leng
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from mopd.bridge.errors import BridgeError
 from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.layout import megatron_padded_length
 from mopd.bridge.mesh import Mesh
 from mopd.common import dist as cdist
-from mopd.mcore.batch import MicroBatch, packed_micro_batch, padded_micro_batch, split_samples
+from mopd.mcore.batch import (
+    MicroBatch,
+    _is_int,
+    _shown,
+    packed_micro_batch,
+    padded_micro_batch,
+    sample_id_problem,
+    split_samples,
+)
+
+if TYPE_CHECKING:
+    from mopd.bridge.executor import Executor
 
 __all__ = [
     "Rollouts",
     "StepSamples",
     "exchange_rollouts",
     "rollout_micro_batches",
+    "rollouts_problems",
     "step_assignment",
 ]
+
+_T = TypeVar("_T")
 
 #: Header columns per sample: sample id (-1: numbered by the library), teacher, prompt length,
 #: response length, the advantage's float64 bits.
 _HEADER = 5
+#: Values a message shows of a field at most.
+_SHOWN = 8
 
 
-def _as_list(x: Any) -> list[Any]:
+def _entries(x: Any) -> list[Any]:
+    """The entries of a per-sample field, as given: a tensor's elements (``.tolist()``; it is
+    on a real device, checked first), else the sequence's items."""
     if isinstance(x, torch.Tensor):
         return x.reshape(-1).tolist()
     return list(x)
+
+
+def _copy(x: Any) -> Any:
+    """A per-sample field as the :class:`Rollouts` keeps it: a tensor cloned, a sequence as a
+    tuple (so the caller's later changes to its own list or tensor do not reach the step);
+    anything else as it is (refused by :meth:`Rollouts.problems`)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, list | tuple):
+        return tuple(x)
+    return x
+
+
+def _kind(v: Any) -> str:
+    """How a message names a value's type: ``float``, ``bool``, ``torch.float32`` (an element of
+    a tensor, or a 0-d tensor), ``str``."""
+    if isinstance(v, torch.Tensor):
+        return str(v.dtype)
+    return type(v).__name__
+
+
+def _is_real(v: Any) -> bool:
+    """A real number, not a bool: an int or a float (Python, NumPy), or a 0-d real tensor."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not v.dtype.is_complex and v.dtype != torch.bool
+    return isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)
+
+
+def _field_problems(
+    name: str, value: Any, n: int, *, element: str, ok: Callable[[Any], bool]
+) -> tuple[list[str], list[Any] | None]:
+    """``(problems, entries)`` of a per-sample field (``None``: not given): one entry per sample,
+    each passing ``ok`` (``element`` names what they must be); ``entries`` is ``None`` when the
+    field cannot be read. Never raises."""
+    if value is None:
+        return [], None
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return [f"{name} is a tensor on the meta device (it holds no values)"], None
+        if (
+            value.dtype == torch.bool
+            or value.dtype.is_complex
+            or (element == "an integer" and value.dtype.is_floating_point)
+        ):
+            return [f"{name} is a {value.dtype} tensor: give {element} per sample"], None
+    elif not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        return [
+            f"{name} is a {type(value).__name__}: give {element} per sample (a list or a tensor)"
+        ], None
+    try:
+        entries = _entries(value)
+    except Exception as exc:  # an object that claims to be a sequence but is not
+        return [f"{name} cannot be read ({type(exc).__name__}: {exc})"], None
+    if len(entries) != n:
+        return [f"{n} prompts but {len(entries)} {name} (one per sample)"], None
+    for j, v in enumerate(entries):
+        if not ok(v):
+            return [f"{name}[{j}] is {_shown(v)} ({_kind(v)}): give {element} per sample"], None
+    return [], entries
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Rollouts:
     """The on-policy samples of one step that this rank holds (possibly none).
 
+    Building one never raises: what is wrong with it (:meth:`problems`) is refused by
+    :meth:`~mopd.mcore.Distiller.step` as the same ``ValueError`` on every rank, before any
+    token moves. The lists are copied and tensors of the per-sample fields cloned at
+    construction (changing the caller's list or tensor afterwards does not change the
+    rollouts); the token tensors are read at the step.
+
     Attributes:
         prompts: one ``[P_j]`` integer tensor of token ids per sample (``P_j >= 1``).
         responses: one ``[R_j]`` integer tensor per sample: the tokens the student sampled after
             its prompt. Token-aligned: logit row ``p`` of the sequence ``prompt + response``
             counts exactly when token ``p + 1`` is a response token (the rows
-            ``P_j - 1 .. P_j + R_j - 2``).
-        teachers: the teacher each sample is routed to (its index in ``Distiller(teachers=)``),
-            one per sample; ``None``: teacher 0.
-        advantages: one float per sample (e.g. a group-normalized reward), handed to the loss
-            per token as :attr:`~mopd.mcore.loss.TeacherSignal.advantage_T`; ``None``: none.
-        sample_ids: one distinct non-negative id per sample over the whole step; ``None`` (on
-            every rank): the library numbers the step's samples ``0 .. N-1`` in order (global
-            rank, then this list).
+            ``P_j - 1 .. P_j + R_j - 2``). Every token tensor of one ``Rollouts`` on one device.
+        teachers: the teacher each sample is routed to (its index in ``Distiller(teachers=)``):
+            integers (not bools or floats), one per sample; ``None``: teacher 0.
+        advantages: one finite real number per sample (e.g. a group-normalized reward; not a
+            bool), handed to the loss per token as
+            :attr:`~mopd.mcore.loss.TeacherSignal.advantage_T`; ``None``: none.
+        sample_ids: one distinct integer id per sample over the whole step, any of
+            ``0 <= id < 2**63`` (every non-negative int64; the loss does not depend on their
+            values); ``None`` (on every rank): the library numbers the step's samples
+            ``0 .. N-1`` in order (global rank, then this list).
     """
 
     prompts: Sequence[torch.Tensor]
@@ -81,33 +170,52 @@ class Rollouts:
     sample_ids: Sequence[int] | torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.prompts)
-        for name in ("responses", "teachers", "advantages", "sample_ids"):
-            value = getattr(self, name)
-            if value is not None and len(_as_list(value)) != n:
-                raise ValueError(
-                    f"Rollouts: {n} prompts but {len(_as_list(value))} {name} (one per sample)"
-                )
+        for name in ("prompts", "responses", "teachers", "advantages", "sample_ids"):
+            object.__setattr__(self, name, _copy(getattr(self, name)))
 
     def __len__(self) -> int:
-        return len(self.prompts)
+        p = self.prompts
+        return len(p) if isinstance(p, Sequence) and not isinstance(p, str | bytes) else 0
 
     def problems(self, *, vocab_size: int, num_teachers: int) -> list[str]:
-        """What is wrong with these rollouts (``[]``: nothing), checked locally; one host sync
-        for the token range of all of them."""
+        """What is wrong with these rollouts (``[]``: nothing), checked locally; never raises.
+        Each problem names the field, the sample's index and the value. One host sync for the
+        token range of all of them."""
+        seqs: dict[str, Any] = {"prompts": self.prompts, "responses": self.responses}
+        for what, value in seqs.items():
+            if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+                return [
+                    f"{what} is a {type(value).__name__}: give one 1-D tensor of token ids per "
+                    "sample (a list)"
+                ]
+        n = len(self.prompts)
+        if len(self.responses) != n:
+            return [f"{n} prompts but {len(self.responses)} responses (one per sample)"]
         out: list[str] = []
         ranged: list[tuple[str, int, torch.Tensor]] = []
-        for what, seqs in (("prompt", self.prompts), ("response", self.responses)):
-            for j, t in enumerate(seqs):
+        devices: dict[str, str] = {}
+        for what, group in seqs.items():
+            one = what[:-1]
+            for j, t in enumerate(group):
                 if not isinstance(t, torch.Tensor) or t.dim() != 1:
                     shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    out.append(f"{what} {j} must be a 1-D tensor of token ids, got {shape}")
+                    out.append(f"{one} {j} must be a 1-D tensor of token ids, got {shape}")
                 elif t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-                    out.append(f"{what} {j} must hold integer token ids, got {t.dtype}")
-                elif what == "prompt" and t.numel() == 0:
+                    out.append(f"{one} {j} must hold integer token ids, got {t.dtype}")
+                elif t.device.type == "meta":
+                    out.append(f"{one} {j} is on the meta device (it holds no token ids)")
+                elif what == "prompts" and t.numel() == 0:
                     out.append(f"prompt {j} is empty (a sample needs at least one prompt token)")
-                elif t.numel():
-                    ranged.append((what, j, t))
+                else:
+                    devices.setdefault(str(t.device), f"{one} {j}")
+                    if t.numel():
+                        ranged.append((one, j, t))
+        if len(devices) > 1:
+            out.append(
+                "token tensors on several devices ("
+                + ", ".join(f"{w} on {d}" for d, w in devices.items())
+                + "): put every prompt and response of a rank on one device"
+            )
         if ranged and not out:
             ends = torch.stack(
                 [torch.stack([t.min(), t.max()]).to(torch.int64) for _, _, t in ranged]
@@ -119,38 +227,67 @@ class Rollouts:
                         f"[0, {vocab_size})"
                     )
                     break
-        if self.teachers is not None:
-            bad = [k for k in _as_list(self.teachers) if not 0 <= int(k) < num_teachers]
-            if bad:
-                out.append(f"teachers {bad[:4]} outside [0, {num_teachers})")
-        if self.advantages is not None:
-            values = [float(a) for a in _as_list(self.advantages)]
-            if not all(math.isfinite(a) for a in values):
-                out.append(f"advantages must be finite, got {values[:4]}")
-        if self.sample_ids is not None:
-            ids = [int(s) for s in _as_list(self.sample_ids)]
-            if any(s < 0 for s in ids) or len(set(ids)) != len(ids):
-                out.append(f"sample_ids must be distinct and non-negative, got {ids[:8]}")
+        bad, teachers = _field_problems(
+            "teachers", self.teachers, n, element="an integer", ok=_is_int
+        )
+        out += bad
+        for j, k in enumerate(teachers or ()):
+            if not 0 <= int(k) < num_teachers:
+                out.append(
+                    f"teachers[{j}] is {int(k)}, outside [0, {num_teachers}) (the index of "
+                    "a teacher in Distiller(teachers=))"
+                )
+                break
+        bad, advantages = _field_problems(
+            "advantages", self.advantages, n, element="a real number", ok=_is_real
+        )
+        out += bad
+        for j, a in enumerate(advantages or ()):
+            try:
+                finite = math.isfinite(float(a))
+            except OverflowError:  # an int past float64
+                finite = False
+            if not finite:
+                out.append(f"advantages[{j}] is {_shown(a)}: advantages must be finite")
+                break
+        bad, ids = _field_problems(
+            "sample_ids", self.sample_ids, n, element="an integer", ok=_is_int
+        )
+        out += bad
+        wrong = sample_id_problem(self.sample_ids) if ids is not None else None
+        if wrong is not None:
+            out.append(wrong)
+        elif ids is not None:
+            values = [int(s) for s in ids]
+            seen: dict[int, int] = {}
+            for j, s in enumerate(values):
+                if s in seen:
+                    out.append(
+                        f"sample_ids[{seen[s]}] and sample_ids[{j}] are both {s} (one id per "
+                        "sample)"
+                    )
+                    break
+                seen[s] = j
         return out
 
     def _headers(self) -> torch.Tensor:
-        """``[n, 5]`` int64 (see ``_HEADER``)."""
+        """``[n, 5]`` int64 (see ``_HEADER``); for rollouts without :meth:`problems`."""
         n = len(self)
         h = torch.full((n, _HEADER), -1, dtype=torch.int64)
         if not n:
             return h
         if self.sample_ids is not None:
-            h[:, 0] = torch.as_tensor([int(s) for s in _as_list(self.sample_ids)])
+            h[:, 0] = torch.as_tensor([int(s) for s in _entries(self.sample_ids)])
         h[:, 1] = (
             0
             if self.teachers is None
-            else torch.as_tensor([int(k) for k in _as_list(self.teachers)])
+            else torch.as_tensor([int(k) for k in _entries(self.teachers)])
         )
         h[:, 2] = torch.as_tensor([int(t.numel()) for t in self.prompts])
         h[:, 3] = torch.as_tensor([int(t.numel()) for t in self.responses])
         if self.advantages is not None:
             adv = torch.as_tensor(
-                [float(a) for a in _as_list(self.advantages)], dtype=torch.float64
+                [float(a) for a in _entries(self.advantages)], dtype=torch.float64
             )
             h[:, 4] = adv.view(torch.int64)
         return h
@@ -235,15 +372,62 @@ def _users(
     return users
 
 
-def exchange_rollouts(
-    rollouts: Rollouts | None,
+def rollouts_problems(
+    rollouts: Any,
+    num_micro_batches: Any,
     *,
-    num_micro_batches: int,
+    rank: int,
+    vocab_size: int,
+    num_teachers: int,
+) -> list[str]:
+    """What this rank gives the step that is wrong (``[]``: nothing); local, never raises.
+
+    ``rollouts``: a :class:`Rollouts`, ``None`` (this rank holds nothing), or the exception a
+    rank got building its rollouts (passed on, so every rank refuses the step alike);
+    ``num_micro_batches``: ``M``, a positive int (``None``: not given)."""
+    out: list[str] = []
+    if num_micro_batches is None:
+        out.append(
+            f"global rank {rank}: num_micro_batches is missing: "
+            "Distiller.step(rollouts, num_micro_batches=M) on every rank"
+        )
+    elif isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
+        out.append(
+            f"global rank {rank}: num_micro_batches must be an int, got "
+            f"{num_micro_batches!r} ({type(num_micro_batches).__name__})"
+        )
+    elif num_micro_batches < 1:
+        out.append(f"global rank {rank}: num_micro_batches must be >= 1, got {num_micro_batches}")
+    if isinstance(rollouts, BaseException):
+        out.append(
+            f"global rank {rank} could not build its rollouts: "
+            f"{type(rollouts).__name__}: {rollouts}"
+        )
+    elif rollouts is not None and not isinstance(rollouts, Rollouts):
+        out.append(
+            f"global rank {rank} passed a {type(rollouts).__name__}, not a Rollouts (or None, "
+            "or the exception that building them raised)"
+        )
+    elif rollouts is not None:
+        try:
+            found = rollouts.problems(vocab_size=vocab_size, num_teachers=num_teachers)
+        except Exception as exc:  # a check that should not raise: still a verdict, not a hang
+            found = [f"checking them raised {type(exc).__name__}: {exc}"]
+        out += [f"global rank {rank}: Rollouts: {p}" for p in found]
+    return out
+
+
+def exchange_rollouts(
+    rollouts: Rollouts | BaseException | None,
+    *,
+    num_micro_batches: int | None,
     student: Mesh,
     teachers: Sequence[Mesh],
     group: dist.ProcessGroup | None,
     vocab_size: int,
     timeout_s: float,
+    executor: Executor | None = None,
+    problems: Sequence[str] = (),
 ) -> StepSamples:
     """Agree one step's samples on every rank and send each sample's tokens where they are used.
 
@@ -252,35 +436,100 @@ def exchange_rollouts(
     and one all-to-all of the token ids (each rank receives only the samples its models use).
 
     Args:
-        rollouts: what this rank holds (``None``: nothing).
+        rollouts: what this rank holds (``None``: nothing; an exception: building them failed,
+            see :func:`rollouts_problems`).
         num_micro_batches: ``M``, the step's micro-batch count (every model's).
         student, teachers: the meshes (``teachers[k]`` serves the samples routed to ``k``).
         group: the process group over every rank of every mesh.
         vocab_size: the real vocabulary (token ids must lie in ``[0, vocab_size)``).
         timeout_s: the deadline of each collective.
+        executor: the bridge's executor: each collective runs under its failure board (a
+            failed or late peer is a named :class:`~mopd.bridge.errors.BridgeTimeoutError` /
+            :class:`~mopd.bridge.errors.BridgeCommError` in the phase "the rollouts exchange",
+            and the bridge refuses from then on), and an error of this rank past the verdict
+            is published as the job's first failure. ``None``: raw errors.
+        problems: more of this rank's problems, found by the caller (shared in the verdict).
     Raises:
         ValueError: the same on every rank of ``group``, before any token moves: malformed
-            rollouts on any rank, sample ids given on some ranks only or given twice, advantages
-            on some ranks only, fewer samples than ``M``.
+            rollouts (or not a :class:`Rollouts`, or the exception building them raised) or a
+            bad ``num_micro_batches`` on any rank, sample ids given on some ranks only or given
+            twice, advantages on some ranks only, fewer samples than ``M``.
     """
     rank = cdist.rank_in(group)
-    rollouts = rollouts if rollouts is not None else Rollouts(prompts=[], responses=[])
-    problems: list[str] = []
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
-        problems.append(f"num_micro_batches must be an int, got {num_micro_batches!r}")
-    elif num_micro_batches < 1:
-        problems.append(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-    problems += [
-        f"global rank {rank}: Rollouts: {p}"
-        for p in rollouts.problems(vocab_size=vocab_size, num_teachers=len(teachers))
-    ]
-    cdist.same_verdict(problems, group=group, timeout_s=timeout_s, what="rollouts")
     members = cdist.group_ranks(group) if group is not None else [rank]
+    mine = rollouts_problems(
+        rollouts, num_micro_batches, rank=rank, vocab_size=vocab_size, num_teachers=len(teachers)
+    )
+    problems = [*problems, *mine]
+
+    def timed(fn: Callable[[], _T], detail: str) -> _T:
+        if executor is None:
+            return fn()
+        return executor.timed(fn, f"the rollouts exchange ({detail}) over global ranks {members}")
+
+    def verdict() -> ValueError | None:
+        try:
+            cdist.same_verdict(problems, group=group, timeout_s=timeout_s, what="rollouts")
+        except ValueError as exc:
+            return exc
+        return None
+
+    refused = timed(verdict, "its verdict")
+    if refused is not None:
+        raise refused  # the same on every rank
+    assert isinstance(rollouts, Rollouts | None) and isinstance(num_micro_batches, int)
+    held = rollouts if rollouts is not None else Rollouts(prompts=[], responses=[])
+    tokens: dict[int, torch.Tensor] = {}
+    try:
+        samples, owner_N, problems = _agree_headers(
+            held, num_micro_batches, group=group, members=members, timeout_s=timeout_s, timed=timed
+        )
+        if not problems:
+            meshes: list[tuple[Mesh, int | None]] = [(student, None)]
+            meshes += [(t, k) for k, t in enumerate(teachers)]
+            tokens = _send_tokens(
+                held,
+                owner_N=owner_N,
+                length_N=samples.length_N,
+                users=_users(samples.teacher_N, num_micro_batches, meshes),
+                members=members,
+                group=group,
+                timeout_s=timeout_s,
+                timed=timed,
+            )
+    except BridgeError:
+        raise  # named by ``timed`` (the bridge refuses from now on)
+    except BaseException as exc:  # this rank's own failure past the verdict: the job's first
+        if executor is not None:
+            executor.mark_failed(exc)
+        raise
+    if problems:  # from the headers every rank holds: the same on every rank
+        raise ValueError("rollouts rejected: " + "; ".join(problems))
+    return dataclasses.replace(samples, tokens=tokens)
+
+
+def _agree_headers(
+    rollouts: Rollouts,
+    num_micro_batches: int,
+    *,
+    group: dist.ProcessGroup | None,
+    members: Sequence[int],
+    timeout_s: float,
+    timed: Callable[[Callable[[], Any], str], Any],
+) -> tuple[StepSamples, torch.Tensor, list[str]]:
+    """Every rank's headers (two all-gathers) and what they agree: ``(the step's samples
+    without tokens, [N] the group rank holding each sample, the verdict's problems)``, the
+    same on every rank."""
     world = len(members)
     mine = rollouts._headers()
     counts = torch.zeros(world, dtype=torch.int64)
     if world > 1:
-        all_gather_flat(counts, torch.tensor([len(rollouts)]), group=group, timeout_s=timeout_s)
+        timed(
+            lambda: all_gather_flat(
+                counts, torch.tensor([len(rollouts)]), group=group, timeout_s=timeout_s
+            ),
+            "the counts' all-gather",
+        )
     else:
         counts[0] = len(rollouts)
     width = max(int(counts.max()), 1)
@@ -288,18 +537,21 @@ def exchange_rollouts(
     block[: len(rollouts)] = mine
     every = torch.empty(world * width, _HEADER, dtype=torch.int64)
     if world > 1:
-        all_gather_flat(every, block, group=group, timeout_s=timeout_s)
+        timed(
+            lambda: all_gather_flat(every, block, group=group, timeout_s=timeout_s),
+            "the headers' all-gather",
+        )
     else:
         every.copy_(block)
     rows = [every[r * width : r * width + int(counts[r])] for r in range(world)]
     h = torch.cat(rows) if rows else torch.empty(0, _HEADER, dtype=torch.int64)
-    # from here on every rank holds the same headers: the same verdict, without collectives
     n = int(h.shape[0])
     owner_N = torch.cat([torch.full((int(counts[r]),), r, dtype=torch.int64) for r in range(world)])
     given_ids = [bool(int(counts[r])) and bool((rows[r][:, 0] >= 0).all()) for r in range(world)]
     with_samples = [r for r in range(world) if int(counts[r])]
     verdict: list[str] = []
-    if with_samples and len({given_ids[r] for r in with_samples}) > 1:
+    mixed_ids = len({given_ids[r] for r in with_samples}) > 1
+    if mixed_ids:
         verdict.append(
             "sample_ids are given on global ranks "
             f"{[members[r] for r in with_samples if given_ids[r]]} but not on "
@@ -314,42 +566,31 @@ def exchange_rollouts(
             f" but not on {[members[r] for r in with_samples if not has_adv[r]]}: give them "
             "everywhere or nowhere"
         )
-    ids = h[:, 0] if with_samples and given_ids[with_samples[0]] else torch.arange(n)
-    if n and int(torch.unique(ids).numel()) != n:
+    given = bool(with_samples) and given_ids[with_samples[0]] and not mixed_ids
+    ids = h[:, 0] if given else torch.arange(n)
+    if given and int(torch.unique(ids).numel()) != n:  # library-numbered ids are distinct
         uniq, count = torch.unique(ids, return_counts=True)
-        twice = uniq[count > 1][:4].tolist()
-        verdict.append(f"sample ids {twice} are given more than once in the step")
-    if isinstance(num_micro_batches, int) and n < num_micro_batches:
+        twice = uniq[count > 1][:4]
+        by = sorted({members[int(r)] for r in owner_N[torch.isin(ids, twice)].tolist()})
+        verdict.append(
+            f"sample ids {twice.tolist()} are given more than once in the step (by global "
+            f"ranks {by})"
+        )
+    if n < num_micro_batches:
         verdict.append(
             f"the step has {n} samples for {num_micro_batches} micro-batches: every "
             "micro-batch needs at least one sample"
         )
-    if verdict:
-        raise ValueError("rollouts rejected: " + "; ".join(verdict))
-    advantage_N = adv_bits.view(torch.float64).clone() if any(has_adv) else None
-    teacher_N = h[:, 1].clone()
-    length_N = h[:, 2] + h[:, 3]
-    meshes: list[tuple[Mesh, int | None]] = [(student, None)]
-    meshes += [(t, k) for k, t in enumerate(teachers)]
-    users = _users(teacher_N, num_micro_batches, meshes)
-    tokens = _send_tokens(
-        rollouts,
-        owner_N=owner_N,
-        length_N=length_N,
-        users=users,
-        members=members,
-        group=group,
-        timeout_s=timeout_s,
-    )
-    return StepSamples(
+    samples = StepSamples(
         sample_id_N=ids.clone(),
-        teacher_N=teacher_N,
+        teacher_N=h[:, 1].clone(),
         prompt_len_N=h[:, 2].clone(),
-        length_N=length_N,
-        advantage_N=advantage_N,
-        tokens=tokens,
+        length_N=h[:, 2] + h[:, 3],
+        advantage_N=adv_bits.view(torch.float64).clone() if any(has_adv) else None,
+        tokens={},
         num_micro_batches=num_micro_batches,
     )
+    return samples, owner_N, verdict
 
 
 def _send_tokens(
@@ -361,6 +602,7 @@ def _send_tokens(
     members: Sequence[int],
     group: dist.ProcessGroup | None,
     timeout_s: float,
+    timed: Callable[[Callable[[], Any], str], Any],
 ) -> dict[int, torch.Tensor]:
     """The all-to-all of token ids: each sample from the rank holding it to the ranks using
     it, int32, in sample order per pair. Returns this rank's ``sample index -> [L_j]`` int64."""
@@ -396,15 +638,19 @@ def _send_tokens(
     )
     flat_recv = torch.empty(sum(recv_counts), dtype=torch.int32)
     if len(members) > 1:
-        work = dist.all_to_all_single(
-            flat_recv,
-            flat_send,
-            output_split_sizes=recv_counts,
-            input_split_sizes=send_counts,
-            group=group,
-            async_op=True,
-        )
-        cdist.wait(work, device=flat_recv.device, timeout_s=timeout_s)
+
+        def all_to_all() -> None:
+            work = dist.all_to_all_single(
+                flat_recv,
+                flat_send,
+                output_split_sizes=recv_counts,
+                input_split_sizes=send_counts,
+                group=group,
+                async_op=True,
+            )
+            cdist.wait(work, device=flat_recv.device, timeout_s=timeout_s)
+
+        timed(all_to_all, "the tokens' all-to-all")
     else:
         flat_recv.copy_(flat_send)
     # received: per source rank, its samples in sample order

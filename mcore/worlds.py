@@ -120,7 +120,7 @@ class TeacherServer:
         )
         if key.endswith("/close"):
             return False
-        num_micro_batches = int(json.loads(value)["num_micro_batches"])
+        num_micro_batches = json.loads(value)["num_micro_batches"]  # as the student passed it
         with self.distiller.step(None, num_micro_batches=num_micro_batches):
             pass  # the teachers' pass ran inside step(); leaving finishes its sends
         self.steps += 1

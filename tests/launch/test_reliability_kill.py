@@ -1,16 +1,19 @@
-"""Tier 2 (launch): a rank SIGKILLed inside megatron's schedule is named, alone, on every survivor.
+"""Tier 2 (launch): a rank SIGKILLed inside megatron's schedule, or inside the rollouts exchange,
+is named, alone, on every survivor, whose next step is the library's ``BridgeStateError``.
 
 Why its own launch: the killed process takes any harness running in it down. Four processes
 are started here directly (``env://``, global rank 0 hosting the job's store; torchrun would
 tear the survivors down as soon as one rank dies), each running the reliability job
 (``tests/support/distill_job.py``: a :class:`mopd.mcore.Distiller` around megatron-core's
 schedule, teacher ``tp2`` on ranks 0-1, student ``tp2 dp2`` on 0-3). Student rank 3 kills
-itself (``SIGKILL``) in its forward of micro-batch 1; its TP peer (rank 2) loses it inside
-megatron's own all-reduce, the teachers at ``finish()`` (their sends to ranks 2 and 3 wait).
-Each survivor writes what it got (``MOPD_FAULT_DIR``): its first error leads with
-``global rank 3 failed first: does not respond (the process died, or is stopped)`` and names
-no other rank but itself (the first survivor to fail took a census: rank 3 alone gave no
-answer), within the bridge timeout and the census.
+itself (``SIGKILL``) in its forward of micro-batch 1 (its TP peer, rank 2, loses it inside
+megatron's own all-reduce, the teachers at ``finish()``: their sends to ranks 2 and 3 wait), or
+inside ``Distiller.step(rollouts)``'s exchange, between the headers' all-gather and the tokens'
+all-to-all (every survivor loses it there). Each survivor writes what it got
+(``MOPD_FAULT_DIR``): its first error leads with ``global rank 3 failed first: does not respond
+(the process died, or is stopped)`` and names no other rank but itself (the first survivor to
+fail took a census: rank 3 alone gave no answer), within the bridge timeout and the census; its
+next step is ``BridgeStateError`` at once, never a transport error.
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ def _worker(out_dir: Path) -> None:
     apply()
     parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(7)
+    from mopd.mcore import rollouts
+
     job = Job(timeout_s=TIMEOUT_S)
     rank = dist.get_rank()
-    if rank == 3:
+    where = os.environ["MOPD_KILL_IN"]
+    if rank == 3 and where == "schedule":
         calls = [0]
 
         def killed(module: Any, args: Any) -> None:
@@ -62,14 +68,27 @@ def _worker(out_dir: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         job.student.decoder.register_forward_pre_hook(killed)
+    if rank == 3 and where == "rollouts":
+
+        def killed_sending(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        rollouts._send_tokens = killed_sending  # type: ignore[assignment]
+
+    def step(seed: int) -> Any:
+        return job.run(seed) if where == "schedule" else job.run_rollouts(job.rollouts(seed))
+
     dist.barrier()
-    t0 = time.monotonic()
-    seen: dict[str, Any] = {"kind": "ok", "message": "", "own": ""}
-    try:
-        job.run(1)
-    except Exception as exc:  # the survivors report whatever they got
-        seen.update(kind=type(exc).__name__, message=str(exc), own=getattr(exc, "own", str(exc)))
-    seen["elapsed"] = time.monotonic() - t0
+    seen: dict[str, Any] = {}
+    for key, seed in (("first", 1), ("next", 2)):
+        got: dict[str, Any] = {"kind": "ok", "message": "", "own": ""}
+        t0 = time.monotonic()
+        try:
+            step(seed)
+        except Exception as exc:  # the survivors report whatever they got
+            got.update(kind=type(exc).__name__, message=str(exc), own=getattr(exc, "own", str(exc)))
+        got["elapsed"] = time.monotonic() - t0
+        seen[key] = got
     (out_dir / f"rank{rank}.json").write_text(json.dumps(seen))
     os._exit(0)  # no teardown: the job has a dead member
 
@@ -81,10 +100,12 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_killed_inside_the_schedule_is_named_alone_on_every_survivor(tmp_path: Path):
+@pytest.mark.parametrize("where", ["schedule", "rollouts"], ids=["schedule", "rollouts-exchange"])
+def test_a_rank_killed_is_named_alone_on_every_survivor(tmp_path: Path, where: str):
     env = dict(
         os.environ,
         MOPD_FAULT_DIR=str(tmp_path),
+        MOPD_KILL_IN=where,
         OMP_NUM_THREADS="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()),
@@ -119,12 +140,17 @@ def test_a_rank_killed_inside_the_schedule_is_named_alone_on_every_survivor(tmp_
         if f.exists():
             got[r] = json.loads(f.read_text())
     assert set(got) == {0, 1, 2}, [o[-2000:] for o in outputs]
-    for r, s in got.items():
+    phase = "step 0, the rollouts exchange" if where == "rollouts" else "step 0, "
+    for r, seen in got.items():
+        s = seen["first"]
         assert s["kind"] in NAMED, (r, s)
-        assert s["message"].startswith(DEAD + f"As a result, global rank {r} ("), (r, s)
+        assert s["message"].startswith(DEAD + f"As a result, global rank {r} ({phase}"), (r, s)
         named = {int(x) for x in re.findall(r"global rank (\d+)", s["message"])}
         assert named == {3, r}, (r, s)  # the dead rank and the reporting one, nobody else
         assert s["elapsed"] <= 2 * TIMEOUT_S + SLACK_S, (r, s)
+        nxt = seen["next"]
+        assert nxt["kind"] == "BridgeStateError" and nxt["elapsed"] < 2.0, (r, nxt)
+        assert DEAD in nxt["message"], (r, nxt)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ Why this file exists: the failure-naming, recovery, input-probe and kill tests a
 operator's view of the library: a teacher and a student on their own meshes inside one job,
 ``Distiller.step`` around megatron-core's own schedule (forward only: the weights never change,
 so a step's loss depends only on its rows and can be compared bit for bit with a fault-free
-run). Teacher ``tp2`` on global ranks 0-1; student ``tp2 dp2`` (or ``tp2 pp2``) on ranks 0-3.
-Each job builds its own :class:`GroupPool`, so a fault breaks nothing another job uses, and
+run). Teacher ``tp2`` on global ranks 0-1; student ``tp2 dp2`` (or ``tp2 pp2``) on ranks 0-3;
+or the README's topology (``readme=True``: teachers ``tp2 pp2`` and ``tp2 dp2``, student
+``tp2 pp2``, all on ranks 0-3). Steps take the caller's micro-batches (:meth:`Job.run`) or
+on-policy :class:`~mopd.mcore.Rollouts` (:meth:`Job.rollouts`, :meth:`Job.run_rollouts`). Each
+job builds its own :class:`GroupPool`, so a fault breaks nothing another job uses, and
 :meth:`Job.close` frees what it built.
 """
 
@@ -19,11 +22,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GLOBAL_MB", "HS", "HT", "Injected", "Job", "M", "S", "V", "fail_at", "sleep_at"]
+__all__ = [
+    "GLOBAL_MB",
+    "HS",
+    "HT",
+    "N_ROLLOUTS",
+    "Injected",
+    "Job",
+    "M",
+    "S",
+    "V",
+    "fail_at",
+    "sleep_at",
+]
 
 V, S, HT, HS = 64, 16, 48, 32
 GLOBAL_MB = 4  # samples per global micro-batch
 M = 3  # micro-batches per step
+N_ROLLOUTS = 8  # samples of a rollouts step (M of them per step: M micro-batches)
 
 
 class Injected(RuntimeError):
@@ -39,6 +55,8 @@ class Job:
         student_pp: the student's pipeline size (``tp2 dp2`` at 1, ``tp2 pp2`` at 2).
         wrong_pg: give the Distiller another mesh's (``tp4``) process groups as the student's
             (a misconfigured job).
+        readme: the README's topology (two teachers, ``tp2 pp2`` and ``tp2 dp2``; student
+            ``tp2 pp2``; ``student_pp`` is ignored).
         config: more ``BridgeConfig`` settings.
     """
 
@@ -49,6 +67,7 @@ class Job:
         student_pp: int = 1,
         pool_timeout: bool = True,
         wrong_pg: bool = False,
+        readme: bool = False,
         **config: Any,
     ) -> None:
         from megatron.core.models.gpt import GPTModel
@@ -61,9 +80,15 @@ class Job:
         self.rank = dist.get_rank()
         self.timeout_s = timeout_s
         self.pool = GroupPool(timeout_s=timeout_s) if pool_timeout else GroupPool()
-        self.tmesh = Mesh(tp=2, name="teacher")
-        self.smesh = Mesh(tp=2, dp=2 // student_pp, pp=student_pp, name="student")
-        self.tpg = megatron_process_groups(self.tmesh, self.pool)
+        if readme:
+            self.tmeshes = [Mesh(tp=2, pp=2, name="teacher 0"), Mesh(tp=2, dp=2, name="teacher 1")]
+            self.smesh = Mesh(tp=2, pp=2, name="student")
+        else:
+            self.tmeshes = [Mesh(tp=2, name="teacher")]
+            self.smesh = Mesh(tp=2, dp=2 // student_pp, pp=student_pp, name="student")
+        self.tmesh = self.tmeshes[0]
+        self.tpgs = [megatron_process_groups(m, self.pool) for m in self.tmeshes]
+        self.tpg = self.tpgs[0]
         self.spg = megatron_process_groups(self.smesh, self.pool)
         other = megatron_process_groups(Mesh(tp=4, name="other"), self.pool) if wrong_pg else None
 
@@ -89,10 +114,17 @@ class Job:
                 pg_collection=pg,
             )
 
-        self.teacher = build(self.tmesh, self.tpg, HT, 11).eval() if self.tpg else None
+        self.teachers = [
+            build(m, pg, HT - 8 * o, 11 + 2 * o).eval() if pg else None
+            for o, (m, pg) in enumerate(zip(self.tmeshes, self.tpgs, strict=True))
+        ]
+        self.teacher = self.teachers[0]
         self.student = build(self.smesh, self.spg, HS, 12)
         self.distiller = Distiller(
-            teachers=[MeshModel(mesh=self.tmesh, model=self.teacher, pg_collection=self.tpg)],
+            teachers=[
+                MeshModel(mesh=m, model=t, pg_collection=pg)
+                for m, t, pg in zip(self.tmeshes, self.teachers, self.tpgs, strict=True)
+            ],
             student=MeshModel(mesh=self.smesh, model=self.student, pg_collection=other or self.spg),
             pool=self.pool,
             bridge_config=BridgeConfig(timeout_s=timeout_s, **config),
@@ -103,6 +135,7 @@ class Job:
         self.distiller.close()
         self.pool.close()
         self.teacher = self.student = self.tpg = self.spg = None
+        self.teachers, self.tpgs = [], []
 
     def batches(
         self, seed: int, *, variable: bool = False, ids: list[int] | None = None
@@ -155,17 +188,22 @@ class Job:
             return step.forward_step(data_iterator, model)
 
         kwargs: dict[str, Any] = {"pg_collection": self.spg}
+        if step.samples is not None:  # the rollouts form: the step says its shapes
+            kwargs.update(step.schedule_kwargs())
+        else:
+            kwargs.update(
+                data_iterator=step.data_iterator(),
+                num_microbatches=step.num_micro_batches,
+                seq_length=S,
+                micro_batch_size=GLOBAL_MB // self.smesh.dp,
+            )
         if self.smesh.pp > 1:
             kwargs["p2p_communicator"] = P2PCommunicator(
                 pp_group=self.spg.pp, config=self.student.config
             )
         get_forward_backward_func(pp_size=self.smesh.pp, vp_size=None)(
             forward_step_func=forward_step,
-            data_iterator=step.data_iterator(),
             model=[self.student],
-            num_microbatches=step.num_micro_batches,
-            seq_length=S,
-            micro_batch_size=GLOBAL_MB // self.smesh.dp,
             forward_only=True,
             **kwargs,
         )
@@ -181,6 +219,46 @@ class Job:
         """One step: plan, teacher pass, schedule, finish; the step's mean KL (last stage)."""
         s_mbs, t_mbs = batches or self.batches(seed, variable=variable)
         with self.distiller.step(student=s_mbs, teachers=[t_mbs]) as step:
+            self.schedule(step, before=before)
+        return step.mean_loss()
+
+    def rollouts(
+        self,
+        seed: int,
+        *,
+        ids: list[int] | None = None,
+        holder: int | None = 0,
+        advantages: bool = True,
+    ) -> Any:
+        """The step's :class:`~mopd.mcore.Rollouts` as global rank ``holder`` holds them
+        (``None`` elsewhere; ``holder=None``: every rank its own copy): :data:`N_ROLLOUTS`
+        samples (prompt and response lengths from ``seed``, within ``S``), routed to the
+        teachers in turn, with advantages; ``ids``: their sample ids (default: none, the
+        library numbers them)."""
+        from mopd.mcore import Rollouts
+
+        if holder is not None and self.rank != holder:
+            return None
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(1, S // 2 + 1, (N_ROLLOUTS, 2), generator=g).tolist()
+        return Rollouts(
+            prompts=[torch.randint(0, V, (p,), generator=g) for p, _ in lengths],
+            responses=[torch.randint(0, V, (r,), generator=g) for _, r in lengths],
+            teachers=[j % len(self.tmeshes) for j in range(N_ROLLOUTS)],
+            advantages=torch.randn(N_ROLLOUTS, generator=g) if advantages else None,
+            sample_ids=ids,
+        )
+
+    def run_rollouts(
+        self,
+        held: Any,
+        *,
+        num_micro_batches: int = M,
+        before: Callable[[int], None] | None = None,
+    ) -> float | None:
+        """One step from this rank's rollouts (``held``): exchange, plan, teacher pass, schedule,
+        finish; the step's mean KL (last stage)."""
+        with self.distiller.step(held, num_micro_batches=num_micro_batches) as step:
             self.schedule(step, before=before)
         return step.mean_loss()
 

@@ -335,7 +335,7 @@ def test_bad_rollouts_are_refused_alike_before_anything_moves(job: Job) -> None:
         ),
         "teacher out of range": (
             with_(teachers=[2, *good.teachers[1:]]) if first_lead else good,
-            "global rank 0: Rollouts: teachers [2] outside [0, 2)",
+            "global rank 0: Rollouts: teachers[0] is 2, outside [0, 2)",
         ),
         "advantages on one rank only": (
             with_(advantages=None) if first_lead else good,

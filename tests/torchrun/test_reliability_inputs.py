@@ -315,7 +315,7 @@ REJECTED: dict[str, tuple[Callable[..., Any], int, str]] = {
     "a negative sample id": (
         on(2, "student", 2, lambda mb: setattr_(mb, sample_ids=[-1, *mb.sample_ids[1:]])),
         2,
-        "student micro-batch 2: sample_ids must be non-negative",
+        "student micro-batch 2: sample_ids[0] is -1, outside [0, 2**63)",
     ),
     "lengths of the wrong count": (
         on(3, "student", 1, lambda mb: dataclasses.replace(mb, lengths=[S] * 3)),

@@ -49,6 +49,7 @@ def test_progress_orders_a_step_and_says_where():
     assert p.describe() == "before any step" and p.key() < (0, 0, -1, 0)
     keys, words = [], []
     for phase, i in [
+        ("rollouts", None),
         ("plan", None),
         ("planned", None),
         ("teacher", 0),
@@ -65,8 +66,9 @@ def test_progress_orders_a_step_and_says_where():
         keys.append(p.key())
         words.append(p.describe())
     assert keys == sorted(keys) and len(set(keys)) == len(keys)
-    assert words[2] == "step 2, the teachers' forward of micro-batch 0"
-    assert words[6] == "step 2, receiving micro-batch 0"
+    assert words[0] == "step 2, the rollouts exchange"
+    assert words[3] == "step 2, the teachers' forward of micro-batch 0"
+    assert words[7] == "step 2, receiving micro-batch 0"
     p.at(3, "plan")
     assert p.key() > keys[-1]
 

@@ -139,3 +139,16 @@ def test_a_repeated_sample_id_takes_the_per_row_path() -> None:
     lay = padded_layout([3, 3], 4, lengths=[2, 4])
     assert "_runs_K5" not in lay.__dict__
     assert torch.equal(layout_to_runs(lay), _row_runs(lay))
+
+
+def test_per_row_runs_of_sample_ids_near_the_top_of_int64_stay_in_key_order() -> None:
+    """Rows of ids near ``2**63`` (a combined ``id * stride + position`` key would wrap) give
+    runs sorted by ``(sample_id, position)``, one per sample, inverted exactly."""
+    top = 2**63 - 1
+    sample_R = torch.tensor([top, 7, top, 7, top, 2**62, -1, 2**62])
+    pos_R = torch.tensor([0, 0, 1, 1, 2, 0, -1, 1])
+    layout = TokenLayout(sample_id_R=sample_R, position_R=pos_R)
+    runs = _row_runs(layout)
+    assert runs[:, 0].tolist() == [7, 2**62, top]
+    assert runs[:, 1].tolist() == [0, 0, 0] and runs[:, 4].tolist() == [2, 2, 3]
+    assert layout_from_runs(runs, layout.num_rows).same_as(layout)

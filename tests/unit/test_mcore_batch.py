@@ -225,3 +225,71 @@ def test_pipelined_micro_batches_of_different_shapes_need_variable_seq_lengths()
         padded_micro_batch([], torch.zeros(2, S, dtype=torch.int64)),
     ]
     check_pipeline_shapes(same, config=fixed, pp=2, cp_size=1, what="teacher")  # one shape
+
+
+#: sample ids at the top of int64, spread over it, and mixed (products with a stride wrap)
+EDGE_IDS = [
+    [2**63 - 4 + j for j in range(4)],
+    [j * 2**59 + 1 for j in range(4)],
+    [2**63 - 1, 0, 2**62, 7],
+]
+
+
+@pytest.mark.parametrize("ids", EDGE_IDS, ids=["top", "spread", "mixed"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "thd"])
+def test_a_loss_mask_keeps_the_same_tokens_under_any_sample_ids(
+    ids: list[int], packed: bool
+) -> None:
+    """The rows a loss mask keeps do not depend on the sample ids' values: ids near ``2**63``
+    (whose ``id * stride + position`` wraps int64) keep exactly the tokens ids ``0..3`` keep,
+    row for row, in the logits' and the hidden states' (SP-sliced) layouts."""
+    g = torch.Generator().manual_seed(1)
+    lens = [16, 12, 10, 8][: len(ids)]
+    seqs = [torch.randint(0, 50, (n,), generator=g) for n in lens]
+    masks = [torch.arange(n) >= 3 for n in lens]
+    masks[0][9] = False  # a hole inside a response
+
+    def rows(sample_ids: list[int]) -> list[tuple[int, int]]:
+        if packed:
+            mb = packed_micro_batch(sample_ids, seqs, row_masks=masks, sp_size=2)
+        else:
+            tokens = torch.zeros(len(lens), S, dtype=torch.int64)
+            mask_BS = torch.zeros(len(lens), S, dtype=torch.bool)
+            for b, (t, m) in enumerate(zip(seqs, masks, strict=True)):
+                tokens[b, : t.numel()], mask_BS[b, : m.numel()] = t, m
+            mb = padded_micro_batch(sample_ids, tokens, lengths=lens, row_mask_BS=mask_BS)
+        index = {s: k for k, s in enumerate(sample_ids)}
+        out = []
+        for lay in [micro_batch_layout(mb, rows="logits")] + [
+            micro_batch_layout(mb, rows="hidden", sp_size=2, sp_rank=r) for r in range(2)
+        ]:
+            out += [
+                (index[s], p) if s >= 0 else (-1, -1)
+                for s, p in zip(lay.sample_id_R.tolist(), lay.position_R.tolist(), strict=True)
+            ]
+        return out
+
+    want = rows(list(range(len(ids))))
+    assert sum(k >= 0 for k, _ in want) > 0
+    assert rows(ids) == want
+
+
+def test_token_keys_are_exact_for_every_int64_sample_id_and_encode_keys_refuses_to_wrap() -> None:
+    from mopd.bridge.layout import token_keys
+
+    top = 2**63 - 1
+    ids_a = torch.tensor([top, top - 1, -1, 0, 2**62])
+    pos_a = torch.tensor([5, 5, -1, 5, 0])
+    ids_b = torch.tensor([top - 1, 2**62, top, 3])
+    pos_b = torch.tensor([5, 1, 4, 5])
+    ka, kb = token_keys([ids_a, ids_b], [pos_a, pos_b])
+    assert ka[2] == -1 and bool((ka[[0, 1, 3, 4]] >= 0).all())
+    pairs_a = list(zip(ids_a.tolist(), pos_a.tolist(), strict=True))
+    pairs_b = list(zip(ids_b.tolist(), pos_b.tolist(), strict=True))
+    for i, x in enumerate(pairs_a):  # equal keys exactly for equal (sample id, position)
+        for j, y in enumerate(pairs_b):
+            if x[0] >= 0:
+                assert (int(ka[i]) == int(kb[j])) == (x == y), (x, y)
+    assert encode_keys(torch.tensor([3]), torch.tensor([2]), 10).tolist() == [32]
+    with pytest.raises(ValueError, match=r"sample id 4611686018427387904 \* stride 10"):
+        encode_keys(torch.tensor([2**62]), torch.tensor([2]), 10)
