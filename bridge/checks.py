@@ -1,10 +1,12 @@
 """The step's checks that every rank judges alike, off the gathered metadata matrix.
 
-Why this file exists: after the metadata all-gather every rank holds the same matrix, so the
-fence (failed, abandoned or out-of-step ranks), the agreed micro-batch count and each rank's
-share of the input checks are functions of it and of the bridge's fixed facts (its topology,
-teachers and rank). :meth:`~mopd.bridge.api.HiddenStateBridge.plan_step` calls them between the
-all-gather and the verdict; they communicate nothing.
+Why this file exists: the fence (failed, abandoned or out-of-step ranks) and the agreed
+micro-batch count are functions of every rank's header (a gathered matrix, when the summary
+says some rank differs); each rank's share of the input checks is a function of its own record
+and its peers' (every record, or the routed ones: :mod:`mopd.bridge.peers` brings a rank every
+record those checks read) and of the bridge's fixed facts (its topology, teachers and rank).
+:meth:`~mopd.bridge.api.HiddenStateBridge.plan_step` calls them between the exchange and the
+verdict; they communicate nothing.
 """
 
 from __future__ import annotations
@@ -181,16 +183,16 @@ def rank_checks(
         spec = teachers[o]
         first = topo.first_leader(o)
         head = matrix.section_head(me, o)
+        first_head = matrix.teacher_head(o, first)
         if head[1] != spec.hidden_size:
             problems.append(
                 f"teacher {o} on global rank {rank}: hidden size {head[1]}, "
                 f"expected {spec.hidden_size}"
             )
-        if head[:3] != matrix.section_head(first, o)[:3]:
+        if head[:3] != first_head:
             problems.append(
                 f"teacher {o}: global ranks {topo.members[first]} and {rank} hold "
-                f"different dtypes or devices ({matrix.section_head(first, o)[:3]} vs "
-                f"{head[:3]})"
+                f"different dtypes or devices ({first_head} vs {head[:3]})"
             )
         if code_dtype(head[0]) is None:
             problems.append(f"teacher {o} on global rank {rank}: unsupported dtype")
@@ -219,7 +221,8 @@ def _disagreements(
             continue
         if first == rank:
             continue
-        theirs = matrix.agreements(j).get(a.key)
+        # a routed matrix holds the first rank's record when it gave this agreement
+        theirs = matrix.agreements(j).get(a.key) if matrix.has(j) else None
         if theirs is None:
             problems.append(f"{a.what}: global rank {first} gives none, global rank {rank} does")
             continue
@@ -248,13 +251,12 @@ def _duplicate_samples(
         if skip[i] or not mine:
             continue
         catalog = catalogs[i]
-        rng = catalog.dest_range_D2
         for d in mine:
-            lo, hi = (int(x) for x in rng[d])
-            a, b = rng[:d, 0], rng[:d, 1]
+            lo, hi = catalog.dest_range(d)
             if lo > hi:
                 continue
-            earlier = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+            earlier = catalog.dests_meeting(lo, hi)
+            earlier = earlier[earlier < d]
             if not earlier.size:
                 continue
             dp = _dp_of(student, topo.dests[d].ranks[0])

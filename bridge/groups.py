@@ -24,13 +24,17 @@ with the same meshes, in the same program order as its other ``new_group`` calls
    metadata groups (gloo, :class:`NodeGroups`): the members cut in order into nodes of
    ``metadata_node_size``, one group per node (in node order), then one group of the nodes'
    first ranks (the leaders).
+5. a gloo group over the same ranks as 1. for the routed step metadata's point-to-point rounds
+   (:mod:`mopd.bridge.peers`): apart from 3., whose collectives they would otherwise
+   interleave with per-rank counts of their own; its members pass one barrier on it when it is
+   created (as 1.'s), its only collective.
 
 The step metadata goes over 3. as one flat all-gather (:func:`all_gather_flat`), or, with the
 groups of 4., in two levels (:func:`all_gather_nodes`): a gather to each node's leader, a
 log-depth all-gather among the leaders, a broadcast inside each node. The result is the same
 bytes; the flat ring costs ``n - 1`` latency hops, the two-level form about ``log2(n / k)``.
 
-Group 1.'s members also pass one barrier on it when it is created: NCCL sets a
+Group 1.'s members also pass one barrier on it when it is created (5.'s too): NCCL sets a
 communicator up in the group's first collective, which needs every member, while the bridge's
 first use of the group is a batched send/receive that ranks with nothing to move skip (done on
 every backend, so CPU jobs take the GPU path).
@@ -75,6 +79,7 @@ __all__ = [
 #: The purposes of the bridge's own groups in a :class:`GroupPool`: groups of their own, never
 #: shared with a model's groups over the same ranks (point-to-point and collectives apart).
 _DATA, _META, _NODE = "bridge data", "bridge metadata", "bridge metadata nodes"
+_ROUTES = "bridge metadata routes"
 
 
 def all_gather_flat(
@@ -353,6 +358,8 @@ class BridgeGroups:
             (``None``: use ``bridge``).
         meta_nodes: the two-level metadata groups (:func:`all_gather_nodes`), or ``None``: the
             metadata goes as one flat all-gather over :attr:`metadata_group`.
+        meta_routes: a gloo group over ``members`` for the routed metadata's point-to-point
+            rounds (``None``: the bridge gathers every record, also on an agreed step).
     """
 
     bridge: dist.ProcessGroup | None
@@ -360,6 +367,7 @@ class BridgeGroups:
     members: tuple[int, ...]
     meta: dist.ProcessGroup | None = None
     meta_nodes: NodeGroups | None = None
+    meta_routes: dist.ProcessGroup | None = None
 
     @property
     def metadata_group(self) -> dist.ProcessGroup | None:
@@ -419,6 +427,10 @@ def create_bridge_groups(
     nodes = None
     if len(members) >= metadata_nodes_from and 1 < metadata_node_size < len(members):
         nodes = create_node_groups(pool, members, metadata_node_size)
+    fresh = not pool.has(members, backend="gloo", purpose=_ROUTES)
+    routes = pool.create(members, backend="gloo", purpose=_ROUTES)
+    if routes is not None and fresh:
+        dist.barrier(group=routes)  # set up by its members together, as 1. (NCCL's rule)
     me = dist.get_rank()
     tp_group = None
     coord = student.coord(me)
@@ -430,4 +442,5 @@ def create_bridge_groups(
         members=members,
         meta=pool.get(members, backend="gloo", purpose=_META),
         meta_nodes=nodes,
+        meta_routes=pool.get(members, backend="gloo", purpose=_ROUTES),
     )

@@ -184,9 +184,14 @@ class RunCatalog:
         dest_runs: ``d -> [K, 5]`` int64 runs of destination group ``d``.
         source_range_G2, dest_range_D2: ``[G, 2]`` / ``[D, 2]`` int64 smallest and largest
             sample id of each group's runs (``(1, 0)`` for a group without tokens): where a
-            group's tokens can be found without decoding its runs.
+            group's tokens can be found without decoding its runs; with ``source_ids`` /
+            ``dest_ids``, of those groups only (row ``r`` is group ``ids[r]``).
         group_index: the groups' :class:`GroupIndex`, when the caller has it (else built from
             ``sources`` and ``dests`` on first use, ``O(groups)``).
+        source_ids, dest_ids: ``[G']`` / ``[D']`` ascending: the only groups whose runs can be
+            read (a rank's routed records: :mod:`mopd.bridge.peers`); ``None``: every group.
+            The planner looks for a group's peers among these: it must hold every group that
+            shares a sample with the groups the caller plans or checks.
 
     The planner reads each group's runs at most once per catalog (kept in a private memo).
     """
@@ -198,7 +203,25 @@ class RunCatalog:
     source_range_G2: np.ndarray
     dest_range_D2: np.ndarray
     group_index: GroupIndex | None = None
+    source_ids: np.ndarray | None = None
+    dest_ids: np.ndarray | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def source_range(self, g: int) -> tuple[int, int]:
+        """Source group ``g``'s ``(smallest, largest)`` sample id."""
+        return _range_of(self.source_range_G2, self.source_ids, g)
+
+    def dest_range(self, d: int) -> tuple[int, int]:
+        """Destination group ``d``'s ``(smallest, largest)`` sample id."""
+        return _range_of(self.dest_range_D2, self.dest_ids, d)
+
+    def sources_meeting(self, lo: int, hi: int) -> np.ndarray:
+        """Source groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+        return _overlapping(self.source_range_G2, lo, hi, self.source_ids)
+
+    def dests_meeting(self, lo: int, hi: int) -> np.ndarray:
+        """Destination groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+        return _overlapping(self.dest_range_D2, lo, hi, self.dest_ids)
 
     def index(self) -> GroupIndex:
         """:attr:`group_index`, or the one built from the groups (once)."""
@@ -240,6 +263,8 @@ class RunCatalog:
             source_range_G2=self.source_range_G2,
             dest_range_D2=self.dest_range_D2,
             group_index=self.group_index,
+            source_ids=self.source_ids,
+            dest_ids=self.dest_ids,
         )
         return catalog, source_ids, dest_ids
 
@@ -383,12 +408,28 @@ def _tagged(catalog: RunCatalog, side: str, groups: np.ndarray) -> tuple[np.ndar
     return np.concatenate(tables), tag
 
 
-def _overlapping(range_X2: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Indices of the groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+def _overlapping(
+    range_X2: np.ndarray, lo: int, hi: int, ids_X: np.ndarray | None = None
+) -> np.ndarray:
+    """The groups (ascending) whose non-empty sample range meets ``[lo, hi]``: indices of
+    ``range_X2``'s rows, or with ``ids_X`` the ids of those rows."""
     if lo > hi:
         return _EMPTY
     a, b = range_X2[:, 0], range_X2[:, 1]
-    return np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+    at = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+    return at if ids_X is None else ids_X[at]
+
+
+def _range_of(range_X2: np.ndarray, ids_X: np.ndarray | None, x: int) -> tuple[int, int]:
+    """Group ``x``'s row of ``range_X2`` (with ``ids_X``: the row of id ``x``, which must be
+    there)."""
+    at = x
+    if ids_X is not None:
+        at = int(np.searchsorted(ids_X, x))
+        if at >= ids_X.size or int(ids_X[at]) != x:
+            raise AssertionError(f"group {x} is not among the catalog's groups")
+    lo, hi = range_X2[at]
+    return int(lo), int(hi)
 
 
 def _key_space(*tables: np.ndarray) -> tuple[np.ndarray, int]:
@@ -875,8 +916,8 @@ def plan_rank(
         start, stop = group.slice_bounds(j)
         owner_N = np.full(group.num_rows, -1, dtype=_I64)
         rows_K = np.zeros(num_owners, dtype=_I64)
-        lo, hi = (int(x) for x in catalog.dest_range_D2[d])
-        cands = _overlapping(catalog.source_range_G2, lo, hi)
+        lo, hi = catalog.dest_range(d)
+        cands = catalog.sources_meeting(lo, hi)
         if cands.size:
             p = _join_dest(catalog, d, cands)
             _fill_owners(owner_N, p, ix.owner_G)
@@ -896,15 +937,15 @@ def plan_rank(
             owner_rows=tuple(int(x) for x in rows_K.tolist()) if compact else (),
         )
     for g in ix.source_groups.get(rank, ()):
-        lo, hi = (int(x) for x in catalog.source_range_G2[g])
-        ds = _overlapping(catalog.dest_range_D2, lo, hi)
+        lo, hi = catalog.source_range(g)
+        ds = catalog.dests_meeting(lo, hi)
         if not ds.size:
             continue
         if compact:  # per destination group, among every source group of this owner there
             parts = []
             for d in ds.tolist():
-                dlo, dhi = (int(x) for x in catalog.dest_range_D2[d])
-                cands = _overlapping(catalog.source_range_G2, dlo, dhi)
+                dlo, dhi = catalog.dest_range(d)
+                cands = catalog.sources_meeting(dlo, dhi)
                 cands = cands[ix.owner_G[cands] == ix.owner_G[g]]
                 p = _join_dest(catalog, d, cands)
                 p, _ = _slice_pieces(catalog, d, p, compact=True, num_owners=num_owners)
@@ -977,8 +1018,8 @@ def _check_source(catalog: RunCatalog, g: int) -> str | None:
     runs = _runs(catalog, "s", g)
     if not runs.shape[0]:
         return None
-    lo, hi = (int(x) for x in catalog.source_range_G2[g])
-    cands = _overlapping(catalog.source_range_G2, lo, hi)
+    lo, hi = catalog.source_range(g)
+    cands = catalog.sources_meeting(lo, hi)
     cands = cands[cands < g]
     other, other_grp = _tagged(catalog, "s", cands)
     u, stride = _key_space(runs, other)
@@ -1028,8 +1069,8 @@ def _check_dest(catalog: RunCatalog, d: int) -> str | None:
     dst = _runs(catalog, "d", d)
     if not dst.shape[0]:
         return None
-    lo, hi = (int(x) for x in catalog.dest_range_D2[d])
-    src, _ = _tagged(catalog, "s", _overlapping(catalog.source_range_G2, lo, hi))
+    lo, hi = catalog.dest_range(d)
+    src, _ = _tagged(catalog, "s", catalog.sources_meeting(lo, hi))
     u, stride = _key_space(src, dst)
     kd = _keys(dst, u, stride)
     kde = kd + dst[:, 4]

@@ -101,8 +101,7 @@ class BridgeStep:
         # per owner (hidden, dtype) from the teacher's first leader: the students' buffers
         self._specs: dict[int, tuple[int, torch.dtype]] = {}
         for o, spec in enumerate(bridge.teachers):
-            first = topo.first_leader(o)
-            dtype = code_dtype(matrix.section_head(first, o)[0])
+            dtype = code_dtype(matrix.teacher_head(o, topo.first_leader(o))[0])
             assert dtype is not None
             self._specs[o] = (spec.hidden_size, dtype)
         self._slots: list[Slot] = []
@@ -188,8 +187,8 @@ class BridgeStep:
 
     def global_tokens(self, micro_batch: int | None = None) -> int:
         """Real tokens the student wants in ``micro_batch`` over all its shards (each once), or
-        in the whole step with ``None``. Read from the gathered metadata (no communication):
-        the destination leaders' token counts, summed once per step."""
+        in the whole step with ``None``: the destination leaders' token counts, summed over
+        the metadata group with the step's verdict (no communication here)."""
         if self._tokens_I is None:
             self._tokens_I = self._view.tokens_I()
         if micro_batch is None:

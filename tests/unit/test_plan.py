@@ -572,6 +572,17 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
         n_sources = rep["ranks"] // 8
         assert shard["groups"] - rep["groups"] == 7 * n_sources, (rep, shard)
     for r in rows:
+        # the changed step leads: its host work and the metadata a rank receives, routed and
+        # gathered
+        assert list(r)[:6] == [
+            "ranks",
+            "sources",
+            "step_host_miss_ms",
+            "step_host_miss_gather_ms",
+            "allgather_bytes",
+            "allgather_bytes_gather",
+        ]
+        assert r["step_host_miss_ms"] > 0 and r["allgather_bytes"] > 0 and r["peers"] > 0
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
         # another setup than the recorded one: no baseline beside it
         assert r["global_plan_ms"] is None and r["plan_ms"] > 0 and r["peak_mib"] > 0
