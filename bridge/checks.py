@@ -21,7 +21,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
-from mopd.bridge.plan import RunCatalog, check_rank
+from mopd.bridge.plan import RunCatalog, _dense, _fetch_many, check_ranks
 from mopd.bridge.topology import Topology
 from mopd.common import ranges
 
@@ -200,11 +200,12 @@ def rank_checks(
         problems += _duplicate_samples(
             catalogs, skip, topology=topology, student=student, rank=rank
         )
-    # the planner's checks: tokens held twice or by nobody
+    # the planner's checks: tokens held twice or by nobody (every new micro-batch in one pass)
     with ranges.span("plan", "checks"):
-        for i in range(n_slots):
-            if not skip[i]:
-                problems += [f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], rank)]
+        todo = [i for i in range(n_slots) if not skip[i]]
+        found = check_ranks([catalogs[i] for i in todo], rank)
+        for i, ps in zip(todo, found, strict=True):
+            problems += [f"micro-batch {i}: {p}" for p in ps]
     return problems
 
 
@@ -247,11 +248,13 @@ def _duplicate_samples(
     topo = topology
     mine = [d for d in topo.index.dest_groups.get(rank, ()) if topo.dests[d].ranks[0] == rank]
     problems: list[str] = []
-    for i in range(len(catalogs)):
-        if skip[i] or not mine:
-            continue
+    todo = [i for i in range(len(catalogs)) if not skip[i]]
+    flagged = _shared_samples([catalogs[i] for i in todo], mine) if mine and todo else set()
+    for i in todo:
         catalog = catalogs[i]
         for d in mine:
+            if (todo.index(i), d) not in flagged:
+                continue
             lo, hi = catalog.dest_range(d)
             if lo > hi:
                 continue
@@ -276,6 +279,36 @@ def _duplicate_samples(
                         "meant"
                     )
     return problems
+
+
+def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[tuple[int, int]]:
+    """``(catalog, group)`` pairs where destination group ``group`` (of ``mine``) wants a sample
+    an earlier destination group that meets it wants too: one pass per group over every
+    catalog (sample ids made distinct per catalog)."""
+    out: set[tuple[int, int]] = set()
+    for d in mine:
+        mb_parts, grp_parts = [], []
+        for i, catalog in enumerate(catalogs):
+            lo, hi = catalog.dest_range(d)
+            if lo > hi:
+                continue
+            earlier = catalog.dests_meeting(lo, hi)
+            earlier = earlier[earlier < d]
+            if not earlier.size:
+                continue
+            mb_parts.append(np.full(earlier.size + 1, i, dtype=np.int64))
+            grp_parts.append(np.append(earlier, d))
+        if not mb_parts:
+            continue
+        runs, mb, tag = _fetch_many(
+            catalogs, "d", np.concatenate(mb_parts), np.concatenate(grp_parts), raw=True
+        )
+        own = tag == d
+        ids = _dense(mb, runs[:, 0])
+        shared = np.intersect1d(ids[own], ids[~own])
+        for i in np.unique(mb[np.isin(ids, shared)]).tolist():
+            out.add((i, d))
+    return out
 
 
 def _dp_of(student: Mesh, rank: int) -> int:

@@ -161,7 +161,15 @@ def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
             )
         src_I, dst_I = fields[0]
         ids = None if view.source_ids is None else (view.source_ids, view.dest_ids)
-        return view.topology.catalog(view.matrix, j, fields=(src_I[j], dst_I[j]), ids=ids)  # type: ignore[arg-type]
+        return view.topology.catalog(
+            view.matrix,
+            j,
+            fields=(src_I[j], dst_I[j]),
+            ids=ids,  # type: ignore[arg-type]
+            fetch=fetch,
+        )
+
+    fetch = view.topology.fetcher(view.matrix)
 
     return LazySequence(view.n_slots, build, noun="micro-batch")
 

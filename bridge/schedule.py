@@ -61,23 +61,36 @@ def _expand(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndar
     return row_S[seg] + i * step_S[seg]
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False)
 class _Side:
     """How one side of a transfer touches its buffer.
 
     ``mode``: ``"view"`` (rows ``first .. first + count``), ``"runs"`` (``copy_runs`` over
-    ``run_row`` / ``run_pos`` / ``run_len``) or ``"index"`` (per-row ``rows``).
+    ``run_row`` / ``run_pos`` / ``run_len``) or ``"index"`` (per-row ``rows``). The index
+    tensors are made on first use (each once: the device cache keys on them).
     """
 
     mode: str
     count: int
     first: int
-    run_row: torch.Tensor  # [K] buffer rows where runs start
-    run_pos: torch.Tensor  # [K] positions in the transfer (staging offset) where runs start
-    run_len: torch.Tensor  # [K]
+    _run_row: np.ndarray  # [K] buffer rows where runs start
+    _run_pos: np.ndarray  # [K] positions in the transfer (staging offset) where runs start
+    _run_len: np.ndarray  # [K]
     _row_S: np.ndarray
     _step_S: np.ndarray
     _len_S: np.ndarray
+
+    @functools.cached_property
+    def run_row(self) -> torch.Tensor:
+        return _t(self._run_row)
+
+    @functools.cached_property
+    def run_pos(self) -> torch.Tensor:
+        return _t(self._run_pos)
+
+    @functools.cached_property
+    def run_len(self) -> torch.Tensor:
+        return _t(self._run_len)
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:
@@ -86,31 +99,87 @@ class _Side:
 
     @staticmethod
     def of(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> _Side:
-        count = int(len_S.sum())
-        unit = bool(((step_S == 1) | (len_S == 1)).all())
-        runs = _merge_runs(row_S, step_S, len_S) if unit else None
-        if runs is not None and runs.shape[0] <= 1:
-            mode = "view"
-        elif runs is not None and count >= MIN_AVG_RUN * runs.shape[0]:
-            mode = "runs"
-        else:
-            mode = "index"
-        if runs is None:
-            runs = np.empty((0, 3), dtype=np.int64)
+        """One side from its segments' rows, steps and lengths (:meth:`many` of one)."""
+        return _Side.many(row_S, step_S, len_S, np.asarray([0, row_S.size], dtype=np.int64))[0]
+
+    @staticmethod
+    def many(
+        row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray, off_T1: np.ndarray
+    ) -> list[_Side]:
+        """The sides of several transfers at once: transfer ``t``'s segments are
+        ``[off_T1[t], off_T1[t + 1])`` of the ``[S]`` arrays. Per transfer: its token count,
+        whether every segment advances by one row, and its maximal contiguous runs
+        (:func:`_merge_runs`, never across transfers), in a fixed number of array operations
+        for all of them; then the mode (one view, block copies, or per-row indices)."""
+        row_S, step_S, len_S = (np.asarray(a, dtype=np.int64) for a in (row_S, step_S, len_S))
+        n_T = off_T1.size - 1
+        n_S = np.diff(off_T1)
+        if not n_T:
+            return []
+        if int(n_S.min()) == 0:  # a transfer without segments: one at a time
+            return [
+                _Side.many(row_S[a:b], step_S[a:b], len_S[a:b], np.asarray([0, b - a]))[0]
+                if b > a
+                else _Side._empty()
+                for a, b in zip(off_T1[:-1].tolist(), off_T1[1:].tolist(), strict=True)
+            ]
+        tid = np.repeat(np.arange(n_T, dtype=np.int64), n_S)
+        starts = off_T1[:-1]
+        count_T = np.add.reduceat(len_S, starts)
+        unit_T = np.logical_and.reduceat((step_S == 1) | (len_S == 1), starts)
+        cum = np.cumsum(len_S) - len_S
+        pos_S = cum - cum[starts][tid]
+        joins = np.zeros(row_S.size, dtype=bool)
+        if row_S.size > 1:
+            joins[1:] = (row_S[1:] == row_S[:-1] + len_S[:-1]) & (tid[1:] == tid[:-1])
+        rs = np.flatnonzero(~joins)
+        run_row, run_pos, run_len = row_S[rs], pos_S[rs], np.add.reduceat(len_S, rs)
+        run_off = np.concatenate([[0], np.cumsum(np.bincount(tid[rs], minlength=n_T))])
+        out = []
+        counts, units = count_T.tolist(), unit_T.tolist()
+        r_off, s_off, first = run_off.tolist(), off_T1.tolist(), row_S[starts].tolist()
+        for t in range(n_T):
+            a, b = (r_off[t], r_off[t + 1]) if units[t] else (0, 0)
+            k = b - a
+            if units[t] and k <= 1:
+                mode = "view"
+            elif units[t] and counts[t] >= MIN_AVG_RUN * k:
+                mode = "runs"
+            else:
+                mode = "index"
+            lo, hi = s_off[t], s_off[t + 1]
+            out.append(
+                _Side(
+                    mode=mode,
+                    count=counts[t],
+                    first=first[t],
+                    _run_row=run_row[a:b],
+                    _run_pos=run_pos[a:b],
+                    _run_len=run_len[a:b],
+                    _row_S=row_S[lo:hi],
+                    _step_S=step_S[lo:hi],
+                    _len_S=len_S[lo:hi],
+                )
+            )
+        return out
+
+    @staticmethod
+    def _empty() -> _Side:
+        e = np.empty(0, dtype=np.int64)
         return _Side(
-            mode=mode,
-            count=count,
-            first=int(row_S[0]) if row_S.size else 0,
-            run_row=_t(runs[:, 0]),
-            run_pos=_t(runs[:, 1]),
-            run_len=_t(runs[:, 2]),
-            _row_S=row_S,
-            _step_S=step_S,
-            _len_S=len_S,
+            mode="view",
+            count=0,
+            first=0,
+            _run_row=e,
+            _run_pos=e,
+            _run_len=e,
+            _row_S=e,
+            _step_S=e,
+            _len_S=e,
         )
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False)
 class _Op:
     """One send or receive: this rank's side of it, its peer and its staging offset."""
 
@@ -136,13 +205,19 @@ class _Local:
     joint_len: torch.Tensor
 
 
-def _sides(t: Transfer) -> tuple[_Side, _Side]:
-    s = t.segments_S5
-    return _Side.of(s[:, 0], s[:, 1], s[:, 4]), _Side.of(s[:, 2], s[:, 3], s[:, 4])
+def _sides(ts: Sequence[Transfer]) -> tuple[list[_Side], list[_Side]]:
+    """``(sources, destinations)``: both sides of every transfer, in one batch each."""
+    if not ts:
+        return [], []
+    s = np.concatenate([t.segments_S5 for t in ts])
+    off = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in ts])]).astype(np.int64)
+    return (
+        _Side.many(s[:, 0], s[:, 1], s[:, 4], off),
+        _Side.many(s[:, 2], s[:, 3], s[:, 4], off),
+    )
 
 
-def _local(t: Transfer) -> _Local:
-    src, dst = _sides(t)
+def _local(t: Transfer, src: _Side, dst: _Side) -> _Local:
     s = t.segments_S5
     unit = bool((((s[:, 1] == 1) & (s[:, 3] == 1)) | (s[:, 4] == 1)).all())
     if unit and (s.shape[0] <= 1 or src.count >= MIN_AVG_RUN * s.shape[0]):
@@ -172,12 +247,17 @@ def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
     for op in ops:
         if op.side.mode != "view":
             parts.setdefault(op.owner, []).append(op.side)
+    if not parts:
+        return {}
+    owners = list(parts)
+    sides = [x for o in owners for x in parts[o]]
+    row = np.concatenate([x._row_S for x in sides])
+    step = np.concatenate([x._step_S for x in sides])
+    length = np.concatenate([x._len_S for x in sides])
+    n = [sum(x._row_S.size for x in parts[o]) for o in owners]
+    staged = _Side.many(row, step, length, np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
     out: dict[int, _Side] = {}
-    for owner, sides in parts.items():
-        row = np.concatenate([s._row_S for s in sides])
-        step = np.concatenate([s._step_S for s in sides])
-        length = np.concatenate([s._len_S for s in sides])
-        side = _Side.of(row, step, length)
+    for owner, side in zip(owners, staged, strict=True):
         if side.mode == "view":  # staged ops joined into one contiguous run: still a copy
             side = dataclasses.replace(side, mode="runs")
         out[owner] = side
@@ -308,33 +388,44 @@ class RankSchedule:
         """
         send_rows: dict[int, int] = {}
         recv_rows: dict[int, int] = {}
+        every = [*plan.sends, *plan.recvs, *plan.locals]
+        src_x, dst_x = _sides(every)  # both sides of every transfer, in one batch each
+        n_s, n_r = len(plan.sends), len(plan.recvs)
 
-        def op(t: Transfer, *, sending: bool, counter: dict[int, int]) -> _Op:
-            src, dst = _sides(t)
-            mine, peer_side = (src, dst) if sending else (dst, src)
+        def op(t: Transfer, mine: _Side, peer_side: _Side, counter: dict[int, int]) -> _Op:
             off = -1
             if mine.mode != "view":
                 off = counter.get(t.owner, 0)
                 counter[t.owner] = off + mine.count
             return _Op(
                 owner=t.owner,
-                peer=t.dst_rank if sending else t.src_rank,
+                peer=t.dst_rank if counter is send_rows else t.src_rank,
                 count=mine.count,
                 stage_off=off,
                 side=mine,
                 peer_side=peer_side,
             )
 
-        sends = tuple(op(t, sending=True, counter=send_rows) for t in plan.sends)
-        recvs = tuple(op(t, sending=False, counter=recv_rows) for t in plan.recvs)
-        locals_ = tuple(_local(t) for t in plan.locals)
+        sends = tuple(op(t, src_x[k], dst_x[k], send_rows) for k, t in enumerate(plan.sends))
+        recvs = tuple(
+            op(t, dst_x[n_s + k], src_x[n_s + k], recv_rows) for k, t in enumerate(plan.recvs)
+        )
+        locals_ = tuple(
+            _local(t, src_x[n_s + n_r + k], dst_x[n_s + n_r + k]) for k, t in enumerate(plan.locals)
+        )
         span: dict[int, tuple[int, int]] = {}
-        for owner, side in [(o.owner, o.side) for o in sends] + [(x.owner, x.src) for x in locals_]:
-            if side.count:
-                lo = int((side._row_S + np.minimum(side._step_S, 0) * (side._len_S - 1)).min())
-                hi = int((side._row_S + np.maximum(side._step_S, 0) * (side._len_S - 1)).max()) + 1
-                old = span.get(owner, (lo, hi))
-                span[owner] = (min(lo, old[0]), max(hi, old[1]))
+        reads = [*plan.sends, *plan.locals]
+        if reads:  # the source rows each send and local copy reads, per owner
+            seg = np.concatenate([t.segments_S5 for t in reads])
+            row, step, length = seg[:, 0], seg[:, 1], seg[:, 4]
+            lo_S = row + np.minimum(step, 0) * (length - 1)
+            hi_S = row + np.maximum(step, 0) * (length - 1) + 1
+            at = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in reads])[:-1]])
+            lo_T = np.minimum.reduceat(lo_S, at).tolist()
+            hi_T = np.maximum.reduceat(hi_S, at).tolist()
+            for t, lo, hi in zip(reads, lo_T, hi_T, strict=True):
+                old = span.get(t.owner, (lo, hi))
+                span[t.owner] = (min(lo, old[0]), max(hi, old[1]))
         fill: dict[int, torch.Tensor] = {}
         owner_N = None
         if plan.dest is not None:

@@ -24,7 +24,7 @@ from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import check_buffer
 from mopd.bridge.metadata import Section, StepMatrix, code_dtype
 from mopd.bridge.order import StepOrder
-from mopd.bridge.plan import RunCatalog, plan_rank
+from mopd.bridge.plan import RunCatalog, plan_rank, plan_ranks
 from mopd.bridge.record import StepView
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
@@ -108,13 +108,21 @@ class BridgeStep:
         ex = bridge.executor
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
+            # the micro-batches whose plan inputs are new (or whose schedule was evicted),
+            # planned together
+            todo = [i for i in range(n_slots) if not cached[i][0]]
+            plans = plan_ranks(
+                [self._catalogs[i] for i in todo],
+                bridge.rank,
+                local_copy=bridge.config.local_copy,
+                compact=True,
+            )
+            planned = dict(zip(todo, plans, strict=True))
             for i in range(n_slots):
                 hit, sched = cached[i]
-                if not hit:  # plan inputs not seen before (or their schedule was evicted)
+                if not hit:
                     catalog = self._catalogs[i]
-                    plan = plan_rank(
-                        catalog, bridge.rank, local_copy=bridge.config.local_copy, compact=True
-                    )
+                    plan = planned[i]
                     if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
                         nominal = 0
                         if plan.dest is not None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.metadata import StepMatrix
-from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, SourceGroup
+from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, RunFetch, SourceGroup
 from mopd.common.lazy import LazySequence
 
 __all__ = ["Topology"]
@@ -167,6 +167,11 @@ class Topology:
         """The groups' ranks as arrays and per-rank lookups (built once, ``O(ranks)``)."""
         return GroupIndex.build(self.sources, self.dests)
 
+    def fetcher(self, matrix: StepMatrix) -> RunFetch:
+        """:attr:`~mopd.bridge.plan.RunCatalog.fetch` for ``matrix``'s catalogs: the runs of
+        ``(micro-batch, group)`` pairs, each from its group leader's record, in one read."""
+        return _fetcher(self, matrix)
+
     def led_by(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source ids, dest ids)``, ascending: the groups whose first rank is one of
         ``members`` (member indices; the groups whose runs those records carry). Binary
@@ -203,6 +208,7 @@ class Topology:
         *,
         fields: tuple[np.ndarray, np.ndarray] | None = None,
         ids: tuple[np.ndarray, np.ndarray] | None = None,
+        fetch: RunFetch | None = None,
     ) -> RunCatalog:
         """The planner's view of micro-batch ``slot`` of an exchanged, validated step.
 
@@ -212,7 +218,8 @@ class Topology:
         ``(source, dest)`` groups whose leaders' records ``matrix`` holds, when it holds some
         only (routed: :meth:`led_by` of its members); ``fields``: those groups' ``([G', 3],
         [D', 3])`` columns ``(n_rows, sample_min, sample_max)`` when the caller read them
-        already (:func:`mopd.bridge.record.read_step`).
+        already (:func:`mopd.bridge.record.read_step`); ``fetch``: :meth:`fetcher` of
+        ``matrix``, shared by the step's catalogs (one read serves several micro-batches).
         """
         src_ids, dst_ids = ids if ids is not None else (None, None)
         if fields is not None:
@@ -240,12 +247,26 @@ class Topology:
             dests=dests,
             source_runs=lambda g: matrix.runs(int(leaders_s[g]), int(sections_s[g]), slot),
             dest_runs=lambda d: matrix.runs(int(leaders_d[d]), student, slot),
+            fetch=self.fetcher(matrix) if fetch is None else fetch,
+            slot=slot,
             source_range_G2=np.ascontiguousarray(src_fields[:, 1:3]),
             dest_range_D2=np.ascontiguousarray(dst_fields[:, 1:3]),
             group_index=self.index,
             source_ids=src_ids,
             dest_ids=dst_ids,
         )
+
+
+def _fetcher(topology: Topology, matrix: StepMatrix) -> RunFetch:
+    leaders_s, sections_s = topology.source_leader, topology.source_section
+    leaders_d, student = topology.dest_leader, topology.student_section
+
+    def fetch(side: str, slots: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if side == "s":
+            return matrix.runs_many(leaders_s[groups], sections_s[groups], slots)
+        return matrix.runs_many(leaders_d[groups], np.full(groups.size, student, _I64), slots)
+
+    return fetch
 
 
 def _rows_by_id(n: int, ids: np.ndarray | None, rows: np.ndarray) -> Callable[[int], int]:

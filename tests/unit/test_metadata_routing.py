@@ -40,7 +40,14 @@ from mopd.bridge.metadata import (
     reduced_summary,
 )
 from mopd.bridge.peers import exchange_records
-from mopd.bridge.plan import GroupIndex, RunCatalog, check_rank, plan_rank
+from mopd.bridge.plan import (
+    GroupIndex,
+    RunCatalog,
+    check_rank,
+    check_ranks,
+    plan_rank,
+    plan_ranks,
+)
 from mopd.bridge.record import read_step, stack_records
 from mopd.bridge.route import bruck_partners, route_rows
 from mopd.bridge.topology import Topology
@@ -159,6 +166,17 @@ def _same_as_gathered(
             got = normalise(plan_rank(mine, rank, local_copy=local_copy, compact=True))
             assert got == want, (rank, i)
             assert check_rank(mine, rank) == verdicts, (rank, i)
+        # every micro-batch at once, from the routed records: each one's plan and verdicts
+        cats = [routed.catalogs[i] for i in range(n_slots)]
+        together = plan_ranks(cats, rank, local_copy=local_copy, compact=True)
+        alone = [
+            plan_rank(full.catalogs[i], rank, local_copy=local_copy, compact=True)
+            for i in range(n_slots)
+        ]
+        assert [normalise(x) for x in together] == [normalise(x) for x in alone], rank
+        assert check_ranks(cats, rank) == [
+            check_rank(full.catalogs[i], rank) for i in range(n_slots)
+        ]
     return held
 
 
