@@ -27,7 +27,8 @@ whose summary says every rank agreed):
 4. *Records.* Every rank sends its record to each of its peers and receives theirs (sizes
    known from the registrations).
 5. *Forwarding.* A group leader sends the other ranks of its groups (TP replicas, the student's
-   TP ranks) its own record and every record it received; they plan from the same records.
+   TP ranks) its own record and the records of the peers that group plans with; they plan
+   from the same records as their leader.
 
 Every relation is symmetric and known to both ends, so each round is one
 :meth:`~mopd.bridge.route.Wire.swap`. A rank receives its peers' records (about as many as it
@@ -38,7 +39,7 @@ runs only where it shares a sample with the rank's own, and every such group is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +54,10 @@ __all__ = [
     "ENTRY_COLUMNS",
     "REPLY_COLUMNS",
     "PeerView",
+    "bundle_records",
     "directory_replies",
     "exchange_records",
+    "forward_bundles",
     "forward_pairs",
     "home_of",
     "read_replies",
@@ -198,12 +201,18 @@ class PeerView:
             included when it leads one), ascending.
         intro_from: the members that introduce sources to it (the leaders of the destinations
             sharing a sample with the sources it leads, itself included), ascending.
+        source_side: the peers its source groups' other ranks plan with: the leaders of the
+            destinations sharing their samples (the introduced sources join them).
+        dest_side: the peers its destination group's other ranks plan with: the leaders of
+            the sources sharing its samples.
     """
 
     peers: dict[int, int]
     intro: np.ndarray
     intro_to: tuple[int, ...]
     intro_from: tuple[int, ...]
+    source_side: frozenset[int] = frozenset()
+    dest_side: frozenset[int] = frozenset()
 
 
 def read_replies(replies_Q5: np.ndarray, *, member: int, n_sources: int) -> PeerView:
@@ -243,49 +252,73 @@ def read_replies(replies_Q5: np.ndarray, *, member: int, n_sources: int) -> Peer
     intro_to = tuple(sorted(set(s[:, 1].tolist())))
     on_my_source = keys_with(mine & src)
     intro_from = tuple(sorted(set(r[on_my_source & dst, 3].tolist())))
-    return PeerView(peers=peers, intro=s, intro_to=intro_to, intro_from=intro_from)
+    return PeerView(
+        peers=peers,
+        intro=s,
+        intro_to=intro_to,
+        intro_from=intro_from,
+        source_side=frozenset(intro_from) - {member},
+        dest_side=frozenset(intro_to) - {member},
+    )
 
 
-def forward_pairs(topology: Topology, rank: int) -> tuple[list[int], list[int]]:
-    """``(to, from_)`` member indices: the other ranks of the groups ``rank`` leads (it
-    forwards them its records), and the leaders of the groups it is in but does not lead (they
-    forward it theirs); ascending."""
+def forward_pairs(topology: Topology, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """``(to_source, to_dest, from_)`` member indices, ascending: the other ranks of the source
+    groups ``rank`` leads and of the destination group it leads (it forwards them the records
+    they plan with), and the leaders of the groups it is in but does not lead (they forward it
+    theirs)."""
     ix = topology.index
-    to: set[int] = set()
+    to: tuple[set[int], set[int]] = (set(), set())
     from_: set[int] = set()
-    groups: list[tuple[int, ...]] = [
-        topology.sources[g].ranks for g in ix.source_groups.get(rank, ())
-    ]
-    groups += [topology.dests[d].ranks for d in ix.dest_groups.get(rank, ())]
-    for ranks in groups:
+    groups = [(0, topology.sources[g].ranks) for g in ix.source_groups.get(rank, ())]
+    groups += [(1, topology.dests[d].ranks) for d in ix.dest_groups.get(rank, ())]
+    for side, ranks in groups:
         if ranks[0] == rank:
-            to.update(r for r in ranks[1:] if r != rank)
+            to[side].update(r for r in ranks[1:] if r != rank)
         else:
             from_.add(ranks[0])
     return (
-        sorted(topology.member_index(r) for r in to),
+        sorted(topology.member_index(r) for r in to[0]),
+        sorted(topology.member_index(r) for r in to[1]),
         sorted(topology.member_index(r) for r in from_),
     )
 
 
-def _bundle(records: dict[int, np.ndarray]) -> np.ndarray:
-    """``[k, members..., sizes..., words...]``: several records in one message."""
+def forward_bundles(
+    held: dict[int, np.ndarray],
+    *,
+    member: int,
+    to_source: Sequence[int],
+    to_dest: Sequence[int],
+    source_side: frozenset[int],
+    dest_side: frozenset[int],
+) -> dict[int, np.ndarray]:
+    """``target -> message`` (:func:`bundle_records`): what a leader forwards each other rank
+    of its groups: its own record and those of the peers the target's groups plan with
+    (``source_side`` for a rank of its source groups, ``dest_side`` of its destination group;
+    both for a rank of both)."""
+    out: dict[int, np.ndarray] = {}
+    made: dict[tuple[bool, bool], np.ndarray] = {}
+    src, dst = set(to_source), set(to_dest)
+    for m in sorted(src | dst):
+        role = (m in src, m in dst)
+        if role not in made:
+            keep = (
+                {member} | (source_side if role[0] else set()) | (dest_side if role[1] else set())
+            )
+            made[role] = bundle_records({p: held[p] for p in keep if p in held})
+        out[m] = made[role]
+    return out
+
+
+def bundle_records(records: dict[int, np.ndarray]) -> np.ndarray:
+    """``[k, members..., sizes..., words...]``: several members' records in one message
+    (what a leader forwards: :func:`exchange_records`)."""
     ms = sorted(records)
     sizes = [records[m].size for m in ms]
     return np.concatenate(
         [np.asarray([len(ms), *ms, *sizes], dtype=_I64), *(records[m] for m in ms)]
     )
-
-
-def _unbundle(msg: np.ndarray) -> Iterable[tuple[int, np.ndarray]]:
-    if not msg.size:
-        return
-    k = int(msg[0])
-    ms, sizes = msg[1 : 1 + k], msg[1 + k : 1 + 2 * k]
-    at = 1 + 2 * k
-    for m, w in zip(ms.tolist(), sizes.tolist(), strict=True):
-        yield m, msg[at : at + w]
-        at += w
 
 
 def exchange_records(
@@ -325,28 +358,52 @@ def exchange_records(
     # 3: introductions (second-hop peers)
     got = wire.swap({m: view.intro.reshape(-1) for m in view.intro_to}, view.intro_from)
     peers = dict(view.peers)
+    introduced: set[int] = set()
     for m in view.intro_from:
         intro = got[m].reshape(-1, 3)
         for p, w in zip(intro[:, 1].tolist(), intro[:, 2].tolist(), strict=True):
             if p != me:
                 peers[p] = w
+                introduced.add(p)
     # 4: records with every peer
     order = sorted(peers)
     got = wire.swap({p: rec for p in order}, order, sizes={p: peers[p] for p in order})
     held: dict[int, np.ndarray] = {me: rec}
     held.update((p, got[p]) for p in order)
     # 5: the leaders' records to the other ranks of their groups
-    to, from_ = forward_pairs(topology, rank)
-    if to or from_:
-        bundle = _bundle(held) if to else np.empty(0, dtype=_I64)
-        got = wire.swap({m: bundle for m in to}, from_)
-        for m in from_:
-            for p, words in _unbundle(got[m]):
-                held.setdefault(p, words)
-    members = np.asarray(sorted(held), dtype=_I64)
-    width = max(a.size for a in held.values())
+    to_source, to_dest, from_ = forward_pairs(topology, rank)
+    parts = [bundle_records(held)]
+    if to_source or to_dest or from_:
+        sends = forward_bundles(
+            held,
+            member=me,
+            to_source=to_source,
+            to_dest=to_dest,
+            source_side=view.source_side | introduced,
+            dest_side=view.dest_side,
+        )
+        got = wire.swap(sends, from_)
+        parts += [got[m] for m in from_ if got[m].size]
+    return _stack_bundles(parts)
+
+
+def _stack_bundles(bundles: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``([k, width], [k] members)``: the records of several :func:`bundle_records` messages, one
+    row per member (the first copy of a record given twice), ascending, zero-padded to the
+    widest; in a fixed number of array operations."""
+    heads = []
+    for msg in bundles:
+        k = int(msg[0])
+        heads.append((msg, k, msg[1 : 1 + k], msg[1 + k : 1 + 2 * k]))
+    member = np.concatenate([h[2] for h in heads])
+    size = np.concatenate([h[3] for h in heads])
+    words = np.concatenate([h[0][1 + 2 * h[1] :] for h in heads])
+    start = np.cumsum(size) - size
+    members, first = np.unique(member, return_index=True)
+    width = int(size[first].max()) if first.size else 0
     out = np.zeros((members.size, width), dtype=_I64)
-    for i, m in enumerate(members.tolist()):
-        a = held[m]
-        out[i, : a.size] = a
+    n = size[first]
+    row = np.repeat(np.arange(members.size, dtype=_I64), n)
+    col = np.arange(int(n.sum()), dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
+    out[row, col] = words[np.repeat(start[first], n) + col]
     return out, members

@@ -205,6 +205,8 @@ class RunCatalog:
             as ``source_runs`` / ``dest_runs`` give them one by one, concatenated; ``None``:
             read one by one.
         slot: this catalog's micro-batch in ``fetch``'s numbering.
+        dest_rows_D: ``[D]`` (``[D']`` with ``dest_ids``) each destination group's rows, when
+            the caller has them (else read off :attr:`dests`).
 
     The planner reads each group's runs at most once per catalog (kept in a private memo).
     """
@@ -220,6 +222,7 @@ class RunCatalog:
     dest_ids: np.ndarray | None = None
     fetch: RunFetch | None = None
     slot: int = 0
+    dest_rows_D: np.ndarray | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     def source_range(self, g: int) -> tuple[int, int]:
@@ -229,6 +232,12 @@ class RunCatalog:
     def dest_range(self, d: int) -> tuple[int, int]:
         """Destination group ``d``'s ``(smallest, largest)`` sample id."""
         return _range_of(self.dest_range_D2, self.dest_ids, d)
+
+    def dest_rows(self, ds: np.ndarray) -> np.ndarray:
+        """``[len(ds)]`` the rows of destination groups ``ds`` in this micro-batch."""
+        if self.dest_rows_D is None:
+            return np.asarray([self.dests[int(d)].num_rows for d in ds], dtype=_I64)
+        return self.dest_rows_D[_rows_in(self.dest_ids, np.asarray(ds, dtype=_I64))]
 
     def sources_meeting(self, lo: int, hi: int) -> np.ndarray:
         """Source groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
@@ -995,7 +1004,7 @@ def plan_ranks(
     # 1. the destination instances (micro-batch, group) and each one's candidate sources
     inst_mb: list[int] = []
     inst_d: list[int] = []
-    pair_e: list[np.ndarray] = []
+    pair_e: list[int] = []
     pair_g: list[np.ndarray] = []
     recv_e = np.full(n_mb, -1, dtype=_I64)
     for i, cat in enumerate(catalogs):
@@ -1009,7 +1018,7 @@ def plan_ranks(
             inst_mb.append(i)
             inst_d.append(d0)
             cands = _overlapping(s_rng, lo, hi, cat.source_ids)
-            pair_e.append(np.full(cands.size, recv_e[i], dtype=_I64))
+            pair_e.append(int(recv_e[i]))
             pair_g.append(cands)
         if not my_src.size:
             continue
@@ -1034,13 +1043,12 @@ def plan_ranks(
                 e = here[d] = len(inst_mb)
                 inst_mb.append(i)
                 inst_d.append(d)
-            cands = s_ids[ok[k]]
-            pair_e.append(np.full(cands.size, e, dtype=_I64))
-            pair_g.append(cands)
+            pair_e.append(e)
+            pair_g.append(s_ids[ok[k]])
     n_e = len(inst_mb)
     e_mb, e_d = np.asarray(inst_mb, dtype=_I64), np.asarray(inst_d, dtype=_I64)
     # 2. the runs: each destination instance's, each candidate source's (once per micro-batch)
-    pe = np.concatenate(pair_e) if pair_e else _EMPTY
+    pe = np.repeat(np.asarray(pair_e, dtype=_I64), [g.size for g in pair_g])
     pg = np.concatenate(pair_g) if pair_g else _EMPTY
     n_s = max(n_src, 1)
     key = np.unique(e_mb[pe] * n_s + pg)  # (micro-batch, source) pairs, each once
@@ -1060,10 +1068,10 @@ def plan_ranks(
         p = _no_pieces()
     # 4. each destination instance's rows, owners and slices
     group_size = ix.slot_off_D1[e_d + 1] - ix.slot_off_D1[e_d]
-    num_rows = np.asarray(
-        [catalogs[int(m)].dests[int(d)].num_rows for m, d in zip(e_mb, e_d, strict=True)],
-        dtype=_I64,
-    )
+    num_rows = np.zeros(n_e, dtype=_I64)
+    for i, cat in enumerate(catalogs):
+        at = np.flatnonzero(e_mb == i)
+        num_rows[at] = cat.dest_rows(e_d[at])
     owner_of: list[np.ndarray | None] = [None] * n_mb
     if d0 is not None:
         base = np.concatenate([[0], np.cumsum(num_rows[recv_e])])

@@ -298,10 +298,10 @@ class StepView:
             # a second hop: in compact delivery a sender places its rows among those of the
             # other sources that meet the destinations it serves, so the key covers every
             # group meeting the hull of the groups met by the rank's own
-            for i in range(n_i):
-                met = np.concatenate([src[meet_s[i], i], dst[meet_d[i], i]])
-                lo, hi = _hull(met[:, None, :])
-                lo_I[i], hi_I[i] = min(lo_I[i], lo[0]), max(hi_I[i], hi[0])
+            lo2, hi2 = _met_hull(src, meet_s)
+            lo3, hi3 = _met_hull(dst, meet_d)
+            lo_I = np.minimum(lo_I, np.minimum(lo2, lo3))
+            hi_I = np.maximum(hi_I, np.maximum(hi2, hi3))
             meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
             meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
         else:
@@ -319,6 +319,15 @@ class StepView:
                 h.update(np.ascontiguousarray(table[rows, i][:, _KEY_COLS]).tobytes())
             keys.append(h.digest())
         return keys
+
+
+def _met_hull(groups_GIF: np.ndarray, meet_IG: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([I], [I])`` :func:`_hull` of the groups ``meet_IG[i]`` selects, per micro-batch."""
+    live = (groups_GIF[:, :, _SMIN] <= groups_GIF[:, :, _SMAX]).T & meet_IG
+    big = np.iinfo(_I64)
+    lo = np.where(live, groups_GIF[:, :, _SMIN].T, big.max).min(axis=1, initial=big.max)
+    hi = np.where(live, groups_GIF[:, :, _SMAX].T, big.min).max(axis=1, initial=big.min)
+    return lo, hi
 
 
 def _hull(groups_GIF: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,6 @@ read on the data's device with one asynchronous host-to-device copy.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from collections.abc import Sequence
@@ -240,28 +239,58 @@ def _local(t: Transfer, src: _Side, dst: _Side) -> _Local:
     )
 
 
-def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
-    """``owner -> side`` over the staged (non-view) ops' rows, in staging order: one kernel
-    launch packs (unpacks) an owner's whole staging buffer."""
-    parts: dict[int, list[_Side]] = {}
-    for op in ops:
-        if op.side.mode != "view":
-            parts.setdefault(op.owner, []).append(op.side)
-    if not parts:
-        return {}
-    owners = list(parts)
-    sides = [x for o in owners for x in parts[o]]
+def _stage_many(groups: Sequence[Sequence[_Side]]) -> list[_Side]:
+    """Per group of staged sides (one owner's sends or receives of one plan, in staging
+    order), one side over all their rows: one kernel launch packs (unpacks) an owner's whole
+    staging buffer. Every group in one batch (:meth:`_Side.many`)."""
+    if not groups:
+        return []
+    sides = [x for g in groups for x in g]
     row = np.concatenate([x._row_S for x in sides])
     step = np.concatenate([x._step_S for x in sides])
     length = np.concatenate([x._len_S for x in sides])
-    n = [sum(x._row_S.size for x in parts[o]) for o in owners]
-    staged = _Side.many(row, step, length, np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
-    out: dict[int, _Side] = {}
-    for owner, side in zip(owners, staged, strict=True):
+    n = [sum(x._row_S.size for x in g) for g in groups]
+    out = _Side.many(row, step, length, np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
+    for side in out:
         if side.mode == "view":  # staged ops joined into one contiguous run: still a copy
-            side = dataclasses.replace(side, mode="runs")
-        out[owner] = side
+            side.mode = "runs"
     return out
+
+
+def _spans(reads: Sequence[Transfer]) -> dict[int, tuple[int, int]]:
+    """``owner -> (lo, hi)``: the source rows the given sends and local copies read."""
+    span: dict[int, tuple[int, int]] = {}
+    if not reads:
+        return span
+    seg = np.concatenate([t.segments_S5 for t in reads])
+    row, step, length = seg[:, 0], seg[:, 1], seg[:, 4]
+    lo_S = row + np.minimum(step, 0) * (length - 1)
+    hi_S = row + np.maximum(step, 0) * (length - 1) + 1
+    at = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in reads])[:-1]])
+    lo_T = np.minimum.reduceat(lo_S, at).tolist()
+    hi_T = np.maximum.reduceat(hi_S, at).tolist()
+    for t, lo, hi in zip(reads, lo_T, hi_T, strict=True):
+        old = span.get(t.owner, (lo, hi))
+        span[t.owner] = (min(lo, old[0]), max(hi, old[1]))
+    return span
+
+
+def _fill(plan: RankPlan, slice_rows: int, num_owners: int) -> dict[int, torch.Tensor]:
+    """``owner -> `` the slice-relative rows no transfer of that owner writes (zeroed)."""
+    fill: dict[int, torch.Tensor] = {}
+    d = plan.dest
+    if d is None:
+        return fill
+    assert plan.owner_N is not None
+    if d.compact:  # every real row is written: only the all-gather's padding is left
+        for owner in range(num_owners):
+            fill[owner] = torch.arange(d.slice_real(owner), d.slice_nominal(owner), dtype=_I64)
+        return fill
+    mine = np.full(slice_rows, -1, dtype=np.int64)
+    mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
+    for owner in range(num_owners):
+        fill[owner] = _t(np.flatnonzero(mine != owner))
+    return fill
 
 
 def plan_digest(plan: RankPlan) -> str:
@@ -380,85 +409,101 @@ class RankSchedule:
         row_bytes: Sequence[int],
         digest: str | None = None,
     ) -> RankSchedule:
-        """The schedule of ``plan`` (pure, host tensors only).
+        """The schedule of ``plan`` (pure, host tensors only): :meth:`build_many` of one.
 
         ``slice_rows``: rows of this rank's slice in the output buffer (the destination group's
         equal slice, :attr:`~mopd.bridge.plan.DestGroup.slice_rows`; 0 without a destination).
         ``digest``: :func:`plan_digest` of ``plan`` when the caller has it already.
         """
-        send_rows: dict[int, int] = {}
-        recv_rows: dict[int, int] = {}
-        every = [*plan.sends, *plan.recvs, *plan.locals]
+        return RankSchedule.build_many(
+            [plan],
+            slice_rows=[slice_rows],
+            num_owners=num_owners,
+            row_bytes=row_bytes,
+            digests=None if digest is None else [digest],
+        )[0]
+
+    @staticmethod
+    def build_many(
+        plans: Sequence[RankPlan],
+        *,
+        slice_rows: Sequence[int],
+        num_owners: int,
+        row_bytes: Sequence[int],
+        digests: Sequence[str] | None = None,
+    ) -> list[RankSchedule]:
+        """The schedules of several plans (a step's micro-batches, each its own), the sides of
+        all their transfers found in one batch (:meth:`_Side.many`), their staging in another.
+
+        ``slice_rows``: per plan, as :meth:`build`'s; ``digests``: per plan, its
+        :func:`plan_digest` when the caller has it.
+        """
+        every = [t for p in plans for t in (*p.sends, *p.recvs, *p.locals)]
         src_x, dst_x = _sides(every)  # both sides of every transfer, in one batch each
-        n_s, n_r = len(plan.sends), len(plan.recvs)
-
-        def op(t: Transfer, mine: _Side, peer_side: _Side, counter: dict[int, int]) -> _Op:
-            off = -1
-            if mine.mode != "view":
-                off = counter.get(t.owner, 0)
-                counter[t.owner] = off + mine.count
-            return _Op(
-                owner=t.owner,
-                peer=t.dst_rank if counter is send_rows else t.src_rank,
-                count=mine.count,
-                stage_off=off,
-                side=mine,
-                peer_side=peer_side,
-            )
-
-        sends = tuple(op(t, src_x[k], dst_x[k], send_rows) for k, t in enumerate(plan.sends))
-        recvs = tuple(
-            op(t, dst_x[n_s + k], src_x[n_s + k], recv_rows) for k, t in enumerate(plan.recvs)
-        )
-        locals_ = tuple(
-            _local(t, src_x[n_s + n_r + k], dst_x[n_s + n_r + k]) for k, t in enumerate(plan.locals)
-        )
-        span: dict[int, tuple[int, int]] = {}
-        reads = [*plan.sends, *plan.locals]
-        if reads:  # the source rows each send and local copy reads, per owner
-            seg = np.concatenate([t.segments_S5 for t in reads])
-            row, step, length = seg[:, 0], seg[:, 1], seg[:, 4]
-            lo_S = row + np.minimum(step, 0) * (length - 1)
-            hi_S = row + np.maximum(step, 0) * (length - 1) + 1
-            at = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in reads])[:-1]])
-            lo_T = np.minimum.reduceat(lo_S, at).tolist()
-            hi_T = np.maximum.reduceat(hi_S, at).tolist()
-            for t, lo, hi in zip(reads, lo_T, hi_T, strict=True):
-                old = span.get(t.owner, (lo, hi))
-                span[t.owner] = (min(lo, old[0]), max(hi, old[1]))
-        fill: dict[int, torch.Tensor] = {}
-        owner_N = None
-        if plan.dest is not None:
-            d = plan.dest
-            assert plan.owner_N is not None
-            owner_N = _t(plan.owner_N)
-            if d.compact:  # every real row is written: only the all-gather's padding is left
-                for owner in range(num_owners):
-                    fill[owner] = torch.arange(
-                        d.slice_real(owner), d.slice_nominal(owner), dtype=_I64
+        at = 0
+        built = []
+        staged: list[tuple[int, str, int, list[_Side]]] = []
+        for k, plan in enumerate(plans):
+            send_rows: dict[int, int] = {}
+            recv_rows: dict[int, int] = {}
+            sends: list[_Op] = []
+            recvs: list[_Op] = []
+            for kind, ts, rows in (("s", plan.sends, send_rows), ("r", plan.recvs, recv_rows)):
+                out = sends if kind == "s" else recvs
+                parts: dict[int, list[_Side]] = {}
+                for t in ts:
+                    mine, peer = (src_x[at], dst_x[at]) if kind == "s" else (dst_x[at], src_x[at])
+                    at += 1
+                    off = -1
+                    if mine.mode != "view":
+                        off = rows.get(t.owner, 0)
+                        rows[t.owner] = off + mine.count
+                        parts.setdefault(t.owner, []).append(mine)
+                    out.append(
+                        _Op(
+                            owner=t.owner,
+                            peer=t.dst_rank if kind == "s" else t.src_rank,
+                            count=mine.count,
+                            stage_off=off,
+                            side=mine,
+                            peer_side=peer,
+                        )
                     )
-            else:
-                mine = np.full(slice_rows, -1, dtype=np.int64)
-                mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
-                for owner in range(num_owners):
-                    fill[owner] = _t(np.flatnonzero(mine != owner))
-        return RankSchedule(
-            rank=plan.rank,
-            digest=plan_digest(plan) if digest is None else digest,
-            sends=sends,
-            recvs=recvs,
-            locals=locals_,
-            dest=plan.dest,
-            owner_N=owner_N,
-            fill=fill,
-            slice_rows=slice_rows,
-            send_stage_rows=send_rows,
-            recv_stage_rows=recv_rows,
-            pack_sides=_staged_sides(sends),
-            unpack_sides=_staged_sides(recvs),
-            src_span=span,
-            row_bytes=tuple(row_bytes),
-        )
+                staged += [(k, kind, o, sides) for o, sides in parts.items()]
+            locals_ = []
+            for t in plan.locals:
+                locals_.append(_local(t, src_x[at], dst_x[at]))
+                at += 1
+            built.append((sends, recvs, locals_, send_rows, recv_rows))
+        # every plan's staged ops, per (plan, direction, owner): one launch each
+        packed = _stage_many([sides for _, _, _, sides in staged])
+        pack: list[dict[int, _Side]] = [{} for _ in plans]
+        unpack: list[dict[int, _Side]] = [{} for _ in plans]
+        for (k, kind, owner, _), side in zip(staged, packed, strict=True):
+            (pack if kind == "s" else unpack)[k][owner] = side
+        out_s = []
+        for k, plan in enumerate(plans):
+            sends, recvs, locals_, send_rows, recv_rows = built[k]
+            out_s.append(
+                RankSchedule(
+                    rank=plan.rank,
+                    digest=plan_digest(plan) if digests is None else digests[k],
+                    sends=tuple(sends),
+                    recvs=tuple(recvs),
+                    locals=tuple(locals_),
+                    dest=plan.dest,
+                    owner_N=None if plan.owner_N is None else _t(plan.owner_N),
+                    fill=_fill(plan, slice_rows[k], num_owners),
+                    slice_rows=slice_rows[k],
+                    send_stage_rows=send_rows,
+                    recv_stage_rows=recv_rows,
+                    pack_sides=pack[k],
+                    unpack_sides=unpack[k],
+                    src_span=_spans([*plan.sends, *plan.locals]),
+                    row_bytes=tuple(row_bytes),
+                )
+            )
+        return out_s
 
     def counts(self) -> dict[str, int]:
         """This rank's figures: ``messages``; ``send/recv/local_bytes``; ``pack/unpack_bytes``

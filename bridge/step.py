@@ -117,22 +117,26 @@ class BridgeStep:
                 local_copy=bridge.config.local_copy,
                 compact=True,
             )
-            planned = dict(zip(todo, plans, strict=True))
+            busy = [
+                (i, p)
+                for i, p in zip(todo, plans, strict=True)
+                if p.sends or p.recvs or p.locals or p.dest is not None
+            ]
+            made = ex.schedules(
+                [p for _, p in busy],
+                slice_rows=[
+                    0 if p.dest is None else self._catalogs[i].dests[p.dest.group].slice_rows
+                    for i, p in busy
+                ],
+                num_owners=n,
+                row_bytes=row_bytes,
+            )
+            fresh: dict[int, RankSchedule | None] = dict.fromkeys(todo)
+            fresh.update((i, s) for (i, _), s in zip(busy, made, strict=True))
             for i in range(n_slots):
                 hit, sched = cached[i]
                 if not hit:
-                    catalog = self._catalogs[i]
-                    plan = planned[i]
-                    if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
-                        nominal = 0
-                        if plan.dest is not None:
-                            nominal = catalog.dests[plan.dest.group].slice_rows
-                        sched = ex.schedule(
-                            plan,
-                            slice_rows=nominal,
-                            num_owners=n,
-                            row_bytes=row_bytes,
-                        )
+                    sched = fresh[i]
                     ex.remember(keys[i], sched)
                 self._slots.append(Slot(index=i, schedule=sched))
         self._owner_dev: dict[int, torch.Tensor] = {}

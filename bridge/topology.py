@@ -249,6 +249,7 @@ class Topology:
             dest_runs=lambda d: matrix.runs(int(leaders_d[d]), student, slot),
             fetch=self.fetcher(matrix) if fetch is None else fetch,
             slot=slot,
+            dest_rows_D=np.ascontiguousarray(dst_fields[:, 0]),
             source_range_G2=np.ascontiguousarray(src_fields[:, 1:3]),
             dest_range_D2=np.ascontiguousarray(dst_fields[:, 1:3]),
             group_index=self.index,

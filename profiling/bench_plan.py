@@ -89,6 +89,7 @@ from mopd.bridge.peers import (
     PeerView,
     directory_replies,
     exchange_records,
+    forward_bundles,
     forward_pairs,
     read_replies,
     registrations,
@@ -493,15 +494,33 @@ class _Job:
             )
         return got
 
-    def peers(self, j: int) -> dict[int, int]:
-        """Member ``j``'s peers: first hop and introduced, ``member -> words``."""
-        out = dict(self.view(j).peers)
+    def introduced(self, j: int) -> dict[int, int]:
+        """Member ``j``'s introduced (second-hop) peers, ``member -> words``."""
+        out = {}
         for x in self.view(j).intro_from:
             intro = self.view(x).intro
             for p, w in zip(intro[:, 1].tolist(), intro[:, 2].tolist(), strict=True):
                 if p != j:
                     out[p] = w
         return out
+
+    def peers(self, j: int) -> dict[int, int]:
+        """Member ``j``'s peers: first hop and introduced, ``member -> words``."""
+        return {**self.view(j).peers, **self.introduced(j)}
+
+    def forwarded(self, lead: int, j: int) -> np.ndarray:
+        """What leader ``lead`` forwards member ``j`` (by the bridge's rule)."""
+        topo = self.step.topology
+        to_source, to_dest, _ = forward_pairs(topo, topo.members[lead])
+        view = self.view(lead)
+        return forward_bundles(
+            self.held(lead),
+            member=lead,
+            to_source=[m for m in to_source if m == j],
+            to_dest=[m for m in to_dest if m == j],
+            source_side=view.source_side | set(self.introduced(lead)),
+            dest_side=view.dest_side,
+        )[j]
 
     def held(self, j: int) -> dict[int, np.ndarray]:
         """Member ``j``'s records after the records' round (its own and its peers')."""
@@ -555,11 +574,12 @@ def simulate_exchange(job: _Job, member: int, *, radix: int = RADIX) -> Exchange
     rounds.append({x: job.view(x).intro.reshape(-1) for x in view.intro_from})
     held = job.held(member)
     rounds.append({p: held[p] for p in sorted(job.peers(member))})
-    to, from_ = forward_pairs(topo, topo.members[member])
-    if to or from_:
-        rounds.append({lead: _bundle_of(job.held(lead)) for lead in from_})
-        for lead in from_:
-            for p in job.held(lead):
+    to_source, to_dest, from_ = forward_pairs(topo, topo.members[member])
+    if to_source or to_dest or from_:
+        got = {lead: job.forwarded(lead, member) for lead in from_}
+        rounds.append(got)
+        for msg in got.values():
+            for p in msg[1 : 1 + int(msg[0])].tolist():
                 held.setdefault(p, job.record(p))
     view = read_step(topo, StepMatrix(step.matrix_NW), len(step.micro))
     return ExchangeSim(
@@ -567,14 +587,6 @@ def simulate_exchange(job: _Job, member: int, *, radix: int = RADIX) -> Exchange
         rounds=tuple(rounds),
         held=np.asarray(sorted(held), dtype=np.int64),
         tokens_I=view.tokens_I(),
-    )
-
-
-def _bundle_of(records: dict[int, np.ndarray]) -> np.ndarray:
-    ms = sorted(records)
-    sizes = [records[m].size for m in ms]
-    return np.concatenate(
-        [np.asarray([len(ms), *ms, *sizes], dtype=np.int64), *(records[m] for m in ms)]
     )
 
 

@@ -148,7 +148,7 @@ def _same_as_gathered(
             verdicts = check_rank(cat, rank)
             # every group the full matrix's planner and checks read that shares a sample with
             # the rank's own groups, or with the destinations its sources serve, is here
-            src_s, dst_s = _samples(cat)
+            src_s, dst_s = _samples(full.catalogs[i])  # (not through the recording catalog)
             ix = topo.index
             own = {x for g in ix.source_groups.get(rank, ()) for x in src_s[g]}
             own |= {x for d in ix.dest_groups.get(rank, ()) for x in dst_s[d]}
