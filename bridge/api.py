@@ -7,11 +7,12 @@ inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
 
 1. :meth:`HiddenStateBridge.plan_step`, outside the schedule, on every rank of the bridge group:
    one metadata exchange for all micro-batches of both sides (:mod:`mopd.bridge.metadata`: an
-   all-reduce of the records' header summary, then the records; flat, or in two levels over
-   node groups),
-   checks whose verdict every rank shares (bad input raises the same ``ValueError`` on every
-   rank before any data moves), and each rank's own plan per micro-batch
-   (:mod:`mopd.bridge.plan`, work proportional to its own runs and its peers').
+   all-reduce of the records' header summary, then, on an agreed step, each rank's peers'
+   records, routed (:mod:`mopd.bridge.peers`); every record, flat or in two levels over node
+   groups, when some header differs), checks whose verdict every rank shares (bad input
+   raises the same ``ValueError`` on every rank before any data moves), and each rank's own
+   plans of its micro-batches (:mod:`mopd.bridge.plan`, work proportional to its own runs and
+   its peers').
 2. Per micro-batch, point to point only: :meth:`BridgeStep.send` on teacher ranks takes the
    captured rows at the call (the buffer may be reused as soon as it returns) and posts the
    transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns each
@@ -42,7 +43,7 @@ current stream wait for the transfers and queues the unpacking and the TP all-ga
 Read the rows on that stream, or order yours after it.
 
 The step itself is :mod:`mopd.bridge.step`'s, the configs :mod:`mopd.bridge.config`'s, the
-checks every rank judges alike off the gathered matrix :mod:`mopd.bridge.checks`'s, and the
+checks every rank judges alike off the exchanged records :mod:`mopd.bridge.checks`'s, and the
 rules for the caller's layouts and buffers :mod:`mopd.bridge.inputs`'s. This module keeps the
 bridge and its planning call, and re-exports the names it used to define.
 """
@@ -296,7 +297,7 @@ class HiddenStateBridge:
                 student's first stage, which passes no layouts), agreed with everyone's, as a
                 :class:`~mopd.bridge.inputs.StepChecks` with the
                 :class:`~mopd.bridge.inputs.Agreement` s its peers must match (a model
-                replica's shapes): compared after the metadata all-gather, a difference is the
+                replica's shapes): compared after the metadata exchange, a difference is the
                 same ``ValueError`` everywhere.
 
         Micro-batch ``i`` on one side is micro-batch ``i`` on the other: teacher micro-batch
@@ -307,7 +308,7 @@ class HiddenStateBridge:
             This rank's :class:`BridgeStep`.
         Raises:
             ValueError: bad input on any rank (the same text on every rank, before data moves).
-            BridgeTimeoutError, BridgeCommError: the metadata all-gather or the verdict on the
+            BridgeTimeoutError, BridgeCommError: the metadata exchange or the verdict on the
                 input failed. After those, and after any other error past the metadata
                 all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
@@ -418,7 +419,7 @@ class HiddenStateBridge:
         open_steps: Sequence[BridgeStep],
     ) -> tuple[torch.Tensor, list[Section | None], tuple[Agreement, ...]]:
         """This rank's step record, sections and agreements (local; a ``ValueError`` of the
-        input becomes the record's error text, which every rank reads after the all-gather)."""
+        input becomes the record's error text, which every rank reads after the exchange)."""
         ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)

@@ -1,4 +1,4 @@
-"""The step's checks that every rank judges alike, off the gathered metadata matrix.
+"""The step's checks that every rank judges alike, off the exchanged step metadata.
 
 Why this file exists: the fence (failed, abandoned or out-of-step ranks) and the agreed
 micro-batch count are functions of every rank's header (a gathered matrix, when the summary
@@ -21,7 +21,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
-from mopd.bridge.plan import RunCatalog, _dense, _fetch_many, check_ranks
+from mopd.bridge.plan import RunCatalog, check_ranks, dense_samples, read_runs
 from mopd.bridge.topology import Topology
 from mopd.common import ranges
 
@@ -300,11 +300,11 @@ def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[
             grp_parts.append(np.append(earlier, d))
         if not mb_parts:
             continue
-        runs, mb, tag = _fetch_many(
+        runs, mb, tag = read_runs(
             catalogs, "d", np.concatenate(mb_parts), np.concatenate(grp_parts), raw=True
         )
         own = tag == d
-        ids = _dense(mb, runs[:, 0])
+        ids = dense_samples(mb, runs[:, 0])
         shared = np.intersect1d(ids[own], ids[~own])
         for i in np.unique(mb[np.isin(ids, shared)]).tolist():
             out.add((i, d))

@@ -44,7 +44,12 @@ How a rank plans (never a token at a time, never a group it has no business with
 - verdicts (:func:`check_rank`) are interval arithmetic on the same runs: overlaps of a group's
   sorted runs (held twice inside the group), overlaps with earlier groups whose range meets it
   (held twice across groups), gaps between a destination run and the union of the sources
-  (needed but held by nobody).
+  (needed but held by nobody);
+- a step's micro-batches go together (:func:`plan_ranks`, :func:`check_ranks`): their runs are
+  read in one batch (:func:`read_runs`), sample ids made distinct per micro-batch
+  (:func:`dense_samples`) so that one join, one cut and one chunking serve them all, and each
+  micro-batch's plan and verdicts are those it gets alone; the number of array operations per
+  step does not grow with the micro-batches or the peers.
 """
 
 from __future__ import annotations
@@ -68,8 +73,10 @@ __all__ = [
     "Transfer",
     "check_rank",
     "check_ranks",
+    "dense_samples",
     "plan_rank",
     "plan_ranks",
+    "read_runs",
 ]
 
 #: Columns of a ``[K, 5]`` int64 run table: rows ``row + i * step`` hold positions
@@ -901,16 +908,7 @@ def _transfers(
     return out
 
 
-def _fetch(
-    catalog: RunCatalog, side: str, groups: np.ndarray, *, raw: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """The runs of several groups of one catalog, concatenated as :func:`_runs` reads each
-    (``raw``: as the catalog gives them): ``([K, 5] runs, [K] group of each run)``."""
-    runs, _, tag = _fetch_many([catalog], side, np.zeros(groups.size, _I64), groups, raw=raw)
-    return runs, tag
-
-
-def _fetch_many(
+def read_runs(
     catalogs: Sequence[RunCatalog],
     side: str,
     mb_X: np.ndarray,
@@ -954,7 +952,7 @@ def _fetch_many(
     return runs, mb, tag
 
 
-def _dense(mb_K: np.ndarray, sample_K: np.ndarray) -> np.ndarray:
+def dense_samples(mb_K: np.ndarray, sample_K: np.ndarray) -> np.ndarray:
     """``[K]`` a dense id of each ``(micro-batch, sample id)`` pair, in that pair's order: keys
     of different micro-batches never meet."""
     o = np.lexsort((sample_K, mb_K))
@@ -1052,11 +1050,11 @@ def plan_ranks(
     pg = np.concatenate(pair_g) if pair_g else _EMPTY
     n_s = max(n_src, 1)
     key = np.unique(e_mb[pe] * n_s + pg)  # (micro-batch, source) pairs, each once
-    src, _, src_tag = _fetch_many(catalogs, "s", key // n_s, key % n_s, tag_X=key)
-    dst, _, dst_e = _fetch_many(catalogs, "d", e_mb, e_d, tag_X=np.arange(n_e, dtype=_I64))
+    src, _, src_tag = read_runs(catalogs, "s", key // n_s, key % n_s, tag_X=key)
+    dst, _, dst_e = read_runs(catalogs, "d", e_mb, e_d, tag_X=np.arange(n_e, dtype=_I64))
     # 3. one join of every micro-batch: sample ids made distinct per micro-batch
     if src.shape[0] and dst.shape[0]:
-        ids = _dense(
+        ids = dense_samples(
             np.concatenate([src_tag // n_s, e_mb[dst_e]]),
             np.concatenate([src[:, 0], dst[:, 0]]),
         )
@@ -1335,10 +1333,10 @@ def _source_flags(catalogs: Sequence[RunCatalog], g: int) -> np.ndarray:
     flags = np.zeros(len(catalogs), dtype=bool)
     if not mb_parts:
         return flags
-    runs, mb, tag = _fetch_many(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
+    runs, mb, tag = read_runs(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
     if not runs.shape[0]:
         return flags
-    ids = _dense(mb, runs[:, 0])
+    ids = dense_samples(mb, runs[:, 0])
     stride = int((runs[:, 1] + runs[:, 4]).max()) + 1
     key = ids * stride + runs[:, 1]
     mine = tag == g
@@ -1363,7 +1361,7 @@ def _dest_flags(catalogs: Sequence[RunCatalog], d: int) -> np.ndarray:
     that meet it."""
     n = len(catalogs)
     every = np.arange(n, dtype=_I64)
-    dst, dmb, _ = _fetch_many(catalogs, "d", every, np.full(n, d, dtype=_I64))
+    dst, dmb, _ = read_runs(catalogs, "d", every, np.full(n, d, dtype=_I64))
     if not dst.shape[0]:
         return np.zeros(n, dtype=bool)
     mb_parts, grp_parts = [], []
@@ -1372,8 +1370,8 @@ def _dest_flags(catalogs: Sequence[RunCatalog], d: int) -> np.ndarray:
         cands = cat.sources_meeting(lo, hi)
         mb_parts.append(np.full(cands.size, i, dtype=_I64))
         grp_parts.append(cands)
-    src, smb, _ = _fetch_many(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
-    ids = _dense(np.concatenate([smb, dmb]), np.concatenate([src[:, 0], dst[:, 0]]))
+    src, smb, _ = read_runs(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
+    ids = dense_samples(np.concatenate([smb, dmb]), np.concatenate([src[:, 0], dst[:, 0]]))
     both = np.concatenate([src, dst])
     stride = int((both[:, 1] + both[:, 4]).max()) + 1
     key = ids * stride + both[:, 1]

@@ -2,11 +2,15 @@
 
 Why this file exists: the live bridge (:meth:`~mopd.bridge.api.HiddenStateBridge.plan_step`),
 the plan inspector, the plan benchmark and the tests must build a step's records and read the
-gathered matrix by the same rule, or a change to the record leaves the tools checking another
-rule than the one that runs. Everything here is pure (no process group): the all-gather between
-:func:`rank_sections` / :func:`~mopd.bridge.metadata.encode_step_record` and :func:`read_step`
-is the caller's (the bridge's :func:`~mopd.bridge.metadata.gather_step_matrix`, or
-:func:`stack_records` in one process).
+exchanged records by the same rule, or a change to the record leaves the tools checking
+another rule than the one that runs. Everything here is pure (no process group): the exchange
+between :func:`rank_sections` / :func:`~mopd.bridge.metadata.encode_step_record` and
+:func:`read_step` is the caller's (the bridge's routed exchange,
+:func:`~mopd.bridge.peers.exchange_records`, or its gather,
+:func:`~mopd.bridge.metadata.gather_step_matrix`, or :func:`stack_records` in one process).
+A routed step's matrix holds some members' records: the view then covers the groups whose
+leaders' records are there (:attr:`StepView.source_ids`), every group that shares a sample
+with the rank's own among them.
 
 The rule (:func:`rank_roles`): a rank holds a teacher's section when it is on that teacher's
 last pipeline stage, the student's when it is on the student's last stage. The first rank of a

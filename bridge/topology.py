@@ -1,11 +1,11 @@
-"""The groups a bridge's meshes form, and the planner's view of one gathered micro-batch.
+"""The groups a bridge's meshes form, and the planner's view of one exchanged micro-batch.
 
 Why this file exists: the meshes fix, once, which ranks replicate which buffer (a teacher's
 last-stage TP group per ``(dp, cp)`` shard, or each of its ranks alone when it sends from its own
 sequence-parallel shard) and which ranks share one crossing (the student's last-stage TP group
 per shard, or each rank alone when it keeps its SP slice). Every rank derives
 the same :class:`Topology` from the meshes alone; per micro-batch, :meth:`Topology.catalog` turns
-the gathered step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
+the exchanged step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
 decoding more than the groups the caller asks about.
 
 What is per rank and what is per job: the groups and their :class:`~mopd.bridge.plan.GroupIndex`
