@@ -21,7 +21,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
-from mopd.bridge.plan import RunCatalog, check_ranks, dense_samples, read_runs
+from mopd.bridge.plan import RunCatalog, check_rank, dense_samples, read_runs
 from mopd.bridge.topology import Topology
 from mopd.common import ranges
 
@@ -200,12 +200,17 @@ def rank_checks(
         problems += _duplicate_samples(
             catalogs, skip, topology=topology, student=student, rank=rank
         )
-    # the planner's checks: tokens held twice or by nobody (every new micro-batch in one pass)
+    # the planner's checks: tokens held twice or by nobody (every new micro-batch of a step's
+    # catalogs in one pass: check_rank of one checks every pending one)
     with ranges.span("plan", "checks"):
         todo = [i for i in range(n_slots) if not skip[i]]
-        found = check_ranks([catalogs[i] for i in todo], rank)
-        for i, ps in zip(todo, found, strict=True):
-            problems += [f"micro-batch {i}: {p}" for p in ps]
+        batch = catalogs[todo[0]].batch if todo else None
+        if batch is not None:
+            batch.expect(todo)
+        for i in todo:
+            problems += [f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], rank)]
+        if batch is not None:
+            batch.done()
     return problems
 
 

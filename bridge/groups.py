@@ -25,16 +25,17 @@ with the same meshes, in the same program order as its other ``new_group`` calls
    ``metadata_node_size``, one group per node (in node order), then one group of the nodes'
    first ranks (the leaders).
 5. a gloo group over the same ranks as 1. for the routed step metadata's point-to-point rounds
-   (:mod:`mopd.bridge.peers`): apart from 3., whose collectives they would otherwise
-   interleave with per-rank counts of their own; its members pass one barrier on it when it is
-   created (as 1.'s), its only collective.
+   (:mod:`mopd.bridge.peers`; single sends and receives, never a collective): apart from 3.,
+   whose collectives they would otherwise interleave with per-rank counts of their own.
 
 The step metadata goes over 3. as one flat all-gather (:func:`all_gather_flat`), or, with the
 groups of 4., in two levels (:func:`all_gather_nodes`): a gather to each node's leader, a
 log-depth all-gather among the leaders, a broadcast inside each node. The result is the same
 bytes; the flat ring costs ``n - 1`` latency hops, the two-level form about ``log2(n / k)``.
+A step every rank agrees on routes each rank its peers' records over 5. instead
+(:func:`mopd.bridge.peers.exchange_records`): only a step refused for its headers gathers them.
 
-Group 1.'s members also pass one barrier on it when it is created (5.'s too): NCCL sets a
+Group 1.'s members also pass one barrier on it when it is created: NCCL sets a
 communicator up in the group's first collective, which needs every member, while the bridge's
 first use of the group is a batched send/receive that ranks with nothing to move skip (done on
 every backend, so CPU jobs take the GPU path).
@@ -427,10 +428,7 @@ def create_bridge_groups(
     nodes = None
     if len(members) >= metadata_nodes_from and 1 < metadata_node_size < len(members):
         nodes = create_node_groups(pool, members, metadata_node_size)
-    fresh = not pool.has(members, backend="gloo", purpose=_ROUTES)
-    routes = pool.create(members, backend="gloo", purpose=_ROUTES)
-    if routes is not None and fresh:
-        dist.barrier(group=routes)  # set up by its members together, as 1. (NCCL's rule)
+    pool.create(members, backend="gloo", purpose=_ROUTES)
     me = dist.get_rank()
     tp_group = None
     coord = student.coord(me)

@@ -137,7 +137,9 @@ def registrations(
         ks = _section_samples(record, topology.student_section, n_slots)
         parts.append(_rows(ks[:, 0], ks[:, 1], n_src + d, me, size))
     for a in agreements:
-        if a.ranks[0] not in topology.members:
+        try:
+            topology.member_index(a.ranks[0])
+        except ValueError:  # its first rank is no member of the bridge: nothing to compare
             continue
         first = 1 if a.ranks[0] == rank else 0
         parts.append(_rows(np.asarray([_AGREEMENT]), np.asarray([a.key]), first, me, size))

@@ -70,6 +70,7 @@ __all__ = [
     "RunCatalog",
     "RunFetch",
     "SourceGroup",
+    "StepBatch",
     "Transfer",
     "check_rank",
     "check_ranks",
@@ -182,6 +183,37 @@ class GroupIndex:
         )
 
 
+@dataclass(eq=False)
+class StepBatch:
+    """A step's catalogs (one per micro-batch, :attr:`RunCatalog.slot` its index here) that
+    :func:`plan_rank` and :func:`check_rank` handle together: the first call for one of the
+    ``pending`` catalogs plans (checks) every pending one for that rank in one pass
+    (:func:`plan_ranks`, :func:`check_ranks`), later calls read its result. The caller marks
+    which micro-batches it is about to plan (:meth:`expect`) and lets go of the results when
+    done (:meth:`done`).
+
+    Attributes:
+        catalogs: the step's catalogs, by micro-batch (built on first access).
+        pending: the micro-batches planned / checked together, ascending.
+    """
+
+    catalogs: Sequence[RunCatalog]
+    pending: tuple[int, ...] = ()
+    _plans: dict[tuple[int, bool, bool], dict[int, RankPlan]] = field(default_factory=dict)
+    _checks: dict[int, dict[int, list[str]]] = field(default_factory=dict)
+
+    def expect(self, slots: Sequence[int]) -> None:
+        """The micro-batches about to be planned or checked, one call each."""
+        self.done()
+        self.pending = tuple(sorted(slots))
+
+    def done(self) -> None:
+        """Forget the pending micro-batches and their results."""
+        self.pending = ()
+        self._plans.clear()
+        self._checks.clear()
+
+
 #: :attr:`RunCatalog.fetch`: ``(side, slots, groups) -> ([K, 5] runs, [len(groups)] counts)``.
 RunFetch = Callable[[str, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -214,6 +246,9 @@ class RunCatalog:
         slot: this catalog's micro-batch in ``fetch``'s numbering.
         dest_rows_D: ``[D]`` (``[D']`` with ``dest_ids``) each destination group's rows, when
             the caller has them (else read off :attr:`dests`).
+        batch: the step's catalogs this one is planned and checked with (:class:`StepBatch`):
+            :func:`plan_rank` / :func:`check_rank` of one of its pending catalogs plan (check)
+            them all at once; ``None``: this catalog alone.
 
     The planner reads each group's runs at most once per catalog (kept in a private memo).
     """
@@ -230,6 +265,7 @@ class RunCatalog:
     fetch: RunFetch | None = None
     slot: int = 0
     dest_rows_D: np.ndarray | None = None
+    batch: StepBatch | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     def source_range(self, g: int) -> tuple[int, int]:
@@ -1156,9 +1192,19 @@ def plan_rank(
     rows arrive in a buffer of their own, one row per token it owns, in the layout's row order.
     A sender then also reads, for each destination group it serves, the runs of its owner's
     other source groups that meet that group (to place its pieces among theirs).
-    A step's micro-batches are planned together by :func:`plan_ranks`.
+    A step's micro-batches are planned together by :func:`plan_ranks`: a catalog of a
+    :class:`StepBatch` whose micro-batch is pending is planned with every pending one.
     """
-    return plan_ranks([catalog], rank, local_copy=local_copy, compact=compact)[0]
+    b = catalog.batch
+    if b is None or catalog.slot not in b.pending:
+        return plan_ranks([catalog], rank, local_copy=local_copy, compact=compact)[0]
+    key = (rank, local_copy, compact)
+    got = b._plans.get(key)
+    if got is None:
+        cats = [b.catalogs[i] for i in b.pending]
+        plans = plan_ranks(cats, rank, local_copy=local_copy, compact=compact)
+        got = b._plans[key] = dict(zip(b.pending, plans, strict=True))
+    return got[catalog.slot]
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -1300,8 +1346,17 @@ def check_rank(catalog: RunCatalog, rank: int) -> list[str]:
     group before it also holds); each destination group by its first rank (a token it needs that
     no source holds). Together the ranks check every group once. Messages name the token
     ``(sample_id, position)``, the groups with their ranks and rows, and how many tokens are
-    affected; they depend on the catalog only, not on the rank that finds them.
+    affected; they depend on the catalog only, not on the rank that finds them. A catalog of a
+    :class:`StepBatch` whose micro-batch is pending is checked with every pending one
+    (:func:`check_ranks`: the same verdicts).
     """
+    b = catalog.batch
+    if b is not None and catalog.slot in b.pending:  # every pending micro-batch in one pass
+        got = b._checks.get(rank)
+        if got is None:
+            found_I = check_ranks([b.catalogs[i] for i in b.pending], rank)
+            got = b._checks[rank] = dict(zip(b.pending, found_I, strict=True))
+        return list(got[catalog.slot])
     ix = catalog.index()
     found: list[str] = []
     for g in ix.source_groups.get(rank, ()):

@@ -42,7 +42,7 @@ import torch
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
-from mopd.bridge.plan import RunCatalog
+from mopd.bridge.plan import RunCatalog, StepBatch
 from mopd.bridge.topology import Topology
 from mopd.common.lazy import LazySequence
 
@@ -149,8 +149,9 @@ def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndar
 
 def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
     """A step's catalogs, each built on first access (a micro-batch a rank has planned before
-    needs none); the columns they read (``(n_rows, sample_min, sample_max)`` of every group
-    here, ``[I, X, 3]``) are copied once, on the first."""
+    needs none), planned and checked together (one :class:`~mopd.bridge.plan.StepBatch`,
+    :attr:`StepView.batch`); the columns they read (``(n_rows, sample_min, sample_max)`` of
+    every group here, ``[I, X, 3]``) are copied once, on the first."""
     fields: list[tuple[np.ndarray, np.ndarray]] = []
 
     def build(j: int) -> RunCatalog:
@@ -171,11 +172,13 @@ def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
             fields=(src_I[j], dst_I[j]),
             ids=ids,  # type: ignore[arg-type]
             fetch=fetch,
+            batch=view.batch,
         )
 
     fetch = view.topology.fetcher(view.matrix)
-
-    return LazySequence(view.n_slots, build, noun="micro-batch")
+    out = LazySequence(view.n_slots, build, noun="micro-batch")
+    view.batch.catalogs = out
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -194,6 +197,7 @@ class StepView:
             ``source_ids[r]``, or group ``r``).
         dest_DIF: ``[D', n_slots, SLOT_FIELDS]`` those destination group leaders' (the same).
         catalogs: per micro-batch, the planner's lazy catalog (each built on first access).
+        batch: :attr:`catalogs` as one :class:`~mopd.bridge.plan.StepBatch`.
     """
 
     topology: Topology
@@ -250,6 +254,12 @@ class StepView:
     @cached_property
     def catalogs(self) -> Sequence[RunCatalog]:
         return _catalogs(self)
+
+    @cached_property
+    def batch(self) -> StepBatch:
+        """The step's catalogs as planned and checked together: :meth:`StepBatch.expect` the
+        micro-batches about to be planned, then ``plan_rank`` / ``check_rank`` each."""
+        return StepBatch(catalogs=())
 
     def tokens_I(self) -> np.ndarray:
         """``[n_slots]`` real tokens the student wants per micro-batch over all its

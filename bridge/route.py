@@ -13,9 +13,10 @@ cost grows with the job. Two mechanisms serve it, on any :class:`Wire`:
   destination is ``t``), so that no member needs to know who sends to it, and none exchanges
   with more than ``(radix - 1) * rounds`` members.
 
-:class:`GroupWire` is the live wire: ``batch_isend_irecv`` on the bridge's metadata group (gloo,
-host tensors), every wait bounded by one deadline for the whole exchange. A message to oneself
-never touches the group. Members are positions in the group's sorted global ranks.
+:class:`GroupWire` is the live wire: sends and receives on a gloo group of the bridge's members
+(host tensors; its sums on the metadata group), every wait bounded by one deadline for the
+whole exchange. A message to oneself never touches the group. Members are positions in the
+group's sorted global ranks.
 """
 
 from __future__ import annotations
@@ -156,18 +157,18 @@ class GroupWire:
         return self._received
 
     def _post(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """Post every send and receive of a round, then wait for them all (single operations,
+        not a batch: a batch on a group that saw no collective is what NCCL refuses)."""
         self._tag += 1
-        ops = [
-            dist.P2POp(dist.isend, t, self.members[p], group=self.group, tag=self._tag)
+        works = [
+            dist.isend(t, self.members[p], group=self.group, tag=self._tag)
             for p, t in sends.items()
         ]
-        ops += [
-            dist.P2POp(dist.irecv, t, self.members[p], group=self.group, tag=self._tag)
+        works += [
+            dist.irecv(t, self.members[p], group=self.group, tag=self._tag)
             for p, t in recvs.items()
         ]
-        if not ops:
-            return
-        for work in dist.batch_isend_irecv(ops):
+        for work in works:
             cdist.wait(work, device=torch.device("cpu"), timeout_s=self._left())
 
     def swap(

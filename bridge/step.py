@@ -24,7 +24,7 @@ from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import check_buffer
 from mopd.bridge.metadata import Section, StepMatrix, code_dtype
 from mopd.bridge.order import StepOrder
-from mopd.bridge.plan import RunCatalog, plan_rank, plan_ranks
+from mopd.bridge.plan import RunCatalog, plan_rank
 from mopd.bridge.record import StepView
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology
@@ -109,14 +109,19 @@ class BridgeStep:
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
             # the micro-batches whose plan inputs are new (or whose schedule was evicted),
-            # planned together
+            # planned together (each catalog's plan_rank plans every pending one with it)
             todo = [i for i in range(n_slots) if not cached[i][0]]
-            plans = plan_ranks(
-                [self._catalogs[i] for i in todo],
-                bridge.rank,
-                local_copy=bridge.config.local_copy,
-                compact=True,
-            )
+            view.batch.expect(todo)
+            plans = [
+                plan_rank(
+                    self._catalogs[i],
+                    bridge.rank,
+                    local_copy=bridge.config.local_copy,
+                    compact=True,
+                )
+                for i in todo
+            ]
+            view.batch.done()
             busy = [
                 (i, p)
                 for i, p in zip(todo, plans, strict=True)

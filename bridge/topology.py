@@ -27,7 +27,14 @@ import numpy as np
 
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.metadata import StepMatrix
-from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, RunFetch, SourceGroup
+from mopd.bridge.plan import (
+    DestGroup,
+    GroupIndex,
+    RunCatalog,
+    RunFetch,
+    SourceGroup,
+    StepBatch,
+)
 from mopd.common.lazy import LazySequence
 
 __all__ = ["Topology"]
@@ -209,6 +216,7 @@ class Topology:
         fields: tuple[np.ndarray, np.ndarray] | None = None,
         ids: tuple[np.ndarray, np.ndarray] | None = None,
         fetch: RunFetch | None = None,
+        batch: StepBatch | None = None,
     ) -> RunCatalog:
         """The planner's view of micro-batch ``slot`` of an exchanged, validated step.
 
@@ -219,7 +227,8 @@ class Topology:
         only (routed: :meth:`led_by` of its members); ``fields``: those groups' ``([G', 3],
         [D', 3])`` columns ``(n_rows, sample_min, sample_max)`` when the caller read them
         already (:func:`mopd.bridge.record.read_step`); ``fetch``: :meth:`fetcher` of
-        ``matrix``, shared by the step's catalogs (one read serves several micro-batches).
+        ``matrix``, shared by the step's catalogs (one read serves several micro-batches);
+        ``batch``: the step's catalogs it is planned and checked with.
         """
         src_ids, dst_ids = ids if ids is not None else (None, None)
         if fields is not None:
@@ -250,6 +259,7 @@ class Topology:
             fetch=self.fetcher(matrix) if fetch is None else fetch,
             slot=slot,
             dest_rows_D=np.ascontiguousarray(dst_fields[:, 0]),
+            batch=batch,
             source_range_G2=np.ascontiguousarray(src_fields[:, 1:3]),
             dest_range_D2=np.ascontiguousarray(dst_fields[:, 1:3]),
             group_index=self.index,
