@@ -106,6 +106,7 @@ from mopd.profiling.results import environment, format_table, record
 __all__ = [
     "BASELINE",
     "DEFAULT_RANKS",
+    "PREVIOUS",
     "SOURCES",
     "AllGatherModel",
     "ExchangeSim",
@@ -118,6 +119,7 @@ __all__ = [
     "model_allgather",
     "offline_bridge",
     "recorded_global",
+    "recorded_previous",
     "routed_exchange",
     "simulate_exchange",
 ]
@@ -126,6 +128,10 @@ __all__ = [
 #: rank count at 4096 tokens per rank in one micro-batch, samples up to 4096 long, seed 0), under
 #: ``results/``.
 BASELINE = "plan-scale-cpu-2026-12-01"
+#: The path before the routed exchange, recorded (``step_host_miss_ms`` per rank count and
+#: source mode at this benchmark's default setup), under ``results/``.
+PREVIOUS = "plan-step-cpu-2026-12-02"
+_PREVIOUS_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 8}
 _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
 #: The teacher's source modes measured: TP replicas (one sending group per TP group), or every
 #: teacher rank sending its own SP shard (``TeacherSpec(sp_shards=True)``: tp x the groups).
@@ -908,12 +914,28 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
     return out
 
 
+def recorded_previous(results_dir: Path | None = None) -> dict[tuple[int, str], float]:
+    """``(ranks, sources) -> step_host_miss_ms`` of the path before the routed exchange, as
+    recorded (:data:`PREVIOUS`; empty where the record is not there)."""
+    import csv
+
+    path = (results_dir or Path(__file__).resolve().parent / "results") / f"{PREVIOUS}.csv"
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as f:
+        return {
+            (int(r["ranks"]), r["sources"]): float(r["step_host_miss_ms"])
+            for r in csv.DictReader(f)
+        }
+
+
 def _row(
     step: Step,
     local: dict[str, float],
     host: dict[str, float],
     glob: dict[str, float | None],
     rss_mib: float,
+    previous: float | None = None,
 ) -> dict:
     model = model_allgather(step.ranks, step.sizes_N)
     routed_bytes, routed_ms = routed_exchange(
@@ -926,6 +948,7 @@ def _row(
         "sources": "sp_shards" if step.sp_shards else "replicas",
         "step_host_miss_ms": round(host["step_host_miss_ms"], 4),
         "step_host_miss_gather_ms": round(host["step_host_miss_gather_ms"], 4),
+        "step_host_miss_recorded_ms": previous,
         "allgather_bytes": routed_bytes,
         "allgather_bytes_gather": model.gathered_bytes,
         "peers": int(host["peers"]),
@@ -1021,7 +1044,13 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
                 f"{hi['layouts_ms']:.3g} ms of it the caller's layouts, "
                 f"{hi['exchange_ms']:.3g} ms the routed exchange, "
                 f"{hi['verdict_plan_miss_ms']:.3g} ms the verdict and the plans), against "
-                f"{hi['step_host_miss_gather_ms']:.3g} ms planning from every record, as before;"
+                f"{hi['step_host_miss_gather_ms']:.3g} ms planning from every record"
+                + (
+                    f" ({hi['step_host_miss_recorded_ms']:.3g} ms recorded before this change)"
+                    if hi.get("step_host_miss_recorded_ms")
+                    else ""
+                )
+                + ";"
             )
         if lo and top:
             ratio = top["step_host_miss_ms"] / lo["step_host_miss_ms"]
@@ -1055,8 +1084,11 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "mopd.bridge.peers' own functions, not timed), the fence, the verdict checks, plan "
         "keys, plans and schedules (`verdict_plan_miss_ms`), the token counts (the step's and "
         "each micro-batch's). `step_host_miss_gather_ms`: the same step planned from every "
-        "record (the path before: its all-gather's matrix, a fresh copy, not timed; "
-        "`verdict_plan_gather_ms` its verdict and plans). `step_host_ms`: a repeated step (the "
+        "record (the all-gather's matrix, a fresh copy, not timed; `verdict_plan_gather_ms` "
+        "its verdict and plans), by the same planner: what routing saves; "
+        f"`step_host_miss_recorded_ms`: the path before this change, as recorded in "
+        f"profiling/results/{PREVIOUS}.md (another run, another load). "
+        "`step_host_ms`: a repeated step (the "
         "plan memo's records serve; no planner runs). Each: the least of up to "
         f"{args.repeats} steps (every record: a third of that), the slowest of three ranks "
         "(rank 0, one in the middle, the last teacher leader); each measured rank's plans from "
@@ -1116,6 +1148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     same_setup = all(getattr(args, k) == v for k, v in _BASELINE_SETUP.items())
     baseline = recorded_global() if same_setup else {}
+    previous = (
+        recorded_previous()
+        if all(getattr(args, k) == v for k, v in _PREVIOUS_SETUP.items())
+        else {}
+    )
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
@@ -1136,7 +1173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reps = representative_ranks(n)
         local = measure_local(step, reps, args.repeats)
         host = measure_step(step, reps, args.repeats)
-        row = _row(step, local, host, baseline.get(n, {}), rss_mib)
+        row = _row(step, local, host, baseline.get(n, {}), rss_mib, previous.get((n, src)))
         del step
         gc.collect()
         rows.append(row)

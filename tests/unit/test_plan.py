@@ -591,11 +591,12 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
     for r in rows:
         # the changed step leads: its host work and the metadata a rank receives, routed and
         # gathered
-        assert list(r)[:6] == [
+        assert list(r)[:7] == [
             "ranks",
             "sources",
             "step_host_miss_ms",
             "step_host_miss_gather_ms",
+            "step_host_miss_recorded_ms",
             "allgather_bytes",
             "allgather_bytes_gather",
         ]
