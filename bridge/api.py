@@ -7,11 +7,12 @@ inside ``forward_step_func`` / ``loss_func``. A step therefore has two phases:
 
 1. :meth:`HiddenStateBridge.plan_step`, outside the schedule, on every rank of the bridge group:
    one metadata exchange for all micro-batches of both sides (:mod:`mopd.bridge.metadata`: an
-   all-reduce of the records' header summary, then the records; flat, or in two levels over
-   node groups),
-   checks whose verdict every rank shares (bad input raises the same ``ValueError`` on every
-   rank before any data moves), and each rank's own plan per micro-batch
-   (:mod:`mopd.bridge.plan`, work proportional to its own runs and its peers').
+   all-reduce of the records' header summary, then, on an agreed step, each rank's peers'
+   records, routed (:mod:`mopd.bridge.peers`); every record, flat or in two levels over node
+   groups, when some header differs), checks whose verdict every rank shares (bad input
+   raises the same ``ValueError`` on every rank before any data moves), and each rank's own
+   plans of its micro-batches (:mod:`mopd.bridge.plan`, work proportional to its own runs and
+   its peers').
 2. Per micro-batch, point to point only: :meth:`BridgeStep.send` on teacher ranks takes the
    captured rows at the call (the buffer may be reused as soon as it returns) and posts the
    transfers; :meth:`BridgeStep.receive` on student ranks waits for them and returns each
@@ -42,7 +43,7 @@ current stream wait for the transfers and queues the unpacking and the TP all-ga
 Read the rows on that stream, or order yours after it.
 
 The step itself is :mod:`mopd.bridge.step`'s, the configs :mod:`mopd.bridge.config`'s, the
-checks every rank judges alike off the gathered matrix :mod:`mopd.bridge.checks`'s, and the
+checks every rank judges alike off the exchanged records :mod:`mopd.bridge.checks`'s, and the
 rules for the caller's layouts and buffers :mod:`mopd.bridge.inputs`'s. This module keeps the
 bridge and its planning call, and re-exports the names it used to define.
 """
@@ -74,6 +75,7 @@ from mopd.bridge.metadata import (
     STATE_FAILED,
     STATE_OPEN,
     STATE_READY,
+    RecordRoute,
     Section,
     StepMatrix,
     encode_step_record,
@@ -81,8 +83,12 @@ from mopd.bridge.metadata import (
     record_tables,
     reduce_summary,
     reuses_memo,
+    summary_heads,
+    uniform_count,
 )
+from mopd.bridge.peers import exchange_records
 from mopd.bridge.record import rank_roles, rank_sections, read_step
+from mopd.bridge.route import GroupWire, Wire
 from mopd.bridge.step import BridgeStep, ExchangeHandle
 from mopd.bridge.topology import Topology
 from mopd.bridge.transport import comm_failure
@@ -193,6 +199,7 @@ class HiddenStateBridge:
                 self.config.keep_sp_shard,
                 self.config.integrity,
                 self.topology.members,
+                groups.meta_routes is not None,
             ]
         )
         self.config_sig = int.from_bytes(
@@ -296,7 +303,7 @@ class HiddenStateBridge:
                 student's first stage, which passes no layouts), agreed with everyone's, as a
                 :class:`~mopd.bridge.inputs.StepChecks` with the
                 :class:`~mopd.bridge.inputs.Agreement` s its peers must match (a model
-                replica's shapes): compared after the metadata all-gather, a difference is the
+                replica's shapes): compared after the metadata exchange, a difference is the
                 same ``ValueError`` everywhere.
 
         Micro-batch ``i`` on one side is micro-batch ``i`` on the other: teacher micro-batch
@@ -307,7 +314,7 @@ class HiddenStateBridge:
             This rank's :class:`BridgeStep`.
         Raises:
             ValueError: bad input on any rank (the same text on every rank, before data moves).
-            BridgeTimeoutError, BridgeCommError: the metadata all-gather or the verdict on the
+            BridgeTimeoutError, BridgeCommError: the metadata exchange or the verdict on the
                 input failed. After those, and after any other error past the metadata
                 all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
@@ -336,31 +343,57 @@ class HiddenStateBridge:
         )
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
-            m, summary = self._executor.timed(
-                lambda: self._gather(record, meta_group),
+            matrix = self._executor.timed(
+                lambda: self._gather(record, meta_group, agreements),
                 lambda: (
                     "the bridge's metadata all-gather over global ranks "
                     f"{list(self.topology.members)}"
                 ),
             )
-        return self._agree_and_plan(StepMatrix(m, summary), sections, agreements)
+        return self._agree_and_plan(matrix, sections, agreements)
 
     def _gather(
-        self, record: torch.Tensor, group: dist.ProcessGroup | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's record and the summary (:mod:`mopd.bridge.metadata`): the summary's
-        all-reduce, then the records' all-gather, or none when every record is the plan
-        memo's step's but for its header (the memo's matrix serves; the same answer on every
-        rank). A memo that cannot serve is dropped before the gather (one matrix held)."""
+        self,
+        record: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        agreements: Sequence[Agreement] = (),
+    ) -> StepMatrix:
+        """The records this rank reads, with the summary (:mod:`mopd.bridge.metadata`): the
+        summary's all-reduce, then no records when every record is the plan memo's step's but
+        for its header (the memo's serve), the records of this rank's peers when the summary
+        says every rank agreed (:func:`~mopd.bridge.peers.exchange_records`), every record
+        otherwise (the fence and the header verdicts read them all). The summary is the same on
+        every rank, so is the choice. A memo that cannot serve is dropped first."""
         device = cdist.group_device(group)
         summary = reduce_summary(
-            record, group=group, device=device, timeout_s=self.config.timeout_s
+            record,
+            group=group,
+            device=device,
+            timeout_s=self.config.timeout_s,
+            heads=len(self.teachers),
         )
         memo = self._memo
         if memo is not None and reuses_memo(summary, memo.step):
-            return memo.matrix, summary
+            return StepMatrix(memo.matrix, summary, memo.members)
         self._memo = None
-        matrix = gather_records(
+        n_slots = uniform_count(summary)
+        route: RecordRoute | None = None
+        routes = self.groups.meta_routes is not None or len(self.topology.members) == 1
+        if routes and n_slots is not None and summary_heads(summary) is not None:
+            deadline = time.monotonic() + self.config.timeout_s
+
+            def route(rec: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+                assert n_slots is not None
+                return exchange_records(
+                    rec,
+                    self._make_wire(deadline),
+                    topology=self.topology,
+                    rank=self.rank,
+                    n_slots=n_slots,
+                    agreements=agreements,
+                )
+
+        matrix, members = gather_records(
             record,
             width=int(summary[SIZE]),
             group=group,
@@ -368,8 +401,20 @@ class HiddenStateBridge:
             device=device,
             timeout_s=self.config.timeout_s,
             nodes=self.groups.meta_nodes,
+            route=route,
         )
-        return matrix, summary
+        return StepMatrix(matrix, summary, members)
+
+    def _make_wire(self, deadline: float) -> Wire:
+        """This rank's end of the metadata group's point-to-point rounds and sums, every wait
+        ending by ``deadline``."""
+        return GroupWire(
+            self.groups.meta_routes,
+            members=self.topology.members,
+            member=self.topology.member_index(self.rank),
+            deadline=deadline,
+            sums=self.groups.metadata_group,
+        )
 
     def _local_record(
         self,
@@ -380,7 +425,7 @@ class HiddenStateBridge:
         open_steps: Sequence[BridgeStep],
     ) -> tuple[torch.Tensor, list[Section | None], tuple[Agreement, ...]]:
         """This rank's step record, sections and agreements (local; a ``ValueError`` of the
-        input becomes the record's error text, which every rank reads after the all-gather)."""
+        input becomes the record's error text, which every rank reads after the exchange)."""
         ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)
@@ -427,10 +472,9 @@ class HiddenStateBridge:
         sections: list[Section | None],
         agreements: Sequence[Agreement] = (),
     ) -> BridgeStep:
-        """From the gathered matrix: the fence, the shared verdict on the input, this rank's
+        """From the exchanged records: the fence, the shared verdict on the input, this rank's
         plans (or cached schedules); the step. Collective only in the verdict."""
         ex = self._executor
-        meta_group = self.groups.metadata_group
         n_slots_ok = matrix.uniform_slots()  # every record ready and agreeing (the summary)
         if n_slots_ok is None:
             members = self.topology.members
@@ -451,10 +495,10 @@ class HiddenStateBridge:
                     and memo.n_slots == n_slots
                     and memo.extra == extra
                     and matrix.unchanged_since(memo.step)
-                ):  # every rank's tables are the memo step's: so are the keys and counts
-                    keys, tokens_I = list(memo.keys), memo.tokens_I
+                ):  # every rank's tables are the memo step's: so are the keys
+                    keys = list(memo.keys)
                 else:
-                    keys, tokens_I = view.plan_keys(self.rank, extra), None
+                    keys = view.plan_keys(self.rank, extra)
                 cached = [ex.lookup(k) for k in keys]
                 problems = rank_checks(
                     matrix,
@@ -469,12 +513,7 @@ class HiddenStateBridge:
                 )
                 t0 = time.monotonic()
                 try:
-                    cdist.same_verdict(
-                        problems,
-                        group=meta_group,
-                        timeout_s=self.config.timeout_s,
-                        what="bridge input",
-                    )
+                    tokens_I = self._verdict(problems, view.led_tokens_I(self.rank))
                 except ValueError:
                     agreed = True  # the same verdict on every rank: nobody is left waiting
                     raise
@@ -498,16 +537,14 @@ class HiddenStateBridge:
                 cached=cached,
                 tokens_I=tokens_I,
             )
-            if tokens_I is None:
-                tokens_I = view.tokens_I()
             self._memo = _PlanMemo(
                 step=self.steps,
-                tables=record_tables(matrix.matrix[self.topology.member_index(self.rank)]),
+                tables=record_tables(matrix.row(self.topology.member_index(self.rank))),
                 matrix=matrix.matrix,
+                members=matrix.members,
                 n_slots=n_slots,
                 extra=extra,
                 keys=tuple(keys),
-                tokens_I=tokens_I,
             )
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
@@ -642,25 +679,44 @@ class HiddenStateBridge:
 
     def _key_extra(self, matrix: StepMatrix) -> bytes:
         """What a rank's schedules depend on beside its plan inputs: the teachers' dtype codes
-        (row widths), as every rank reads them off the matrix."""
+        (row widths), as every rank reads them (the summary's, or off the first leaders'
+        records)."""
         topo = self.topology
-        codes = [matrix.section_head(topo.first_leader(o), o)[0] for o in range(len(self.teachers))]
+        codes = [matrix.teacher_head(o, topo.first_leader(o))[0] for o in range(len(self.teachers))]
         return np.asarray(codes, dtype=np.int64).tobytes()
+
+    def _verdict(self, problems: Sequence[str], led_tokens_I: np.ndarray) -> np.ndarray:
+        """The shared verdict on the step's input, and the step's token counts, in one sum
+        over the metadata group: ``[1 + n_slots]`` words, whether this rank found a problem and
+        the tokens of the destination groups it leads per micro-batch. Returns the step's
+        ``[n_slots]`` tokens (every destination group's, each once); raises the same
+        ``ValueError`` on every rank when any found a problem
+        (:func:`~mopd.common.dist.same_verdict` then names the first)."""
+        words = np.concatenate([[1 if problems else 0], led_tokens_I]).astype(np.int64)
+        total = self._make_wire(time.monotonic() + self.config.timeout_s).reduce_sum(words)
+        if total[0]:
+            cdist.same_verdict(
+                problems,
+                group=self.groups.metadata_group,
+                timeout_s=self.config.timeout_s,
+                what="bridge input",
+            )
+        return total[1:]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _PlanMemo:
     """What a rank derived from the job's records at step ``step`` (its own record past the
-    header then: ``tables``; the gathered ``matrix``), kept for the next step: when every
-    record of the next says it is that step's but for its header (:func:`~mopd.bridge.
-    metadata.reuses_memo`), the matrix is not gathered again, and the plan keys and token
-    counts are these: no group's table is read.
+    header then: ``tables``; the records it read then: ``matrix``, of ``members``, ``None``:
+    every member), kept for the next step: when every record of the next says it is that
+    step's but for its header (:func:`~mopd.bridge.metadata.reuses_memo`), no record is
+    exchanged again, and the plan keys are these: no group's table is read.
     """
 
     step: int
     tables: np.ndarray
     matrix: np.ndarray
+    members: np.ndarray | None
     n_slots: int
     extra: bytes
     keys: tuple[bytes, ...]
-    tokens_I: np.ndarray

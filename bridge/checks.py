@@ -1,10 +1,12 @@
-"""The step's checks that every rank judges alike, off the gathered metadata matrix.
+"""The step's checks that every rank judges alike, off the exchanged step metadata.
 
-Why this file exists: after the metadata all-gather every rank holds the same matrix, so the
-fence (failed, abandoned or out-of-step ranks), the agreed micro-batch count and each rank's
-share of the input checks are functions of it and of the bridge's fixed facts (its topology,
-teachers and rank). :meth:`~mopd.bridge.api.HiddenStateBridge.plan_step` calls them between the
-all-gather and the verdict; they communicate nothing.
+Why this file exists: the fence (failed, abandoned or out-of-step ranks) and the agreed
+micro-batch count are functions of every rank's header (a gathered matrix, when the summary
+says some rank differs); each rank's share of the input checks is a function of its own record
+and its peers' (every record, or the routed ones: :mod:`mopd.bridge.peers` brings a rank every
+record those checks read) and of the bridge's fixed facts (its topology, teachers and rank).
+:meth:`~mopd.bridge.api.HiddenStateBridge.plan_step` calls them between the exchange and the
+verdict; they communicate nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
-from mopd.bridge.plan import RunCatalog, check_rank
+from mopd.bridge.plan import RunCatalog, check_rank, dense_samples, read_runs
 from mopd.bridge.topology import Topology
 from mopd.common import ranges
 
@@ -181,16 +183,16 @@ def rank_checks(
         spec = teachers[o]
         first = topo.first_leader(o)
         head = matrix.section_head(me, o)
+        first_head = matrix.teacher_head(o, first)
         if head[1] != spec.hidden_size:
             problems.append(
                 f"teacher {o} on global rank {rank}: hidden size {head[1]}, "
                 f"expected {spec.hidden_size}"
             )
-        if head[:3] != matrix.section_head(first, o)[:3]:
+        if head[:3] != first_head:
             problems.append(
                 f"teacher {o}: global ranks {topo.members[first]} and {rank} hold "
-                f"different dtypes or devices ({matrix.section_head(first, o)[:3]} vs "
-                f"{head[:3]})"
+                f"different dtypes or devices ({first_head} vs {head[:3]})"
             )
         if code_dtype(head[0]) is None:
             problems.append(f"teacher {o} on global rank {rank}: unsupported dtype")
@@ -198,11 +200,17 @@ def rank_checks(
         problems += _duplicate_samples(
             catalogs, skip, topology=topology, student=student, rank=rank
         )
-    # the planner's checks: tokens held twice or by nobody
+    # the planner's checks: tokens held twice or by nobody (every new micro-batch of a step's
+    # catalogs in one pass: check_rank of one checks every pending one)
     with ranges.span("plan", "checks"):
-        for i in range(n_slots):
-            if not skip[i]:
-                problems += [f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], rank)]
+        todo = [i for i in range(n_slots) if not skip[i]]
+        batch = catalogs[todo[0]].batch if todo else None
+        if batch is not None:
+            batch.expect(todo)
+        for i in todo:
+            problems += [f"micro-batch {i}: {p}" for p in check_rank(catalogs[i], rank)]
+        if batch is not None:
+            batch.done()
     return problems
 
 
@@ -219,7 +227,8 @@ def _disagreements(
             continue
         if first == rank:
             continue
-        theirs = matrix.agreements(j).get(a.key)
+        # a routed matrix holds the first rank's record when it gave this agreement
+        theirs = matrix.agreements(j).get(a.key) if matrix.has(j) else None
         if theirs is None:
             problems.append(f"{a.what}: global rank {first} gives none, global rank {rank} does")
             continue
@@ -244,17 +253,18 @@ def _duplicate_samples(
     topo = topology
     mine = [d for d in topo.index.dest_groups.get(rank, ()) if topo.dests[d].ranks[0] == rank]
     problems: list[str] = []
-    for i in range(len(catalogs)):
-        if skip[i] or not mine:
-            continue
+    todo = [i for i in range(len(catalogs)) if not skip[i]]
+    flagged = _shared_samples([catalogs[i] for i in todo], mine) if mine and todo else set()
+    for i in todo:
         catalog = catalogs[i]
-        rng = catalog.dest_range_D2
         for d in mine:
-            lo, hi = (int(x) for x in rng[d])
-            a, b = rng[:d, 0], rng[:d, 1]
+            if (todo.index(i), d) not in flagged:
+                continue
+            lo, hi = catalog.dest_range(d)
             if lo > hi:
                 continue
-            earlier = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+            earlier = catalog.dests_meeting(lo, hi)
+            earlier = earlier[earlier < d]
             if not earlier.size:
                 continue
             dp = _dp_of(student, topo.dests[d].ranks[0])
@@ -274,6 +284,36 @@ def _duplicate_samples(
                         "meant"
                     )
     return problems
+
+
+def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[tuple[int, int]]:
+    """``(catalog, group)`` pairs where destination group ``group`` (of ``mine``) wants a sample
+    an earlier destination group that meets it wants too: one pass per group over every
+    catalog (sample ids made distinct per catalog)."""
+    out: set[tuple[int, int]] = set()
+    for d in mine:
+        mb_parts, grp_parts = [], []
+        for i, catalog in enumerate(catalogs):
+            lo, hi = catalog.dest_range(d)
+            if lo > hi:
+                continue
+            earlier = catalog.dests_meeting(lo, hi)
+            earlier = earlier[earlier < d]
+            if not earlier.size:
+                continue
+            mb_parts.append(np.full(earlier.size + 1, i, dtype=np.int64))
+            grp_parts.append(np.append(earlier, d))
+        if not mb_parts:
+            continue
+        runs, mb, tag = read_runs(
+            catalogs, "d", np.concatenate(mb_parts), np.concatenate(grp_parts), raw=True
+        )
+        own = tag == d
+        ids = dense_samples(mb, runs[:, 0])
+        shared = np.intersect1d(ids[own], ids[~own])
+        for i in np.unique(mb[np.isin(ids, shared)]).tolist():
+            out.add((i, d))
+    return out
 
 
 def _dp_of(student: Mesh, rank: int) -> int:

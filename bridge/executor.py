@@ -330,26 +330,51 @@ class Executor:
         self, plan: RankPlan, *, slice_rows: int, num_owners: int, row_bytes: Sequence[int]
     ) -> RankSchedule:
         """This rank's schedule of ``plan`` (built once per plan content and row widths,
-        LRU-bounded)."""
-        key = f"{plan_digest(plan)}:{slice_rows}:{','.join(map(str, row_bytes))}"
-        s = self._schedules.get(key)
-        if s is not None:
-            self._schedules.move_to_end(key)
-            return s
-        s = RankSchedule.build(
-            plan,
-            slice_rows=slice_rows,
-            num_owners=num_owners,
-            row_bytes=row_bytes,
-            digest=key,
-        )
-        self.schedules_built += 1
-        self._schedules[key] = s
-        while len(self._schedules) > self.max_schedules:
-            old, _ = self._schedules.popitem(last=False)
-            for k in [k for k in self._devs if k[0] == old]:
-                del self._devs[k]
-        return s
+        LRU-bounded): :meth:`schedules` of one."""
+        return self.schedules(
+            [plan], slice_rows=[slice_rows], num_owners=num_owners, row_bytes=row_bytes
+        )[0]
+
+    def schedules(
+        self,
+        plans: Sequence[RankPlan],
+        *,
+        slice_rows: Sequence[int],
+        num_owners: int,
+        row_bytes: Sequence[int],
+    ) -> list[RankSchedule]:
+        """This rank's schedules of ``plans`` (each built once per plan content and row
+        widths, LRU-bounded; those not cached built together:
+        :meth:`~mopd.bridge.schedule.RankSchedule.build_many`)."""
+        widths = ",".join(map(str, row_bytes))
+        keys = [f"{plan_digest(p)}:{n}:{widths}" for p, n in zip(plans, slice_rows, strict=True)]
+        out: list[RankSchedule | None] = []
+        todo: dict[str, int] = {}
+        for k, key in enumerate(keys):
+            s = self._schedules.get(key)
+            if s is not None:
+                self._schedules.move_to_end(key)
+            elif key not in todo:
+                todo[key] = k
+            out.append(s)
+        if todo:
+            made = RankSchedule.build_many(
+                [plans[k] for k in todo.values()],
+                slice_rows=[slice_rows[k] for k in todo.values()],
+                num_owners=num_owners,
+                row_bytes=row_bytes,
+                digests=list(todo),
+            )
+            fresh = dict(zip(todo, made, strict=True))
+            for key, s in fresh.items():
+                self.schedules_built += 1
+                self._schedules[key] = s
+            out = [fresh[key] if s is None else s for key, s in zip(keys, out, strict=True)]
+            while len(self._schedules) > self.max_schedules:
+                old, _ = self._schedules.popitem(last=False)
+                for dev_key in [d for d in self._devs if d[0] == old]:
+                    del self._devs[dev_key]
+        return [s for s in out if s is not None]
 
     def memory_stats(self) -> dict[str, int]:
         """Buffers this executor holds: staging (bytes, buffers, allocations ever), zero rows,

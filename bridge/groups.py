@@ -24,11 +24,16 @@ with the same meshes, in the same program order as its other ``new_group`` calls
    metadata groups (gloo, :class:`NodeGroups`): the members cut in order into nodes of
    ``metadata_node_size``, one group per node (in node order), then one group of the nodes'
    first ranks (the leaders).
+5. a gloo group over the same ranks as 1. for the routed step metadata's point-to-point rounds
+   (:mod:`mopd.bridge.peers`; single sends and receives, never a collective): apart from 3.,
+   whose collectives they would otherwise interleave with per-rank counts of their own.
 
 The step metadata goes over 3. as one flat all-gather (:func:`all_gather_flat`), or, with the
 groups of 4., in two levels (:func:`all_gather_nodes`): a gather to each node's leader, a
 log-depth all-gather among the leaders, a broadcast inside each node. The result is the same
 bytes; the flat ring costs ``n - 1`` latency hops, the two-level form about ``log2(n / k)``.
+A step every rank agrees on routes each rank its peers' records over 5. instead
+(:func:`mopd.bridge.peers.exchange_records`): only a step refused for its headers gathers them.
 
 Group 1.'s members also pass one barrier on it when it is created: NCCL sets a
 communicator up in the group's first collective, which needs every member, while the bridge's
@@ -76,6 +81,7 @@ __all__ = [
 #: The purposes of the bridge's own groups in a :class:`GroupPool`: groups of their own, never
 #: shared with a model's groups over the same ranks (point-to-point and collectives apart).
 _DATA, _META, _NODE = "bridge data", "bridge metadata", "bridge metadata nodes"
+_ROUTES = "bridge metadata routes"
 
 
 def all_gather_flat(
@@ -353,6 +359,8 @@ class BridgeGroups:
         (``rank``: this process in the meshes' rank space, read off the groups.)
         meta_nodes: the two-level metadata groups (:func:`all_gather_nodes`), or ``None``: the
             metadata goes as one flat all-gather over :attr:`metadata_group`.
+        meta_routes: a gloo group over ``members`` for the routed metadata's point-to-point
+            rounds (``None``: the bridge gathers every record, also on an agreed step).
     """
 
     bridge: dist.ProcessGroup | None
@@ -360,6 +368,7 @@ class BridgeGroups:
     members: tuple[int, ...]
     meta: dist.ProcessGroup | None = None
     meta_nodes: NodeGroups | None = None
+    meta_routes: dist.ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -440,6 +449,7 @@ def create_bridge_groups(
     nodes = None
     if len(members) >= metadata_nodes_from and 1 < metadata_node_size < len(members):
         nodes = create_node_groups(pool, members, metadata_node_size)
+    pool.create(members, backend="gloo", purpose=_ROUTES)
     me = dist.get_rank()
     tp_group = None
     coord = student.coord(me)
@@ -451,6 +461,7 @@ def create_bridge_groups(
         members=members,
         meta=pool.get(members, backend="gloo", purpose=_META),
         meta_nodes=nodes,
+        meta_routes=pool.get(members, backend="gloo", purpose=_ROUTES),
     )
 
 
@@ -485,6 +496,7 @@ def _linked_bridge_groups(
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
     meta = link.group(members, backend="gloo", purpose=_META)
+    routes = link.group(members, backend="gloo", purpose=_ROUTES)
     nodes = None
     if len(members) >= nodes_from and 1 < node_size < len(members):
         cut = node_ranks(members, node_size)
@@ -503,5 +515,10 @@ def _linked_bridge_groups(
     if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
         tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
     return BridgeGroups(
-        bridge=bridge, student_tp=tp_group, members=members, meta=meta, meta_nodes=nodes
+        bridge=bridge,
+        student_tp=tp_group,
+        members=members,
+        meta=meta,
+        meta_nodes=nodes,
+        meta_routes=routes,
     )

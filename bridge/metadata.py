@@ -41,18 +41,21 @@ The record ends with the caller's agreements (:class:`~mopd.bridge.inputs.Agreem
 agreement ``[key, n_words, words...]``) and their word count, read from the record's end
 (``size`` is the record's length).
 
-The gather is two collectives: an all-reduce of every header word's largest and smallest value
+The exchange is two steps: an all-reduce of every header word's largest and smallest value
 (:func:`header_summary`: the widest record, and whether every rank's header says the same
-fence), then the records, padded to the widest. When the summary says every rank is ready, at
-one step, error-free, with one config and one micro-batch count, no rank reads any other's
-header (:meth:`StepMatrix.uniform_slots`); otherwise every rank reads them all off the matrix
-and names what differs, the same on every rank.
+fence; with ``heads``, also each teacher's ``(dtype, hidden, device)`` codes), then the records
+(:func:`gather_records`). When the summary says every rank is ready, at one step, error-free,
+with one config and one micro-batch count, no rank reads any other's header
+(:meth:`StepMatrix.uniform_slots`), and each rank receives only the records it reads (its
+peers', routed by :mod:`mopd.bridge.peers`: a :class:`StepMatrix` over some members);
+otherwise every rank gathers every record, padded to the widest, reads the headers and names
+what differs, the same on every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +75,7 @@ __all__ = [
     "STATE_FAILED",
     "STATE_OPEN",
     "STATE_READY",
+    "RecordRoute",
     "Section",
     "StepMatrix",
     "code_dtype",
@@ -82,10 +86,12 @@ __all__ = [
     "gather_step_matrix",
     "header_summary",
     "layout_digest",
+    "record_heads",
     "record_tables",
     "reduce_summary",
     "reduced_summary",
     "reuses_memo",
+    "summary_heads",
     "table_offset",
     "uniform_count",
 ]
@@ -276,7 +282,7 @@ def uniform_count(summary_2H: np.ndarray) -> int | None:
     """The step's micro-batch count when the reduced summary (:func:`header_summary`) says
     every record is of this format, one config, error-free, ready, at one step, every count
     given the same; else ``None`` (some rank differs: read the headers)."""
-    hi, lo = summary_2H[:HEADER], -summary_2H[HEADER:]
+    hi, lo = summary_2H[:HEADER], -summary_2H[HEADER : 2 * HEADER]
     same = hi == lo
     same[[MEMO_STEP, UNCHANGED, SIZE]] = True  # the memo is judged apart; sizes differ
     if not same.all() or hi[0] != MAGIC or hi[3] != 0 or hi[5] != STATE_READY or hi[N_SLOTS] < 0:
@@ -299,8 +305,44 @@ def reuses_memo(summary_2H: np.ndarray, memo_step: int) -> bool:
     the same on every rank, so is the answer (a rank without a memo says ``memo_step -1``)."""
     if memo_step < 0 or uniform_count(summary_2H) is None:
         return False
-    hi, lo = summary_2H[:HEADER], -summary_2H[HEADER:]
+    hi, lo = summary_2H[:HEADER], -summary_2H[HEADER : 2 * HEADER]
     return bool(hi[MEMO_STEP] == lo[MEMO_STEP] == memo_step and hi[UNCHANGED] == lo[UNCHANGED] == 1)
+
+
+#: Words of a section's head in the summary: ``(dtype_code, hidden, device_code)``.
+_HEAD = 3
+_NONE = np.iinfo(_I64).min
+
+
+def record_heads(record: np.ndarray | torch.Tensor, n: int) -> np.ndarray:
+    """``[n, 3]`` the ``(dtype_code, hidden, device_code)`` of ``record``'s first ``n``
+    sections, as the summary's all-reduce takes them: ``[value, -value]`` pairs per word
+    (``[6 n]`` flat, values first), the lowest int64 in both for a section the record does not
+    hold (or a record of another format), which no reduction picks."""
+    r = record.numpy() if isinstance(record, torch.Tensor) else np.asarray(record)
+    hi = np.full((n, _HEAD), _NONE, dtype=_I64)
+    lo = hi.copy()
+    if r.size > HEADER + n and r[0] == MAGIC:
+        for s in range(n):
+            at = int(r[HEADER + s])
+            if at > 0 and at + _HEAD <= r.size:
+                hi[s] = r[at : at + _HEAD]
+                lo[s] = -hi[s]
+    return np.concatenate([hi.reshape(-1), lo.reshape(-1)])
+
+
+def summary_heads(summary: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """Each of the first ``n`` sections' ``(dtype_code, hidden, device_code)`` when the summary
+    (of :func:`reduce_summary` with ``heads=n``) says every rank holding it gives the same and
+    some rank holds it; else ``None`` (some rank differs, or no heads: read the records)."""
+    extra = np.asarray(summary[2 * HEADER :], dtype=_I64)
+    n = extra.size // (2 * _HEAD)
+    if not n:
+        return None
+    hi, neg_lo = extra[: _HEAD * n].reshape(n, _HEAD), extra[_HEAD * n :].reshape(n, _HEAD)
+    if bool((hi == _NONE).any()) or not np.array_equal(hi, -neg_lo):
+        return None
+    return [(int(a), int(b), int(c)) for a, b, c in hi.tolist()]
 
 
 def gather_step_matrix(
@@ -314,9 +356,10 @@ def gather_step_matrix(
 ) -> tuple[np.ndarray, np.ndarray]:
     """All-gather every member's record: ``([n, width] int64, summary [2 * HEADER])``, the
     same everywhere: :func:`reduce_summary`, then :func:`gather_records` (the bridge skips the
-    second when its plan memo serves, :func:`reuses_memo`)."""
+    second when its plan memo serves, :func:`reuses_memo`, and routes it when the summary
+    says the step is agreed)."""
     summary_2H = reduce_summary(record, group=group, device=device, timeout_s=timeout_s)
-    matrix = gather_records(
+    matrix, _ = gather_records(
         record,
         width=int(summary_2H[SIZE]),
         group=group,
@@ -334,18 +377,28 @@ def reduce_summary(
     group: dist.ProcessGroup | None,
     device: torch.device,
     timeout_s: float | None,
+    heads: int = 0,
 ) -> np.ndarray:
-    """``[2 * HEADER]``: the all-reduce (MAX) over ``group`` of every member's
-    :func:`header_summary`, the same everywhere: the widest record's size, and whether every
-    header agrees, in a constant number of words per rank whatever the job's size. Tensors
-    travel on ``device`` (CPU for a gloo group)."""
+    """``[2 * HEADER + 6 * heads]``: the all-reduce (MAX) over ``group`` of every member's
+    :func:`header_summary` (and, with ``heads``, its :func:`record_heads` of the first
+    ``heads`` sections: :func:`summary_heads` reads them), the same everywhere: the widest
+    record's size, and whether every header agrees, in a constant number of words per rank
+    whatever the job's size. Tensors travel on ``device`` (CPU for a gloo group)."""
     head = torch.zeros(HEADER, dtype=torch.int64)
     head[: min(HEADER, record.numel())] = record[:HEADER]
     head[SIZE] = record.numel()  # a record of another format may not say it
-    summary = header_summary(head).to(device)
+    summary = header_summary(head)
+    if heads:
+        summary = torch.cat([summary, torch.from_numpy(record_heads(record, heads))])
+    summary = summary.to(device)
     if group is not None and dist.get_world_size(group) > 1:
         cdist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group, timeout_s=timeout_s)
     return summary.cpu().numpy()
+
+
+#: What :func:`gather_records` calls to route a record to the members that read it instead of
+#: gathering every record: ``record -> ([k, width] records, [k] their member indices)``.
+RecordRoute = Callable[[torch.Tensor], tuple[np.ndarray, np.ndarray]]
 
 
 def gather_records(
@@ -357,11 +410,19 @@ def gather_records(
     device: torch.device,
     timeout_s: float | None,
     nodes: NodeGroups | None = None,
-) -> np.ndarray:
-    """``[n, width]`` int64: row ``j`` member ``j``'s record (members in group-rank order,
-    zero-padded to ``width``, the widest: the summary's ``size``), the same everywhere; one
-    all-gather flat over ``group`` or, with ``nodes``, in two levels
-    (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same bytes)."""
+    route: RecordRoute | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The records this rank reads: ``([k, width] int64, members)``.
+
+    Without ``route``: every member's (``k = n``, ``members`` ``None``: row ``j`` is member
+    ``j``'s record in group-rank order, zero-padded to ``width``, the widest: the summary's
+    ``size``), the same everywhere; one all-gather flat over ``group`` or, with ``nodes``, in
+    two levels (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same bytes). With
+    ``route`` (:func:`mopd.bridge.peers.exchange_records`, for an agreed step): what it
+    returns, the records of the members (ascending) this rank reads.
+    """
+    if route is not None:
+        return route(record)
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: record.numel()] = record.to(device)
     every = torch.empty(n_members * width, dtype=torch.int64, device=device)
@@ -369,30 +430,72 @@ def gather_records(
         all_gather_nodes(every, padded, nodes=nodes, timeout_s=timeout_s)
     else:
         all_gather_flat(every, padded, group=group, timeout_s=timeout_s)
-    return every.cpu().numpy().reshape(n_members, width)
+    return every.cpu().numpy().reshape(n_members, width), None
 
 
 class StepMatrix:
-    """Lazy reader of a gathered step matrix (``[n_members, width]`` int64).
+    """Lazy reader of a step's records (``[k, width]`` int64): every member's (gathered) or
+    some members' (routed: ``members``).
 
     Methods take member indices (positions in the bridge group, not global ranks) and section
     indices (``0 .. n_owners - 1`` teachers, ``n_owners`` the student). Nothing is decoded up
     front; vectorized lookups (:meth:`slot_fields`) read one column of many records at once.
+    A routed matrix holds the records of ``members`` only: reading another member's is an
+    ``AssertionError`` (:meth:`has` says which are there); the fence and the header verdicts
+    read every header, so they run on a gathered matrix only.
     """
 
-    def __init__(self, matrix: np.ndarray, summary_2H: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        matrix: np.ndarray,
+        summary_2H: np.ndarray | None = None,
+        members: np.ndarray | None = None,
+    ) -> None:
         self.matrix = matrix
-        #: ``[2 * HEADER]`` the gather's reduced :func:`header_summary` (``None``: offline,
-        #: the headers are read off the matrix)
+        #: ``[2 * HEADER (+ heads)]`` the exchange's reduced :func:`header_summary`
+        #: (``None``: offline, the headers are read off the matrix)
         self.summary_2H = summary_2H
+        #: ``[k]`` ascending member index of each row (``None``: row ``j`` is member ``j``)
+        self.members = None if members is None else np.asarray(members, dtype=_I64)
         self._header: np.ndarray | None = None
         #: every header agrees (:meth:`uniform_slots` found it)
         self._uniform = False
+
+    @property
+    def routed(self) -> bool:
+        """Whether this matrix holds some members' records only."""
+        return self.members is not None
+
+    def has(self, j: int) -> bool:
+        """Whether member ``j``'s record is here."""
+        if self.members is None:
+            return 0 <= j < self.matrix.shape[0]
+        at = int(np.searchsorted(self.members, j))
+        return at < self.members.size and int(self.members[at]) == j
+
+    def rows(self, members: np.ndarray) -> np.ndarray:
+        """``[len(members)]`` the row of each member's record (they must be here)."""
+        if self.members is None:
+            return members
+        at = np.searchsorted(self.members, members)
+        ok = at < self.members.size
+        ok[ok] = self.members[at[ok]] == members[ok]
+        if not bool(ok.all()):
+            raise AssertionError(
+                f"records of members {np.asarray(members)[~ok][:8].tolist()} were not routed here"
+            )
+        return at
+
+    def row(self, j: int) -> np.ndarray:
+        """Member ``j``'s record (its row: padding past its ``size`` included)."""
+        return self.matrix[int(self.rows(np.asarray([j], dtype=_I64))[0])]
 
     def header_NH(self) -> np.ndarray:
         """``[n_members, HEADER]`` every record's fixed header, copied once in one pass over the
         matrix's rows (a column of a wide matrix touches a page per row): what the fence and
         the verdicts read when the summary says some rank differs."""
+        if self.members is not None:
+            raise AssertionError("a routed matrix holds some records only: no header verdicts")
         if self._header is None:
             self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
         return self._header
@@ -400,9 +503,9 @@ class StepMatrix:
     def uniform_slots(self) -> int | None:
         """The step's micro-batch count when every record is of this format, built with one
         config, error-free, ready, at one step, and every count given agrees; else ``None``
-        (the caller then looks for what differs). From the gather's summary when there is one
-        (no header read), else one pass over the headers when they are all the first's, a few
-        otherwise."""
+        (the caller then looks for what differs). From the exchange's summary when there is
+        one (no header read), else one pass over the headers when they are all the first's, a
+        few otherwise."""
         if self.summary_2H is not None:
             count = uniform_count(self.summary_2H)
             self._uniform = count is not None
@@ -423,15 +526,26 @@ class StepMatrix:
 
     def unchanged_since(self, memo_step: int) -> bool:
         """Whether every record says its tables are word for word those it sent at step
-        ``memo_step`` (see the module doc): then a plan key or token count derived from that
-        step's tables holds for this one. One pass over two header columns (none when every
-        header agrees, :meth:`uniform_slots` having seen that in the summary)."""
+        ``memo_step`` (see the module doc): then a plan key derived from that step's tables
+        holds for this one. One pass over two header columns (none when every header agrees,
+        :meth:`uniform_slots` having seen that in the summary)."""
         if memo_step < 0 or not self.matrix.shape[0]:
             return False
         if self._uniform and self.summary_2H is not None:
             return reuses_memo(self.summary_2H, memo_step)
         h = self.header_NH()
         return bool((h[:, MEMO_STEP] == memo_step).all() and (h[:, UNCHANGED] == 1).all())
+
+    def teacher_head(self, section: int, first: int) -> tuple[int, int, int]:
+        """``(dtype_code, hidden, device_code)`` of teacher ``section`` as its first source
+        group's leader (member ``first``) gives it: from the summary when it says every holder
+        gives the same (a routed matrix need not hold that record), else off the record."""
+        if self.summary_2H is not None:
+            heads = summary_heads(self.summary_2H)
+            if heads is not None and section < len(heads):
+                return heads[section]
+        a, b, c, _ = self.section_head(first, section)
+        return a, b, c
 
     def magic_N(self) -> np.ndarray:
         return self.header_NH()[:, 0]
@@ -453,11 +567,12 @@ class StepMatrix:
 
     def agreements(self, j: int) -> dict[int, np.ndarray]:
         """Member ``j``'s agreements, ``key -> words`` (read from the end its ``size`` says)."""
-        end = int(self.matrix[j, SIZE]) - 1
+        rec = self.row(j)
+        end = int(rec[SIZE]) - 1
         if end < 0:
             return {}
-        n = int(self.matrix[j, end])
-        block = self.matrix[j, end - n : end]
+        n = int(rec[end])
+        block = rec[end - n : end]
         out: dict[int, np.ndarray] = {}
         at = 0
         while at < n:
@@ -468,16 +583,18 @@ class StepMatrix:
 
     def error(self, j: int) -> str:
         """Member ``j``'s local error text (``""``: none)."""
-        n, at = int(self.matrix[j, 3]), int(self.matrix[j, 4])
+        rec = self.row(j)
+        n, at = int(rec[3]), int(rec[4])
         if n <= 0:
             return ""
-        words = self.matrix[j, at : at + (n + 7) // 8].astype("<i8")
+        words = rec[at : at + (n + 7) // 8].astype("<i8")
         return words.tobytes()[:n].decode(errors="replace")
 
     def section_head(self, j: int, section: int) -> tuple[int, int, int, int]:
         """``(dtype_code, hidden, device_code, n_slots)`` of member ``j``'s section."""
-        at = int(self.matrix[j, HEADER + section])
-        return tuple(int(x) for x in self.matrix[j, at : at + _SECTION_HEAD])  # type: ignore[return-value]
+        rec = self.row(j)
+        at = int(rec[HEADER + section])
+        return tuple(int(x) for x in rec[at : at + _SECTION_HEAD])  # type: ignore[return-value]
 
     def slot_fields(
         self,
@@ -490,12 +607,13 @@ class StepMatrix:
         sample_min, sample_max, digest, n_tokens)`` of ``section`` / ``slot`` in each given member's
         record (the members must hold the section); ``fields``: which of those columns."""
         m = self.matrix
-        at = m[members, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
+        rows = self.rows(np.asarray(members, dtype=_I64))
+        at = m[rows, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
         cols = np.asarray(fields, dtype=_I64)
         if not m.flags.c_contiguous:
-            return m[members[:, None], at[:, None] + cols]
+            return m[rows[:, None], at[:, None] + cols]
         # one gather from the flat matrix: a third of a 2-D fancy index over scattered rows
-        return m.reshape(-1)[(members * m.shape[1] + at)[:, None] + cols]
+        return m.reshape(-1)[(rows * m.shape[1] + at)[:, None] + cols]
 
     def slot_tables(
         self, members: np.ndarray, section: int, *, n_sections: int, n_slots: int
@@ -504,8 +622,34 @@ class StepMatrix:
         each given member's record, for an agreed step (the members hold the section): one
         strided slice at :func:`table_offset`, the same column in every record."""
         at = table_offset(section, n_sections=n_sections, n_slots=n_slots)
-        block = self.matrix[members, at : at + SLOT_FIELDS * n_slots]
-        return block.reshape(len(members), n_slots, SLOT_FIELDS)
+        rows = self.rows(np.asarray(members, dtype=_I64))
+        block = self.matrix[rows, at : at + SLOT_FIELDS * n_slots]
+        return block.reshape(len(rows), n_slots, SLOT_FIELDS)
+
+    def runs_many(
+        self, members: np.ndarray, sections: np.ndarray, slots: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``([K, 5], [len(members)])``: the runs each given member sent for its section (of
+        ``sections``) in its slot (of ``slots``), concatenated in order, and how many each
+        sent; one gather from the flat records (:meth:`runs` of each, in one read)."""
+        m = self.matrix
+        if not m.flags.c_contiguous:
+            m = np.ascontiguousarray(m)
+        rows = self.rows(np.asarray(members, dtype=_I64))
+        width = m.shape[1]
+        at = (
+            m[rows, HEADER + np.asarray(sections, dtype=_I64)]
+            + _SECTION_HEAD
+            + SLOT_FIELDS * np.asarray(slots, dtype=_I64)
+        )
+        n_X = m[rows, at + _N_RUNS]
+        if n_X.size and int(n_X.min()) < 0:
+            raise AssertionError(f"members {members[n_X < 0][:4].tolist()} sent no runs")
+        start = rows * width + m[rows, at + _RUNS_OFF]
+        words = 5 * n_X
+        total = int(words.sum())
+        idx = np.repeat(start - np.cumsum(words) + words, words) + np.arange(total, dtype=_I64)
+        return m.reshape(-1)[idx].reshape(-1, 5), n_X
 
     def runs(self, j: int, section: int, slot: int) -> np.ndarray:
         """``[K, 5]`` runs member ``j`` sent for ``section`` / ``slot`` (a view, no copy)."""
@@ -513,4 +657,4 @@ class StepMatrix:
         n, at = int(f[_N_RUNS]), int(f[_RUNS_OFF])
         if n < 0:
             raise AssertionError(f"member {j} sent no runs for section {section} slot {slot}")
-        return self.matrix[j, at : at + 5 * n].reshape(n, 5)
+        return self.row(j)[at : at + 5 * n].reshape(n, 5)

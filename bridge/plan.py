@@ -44,7 +44,12 @@ How a rank plans (never a token at a time, never a group it has no business with
 - verdicts (:func:`check_rank`) are interval arithmetic on the same runs: overlaps of a group's
   sorted runs (held twice inside the group), overlaps with earlier groups whose range meets it
   (held twice across groups), gaps between a destination run and the union of the sources
-  (needed but held by nobody).
+  (needed but held by nobody);
+- a step's micro-batches go together (:func:`plan_ranks`, :func:`check_ranks`): their runs are
+  read in one batch (:func:`read_runs`), sample ids made distinct per micro-batch
+  (:func:`dense_samples`) so that one join, one cut and one chunking serve them all, and each
+  micro-batch's plan and verdicts are those it gets alone; the number of array operations per
+  step does not grow with the micro-batches or the peers.
 """
 
 from __future__ import annotations
@@ -63,10 +68,16 @@ __all__ = [
     "GroupIndex",
     "RankPlan",
     "RunCatalog",
+    "RunFetch",
     "SourceGroup",
+    "StepBatch",
     "Transfer",
     "check_rank",
+    "check_ranks",
+    "dense_samples",
     "plan_rank",
+    "plan_ranks",
+    "read_runs",
 ]
 
 #: Columns of a ``[K, 5]`` int64 run table: rows ``row + i * step`` hold positions
@@ -172,6 +183,41 @@ class GroupIndex:
         )
 
 
+@dataclass(eq=False)
+class StepBatch:
+    """A step's catalogs (one per micro-batch, :attr:`RunCatalog.slot` its index here) that
+    :func:`plan_rank` and :func:`check_rank` handle together: the first call for one of the
+    ``pending`` catalogs plans (checks) every pending one for that rank in one pass
+    (:func:`plan_ranks`, :func:`check_ranks`), later calls read its result. The caller marks
+    which micro-batches it is about to plan (:meth:`expect`) and lets go of the results when
+    done (:meth:`done`).
+
+    Attributes:
+        catalogs: the step's catalogs, by micro-batch (built on first access).
+        pending: the micro-batches planned / checked together, ascending.
+    """
+
+    catalogs: Sequence[RunCatalog]
+    pending: tuple[int, ...] = ()
+    _plans: dict[tuple[int, bool, bool], dict[int, RankPlan]] = field(default_factory=dict)
+    _checks: dict[int, dict[int, list[str]]] = field(default_factory=dict)
+
+    def expect(self, slots: Sequence[int]) -> None:
+        """The micro-batches about to be planned or checked, one call each."""
+        self.done()
+        self.pending = tuple(sorted(slots))
+
+    def done(self) -> None:
+        """Forget the pending micro-batches and their results."""
+        self.pending = ()
+        self._plans.clear()
+        self._checks.clear()
+
+
+#: :attr:`RunCatalog.fetch`: ``(side, slots, groups) -> ([K, 5] runs, [len(groups)] counts)``.
+RunFetch = Callable[[str, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class RunCatalog:
     """What every rank contributed for one exchange, looked up lazily.
@@ -184,9 +230,25 @@ class RunCatalog:
         dest_runs: ``d -> [K, 5]`` int64 runs of destination group ``d``.
         source_range_G2, dest_range_D2: ``[G, 2]`` / ``[D, 2]`` int64 smallest and largest
             sample id of each group's runs (``(1, 0)`` for a group without tokens): where a
-            group's tokens can be found without decoding its runs.
+            group's tokens can be found without decoding its runs; with ``source_ids`` /
+            ``dest_ids``, of those groups only (row ``r`` is group ``ids[r]``).
         group_index: the groups' :class:`GroupIndex`, when the caller has it (else built from
             ``sources`` and ``dests`` on first use, ``O(groups)``).
+        source_ids, dest_ids: ``[G']`` / ``[D']`` ascending: the only groups whose runs can be
+            read (a rank's routed records: :mod:`mopd.bridge.peers`); ``None``: every group.
+            The planner looks for a group's peers among these: it must hold every group that
+            shares a sample with the groups the caller plans or checks.
+        fetch: ``(side, slots, groups) -> ([K, 5] runs, [len(groups)] runs of each)``:
+            several groups' runs (``side`` ``"s"`` or ``"d"``), each in its micro-batch
+            (``slots``: in the numbering of the catalogs sharing this ``fetch``), in one read,
+            as ``source_runs`` / ``dest_runs`` give them one by one, concatenated; ``None``:
+            read one by one.
+        slot: this catalog's micro-batch in ``fetch``'s numbering.
+        dest_rows_D: ``[D]`` (``[D']`` with ``dest_ids``) each destination group's rows, when
+            the caller has them (else read off :attr:`dests`).
+        batch: the step's catalogs this one is planned and checked with (:class:`StepBatch`):
+            :func:`plan_rank` / :func:`check_rank` of one of its pending catalogs plan (check)
+            them all at once; ``None``: this catalog alone.
 
     The planner reads each group's runs at most once per catalog (kept in a private memo).
     """
@@ -198,7 +260,35 @@ class RunCatalog:
     source_range_G2: np.ndarray
     dest_range_D2: np.ndarray
     group_index: GroupIndex | None = None
+    source_ids: np.ndarray | None = None
+    dest_ids: np.ndarray | None = None
+    fetch: RunFetch | None = None
+    slot: int = 0
+    dest_rows_D: np.ndarray | None = None
+    batch: StepBatch | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def source_range(self, g: int) -> tuple[int, int]:
+        """Source group ``g``'s ``(smallest, largest)`` sample id."""
+        return _range_of(self.source_range_G2, self.source_ids, g)
+
+    def dest_range(self, d: int) -> tuple[int, int]:
+        """Destination group ``d``'s ``(smallest, largest)`` sample id."""
+        return _range_of(self.dest_range_D2, self.dest_ids, d)
+
+    def dest_rows(self, ds: np.ndarray) -> np.ndarray:
+        """``[len(ds)]`` the rows of destination groups ``ds`` in this micro-batch."""
+        if self.dest_rows_D is None:
+            return np.asarray([self.dests[int(d)].num_rows for d in ds], dtype=_I64)
+        return self.dest_rows_D[_rows_in(self.dest_ids, np.asarray(ds, dtype=_I64))]
+
+    def sources_meeting(self, lo: int, hi: int) -> np.ndarray:
+        """Source groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+        return _overlapping(self.source_range_G2, lo, hi, self.source_ids)
+
+    def dests_meeting(self, lo: int, hi: int) -> np.ndarray:
+        """Destination groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+        return _overlapping(self.dest_range_D2, lo, hi, self.dest_ids)
 
     def index(self) -> GroupIndex:
         """:attr:`group_index`, or the one built from the groups (once)."""
@@ -240,6 +330,8 @@ class RunCatalog:
             source_range_G2=self.source_range_G2,
             dest_range_D2=self.dest_range_D2,
             group_index=self.group_index,
+            source_ids=self.source_ids,
+            dest_ids=self.dest_ids,
         )
         return catalog, source_ids, dest_ids
 
@@ -383,12 +475,28 @@ def _tagged(catalog: RunCatalog, side: str, groups: np.ndarray) -> tuple[np.ndar
     return np.concatenate(tables), tag
 
 
-def _overlapping(range_X2: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Indices of the groups (ascending) whose non-empty sample range meets ``[lo, hi]``."""
+def _overlapping(
+    range_X2: np.ndarray, lo: int, hi: int, ids_X: np.ndarray | None = None
+) -> np.ndarray:
+    """The groups (ascending) whose non-empty sample range meets ``[lo, hi]``: indices of
+    ``range_X2``'s rows, or with ``ids_X`` the ids of those rows."""
     if lo > hi:
         return _EMPTY
     a, b = range_X2[:, 0], range_X2[:, 1]
-    return np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+    at = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+    return at if ids_X is None else ids_X[at]
+
+
+def _range_of(range_X2: np.ndarray, ids_X: np.ndarray | None, x: int) -> tuple[int, int]:
+    """Group ``x``'s row of ``range_X2`` (with ``ids_X``: the row of id ``x``, which must be
+    there)."""
+    at = x
+    if ids_X is not None:
+        at = int(np.searchsorted(ids_X, x))
+        if at >= ids_X.size or int(ids_X[at]) != x:
+            raise AssertionError(f"group {x} is not among the catalog's groups")
+    lo, hi = range_X2[at]
+    return int(lo), int(hi)
 
 
 def _key_space(*tables: np.ndarray) -> tuple[np.ndarray, int]:
@@ -435,17 +543,29 @@ def _ceil_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # --- pieces ----------------------------------------------------------------------------------
 
 
-_PIECE_FIELDS = ("grp", "dst", "slot", "src_row", "src_step", "dst_row", "dst_step", "length")
+_PIECE_FIELDS = (
+    "mb",
+    "grp",
+    "dst",
+    "slot",
+    "src_row",
+    "src_step",
+    "dst_row",
+    "dst_step",
+    "length",
+)
 
 
 @dataclass(kw_only=True, eq=False)
 class _Pieces:
     """Segments of one join, one per array element (``P`` pieces).
 
-    ``grp``: source group; ``dst``: destination group; ``slot``: global slot (after
+    ``mb``: micro-batch; ``grp``: source group; ``dst``: destination (a group, or an instance
+    of one in a micro-batch: :func:`plan_ranks`); ``slot``: global slot (after
     :func:`_cut_slices`); then the segment columns. ``dst_step >= 1`` throughout.
     """
 
+    mb: np.ndarray
     grp: np.ndarray
     dst: np.ndarray
     slot: np.ndarray
@@ -461,6 +581,7 @@ class _Pieces:
 
     def take(self, idx: np.ndarray) -> _Pieces:
         return _Pieces(
+            mb=self.mb[idx],
             grp=self.grp[idx],
             dst=self.dst[idx],
             slot=self.slot[idx],
@@ -493,6 +614,13 @@ class _Pieces:
         return np.stack([self.src_row, self.src_step, self.dst_row, self.dst_step, self.length], 1)
 
 
+def _no_pieces() -> _Pieces:
+    e = _EMPTY
+    return _Pieces(
+        mb=e, grp=e, dst=e, slot=e, src_row=e, src_step=e, dst_row=e, dst_step=e, length=e
+    )
+
+
 def _join(
     src_K5: np.ndarray, src_grp_K: np.ndarray, dst_K5: np.ndarray, dst_id_K: np.ndarray
 ) -> _Pieces:
@@ -503,8 +631,7 @@ def _join(
     and steps of 1 where they hold one token; ``slot`` is not set yet (``-1``).
     """
     if not src_K5.shape[0] or not dst_K5.shape[0]:
-        e = _EMPTY
-        return _Pieces(grp=e, dst=e, slot=e, src_row=e, src_step=e, dst_row=e, dst_step=e, length=e)
+        return _no_pieces()
     u, stride = _key_space(src_K5, dst_K5)
     ks = _keys(src_K5, u, stride)
     o = np.argsort(ks, kind="stable")
@@ -528,6 +655,7 @@ def _join(
     src_step[one] = 1
     dst_step[one] = 1
     return _Pieces(
+        mb=np.zeros(b.size, dtype=_I64),
         grp=src_grp_K[a],
         dst=dst_id_K[b],
         slot=np.full(b.size, -1, dtype=_I64),
@@ -561,12 +689,12 @@ def _cut_slices(p: _Pieces, slice_rows_P: np.ndarray, slot0_P: np.ndarray) -> _P
 
 
 def _sort_blocks(p: _Pieces) -> tuple[_Pieces, np.ndarray, np.ndarray]:
-    """Pieces sorted by block ``(grp, slot)``, then destination row: ``(pieces, block_P,
+    """Pieces sorted by block ``(mb, grp, slot)``, then destination row: ``(pieces, block_P,
     starts_B)`` with ``block_P`` the dense block index of each piece."""
-    o = np.lexsort((p.dst_row, p.slot, p.grp))
+    o = np.lexsort((p.dst_row, p.slot, p.grp, p.mb))
     p = p.take(o)
     new = np.ones(p.size, dtype=bool)
-    new[1:] = (p.grp[1:] != p.grp[:-1]) | (p.slot[1:] != p.slot[:-1])
+    new[1:] = (p.grp[1:] != p.grp[:-1]) | (p.slot[1:] != p.slot[:-1]) | (p.mb[1:] != p.mb[:-1])
     return p, np.cumsum(new) - 1, np.flatnonzero(new)
 
 
@@ -661,6 +789,7 @@ class _Chunked:
     """One transfer per row of the ``[T]`` arrays, segments of transfer ``t`` at
     ``segments_S5[off_T1[t] : off_T1[t + 1]]``."""
 
+    mb_T: np.ndarray
     grp_T: np.ndarray
     slot_T: np.ndarray
     src_rank_T: np.ndarray
@@ -680,6 +809,7 @@ def _chunk(
     if not p.size:
         e = _EMPTY
         return _Chunked(
+            mb_T=e,
             grp_T=e,
             slot_T=e,
             src_rank_T=e,
@@ -729,11 +859,12 @@ def _chunk(
     tid[1:] = (block[1:] != block[:-1]) | (c[1:] != c[:-1])
     tid = np.cumsum(tid) - 1
     firsts = np.flatnonzero(np.diff(tid, prepend=-1))
-    grp_T, slot_T = p.grp[firsts], p.slot[firsts]
+    mb_T, grp_T, slot_T = p.mb[firsts], p.grp[firsts], p.slot[firsts]
     src_T, local_T = src_rank[firsts], local[firsts]
     p, tid = _merge(p, tid)
     off_T1 = np.searchsorted(tid, np.arange(firsts.size + 1, dtype=_I64))
     return _Chunked(
+        mb_T=mb_T,
         grp_T=grp_T,
         slot_T=slot_T,
         src_rank_T=src_T,
@@ -794,14 +925,14 @@ def _compact(p: _Pieces, own_P: np.ndarray, num_owners: int) -> tuple[_Pieces, n
 
 def _transfers(
     ch: _Chunked, owner_G: np.ndarray, slot_rank_S: np.ndarray | None, rank: int
-) -> list[tuple[bool, Transfer]]:
-    """``(local, transfer)`` of every chunk: received by ``rank`` (``slot_rank_S is None``), or
-    sent by it to ``slot_rank_S[slot]``."""
+) -> list[tuple[int, bool, Transfer]]:
+    """``(micro-batch, local, transfer)`` of every chunk: received by ``rank`` (``slot_rank_S
+    is None``), or sent by it to ``slot_rank_S[slot]``."""
     out = []
     owner = owner_G[ch.grp_T].tolist()
     dst = [rank] * len(owner) if slot_rank_S is None else slot_rank_S[ch.slot_T].tolist()
     src = ch.src_rank_T.tolist() if slot_rank_S is None else [rank] * len(owner)
-    local, off = ch.local_T.tolist(), ch.off_T1.tolist()
+    local, off, mb = ch.local_T.tolist(), ch.off_T1.tolist(), ch.mb_T.tolist()
     for t in range(len(owner)):
         tr = Transfer(
             owner=owner[t],
@@ -809,41 +940,244 @@ def _transfers(
             dst_rank=dst[t],
             segments_S5=ch.segments_S5[off[t] : off[t + 1]],
         )
-        out.append((bool(local[t]), tr))
+        out.append((mb[t], bool(local[t]), tr))
     return out
 
 
-def _slice_pieces(
-    catalog: RunCatalog, d: int, p: _Pieces, *, compact: bool, num_owners: int
-) -> tuple[_Pieces, np.ndarray]:
-    """Destination group ``d``'s joined pieces cut into slices, with destination rows relative
-    to the receiving slice: ``(pieces, [K] rows per owner)``.
+def read_runs(
+    catalogs: Sequence[RunCatalog],
+    side: str,
+    mb_X: np.ndarray,
+    groups_X: np.ndarray,
+    *,
+    raw: bool = False,
+    tag_X: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of ``(catalog mb_X[x], group groups_X[x])`` pairs, concatenated as
+    :func:`_runs` reads each (``raw``: as the catalogs give them): ``([K, 5] runs, [K]
+    catalog of each, [K] group of each)`` (with ``tag_X``, each run's pair's tag in place of
+    its group); in one read when the catalogs share one :attr:`RunCatalog.fetch`, else group
+    by group."""
+    mb_X, groups_X = mb_X.astype(_I64), groups_X.astype(_I64)
+    tags = groups_X if tag_X is None else tag_X.astype(_I64)
+    fetch = catalogs[0].fetch if catalogs else None
+    if fetch is not None and all(c.fetch is fetch for c in catalogs) and groups_X.size:
+        slots = np.asarray([c.slot for c in catalogs], dtype=_I64)[mb_X]
+        got, n_X = fetch(side, slots, groups_X)
+        runs = got if raw else np.array(got, dtype=_I64).reshape(-1, 5)
+        mb, tag = np.repeat(mb_X, n_X), np.repeat(tags, n_X)
+    else:
+        tables = []
+        for i, g in zip(mb_X.tolist(), groups_X.tolist(), strict=True):
+            c = catalogs[i]
+            if raw:
+                read = c.source_runs if side == "s" else c.dest_runs
+                tables.append(np.asarray(read(g), dtype=_I64).reshape(-1, 5))
+            else:
+                tables.append(_runs(c, side, g))
+        if not tables:
+            return np.empty((0, 5), dtype=_I64), _EMPTY, _EMPTY
+        n = [t.shape[0] for t in tables]
+        return np.concatenate(tables), np.repeat(mb_X, n), np.repeat(tags, n)
+    if raw:
+        return runs, mb, tag
+    keep = runs[:, 4] > 0
+    if not bool(keep.all()):
+        runs, mb, tag = runs[keep], mb[keep], tag[keep]
+    runs[runs[:, 4] == 1, 3] = 1
+    return runs, mb, tag
 
-    In compact space (``compact``) ``p`` must hold every piece of each of its owners in ``d``
-    (positions are ranks among all of an owner's rows there); each owner's slices have
-    ``ceil(rows / len(ranks))`` rows. In the layout form every slice is the group's
-    (:attr:`DestGroup.slice_rows`).
+
+def dense_samples(mb_K: np.ndarray, sample_K: np.ndarray) -> np.ndarray:
+    """``[K]`` a dense id of each ``(micro-batch, sample id)`` pair, in that pair's order: keys
+    of different micro-batches never meet."""
+    o = np.lexsort((sample_K, mb_K))
+    m, x = mb_K[o], sample_K[o]
+    new = np.ones(o.size, dtype=bool)
+    new[1:] = (m[1:] != m[:-1]) | (x[1:] != x[:-1])
+    out = np.empty(o.size, dtype=_I64)
+    out[o] = np.cumsum(new) - 1
+    return out
+
+
+def _rows_in(ids_X: np.ndarray | None, groups: np.ndarray) -> np.ndarray:
+    """Rows of ``groups`` in a catalog's range arrays (with ``ids_X``: where those ids are)."""
+    return groups if ids_X is None else np.searchsorted(ids_X, groups)
+
+
+def _meeting(lo_A: np.ndarray, hi_A: np.ndarray, range_X2: np.ndarray) -> np.ndarray:
+    """``[A, X]`` whether range ``a`` (``[lo_A[a], hi_A[a]]``, non-empty) meets each non-empty
+    row of ``range_X2``."""
+    a, b = range_X2[:, 0], range_X2[:, 1]
+    return (a <= hi_A[:, None]) & (b >= lo_A[:, None]) & (a <= b) & (lo_A <= hi_A)[:, None]
+
+
+def plan_ranks(
+    catalogs: Sequence[RunCatalog],
+    rank: int,
+    *,
+    local_copy: bool = True,
+    compact: bool = False,
+) -> list[RankPlan]:
+    """:func:`plan_rank` of every catalog (a step's micro-batches, over one set of groups),
+    in one pass: the joins, slices and chunks of every micro-batch together, so that the
+    work is a fixed number of array operations over the rank's own runs and its peers'.
+
+    Each catalog's plan is the one :func:`plan_rank` gives it alone (that function is this one
+    with one catalog); the runs read are the same.
     """
-    ix = catalog.index()
-    group = catalog.dests[d]
+    n_mb = len(catalogs)
+    if not n_mb:
+        return []
+    ix = catalogs[0].index()
+    n_src = int(ix.owner_G.size)
+    num_owners = int(ix.owner_G.max()) + 1 if n_src else 0
+    mine = ix.dest_groups.get(rank)
+    d0 = mine[0] if mine else None
+    my_src = np.asarray(ix.source_groups.get(rank, ()), dtype=_I64)
+    # 1. the destination instances (micro-batch, group) and each one's candidate sources
+    inst_mb: list[int] = []
+    inst_d: list[int] = []
+    pair_e: list[int] = []
+    pair_g: list[np.ndarray] = []
+    recv_e = np.full(n_mb, -1, dtype=_I64)
+    for i, cat in enumerate(catalogs):
+        s_rng, d_rng = cat.source_range_G2, cat.dest_range_D2
+        s_ids = np.arange(s_rng.shape[0], dtype=_I64) if cat.source_ids is None else cat.source_ids
+        d_ids = np.arange(d_rng.shape[0], dtype=_I64) if cat.dest_ids is None else cat.dest_ids
+        here: dict[int, int] = {}
+        if d0 is not None:  # the rank's own destination: every source that meets it
+            lo, hi = cat.dest_range(d0)
+            here[d0] = recv_e[i] = len(inst_mb)
+            inst_mb.append(i)
+            inst_d.append(d0)
+            cands = _overlapping(s_rng, lo, hi, cat.source_ids)
+            pair_e.append(int(recv_e[i]))
+            pair_g.append(cands)
+        if not my_src.size:
+            continue
+        g_rng = s_rng[_rows_in(cat.source_ids, my_src)]
+        meet_gd = _meeting(g_rng[:, 0], g_rng[:, 1], d_rng)  # [S, D']
+        ds = np.flatnonzero(meet_gd.any(axis=0))
+        if not ds.size:
+            continue
+        if compact:  # per destination, every source of an owner that serves it there
+            owners_d = np.zeros((ds.size, max(num_owners, 1)), dtype=bool)
+            gi, di = np.nonzero(meet_gd[:, ds].T)
+            owners_d[gi, ix.owner_G[my_src[di]]] = True
+            rng = d_rng[ds]
+            ok = _meeting(rng[:, 0], rng[:, 1], s_rng) & owners_d[:, ix.owner_G[s_ids]]
+        else:  # this rank's own sources alone
+            ok = np.zeros((ds.size, s_ids.size), dtype=bool)
+            gs = _rows_in(cat.source_ids, my_src)
+            ok[:, gs] = meet_gd[:, ds].T
+        for k, d in enumerate(d_ids[ds].tolist()):
+            e = here.get(d)
+            if e is None:
+                e = here[d] = len(inst_mb)
+                inst_mb.append(i)
+                inst_d.append(d)
+            pair_e.append(e)
+            pair_g.append(s_ids[ok[k]])
+    n_e = len(inst_mb)
+    e_mb, e_d = np.asarray(inst_mb, dtype=_I64), np.asarray(inst_d, dtype=_I64)
+    # 2. the runs: each destination instance's, each candidate source's (once per micro-batch)
+    pe = np.repeat(np.asarray(pair_e, dtype=_I64), [g.size for g in pair_g])
+    pg = np.concatenate(pair_g) if pair_g else _EMPTY
+    n_s = max(n_src, 1)
+    key = np.unique(e_mb[pe] * n_s + pg)  # (micro-batch, source) pairs, each once
+    src, _, src_tag = read_runs(catalogs, "s", key // n_s, key % n_s, tag_X=key)
+    dst, _, dst_e = read_runs(catalogs, "d", e_mb, e_d, tag_X=np.arange(n_e, dtype=_I64))
+    # 3. one join of every micro-batch: sample ids made distinct per micro-batch
+    if src.shape[0] and dst.shape[0]:
+        ids = dense_samples(
+            np.concatenate([src_tag // n_s, e_mb[dst_e]]),
+            np.concatenate([src[:, 0], dst[:, 0]]),
+        )
+        src, dst = src.copy(), dst.copy()
+        src[:, 0], dst[:, 0] = ids[: src.shape[0]], ids[src.shape[0] :]
+        p = _join(src, src_tag, dst, dst_e)
+        p.mb, p.grp = p.grp // n_s, p.grp % n_s
+    else:
+        p = _no_pieces()
+    # 4. each destination instance's rows, owners and slices
+    group_size = ix.slot_off_D1[e_d + 1] - ix.slot_off_D1[e_d]
+    num_rows = np.zeros(n_e, dtype=_I64)
+    for i, cat in enumerate(catalogs):
+        at = np.flatnonzero(e_mb == i)
+        num_rows[at] = cat.dest_rows(e_d[at])
+    owner_of: list[np.ndarray | None] = [None] * n_mb
+    if d0 is not None:
+        base = np.concatenate([[0], np.cumsum(num_rows[recv_e])])
+        owner_all = np.full(int(base[-1]), -1, dtype=_I64)
+        mine_p = p.take(np.flatnonzero(np.isin(p.dst, recv_e)))
+        if mine_p.size:
+            mine_p.dst_row = mine_p.dst_row + base[mine_p.mb]
+            _fill_owners(owner_all, mine_p, ix.owner_G)
+        owner_of = [owner_all[base[i] : base[i + 1]] for i in range(n_mb)]
+    k = max(num_owners, 1)
     own = ix.owner_G[p.grp]
     if compact:
-        p, rows_K = _compact(p, own, num_owners)
-        nominal_K = -(-rows_K // len(group.ranks))
+        p, rows_C = _compact(p, p.dst * k + own, n_e * k)
+        rows_EK = rows_C.reshape(n_e, k)
+        own = ix.owner_G[p.grp]
+        nominal_EK = -(-rows_EK // group_size[:, None])
     else:
-        rows_K = np.bincount(own, weights=p.length, minlength=num_owners).astype(_I64)
-        nominal_K = np.full(num_owners, group.slice_rows, dtype=_I64)
-    slot0 = int(ix.slot_off_D1[d])
-    p = _cut_slices(p, nominal_K[ix.owner_G[p.grp]], np.full(p.size, slot0, dtype=_I64))
-    p.dst_row = p.dst_row - (p.slot - slot0) * nominal_K[ix.owner_G[p.grp]]
-    return p, rows_K
-
-
-def _join_dest(catalog: RunCatalog, d: int, cands: np.ndarray) -> _Pieces:
-    """The pieces of source groups ``cands`` in destination group ``d``."""
-    src, src_grp = _tagged(catalog, "s", cands)
-    dst = _runs(catalog, "d", d)
-    return _join(src, src_grp, dst, np.full(dst.shape[0], d, dtype=_I64))
+        rows_EK = np.bincount(p.dst * k + own, weights=p.length, minlength=n_e * k)
+        rows_EK = rows_EK.astype(_I64).reshape(n_e, k)
+        nominal_EK = np.repeat((-(-num_rows // group_size))[:, None], k, axis=1)
+    slot0_E = ix.slot_off_D1[e_d] if n_e else _EMPTY
+    p = _cut_slices(p, nominal_EK[p.dst, own], slot0_E[p.dst])
+    own = ix.owner_G[p.grp]
+    p.dst_row = p.dst_row - (p.slot - slot0_E[p.dst]) * nominal_EK[p.dst, own]
+    # 5. this rank's receives and local copies, then its sends
+    recvs: list[list[Transfer]] = [[] for _ in range(n_mb)]
+    locals_: list[list[Transfer]] = [[] for _ in range(n_mb)]
+    sends: list[list[Transfer]] = [[] for _ in range(n_mb)]
+    dest: list[DestSlot | None] = [None] * n_mb
+    if d0 is not None:
+        group = catalogs[0].dests[d0]
+        j = group.ranks.index(rank)
+        s_glob = int(ix.slot_off_D1[d0]) + j
+        q = p.take(np.flatnonzero(np.isin(p.dst, recv_e) & (p.slot == s_glob)))
+        for mb, local, t in _transfers(
+            _chunk(q, ix, local_copy=local_copy), ix.owner_G, None, rank
+        ):
+            (locals_ if local else recvs)[mb].append(t)
+        for i, cat in enumerate(catalogs):
+            g_i = cat.dests[d0]
+            start, stop = g_i.slice_bounds(j)
+            dest[i] = DestSlot(
+                group=d0,
+                slot=j,
+                row_offset=start,
+                slice_rows=stop - start,
+                num_rows=g_i.num_rows,
+                padded_rows=g_i.slice_rows * len(g_i.ranks),
+                group_size=len(g_i.ranks),
+                owner_rows=tuple(rows_EK[recv_e[i], :num_owners].tolist()) if compact else (),
+            )
+    if my_src.size:
+        q = p.take(np.flatnonzero(np.isin(p.grp, my_src)))
+        ch = _chunk(q, ix, local_copy=local_copy, send_rank=rank)
+        for mb, _, t in _transfers(ch, ix.owner_G, ix.slot_rank_S, rank):
+            sends[mb].append(t)
+    out = []
+    for i in range(n_mb):
+        sends[i].sort(key=lambda t: (t.owner, t.dst_rank))
+        recvs[i].sort(key=lambda t: (t.owner, t.src_rank))
+        locals_[i].sort(key=lambda t: t.owner)
+        out.append(
+            RankPlan(
+                rank=rank,
+                sends=tuple(sends[i]),
+                recvs=tuple(recvs[i]),
+                locals=tuple(locals_[i]),
+                dest=dest[i],
+                owner_N=owner_of[i],
+            )
+        )
+    return out
 
 
 def plan_rank(
@@ -858,84 +1192,19 @@ def plan_rank(
     rows arrive in a buffer of their own, one row per token it owns, in the layout's row order.
     A sender then also reads, for each destination group it serves, the runs of its owner's
     other source groups that meet that group (to place its pieces among theirs).
+    A step's micro-batches are planned together by :func:`plan_ranks`: a catalog of a
+    :class:`StepBatch` whose micro-batch is pending is planned with every pending one.
     """
-    ix = catalog.index()
-    num_owners = int(ix.owner_G.max()) + 1 if ix.owner_G.size else 0
-    sends: list[Transfer] = []
-    recvs: list[Transfer] = []
-    locals_: list[Transfer] = []
-    dest: DestSlot | None = None
-    owner_N: np.ndarray | None = None
-    mine = ix.dest_groups.get(rank)
-    if mine:
-        d = mine[0]
-        group = catalog.dests[d]
-        j = group.ranks.index(rank)
-        s = int(ix.slot_off_D1[d]) + j
-        start, stop = group.slice_bounds(j)
-        owner_N = np.full(group.num_rows, -1, dtype=_I64)
-        rows_K = np.zeros(num_owners, dtype=_I64)
-        lo, hi = (int(x) for x in catalog.dest_range_D2[d])
-        cands = _overlapping(catalog.source_range_G2, lo, hi)
-        if cands.size:
-            p = _join_dest(catalog, d, cands)
-            _fill_owners(owner_N, p, ix.owner_G)
-            p, rows_K = _slice_pieces(catalog, d, p, compact=compact, num_owners=num_owners)
-            p = p.take(p.slot == s)
-            ch = _chunk(p, ix, local_copy=local_copy)
-            for local, t in _transfers(ch, ix.owner_G, None, rank):
-                (locals_ if local else recvs).append(t)
-        dest = DestSlot(
-            group=d,
-            slot=j,
-            row_offset=start,
-            slice_rows=stop - start,
-            num_rows=group.num_rows,
-            padded_rows=group.slice_rows * len(group.ranks),
-            group_size=len(group.ranks),
-            owner_rows=tuple(int(x) for x in rows_K.tolist()) if compact else (),
-        )
-    for g in ix.source_groups.get(rank, ()):
-        lo, hi = (int(x) for x in catalog.source_range_G2[g])
-        ds = _overlapping(catalog.dest_range_D2, lo, hi)
-        if not ds.size:
-            continue
-        if compact:  # per destination group, among every source group of this owner there
-            parts = []
-            for d in ds.tolist():
-                dlo, dhi = (int(x) for x in catalog.dest_range_D2[d])
-                cands = _overlapping(catalog.source_range_G2, dlo, dhi)
-                cands = cands[ix.owner_G[cands] == ix.owner_G[g]]
-                p = _join_dest(catalog, d, cands)
-                p, _ = _slice_pieces(catalog, d, p, compact=True, num_owners=num_owners)
-                parts.append(p.take(p.grp == g))
-            p = _Pieces.concat(parts)
-        else:
-            src = _runs(catalog, "s", g)
-            dst, dst_id = _tagged(catalog, "d", ds)
-            p = _join(src, np.full(src.shape[0], g, dtype=_I64), dst, dst_id)
-            if p.size:
-                n_X = np.asarray([catalog.dests[d].slice_rows for d in ds.tolist()], dtype=_I64)
-                n_P = n_X[np.searchsorted(ds, p.dst)]
-                p = _cut_slices(p, n_P, ix.slot_off_D1[p.dst])
-                # destination rows relative to the receiving slice
-                n_P = n_X[np.searchsorted(ds, p.dst)]
-                p.dst_row = p.dst_row - (p.slot - ix.slot_off_D1[p.dst]) * n_P
-        if not p.size:
-            continue
-        ch = _chunk(p, ix, local_copy=local_copy, send_rank=rank)
-        sends.extend(t for _, t in _transfers(ch, ix.owner_G, ix.slot_rank_S, rank))
-    sends.sort(key=lambda t: (t.owner, t.dst_rank))
-    recvs.sort(key=lambda t: (t.owner, t.src_rank))
-    locals_.sort(key=lambda t: t.owner)
-    return RankPlan(
-        rank=rank,
-        sends=tuple(sends),
-        recvs=tuple(recvs),
-        locals=tuple(locals_),
-        dest=dest,
-        owner_N=owner_N,
-    )
+    b = catalog.batch
+    if b is None or catalog.slot not in b.pending:
+        return plan_ranks([catalog], rank, local_copy=local_copy, compact=compact)[0]
+    key = (rank, local_copy, compact)
+    got = b._plans.get(key)
+    if got is None:
+        cats = [b.catalogs[i] for i in b.pending]
+        plans = plan_ranks(cats, rank, local_copy=local_copy, compact=compact)
+        got = b._plans[key] = dict(zip(b.pending, plans, strict=True))
+    return got[catalog.slot]
 
 
 # --- verdicts --------------------------------------------------------------------------------
@@ -977,8 +1246,8 @@ def _check_source(catalog: RunCatalog, g: int) -> str | None:
     runs = _runs(catalog, "s", g)
     if not runs.shape[0]:
         return None
-    lo, hi = (int(x) for x in catalog.source_range_G2[g])
-    cands = _overlapping(catalog.source_range_G2, lo, hi)
+    lo, hi = catalog.source_range(g)
+    cands = catalog.sources_meeting(lo, hi)
     cands = cands[cands < g]
     other, other_grp = _tagged(catalog, "s", cands)
     u, stride = _key_space(runs, other)
@@ -1028,8 +1297,8 @@ def _check_dest(catalog: RunCatalog, d: int) -> str | None:
     dst = _runs(catalog, "d", d)
     if not dst.shape[0]:
         return None
-    lo, hi = (int(x) for x in catalog.dest_range_D2[d])
-    src, _ = _tagged(catalog, "s", _overlapping(catalog.source_range_G2, lo, hi))
+    lo, hi = catalog.dest_range(d)
+    src, _ = _tagged(catalog, "s", catalog.sources_meeting(lo, hi))
     u, stride = _key_space(src, dst)
     kd = _keys(dst, u, stride)
     kde = kd + dst[:, 4]
@@ -1077,8 +1346,17 @@ def check_rank(catalog: RunCatalog, rank: int) -> list[str]:
     group before it also holds); each destination group by its first rank (a token it needs that
     no source holds). Together the ranks check every group once. Messages name the token
     ``(sample_id, position)``, the groups with their ranks and rows, and how many tokens are
-    affected; they depend on the catalog only, not on the rank that finds them.
+    affected; they depend on the catalog only, not on the rank that finds them. A catalog of a
+    :class:`StepBatch` whose micro-batch is pending is checked with every pending one
+    (:func:`check_ranks`: the same verdicts).
     """
+    b = catalog.batch
+    if b is not None and catalog.slot in b.pending:  # every pending micro-batch in one pass
+        got = b._checks.get(rank)
+        if got is None:
+            found_I = check_ranks([b.catalogs[i] for i in b.pending], rank)
+            got = b._checks[rank] = dict(zip(b.pending, found_I, strict=True))
+        return list(got[catalog.slot])
     ix = catalog.index()
     found: list[str] = []
     for g in ix.source_groups.get(rank, ()):
@@ -1092,3 +1370,99 @@ def check_rank(catalog: RunCatalog, rank: int) -> list[str]:
             if msg is not None:
                 found.append(msg)
     return found
+
+
+def _source_flags(catalogs: Sequence[RunCatalog], g: int) -> np.ndarray:
+    """``[n]`` whether :func:`_check_source` finds a problem with source group ``g`` in each
+    catalog: one pass over every catalog's runs of ``g`` and of the earlier groups that meet
+    it (keys made distinct per catalog)."""
+    mb_parts, grp_parts = [], []
+    for i, cat in enumerate(catalogs):
+        lo, hi = cat.source_range(g)
+        if lo > hi:
+            continue
+        cands = cat.sources_meeting(lo, hi)
+        groups = np.append(cands[cands < g], g)
+        mb_parts.append(np.full(groups.size, i, dtype=_I64))
+        grp_parts.append(groups)
+    flags = np.zeros(len(catalogs), dtype=bool)
+    if not mb_parts:
+        return flags
+    runs, mb, tag = read_runs(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
+    if not runs.shape[0]:
+        return flags
+    ids = dense_samples(mb, runs[:, 0])
+    stride = int((runs[:, 1] + runs[:, 4]).max()) + 1
+    key = ids * stride + runs[:, 1]
+    mine = tag == g
+    ks, ke, kmb = key[mine], key[mine] + runs[mine, 4], mb[mine]
+    o = np.argsort(ks, kind="stable")
+    ks, ke, kmb = ks[o], ke[o], kmb[o]
+    if ks.size > 1:  # a key held twice inside the group
+        dup = ks[1:] < np.maximum.accumulate(ke)[:-1]
+        flags[kmb[1:][dup]] = True
+    other = ~mine
+    if other.any() and ks.size:  # a key an earlier group holds too
+        us, ue = _union(ks, ke)
+        kd = key[other]
+        b, _ = _overlaps(us, ue, kd, kd + runs[other, 4])
+        flags[mb[other][b]] = True
+    return flags
+
+
+def _dest_flags(catalogs: Sequence[RunCatalog], d: int) -> np.ndarray:
+    """``[n]`` whether :func:`_check_dest` finds a needed token no source holds in destination
+    group ``d``, per catalog: one pass over every catalog's runs of ``d`` and of the sources
+    that meet it."""
+    n = len(catalogs)
+    every = np.arange(n, dtype=_I64)
+    dst, dmb, _ = read_runs(catalogs, "d", every, np.full(n, d, dtype=_I64))
+    if not dst.shape[0]:
+        return np.zeros(n, dtype=bool)
+    mb_parts, grp_parts = [], []
+    for i, cat in enumerate(catalogs):
+        lo, hi = cat.dest_range(d)
+        cands = cat.sources_meeting(lo, hi)
+        mb_parts.append(np.full(cands.size, i, dtype=_I64))
+        grp_parts.append(cands)
+    src, smb, _ = read_runs(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
+    ids = dense_samples(np.concatenate([smb, dmb]), np.concatenate([src[:, 0], dst[:, 0]]))
+    both = np.concatenate([src, dst])
+    stride = int((both[:, 1] + both[:, 4]).max()) + 1
+    key = ids * stride + both[:, 1]
+    ks, kd = key[: src.shape[0]], key[src.shape[0] :]
+    need = np.bincount(dmb, weights=dst[:, 4], minlength=n).astype(_I64)
+    if not ks.size:
+        return need > 0
+    us, ue = _union(ks, ks + src[:, 4])
+    b, a = _overlaps(us, ue, kd, kd + dst[:, 4])
+    got = np.minimum(kd[b] + dst[b, 4], ue[a]) - np.maximum(kd[b], us[a])
+    return need > np.bincount(dmb[b], weights=got, minlength=n).astype(_I64)
+
+
+def check_ranks(catalogs: Sequence[RunCatalog], rank: int) -> list[list[str]]:
+    """:func:`check_rank` of every catalog (a step's micro-batches, over one set of groups):
+    one pass per group this rank checks finds the catalogs with a problem, and each of those
+    is judged alone, so the messages are :func:`check_rank`'s, in its order."""
+    if not catalogs:
+        return []
+    ix = catalogs[0].index()
+    led_s = [g for g in ix.source_groups.get(rank, ()) if ix.rep_rank_X[ix.rep_off_G1[g]] == rank]
+    led_d = [d for d in ix.dest_groups.get(rank, ()) if ix.slot_rank_S[ix.slot_off_D1[d]] == rank]
+    flag_s = [_source_flags(catalogs, g) for g in led_s]
+    flag_d = [_dest_flags(catalogs, d) for d in led_d]
+    out: list[list[str]] = []
+    for i, cat in enumerate(catalogs):
+        found: list[str] = []
+        for g, flags in zip(led_s, flag_s, strict=True):
+            if flags[i]:
+                msg = _check_source(cat, g)
+                assert msg is not None, (i, g)
+                found.append(msg)
+        for d, flags in zip(led_d, flag_d, strict=True):
+            if flags[i]:
+                msg = _check_dest(cat, d)
+                assert msg is not None, (i, d)
+                found.append(msg)
+        out.append(found)
+    return out

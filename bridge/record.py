@@ -2,11 +2,15 @@
 
 Why this file exists: the live bridge (:meth:`~mopd.bridge.api.HiddenStateBridge.plan_step`),
 the plan inspector, the plan benchmark and the tests must build a step's records and read the
-gathered matrix by the same rule, or a change to the record leaves the tools checking another
-rule than the one that runs. Everything here is pure (no process group): the all-gather between
-:func:`rank_sections` / :func:`~mopd.bridge.metadata.encode_step_record` and :func:`read_step`
-is the caller's (the bridge's :func:`~mopd.bridge.metadata.gather_step_matrix`, or
-:func:`stack_records` in one process).
+exchanged records by the same rule, or a change to the record leaves the tools checking
+another rule than the one that runs. Everything here is pure (no process group): the exchange
+between :func:`rank_sections` / :func:`~mopd.bridge.metadata.encode_step_record` and
+:func:`read_step` is the caller's (the bridge's routed exchange,
+:func:`~mopd.bridge.peers.exchange_records`, or its gather,
+:func:`~mopd.bridge.metadata.gather_step_matrix`, or :func:`stack_records` in one process).
+A routed step's matrix holds some members' records: the view then covers the groups whose
+leaders' records are there (:attr:`StepView.source_ids`), every group that shares a sample
+with the rank's own among them.
 
 The rule (:func:`rank_roles`): a rank holds a teacher's section when it is on that teacher's
 last pipeline stage, the student's when it is on the student's last stage. The first rank of a
@@ -38,7 +42,7 @@ import torch
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
-from mopd.bridge.plan import RunCatalog
+from mopd.bridge.plan import RunCatalog, StepBatch
 from mopd.bridge.topology import Topology
 from mopd.common.lazy import LazySequence
 
@@ -145,8 +149,9 @@ def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndar
 
 def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
     """A step's catalogs, each built on first access (a micro-batch a rank has planned before
-    needs none); the columns they read (``(n_rows, sample_min, sample_max)`` of every group,
-    ``[I, X, 3]``) are copied once, on the first."""
+    needs none), planned and checked together (one :class:`~mopd.bridge.plan.StepBatch`,
+    :attr:`StepView.batch`); the columns they read (``(n_rows, sample_min, sample_max)`` of
+    every group here, ``[I, X, 3]``) are copied once, on the first."""
     fields: list[tuple[np.ndarray, np.ndarray]] = []
 
     def build(j: int) -> RunCatalog:
@@ -160,24 +165,39 @@ def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
                 )
             )
         src_I, dst_I = fields[0]
-        return view.topology.catalog(view.matrix, j, fields=(src_I[j], dst_I[j]))
+        ids = None if view.source_ids is None else (view.source_ids, view.dest_ids)
+        return view.topology.catalog(
+            view.matrix,
+            j,
+            fields=(src_I[j], dst_I[j]),
+            ids=ids,  # type: ignore[arg-type]
+            fetch=fetch,
+            batch=view.batch,
+        )
 
-    return LazySequence(view.n_slots, build, noun="micro-batch")
+    fetch = view.topology.fetcher(view.matrix)
+    out = LazySequence(view.n_slots, build, noun="micro-batch")
+    view.batch.catalogs = out
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class StepView:
-    """One rank's reading of a gathered, agreed step (:func:`read_step`); nothing is read
+    """One rank's reading of an exchanged, agreed step (:func:`read_step`); nothing is read
     before it is looked at.
 
     Attributes:
         topology: the bridge's groups.
-        matrix: the gathered records.
+        matrix: the records: every member's, or (routed) the members' this rank reads.
         n_slots: micro-batches of the step.
-        source_GIF: ``[G, n_slots, SLOT_FIELDS]`` every source group leader's slot tables
-            (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`; read on first use).
-        dest_DIF: ``[D, n_slots, SLOT_FIELDS]`` every destination group leader's (the same).
+        source_ids, dest_ids: ``[G']`` / ``[D']`` the groups whose leaders' records the
+            matrix holds, ascending (``None``: every group, the matrix holds every record).
+        source_GIF: ``[G', n_slots, SLOT_FIELDS]`` those source group leaders' slot tables
+            (:data:`~mopd.bridge.metadata.SLOT_COLUMNS`; read on first use; row ``r`` is group
+            ``source_ids[r]``, or group ``r``).
+        dest_DIF: ``[D', n_slots, SLOT_FIELDS]`` those destination group leaders' (the same).
         catalogs: per micro-batch, the planner's lazy catalog (each built on first access).
+        batch: :attr:`catalogs` as one :class:`~mopd.bridge.plan.StepBatch`.
     """
 
     topology: Topology
@@ -185,25 +205,47 @@ class StepView:
     n_slots: int
 
     @cached_property
+    def _ids(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        m = self.matrix
+        if m.members is None:
+            return None, None
+        return self.topology.led_by(m.members)
+
+    @property
+    def source_ids(self) -> np.ndarray | None:
+        return self._ids[0]
+
+    @property
+    def dest_ids(self) -> np.ndarray | None:
+        return self._ids[1]
+
+    def _source_rows(self, groups: np.ndarray) -> np.ndarray:
+        return groups if self.source_ids is None else np.searchsorted(self.source_ids, groups)
+
+    def _dest_rows(self, groups: np.ndarray) -> np.ndarray:
+        return groups if self.dest_ids is None else np.searchsorted(self.dest_ids, groups)
+
+    @cached_property
     def source_GIF(self) -> np.ndarray:
         topology, matrix, n_slots = self.topology, self.matrix, self.n_slots
         n_sec = topology.student_section + 1
+        ids = self.source_ids
+        leader = topology.source_leader if ids is None else topology.source_leader[ids]
         if topology.student_section == 1:  # one teacher: every source group is its
-            return matrix.slot_tables(topology.source_leader, 0, n_sections=n_sec, n_slots=n_slots)
-        src = np.zeros((len(topology.sources), n_slots, len(SLOT_COLUMNS)), dtype=_I64)
+            return matrix.slot_tables(leader, 0, n_sections=n_sec, n_slots=n_slots)
+        section = topology.source_section if ids is None else topology.source_section[ids]
+        src = np.zeros((leader.size, n_slots, len(SLOT_COLUMNS)), dtype=_I64)
         for o in range(topology.student_section):
-            sel = np.flatnonzero(topology.source_section == o)
+            sel = np.flatnonzero(section == o)
             if sel.size:
-                src[sel] = matrix.slot_tables(
-                    topology.source_leader[sel], o, n_sections=n_sec, n_slots=n_slots
-                )
+                src[sel] = matrix.slot_tables(leader[sel], o, n_sections=n_sec, n_slots=n_slots)
         return src
 
     @cached_property
     def dest_DIF(self) -> np.ndarray:
-        topology = self.topology
+        topology, ids = self.topology, self.dest_ids
         return self.matrix.slot_tables(
-            topology.dest_leader,
+            topology.dest_leader if ids is None else topology.dest_leader[ids],
             topology.student_section,
             n_sections=topology.student_section + 1,
             n_slots=self.n_slots,
@@ -213,25 +255,54 @@ class StepView:
     def catalogs(self) -> Sequence[RunCatalog]:
         return _catalogs(self)
 
+    @cached_property
+    def batch(self) -> StepBatch:
+        """The step's catalogs as planned and checked together: :meth:`StepBatch.expect` the
+        micro-batches about to be planned, then ``plan_rank`` / ``check_rank`` each."""
+        return StepBatch(catalogs=())
+
     def tokens_I(self) -> np.ndarray:
         """``[n_slots]`` real tokens the student wants per micro-batch over all its
-        destination groups (each token once): a sum of the leaders' ``n_tokens``."""
+        destination groups (each token once): a sum of the leaders' ``n_tokens`` (every
+        record's: a gathered matrix; a routed one has :meth:`led_tokens_I`)."""
+        if self.dest_ids is not None:
+            raise AssertionError("a routed step holds some destination groups only")
         return self.dest_DIF[:, :, _TOKENS].sum(axis=0)
+
+    def led_tokens_I(self, rank: int) -> np.ndarray:
+        """``[n_slots]`` real tokens of the destination group ``rank`` leads, off its own
+        record (zeros if it leads none): its share of :meth:`tokens_I` (every group has one
+        leader, so the shares over all ranks sum to it)."""
+        topo = self.topology
+        led = [d for d in topo.index.dest_groups.get(rank, ()) if topo.dests[d].ranks[0] == rank]
+        if not led:
+            return np.zeros(self.n_slots, dtype=_I64)
+        table = self.matrix.slot_tables(
+            np.asarray([topo.member_index(rank)], dtype=_I64),
+            topo.student_section,
+            n_sections=topo.student_section + 1,
+            n_slots=self.n_slots,
+        )
+        return table[0, :, _TOKENS].copy()  # a rank is in one destination group
 
     def plan_keys(self, rank: int, extra: bytes = b"") -> list[bytes]:
         """Per micro-batch, a hash of everything ``rank``'s plan and verdicts of it read.
 
         ``plan_rank`` and ``check_rank`` read the rank's own source and destination groups and
-        the groups whose sample range meets one of theirs, nothing else. The key covers its own
-        groups and every group whose range meets the hull of their ranges (a superset: a key
-        that covers more only misses more often): their indices, rows, sample ranges and layout
-        digests; ``extra``: what else the caller's schedule depends on (row widths). One
-        vectorized comparison per side for the whole step; hashing is per micro-batch.
+        the groups whose sample range meets one of theirs, nothing else (among the groups
+        here: a routed step holds every group that shares a sample with them). The key covers
+        its own groups and every group here whose range meets the hull of their ranges (a
+        superset: a key that covers more only misses more often): their indices, rows, sample
+        ranges and layout digests; ``extra``: what else the caller's schedule depends on (row
+        widths). One vectorized comparison per side for the whole step; hashing is per
+        micro-batch.
         """
         ix = self.topology.index
-        own_s = np.asarray(ix.source_groups.get(rank, ()), dtype=_I64)
-        own_d = np.asarray(ix.dest_groups.get(rank, ()), dtype=_I64)
+        own_s = self._source_rows(np.asarray(ix.source_groups.get(rank, ()), dtype=_I64))
+        own_d = self._dest_rows(np.asarray(ix.dest_groups.get(rank, ()), dtype=_I64))
         src, dst = self.source_GIF, self.dest_DIF
+        ids_s = np.arange(src.shape[0]) if self.source_ids is None else self.source_ids
+        ids_d = np.arange(dst.shape[0]) if self.dest_ids is None else self.dest_ids
         own = np.concatenate([src[own_s], dst[own_d]])  # [own, I, F]
         n_i = self.n_slots
         if own.shape[0]:
@@ -241,10 +312,10 @@ class StepView:
             # a second hop: in compact delivery a sender places its rows among those of the
             # other sources that meet the destinations it serves, so the key covers every
             # group meeting the hull of the groups met by the rank's own
-            for i in range(n_i):
-                met = np.concatenate([src[meet_s[i], i], dst[meet_d[i], i]])
-                lo, hi = _hull(met[:, None, :])
-                lo_I[i], hi_I[i] = min(lo_I[i], lo[0]), max(hi_I[i], hi[0])
+            lo2, hi2 = _met_hull(src, meet_s)
+            lo3, hi3 = _met_hull(dst, meet_d)
+            lo_I = np.minimum(lo_I, np.minimum(lo2, lo3))
+            hi_I = np.maximum(hi_I, np.maximum(hi2, hi3))
             meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
             meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
         else:
@@ -256,12 +327,21 @@ class StepView:
         for i in range(n_i):
             gs, ds = np.flatnonzero(meet_s[i]), np.flatnonzero(meet_d[i])
             h = hashlib.blake2b(extra, digest_size=16)
-            for ids, table in ((gs, src), (ds, dst)):
-                h.update(np.asarray([ids.size], dtype=_I64).tobytes())
-                h.update(ids.astype(_I64).tobytes())
-                h.update(np.ascontiguousarray(table[ids, i][:, _KEY_COLS]).tobytes())
+            for rows, ids, table in ((gs, ids_s, src), (ds, ids_d, dst)):
+                h.update(np.asarray([rows.size], dtype=_I64).tobytes())
+                h.update(np.asarray(ids[rows], dtype=_I64).tobytes())
+                h.update(np.ascontiguousarray(table[rows, i][:, _KEY_COLS]).tobytes())
             keys.append(h.digest())
         return keys
+
+
+def _met_hull(groups_GIF: np.ndarray, meet_IG: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([I], [I])`` :func:`_hull` of the groups ``meet_IG[i]`` selects, per micro-batch."""
+    live = (groups_GIF[:, :, _SMIN] <= groups_GIF[:, :, _SMAX]).T & meet_IG
+    big = np.iinfo(_I64)
+    lo = np.where(live, groups_GIF[:, :, _SMIN].T, big.max).min(axis=1, initial=big.max)
+    hi = np.where(live, groups_GIF[:, :, _SMAX].T, big.min).max(axis=1, initial=big.min)
+    return lo, hi
 
 
 def _hull(groups_GIF: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,6 @@ read on the data's device with one asynchronous host-to-device copy.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from collections.abc import Sequence
@@ -61,23 +60,36 @@ def _expand(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndar
     return row_S[seg] + i * step_S[seg]
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False)
 class _Side:
     """How one side of a transfer touches its buffer.
 
     ``mode``: ``"view"`` (rows ``first .. first + count``), ``"runs"`` (``copy_runs`` over
-    ``run_row`` / ``run_pos`` / ``run_len``) or ``"index"`` (per-row ``rows``).
+    ``run_row`` / ``run_pos`` / ``run_len``) or ``"index"`` (per-row ``rows``). The index
+    tensors are made on first use (each once: the device cache keys on them).
     """
 
     mode: str
     count: int
     first: int
-    run_row: torch.Tensor  # [K] buffer rows where runs start
-    run_pos: torch.Tensor  # [K] positions in the transfer (staging offset) where runs start
-    run_len: torch.Tensor  # [K]
+    _run_row: np.ndarray  # [K] buffer rows where runs start
+    _run_pos: np.ndarray  # [K] positions in the transfer (staging offset) where runs start
+    _run_len: np.ndarray  # [K]
     _row_S: np.ndarray
     _step_S: np.ndarray
     _len_S: np.ndarray
+
+    @functools.cached_property
+    def run_row(self) -> torch.Tensor:
+        return _t(self._run_row)
+
+    @functools.cached_property
+    def run_pos(self) -> torch.Tensor:
+        return _t(self._run_pos)
+
+    @functools.cached_property
+    def run_len(self) -> torch.Tensor:
+        return _t(self._run_len)
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:
@@ -86,31 +98,87 @@ class _Side:
 
     @staticmethod
     def of(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> _Side:
-        count = int(len_S.sum())
-        unit = bool(((step_S == 1) | (len_S == 1)).all())
-        runs = _merge_runs(row_S, step_S, len_S) if unit else None
-        if runs is not None and runs.shape[0] <= 1:
-            mode = "view"
-        elif runs is not None and count >= MIN_AVG_RUN * runs.shape[0]:
-            mode = "runs"
-        else:
-            mode = "index"
-        if runs is None:
-            runs = np.empty((0, 3), dtype=np.int64)
+        """One side from its segments' rows, steps and lengths (:meth:`many` of one)."""
+        return _Side.many(row_S, step_S, len_S, np.asarray([0, row_S.size], dtype=np.int64))[0]
+
+    @staticmethod
+    def many(
+        row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray, off_T1: np.ndarray
+    ) -> list[_Side]:
+        """The sides of several transfers at once: transfer ``t``'s segments are
+        ``[off_T1[t], off_T1[t + 1])`` of the ``[S]`` arrays. Per transfer: its token count,
+        whether every segment advances by one row, and its maximal contiguous runs
+        (:func:`_merge_runs`, never across transfers), in a fixed number of array operations
+        for all of them; then the mode (one view, block copies, or per-row indices)."""
+        row_S, step_S, len_S = (np.asarray(a, dtype=np.int64) for a in (row_S, step_S, len_S))
+        n_T = off_T1.size - 1
+        n_S = np.diff(off_T1)
+        if not n_T:
+            return []
+        if int(n_S.min()) == 0:  # a transfer without segments: one at a time
+            return [
+                _Side.many(row_S[a:b], step_S[a:b], len_S[a:b], np.asarray([0, b - a]))[0]
+                if b > a
+                else _Side._empty()
+                for a, b in zip(off_T1[:-1].tolist(), off_T1[1:].tolist(), strict=True)
+            ]
+        tid = np.repeat(np.arange(n_T, dtype=np.int64), n_S)
+        starts = off_T1[:-1]
+        count_T = np.add.reduceat(len_S, starts)
+        unit_T = np.logical_and.reduceat((step_S == 1) | (len_S == 1), starts)
+        cum = np.cumsum(len_S) - len_S
+        pos_S = cum - cum[starts][tid]
+        joins = np.zeros(row_S.size, dtype=bool)
+        if row_S.size > 1:
+            joins[1:] = (row_S[1:] == row_S[:-1] + len_S[:-1]) & (tid[1:] == tid[:-1])
+        rs = np.flatnonzero(~joins)
+        run_row, run_pos, run_len = row_S[rs], pos_S[rs], np.add.reduceat(len_S, rs)
+        run_off = np.concatenate([[0], np.cumsum(np.bincount(tid[rs], minlength=n_T))])
+        out = []
+        counts, units = count_T.tolist(), unit_T.tolist()
+        r_off, s_off, first = run_off.tolist(), off_T1.tolist(), row_S[starts].tolist()
+        for t in range(n_T):
+            a, b = (r_off[t], r_off[t + 1]) if units[t] else (0, 0)
+            k = b - a
+            if units[t] and k <= 1:
+                mode = "view"
+            elif units[t] and counts[t] >= MIN_AVG_RUN * k:
+                mode = "runs"
+            else:
+                mode = "index"
+            lo, hi = s_off[t], s_off[t + 1]
+            out.append(
+                _Side(
+                    mode=mode,
+                    count=counts[t],
+                    first=first[t],
+                    _run_row=run_row[a:b],
+                    _run_pos=run_pos[a:b],
+                    _run_len=run_len[a:b],
+                    _row_S=row_S[lo:hi],
+                    _step_S=step_S[lo:hi],
+                    _len_S=len_S[lo:hi],
+                )
+            )
+        return out
+
+    @staticmethod
+    def _empty() -> _Side:
+        e = np.empty(0, dtype=np.int64)
         return _Side(
-            mode=mode,
-            count=count,
-            first=int(row_S[0]) if row_S.size else 0,
-            run_row=_t(runs[:, 0]),
-            run_pos=_t(runs[:, 1]),
-            run_len=_t(runs[:, 2]),
-            _row_S=row_S,
-            _step_S=step_S,
-            _len_S=len_S,
+            mode="view",
+            count=0,
+            first=0,
+            _run_row=e,
+            _run_pos=e,
+            _run_len=e,
+            _row_S=e,
+            _step_S=e,
+            _len_S=e,
         )
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False)
 class _Op:
     """One send or receive: this rank's side of it, its peer and its staging offset."""
 
@@ -136,13 +204,19 @@ class _Local:
     joint_len: torch.Tensor
 
 
-def _sides(t: Transfer) -> tuple[_Side, _Side]:
-    s = t.segments_S5
-    return _Side.of(s[:, 0], s[:, 1], s[:, 4]), _Side.of(s[:, 2], s[:, 3], s[:, 4])
+def _sides(ts: Sequence[Transfer]) -> tuple[list[_Side], list[_Side]]:
+    """``(sources, destinations)``: both sides of every transfer, in one batch each."""
+    if not ts:
+        return [], []
+    s = np.concatenate([t.segments_S5 for t in ts])
+    off = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in ts])]).astype(np.int64)
+    return (
+        _Side.many(s[:, 0], s[:, 1], s[:, 4], off),
+        _Side.many(s[:, 2], s[:, 3], s[:, 4], off),
+    )
 
 
-def _local(t: Transfer) -> _Local:
-    src, dst = _sides(t)
+def _local(t: Transfer, src: _Side, dst: _Side) -> _Local:
     s = t.segments_S5
     unit = bool((((s[:, 1] == 1) & (s[:, 3] == 1)) | (s[:, 4] == 1)).all())
     if unit and (s.shape[0] <= 1 or src.count >= MIN_AVG_RUN * s.shape[0]):
@@ -165,23 +239,58 @@ def _local(t: Transfer) -> _Local:
     )
 
 
-def _staged_sides(ops: Sequence[_Op]) -> dict[int, _Side]:
-    """``owner -> side`` over the staged (non-view) ops' rows, in staging order: one kernel
-    launch packs (unpacks) an owner's whole staging buffer."""
-    parts: dict[int, list[_Side]] = {}
-    for op in ops:
-        if op.side.mode != "view":
-            parts.setdefault(op.owner, []).append(op.side)
-    out: dict[int, _Side] = {}
-    for owner, sides in parts.items():
-        row = np.concatenate([s._row_S for s in sides])
-        step = np.concatenate([s._step_S for s in sides])
-        length = np.concatenate([s._len_S for s in sides])
-        side = _Side.of(row, step, length)
+def _stage_many(groups: Sequence[Sequence[_Side]]) -> list[_Side]:
+    """Per group of staged sides (one owner's sends or receives of one plan, in staging
+    order), one side over all their rows: one kernel launch packs (unpacks) an owner's whole
+    staging buffer. Every group in one batch (:meth:`_Side.many`)."""
+    if not groups:
+        return []
+    sides = [x for g in groups for x in g]
+    row = np.concatenate([x._row_S for x in sides])
+    step = np.concatenate([x._step_S for x in sides])
+    length = np.concatenate([x._len_S for x in sides])
+    n = [sum(x._row_S.size for x in g) for g in groups]
+    out = _Side.many(row, step, length, np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
+    for side in out:
         if side.mode == "view":  # staged ops joined into one contiguous run: still a copy
-            side = dataclasses.replace(side, mode="runs")
-        out[owner] = side
+            side.mode = "runs"
     return out
+
+
+def _spans(reads: Sequence[Transfer]) -> dict[int, tuple[int, int]]:
+    """``owner -> (lo, hi)``: the source rows the given sends and local copies read."""
+    span: dict[int, tuple[int, int]] = {}
+    if not reads:
+        return span
+    seg = np.concatenate([t.segments_S5 for t in reads])
+    row, step, length = seg[:, 0], seg[:, 1], seg[:, 4]
+    lo_S = row + np.minimum(step, 0) * (length - 1)
+    hi_S = row + np.maximum(step, 0) * (length - 1) + 1
+    at = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in reads])[:-1]])
+    lo_T = np.minimum.reduceat(lo_S, at).tolist()
+    hi_T = np.maximum.reduceat(hi_S, at).tolist()
+    for t, lo, hi in zip(reads, lo_T, hi_T, strict=True):
+        old = span.get(t.owner, (lo, hi))
+        span[t.owner] = (min(lo, old[0]), max(hi, old[1]))
+    return span
+
+
+def _fill(plan: RankPlan, slice_rows: int, num_owners: int) -> dict[int, torch.Tensor]:
+    """``owner -> `` the slice-relative rows no transfer of that owner writes (zeroed)."""
+    fill: dict[int, torch.Tensor] = {}
+    d = plan.dest
+    if d is None:
+        return fill
+    assert plan.owner_N is not None
+    if d.compact:  # every real row is written: only the all-gather's padding is left
+        for owner in range(num_owners):
+            fill[owner] = torch.arange(d.slice_real(owner), d.slice_nominal(owner), dtype=_I64)
+        return fill
+    mine = np.full(slice_rows, -1, dtype=np.int64)
+    mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
+    for owner in range(num_owners):
+        fill[owner] = _t(np.flatnonzero(mine != owner))
+    return fill
 
 
 def plan_digest(plan: RankPlan) -> str:
@@ -300,74 +409,101 @@ class RankSchedule:
         row_bytes: Sequence[int],
         digest: str | None = None,
     ) -> RankSchedule:
-        """The schedule of ``plan`` (pure, host tensors only).
+        """The schedule of ``plan`` (pure, host tensors only): :meth:`build_many` of one.
 
         ``slice_rows``: rows of this rank's slice in the output buffer (the destination group's
         equal slice, :attr:`~mopd.bridge.plan.DestGroup.slice_rows`; 0 without a destination).
         ``digest``: :func:`plan_digest` of ``plan`` when the caller has it already.
         """
-        send_rows: dict[int, int] = {}
-        recv_rows: dict[int, int] = {}
+        return RankSchedule.build_many(
+            [plan],
+            slice_rows=[slice_rows],
+            num_owners=num_owners,
+            row_bytes=row_bytes,
+            digests=None if digest is None else [digest],
+        )[0]
 
-        def op(t: Transfer, *, sending: bool, counter: dict[int, int]) -> _Op:
-            src, dst = _sides(t)
-            mine, peer_side = (src, dst) if sending else (dst, src)
-            off = -1
-            if mine.mode != "view":
-                off = counter.get(t.owner, 0)
-                counter[t.owner] = off + mine.count
-            return _Op(
-                owner=t.owner,
-                peer=t.dst_rank if sending else t.src_rank,
-                count=mine.count,
-                stage_off=off,
-                side=mine,
-                peer_side=peer_side,
-            )
+    @staticmethod
+    def build_many(
+        plans: Sequence[RankPlan],
+        *,
+        slice_rows: Sequence[int],
+        num_owners: int,
+        row_bytes: Sequence[int],
+        digests: Sequence[str] | None = None,
+    ) -> list[RankSchedule]:
+        """The schedules of several plans (a step's micro-batches, each its own), the sides of
+        all their transfers found in one batch (:meth:`_Side.many`), their staging in another.
 
-        sends = tuple(op(t, sending=True, counter=send_rows) for t in plan.sends)
-        recvs = tuple(op(t, sending=False, counter=recv_rows) for t in plan.recvs)
-        locals_ = tuple(_local(t) for t in plan.locals)
-        span: dict[int, tuple[int, int]] = {}
-        for owner, side in [(o.owner, o.side) for o in sends] + [(x.owner, x.src) for x in locals_]:
-            if side.count:
-                lo = int((side._row_S + np.minimum(side._step_S, 0) * (side._len_S - 1)).min())
-                hi = int((side._row_S + np.maximum(side._step_S, 0) * (side._len_S - 1)).max()) + 1
-                old = span.get(owner, (lo, hi))
-                span[owner] = (min(lo, old[0]), max(hi, old[1]))
-        fill: dict[int, torch.Tensor] = {}
-        owner_N = None
-        if plan.dest is not None:
-            d = plan.dest
-            assert plan.owner_N is not None
-            owner_N = _t(plan.owner_N)
-            if d.compact:  # every real row is written: only the all-gather's padding is left
-                for owner in range(num_owners):
-                    fill[owner] = torch.arange(
-                        d.slice_real(owner), d.slice_nominal(owner), dtype=_I64
+        ``slice_rows``: per plan, as :meth:`build`'s; ``digests``: per plan, its
+        :func:`plan_digest` when the caller has it.
+        """
+        every = [t for p in plans for t in (*p.sends, *p.recvs, *p.locals)]
+        src_x, dst_x = _sides(every)  # both sides of every transfer, in one batch each
+        at = 0
+        built = []
+        staged: list[tuple[int, str, int, list[_Side]]] = []
+        for k, plan in enumerate(plans):
+            send_rows: dict[int, int] = {}
+            recv_rows: dict[int, int] = {}
+            sends: list[_Op] = []
+            recvs: list[_Op] = []
+            for kind, ts, rows in (("s", plan.sends, send_rows), ("r", plan.recvs, recv_rows)):
+                out = sends if kind == "s" else recvs
+                parts: dict[int, list[_Side]] = {}
+                for t in ts:
+                    mine, peer = (src_x[at], dst_x[at]) if kind == "s" else (dst_x[at], src_x[at])
+                    at += 1
+                    off = -1
+                    if mine.mode != "view":
+                        off = rows.get(t.owner, 0)
+                        rows[t.owner] = off + mine.count
+                        parts.setdefault(t.owner, []).append(mine)
+                    out.append(
+                        _Op(
+                            owner=t.owner,
+                            peer=t.dst_rank if kind == "s" else t.src_rank,
+                            count=mine.count,
+                            stage_off=off,
+                            side=mine,
+                            peer_side=peer,
+                        )
                     )
-            else:
-                mine = np.full(slice_rows, -1, dtype=np.int64)
-                mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
-                for owner in range(num_owners):
-                    fill[owner] = _t(np.flatnonzero(mine != owner))
-        return RankSchedule(
-            rank=plan.rank,
-            digest=plan_digest(plan) if digest is None else digest,
-            sends=sends,
-            recvs=recvs,
-            locals=locals_,
-            dest=plan.dest,
-            owner_N=owner_N,
-            fill=fill,
-            slice_rows=slice_rows,
-            send_stage_rows=send_rows,
-            recv_stage_rows=recv_rows,
-            pack_sides=_staged_sides(sends),
-            unpack_sides=_staged_sides(recvs),
-            src_span=span,
-            row_bytes=tuple(row_bytes),
-        )
+                staged += [(k, kind, o, sides) for o, sides in parts.items()]
+            locals_ = []
+            for t in plan.locals:
+                locals_.append(_local(t, src_x[at], dst_x[at]))
+                at += 1
+            built.append((sends, recvs, locals_, send_rows, recv_rows))
+        # every plan's staged ops, per (plan, direction, owner): one launch each
+        packed = _stage_many([sides for _, _, _, sides in staged])
+        pack: list[dict[int, _Side]] = [{} for _ in plans]
+        unpack: list[dict[int, _Side]] = [{} for _ in plans]
+        for (k, kind, owner, _), side in zip(staged, packed, strict=True):
+            (pack if kind == "s" else unpack)[k][owner] = side
+        out_s = []
+        for k, plan in enumerate(plans):
+            sends, recvs, locals_, send_rows, recv_rows = built[k]
+            out_s.append(
+                RankSchedule(
+                    rank=plan.rank,
+                    digest=plan_digest(plan) if digests is None else digests[k],
+                    sends=tuple(sends),
+                    recvs=tuple(recvs),
+                    locals=tuple(locals_),
+                    dest=plan.dest,
+                    owner_N=None if plan.owner_N is None else _t(plan.owner_N),
+                    fill=_fill(plan, slice_rows[k], num_owners),
+                    slice_rows=slice_rows[k],
+                    send_stage_rows=send_rows,
+                    recv_stage_rows=recv_rows,
+                    pack_sides=pack[k],
+                    unpack_sides=unpack[k],
+                    src_span=_spans([*plan.sends, *plan.locals]),
+                    row_bytes=tuple(row_bytes),
+                )
+            )
+        return out_s
 
     def counts(self) -> dict[str, int]:
         """This rank's figures: ``messages``; ``send/recv/local_bytes``; ``pack/unpack_bytes``

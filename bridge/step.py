@@ -101,31 +101,47 @@ class BridgeStep:
         # per owner (hidden, dtype) from the teacher's first leader: the students' buffers
         self._specs: dict[int, tuple[int, torch.dtype]] = {}
         for o, spec in enumerate(bridge.teachers):
-            first = topo.first_leader(o)
-            dtype = code_dtype(matrix.section_head(first, o)[0])
+            dtype = code_dtype(matrix.teacher_head(o, topo.first_leader(o))[0])
             assert dtype is not None
             self._specs[o] = (spec.hidden_size, dtype)
         self._slots: list[Slot] = []
         ex = bridge.executor
         row_bytes = [h * d.itemsize for h, d in self._specs.values()]
         with ranges.span("plan"):
+            # the micro-batches whose plan inputs are new (or whose schedule was evicted),
+            # planned together (each catalog's plan_rank plans every pending one with it)
+            todo = [i for i in range(n_slots) if not cached[i][0]]
+            view.batch.expect(todo)
+            plans = [
+                plan_rank(
+                    self._catalogs[i],
+                    bridge.rank,
+                    local_copy=bridge.config.local_copy,
+                    compact=True,
+                )
+                for i in todo
+            ]
+            view.batch.done()
+            busy = [
+                (i, p)
+                for i, p in zip(todo, plans, strict=True)
+                if p.sends or p.recvs or p.locals or p.dest is not None
+            ]
+            made = ex.schedules(
+                [p for _, p in busy],
+                slice_rows=[
+                    0 if p.dest is None else self._catalogs[i].dests[p.dest.group].slice_rows
+                    for i, p in busy
+                ],
+                num_owners=n,
+                row_bytes=row_bytes,
+            )
+            fresh: dict[int, RankSchedule | None] = dict.fromkeys(todo)
+            fresh.update((i, s) for (i, _), s in zip(busy, made, strict=True))
             for i in range(n_slots):
                 hit, sched = cached[i]
-                if not hit:  # plan inputs not seen before (or their schedule was evicted)
-                    catalog = self._catalogs[i]
-                    plan = plan_rank(
-                        catalog, bridge.rank, local_copy=bridge.config.local_copy, compact=True
-                    )
-                    if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
-                        nominal = 0
-                        if plan.dest is not None:
-                            nominal = catalog.dests[plan.dest.group].slice_rows
-                        sched = ex.schedule(
-                            plan,
-                            slice_rows=nominal,
-                            num_owners=n,
-                            row_bytes=row_bytes,
-                        )
+                if not hit:
+                    sched = fresh[i]
                     ex.remember(keys[i], sched)
                 self._slots.append(Slot(index=i, schedule=sched))
         self._owner_dev: dict[int, torch.Tensor] = {}
@@ -188,8 +204,8 @@ class BridgeStep:
 
     def global_tokens(self, micro_batch: int | None = None) -> int:
         """Real tokens the student wants in ``micro_batch`` over all its shards (each once), or
-        in the whole step with ``None``. Read from the gathered metadata (no communication):
-        the destination leaders' token counts, summed once per step."""
+        in the whole step with ``None``: the destination leaders' token counts, summed over
+        the metadata group with the step's verdict (no communication here)."""
         if self._tokens_I is None:
             self._tokens_I = self._view.tokens_I()
         if micro_batch is None:

@@ -1,11 +1,11 @@
-"""The groups a bridge's meshes form, and the planner's view of one gathered micro-batch.
+"""The groups a bridge's meshes form, and the planner's view of one exchanged micro-batch.
 
 Why this file exists: the meshes fix, once, which ranks replicate which buffer (a teacher's
 last-stage TP group per ``(dp, cp)`` shard, or each of its ranks alone when it sends from its own
 sequence-parallel shard) and which ranks share one crossing (the student's last-stage TP group
 per shard, or each rank alone when it keeps its SP slice). Every rank derives
 the same :class:`Topology` from the meshes alone; per micro-batch, :meth:`Topology.catalog` turns
-the gathered step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
+the exchanged step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
 decoding more than the groups the caller asks about.
 
 What is per rank and what is per job: the groups and their :class:`~mopd.bridge.plan.GroupIndex`
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TypeVar
@@ -27,7 +27,14 @@ import numpy as np
 
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.metadata import StepMatrix
-from mopd.bridge.plan import DestGroup, GroupIndex, RunCatalog, SourceGroup
+from mopd.bridge.plan import (
+    DestGroup,
+    GroupIndex,
+    RunCatalog,
+    RunFetch,
+    SourceGroup,
+    StepBatch,
+)
 from mopd.common.lazy import LazySequence
 
 __all__ = ["Topology"]
@@ -36,12 +43,12 @@ _I64 = np.int64
 _G = TypeVar("_G", SourceGroup, DestGroup)
 
 
-def _groups(groups: Sequence[_G], rows_X: np.ndarray, noun: str) -> LazySequence[_G]:
+def _groups(groups: Sequence[_G], rows_of: Callable[[int], int], noun: str) -> LazySequence[_G]:
     """One micro-batch's groups, each built on first access: the topology's group with the
-    micro-batch's ``num_rows`` (``rows_X``: ``[X]`` rows of every group)."""
+    micro-batch's ``num_rows`` (``rows_of(j)``: group ``j``'s rows)."""
     return LazySequence(
         len(groups),
-        lambda j: dataclasses.replace(groups[j], num_rows=int(rows_X[j])),
+        lambda j: dataclasses.replace(groups[j], num_rows=rows_of(j)),
         noun=noun,
     )
 
@@ -167,33 +174,81 @@ class Topology:
         """The groups' ranks as arrays and per-rank lookups (built once, ``O(ranks)``)."""
         return GroupIndex.build(self.sources, self.dests)
 
+    def fetcher(self, matrix: StepMatrix) -> RunFetch:
+        """:attr:`~mopd.bridge.plan.RunCatalog.fetch` for ``matrix``'s catalogs: the runs of
+        ``(micro-batch, group)`` pairs, each from its group leader's record, in one read."""
+        return _fetcher(self, matrix)
+
+    def led_by(self, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source ids, dest ids)``, ascending: the groups whose first rank is one of
+        ``members`` (member indices; the groups whose runs those records carry). Binary
+        searches in the leaders sorted once, ``O(len(members) log groups)``."""
+        out = []
+        for order, leaders in (self._leaders_sorted("s"), self._leaders_sorted("d")):
+            m = np.asarray(members, dtype=_I64)
+            lo = np.searchsorted(leaders, m, side="left")
+            hi = np.searchsorted(leaders, m, side="right")
+            n = hi - lo
+            at = np.repeat(lo, n) + (
+                np.arange(int(n.sum()), dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
+            )
+            out.append(np.sort(order[at]))
+        return out[0], out[1]
+
+    def _leaders_sorted(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, leaders[order])`` of the source (``"s"``) or destination groups' leader
+        member indices (built once)."""
+        return self._sorted_leaders[0 if side == "s" else 1]
+
+    @cached_property
+    def _sorted_leaders(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        out = []
+        for leaders in (self.source_leader, self.dest_leader):
+            order = np.argsort(leaders, kind="stable").astype(_I64)
+            out.append((order, leaders[order]))
+        return tuple(out)
+
     def catalog(
         self,
         matrix: StepMatrix,
         slot: int,
         *,
         fields: tuple[np.ndarray, np.ndarray] | None = None,
+        ids: tuple[np.ndarray, np.ndarray] | None = None,
+        fetch: RunFetch | None = None,
+        batch: StepBatch | None = None,
     ) -> RunCatalog:
-        """The planner's view of micro-batch ``slot`` of a gathered, validated step.
+        """The planner's view of micro-batch ``slot`` of an exchanged, validated step.
 
         Reads the leaders' slot tables (one vectorized read per teacher and one for the
         student) for rows and sample ranges; a group (with its ``num_rows``) is built when the
-        planner looks at it, and its runs are read when the planner asks. ``fields``: those
-        ``([G, 3], [D, 3])`` columns ``(n_rows, sample_min, sample_max)`` when the caller read
-        them already (:func:`mopd.bridge.record.read_step`).
+        planner looks at it, and its runs are read when the planner asks. ``ids``: the
+        ``(source, dest)`` groups whose leaders' records ``matrix`` holds, when it holds some
+        only (routed: :meth:`led_by` of its members); ``fields``: those groups' ``([G', 3],
+        [D', 3])`` columns ``(n_rows, sample_min, sample_max)`` when the caller read them
+        already (:func:`mopd.bridge.record.read_step`); ``fetch``: :meth:`fetcher` of
+        ``matrix``, shared by the step's catalogs (one read serves several micro-batches);
+        ``batch``: the step's catalogs it is planned and checked with.
         """
+        src_ids, dst_ids = ids if ids is not None else (None, None)
         if fields is not None:
             src_fields, dst_fields = fields
         else:
-            # (n_rows, sample_min, sample_max) of every group: the only columns read for all
+            # (n_rows, sample_min, sample_max) of the groups: the only columns read for all
             cols = (0, 3, 4)
-            src_fields = np.zeros((len(self.sources), 3), dtype=_I64)
-            for o in np.unique(self.source_section).tolist():
-                sel = np.flatnonzero(self.source_section == o)
-                src_fields[sel] = matrix.slot_fields(self.source_leader[sel], o, slot, cols)
-            dst_fields = matrix.slot_fields(self.dest_leader, self.student_section, slot, cols)
-        sources = _groups(self.sources, src_fields[:, 0].copy(), "source group")
-        dests = _groups(self.dests, dst_fields[:, 0].copy(), "destination group")
+            sel_s = np.arange(len(self.sources)) if src_ids is None else src_ids
+            sel_d = np.arange(len(self.dests)) if dst_ids is None else dst_ids
+            src_fields = np.zeros((sel_s.size, 3), dtype=_I64)
+            for o in np.unique(self.source_section[sel_s]).tolist():
+                at = np.flatnonzero(self.source_section[sel_s] == o)
+                src_fields[at] = matrix.slot_fields(self.source_leader[sel_s[at]], o, slot, cols)
+            dst_fields = matrix.slot_fields(
+                self.dest_leader[sel_d], self.student_section, slot, cols
+            )
+        rows_s = _rows_by_id(len(self.sources), src_ids, src_fields[:, 0])
+        rows_d = _rows_by_id(len(self.dests), dst_ids, dst_fields[:, 0])
+        sources = _groups(self.sources, rows_s, "source group")
+        dests = _groups(self.dests, rows_d, "destination group")
         leaders_s, sections_s, leaders_d = self.source_leader, self.source_section, self.dest_leader
         student = self.student_section
         return RunCatalog(
@@ -201,7 +256,40 @@ class Topology:
             dests=dests,
             source_runs=lambda g: matrix.runs(int(leaders_s[g]), int(sections_s[g]), slot),
             dest_runs=lambda d: matrix.runs(int(leaders_d[d]), student, slot),
+            fetch=self.fetcher(matrix) if fetch is None else fetch,
+            slot=slot,
+            dest_rows_D=np.ascontiguousarray(dst_fields[:, 0]),
+            batch=batch,
             source_range_G2=np.ascontiguousarray(src_fields[:, 1:3]),
             dest_range_D2=np.ascontiguousarray(dst_fields[:, 1:3]),
             group_index=self.index,
+            source_ids=src_ids,
+            dest_ids=dst_ids,
         )
+
+
+def _fetcher(topology: Topology, matrix: StepMatrix) -> RunFetch:
+    leaders_s, sections_s = topology.source_leader, topology.source_section
+    leaders_d, student = topology.dest_leader, topology.student_section
+
+    def fetch(side: str, slots: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if side == "s":
+            return matrix.runs_many(leaders_s[groups], sections_s[groups], slots)
+        return matrix.runs_many(leaders_d[groups], np.full(groups.size, student, _I64), slots)
+
+    return fetch
+
+
+def _rows_by_id(n: int, ids: np.ndarray | None, rows: np.ndarray) -> Callable[[int], int]:
+    """Group ``j``'s rows in a micro-batch: ``rows[j]``, or with ``ids`` the row of id ``j``
+    (0 for a group whose record is not here: the planner never builds one)."""
+    if ids is None:
+        rows = rows.copy()
+        return lambda j: int(rows[j])
+    ids, rows = ids.copy(), rows.copy()
+
+    def of(j: int) -> int:
+        at = int(np.searchsorted(ids, j))
+        return int(rows[at]) if at < ids.size and int(ids[at]) == j else 0
+
+    return of

@@ -1,13 +1,16 @@
-"""Benchmark: one rank's per-step host work at 256 to 65,536 ranks, today's path beside the old.
+"""Benchmark: one rank's host work on a changed step at 256 to 65,536 ranks, routed beside gathered.
 
-Why this file exists: every per-step cost of the bridge on the host must follow the rank's own
-work, not the job's. A timed test would be flaky, so this benchmark shows it: for each rank count
-it simulates one step of ``--micro-batches`` micro-batches (no process group) of a colocated job,
-teacher tp8 cp2 and student tp4 cp4 on the same ranks, THD on both sides with Megatron's SP
-padding, about ``--tokens-per-rank`` real tokens per rank in the step, samples of random lengths
-assigned to DP ranks in contiguous ranges (the teacher cuts by sample count, the student
-balances tokens, so the cuts differ). Every rank's record is built by the bridge's own rule
-(:mod:`mopd.bridge.record`) and stacked as the all-gather returns it: setup, not timed.
+Why this file exists: on-policy training has new lengths every step, so every step is a
+*changed* step for the bridge, and its host work and the metadata a rank receives must follow
+the rank's own work, not the job's. A timed test would be flaky, so this benchmark shows it:
+for each rank count it simulates one step of ``--micro-batches`` micro-batches (no process
+group) of a colocated job, teacher tp8 cp2 and student tp4 cp4 on the same ranks, THD on both
+sides with Megatron's SP padding, about ``--tokens-per-rank`` real tokens per rank in the step,
+samples of random lengths assigned to DP ranks in contiguous ranges (the teacher cuts by
+sample count, the student balances tokens, so the cuts differ). Every rank's record is built by
+the bridge's own rule (:mod:`mopd.bridge.record`) and stacked as an all-gather returns it, and
+every member's part of the routed exchange (:mod:`mopd.bridge.peers`) is simulated by the
+same rules (:func:`simulate_exchange`): setup, not timed.
 
 Both source modes of the teacher are timed (``--sources``): ``replicas`` (its last-stage TP
 groups send as replicas) and ``sp_shards`` (``TeacherSpec(sp_shards=True)``: every teacher
@@ -15,30 +18,26 @@ rank sends its own SP shard, tp times the sending groups); each row names its mo
 
 Timed for a few representative ranks (each a teacher and a student rank; the first one leads a
 source and a destination group), every per-step host function of the live bridge, called on a
-bridge object without process groups (:func:`offline_bridge`):
+bridge object without process groups (:func:`offline_bridge`, whose wire answers each round
+with what the simulated members send it):
 
-- ``step_host_ms``: a step whose inputs the rank has seen (steady state: every rank repeats
-  its step, so every record says it is the plan memo's step's but for its header, and the
-  summary's all-reduce lets every rank skip gathering the records, the memo's matrix serving):
-  building its layouts and record (``_local_record``), the fence and the verdict checks, the
-  plan keys (the memo's) and schedule lookups (``_agree_and_plan``: no planner runs, no group's
-  slot table read), the token counts (``global_tokens`` once for the step and once per
-  micro-batch, as the loss does);
-- ``step_host_miss_ms``: the same with an empty schedule cache (every micro-batch planned);
-- ``step_host_old_ms``: the path before the record-keyed cache, in the same run: runs from the
-  rows (key sort), a catalog per micro-batch through the records' offsets, every verdict and
-  ``plan_rank`` every step (its schedule found by the plan's digest), the duplicate-sample check
-  of every student group on one rank, ``global_tokens`` decoding every student group's runs.
+- ``step_host_miss_ms``: a changed step (an empty schedule cache, every micro-batch planned):
+  building its layouts and record, its part of the routed exchange
+  (:func:`~mopd.bridge.peers.exchange_records`), the fence, the verdict checks, the plans and
+  schedules from its peers' records (``_agree_and_plan``), the token counts;
+- ``step_host_miss_gather_ms``: the same step planned from every record (the all-gather's
+  matrix: the path before the routed exchange);
+- ``step_host_ms``: a repeated step (every record says it is the plan memo's step's: nothing
+  is exchanged, the memo's records and plan keys serve, no planner runs).
 
-Each is the slowest rank's least of several steps. ``plan_ms`` is, as before, decoding +
-``plan_rank`` + ``check_rank`` of one micro-batch. Beside them, at the recorded setup (one micro-batch, 4096
-tokens per rank), the retired global planner's recorded figures, read from ``profiling/results/``
-in a checkout (:data:`BASELINE`). Each rank count prints a line on stderr as it starts and ends.
-Figures are one CPU thread of this machine.
-
-It also models the metadata all-gather at those sizes (:func:`model_allgather`): bytes per rank
-and in all, the flat ring and the two-level exchange the bridge runs from
-``create_bridge_groups(metadata_nodes_from=...)`` on (:func:`~mopd.bridge.groups.all_gather_nodes`).
+Each is the slowest rank's least of several steps; each measured rank's plans from its routed
+records are checked equal to its plans from every record. ``allgather_bytes``: the metadata one
+rank receives on a changed step (counted; the two small all-reduces modelled), beside
+``allgather_bytes_gather`` (every record). ``plan_ms`` is, as before, decoding + ``plan_rank`` +
+``check_rank`` of one micro-batch from every record; beside it, at the recorded setup (one
+micro-batch, 4096 tokens per rank), the retired global planner's recorded figures, read from
+``profiling/results/`` in a checkout (:data:`BASELINE`). Each rank count prints a line on
+stderr as it starts and ends. Figures are one CPU thread of this machine.
 
 Run: ``python -m mopd.profiling.bench_plan [--ranks N ...] [--json] [--results-dir DIR]``
 (or ``mopd bench plan``). ``--json`` prints one JSON object per rank count; otherwise a table.
@@ -60,7 +59,7 @@ import sys
 import time
 import tracemalloc
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,6 @@ import numpy as np
 import torch
 
 from mopd.bridge.api import HiddenStateBridge
-from mopd.bridge.checks import agreed_slots, agreed_state
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
@@ -78,15 +76,27 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import (
     HEADER,
     MEMO_STEP,
+    SIZE,
     UNCHANGED,
     StepMatrix,
     encode_step_record,
+    record_heads,
     record_tables,
     reduced_summary,
     reuses_memo,
 )
+from mopd.bridge.peers import (
+    PeerView,
+    directory_replies,
+    exchange_records,
+    forward_bundles,
+    forward_pairs,
+    read_replies,
+    registrations,
+)
 from mopd.bridge.plan import check_rank, plan_rank
-from mopd.bridge.record import rank_roles, rank_sections, stack_records
+from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
+from mopd.bridge.route import RADIX, bruck_partners
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.topology import Topology
 from mopd.profiling.extras import can_draw
@@ -96,8 +106,11 @@ from mopd.profiling.results import environment, format_table, record
 __all__ = [
     "BASELINE",
     "DEFAULT_RANKS",
+    "PREVIOUS",
     "SOURCES",
     "AllGatherModel",
+    "ExchangeSim",
+    "SimWire",
     "Step",
     "build_step",
     "main",
@@ -106,12 +119,19 @@ __all__ = [
     "model_allgather",
     "offline_bridge",
     "recorded_global",
+    "recorded_previous",
+    "routed_exchange",
+    "simulate_exchange",
 ]
 
 #: The retired global planner's recorded run (``global_plan_ms``, ``global_rss_growth_mib`` per
 #: rank count at 4096 tokens per rank in one micro-batch, samples up to 4096 long, seed 0), under
 #: ``results/``.
 BASELINE = "plan-scale-cpu-2026-12-01"
+#: The path before the routed exchange, recorded (``step_host_miss_ms`` per rank count and
+#: source mode at this benchmark's default setup), under ``results/``.
+PREVIOUS = "plan-step-cpu-2026-12-02"
+_PREVIOUS_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 8}
 _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
 #: The teacher's source modes measured: TP replicas (one sending group per TP group), or every
 #: teacher rank sending its own SP shard (``TeacherSpec(sp_shards=True)``: tp x the groups).
@@ -364,13 +384,228 @@ def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, f
 # --- one rank's step, as the live bridge runs it ------------------------------------------------
 
 
-def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
+# --- the routed exchange, as every member plays it ------------------------------------------------
+
+
+class SimWire:
+    """:class:`~mopd.bridge.route.Wire` of one member of a simulated job: each round answers
+    with what :func:`simulate_exchange` found the other members send it, checking that the
+    member expects exactly those messages; :meth:`reduce_sum` answers with the job's sum.
+
+    Args:
+        member, size: the member and the job's member count.
+        rounds: per :meth:`~mopd.bridge.route.Wire.swap`, in order, ``member -> words`` it
+            receives.
+        total: what :meth:`reduce_sum` returns (the verdict's flag and the step's tokens).
+    """
+
+    def __init__(
+        self, member: int, size: int, rounds: Sequence[dict[int, np.ndarray]], total: np.ndarray
+    ) -> None:
+        self.member = member
+        self.size = size
+        self._rounds = list(rounds)
+        self._total = total
+        self._at = 0
+        self._received = 0
+
+    @property
+    def received_words(self) -> int:
+        return self._received
+
+    def swap(
+        self,
+        sends: Mapping[int, np.ndarray],
+        recv_from: Sequence[int],
+        *,
+        sizes: Mapping[int, int] | None = None,
+    ) -> dict[int, np.ndarray]:
+        got = self._rounds[self._at]
+        self._at += 1
+        if set(recv_from) != set(got):
+            raise AssertionError(
+                f"member {self.member}, round {self._at}: expects {sorted(recv_from)[:8]}, "
+                f"the job sends from {sorted(got)[:8]}"
+            )
+        for p in recv_from:
+            self._received += got[p].size + (0 if sizes is not None or p == self.member else 1)
+        return {p: got[p] for p in recv_from}
+
+    def reduce_sum(self, words: np.ndarray) -> np.ndarray:
+        if words.size != self._total.size:
+            raise AssertionError(f"a sum of {words.size} words, the job's has {self._total.size}")
+        return self._total.copy()
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ExchangeSim:
+    """One member's routed exchange of a simulated step (:func:`simulate_exchange`).
+
+    Attributes:
+        member: the member.
+        rounds: per swap of :func:`~mopd.bridge.peers.exchange_records`, what it receives.
+        held: the members whose records it ends up with (its own included), ascending.
+        tokens_I: ``[n_slots]`` the step's tokens (what the verdict's sum returns).
+    """
+
+    member: int
+    rounds: tuple[dict[int, np.ndarray], ...]
+    held: np.ndarray
+    tokens_I: np.ndarray
+
+    def wire(self, size: int) -> SimWire:
+        total = np.concatenate([[0], self.tokens_I]).astype(np.int64)
+        return SimWire(self.member, size, self.rounds, total)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Job:
+    """Every member's registrations, sorted by home, and what the members learn of them."""
+
+    step: Step
+    entries: np.ndarray  # [E, 6] ENTRY_COLUMNS, by home
+    home_at: np.ndarray  # [n + 1] each home's rows
+    views: dict[int, PeerView]
+
+    def record(self, j: int) -> np.ndarray:
+        return self.step.matrix_NW[j, : self.step.sizes_N[j]]
+
+    def replies(self, j: int) -> dict[int, np.ndarray]:
+        """``home -> rows`` member ``j`` receives back (one per home it registered at)."""
+        homes = self._homes(j)
+        out = {}
+        for h in homes:
+            at = self.entries[self.home_at[h] : self.home_at[h + 1]]
+            out[h] = directory_replies(at)[j]
+        return out
+
+    def _homes(self, j: int) -> list[int]:
+        return sorted(set(self._own(j)[:, 0].tolist()))
+
+    def _own(self, j: int) -> np.ndarray:
+        topo, m = self.step.topology, len(self.step.micro)
+        return registrations(self.record(j), topology=topo, rank=topo.members[j], n_slots=m)
+
+    def view(self, j: int) -> PeerView:
+        got = self.views.get(j)
+        if got is None:
+            reps = self.replies(j)
+            rows = (
+                np.concatenate([r.reshape(-1, 5) for r in reps.values()])
+                if reps
+                else np.empty((0, 5), dtype=np.int64)
+            )
+            got = self.views[j] = read_replies(
+                rows, member=j, n_sources=len(self.step.topology.sources)
+            )
+        return got
+
+    def introduced(self, j: int) -> dict[int, int]:
+        """Member ``j``'s introduced (second-hop) peers, ``member -> words``."""
+        out = {}
+        for x in self.view(j).intro_from:
+            intro = self.view(x).intro
+            for p, w in zip(intro[:, 1].tolist(), intro[:, 2].tolist(), strict=True):
+                if p != j:
+                    out[p] = w
+        return out
+
+    def peers(self, j: int) -> dict[int, int]:
+        """Member ``j``'s peers: first hop and introduced, ``member -> words``."""
+        return {**self.view(j).peers, **self.introduced(j)}
+
+    def forwarded(self, lead: int, j: int) -> np.ndarray:
+        """What leader ``lead`` forwards member ``j`` (by the bridge's rule)."""
+        topo = self.step.topology
+        to_source, to_dest, _ = forward_pairs(topo, topo.members[lead])
+        view = self.view(lead)
+        return forward_bundles(
+            self.held(lead),
+            member=lead,
+            to_source=[m for m in to_source if m == j],
+            to_dest=[m for m in to_dest if m == j],
+            source_side=view.source_side | set(self.introduced(lead)),
+            dest_side=view.dest_side,
+        )[j]
+
+    def held(self, j: int) -> dict[int, np.ndarray]:
+        """Member ``j``'s records after the records' round (its own and its peers')."""
+        out = {j: self.record(j)}
+        out.update((p, self.record(p)) for p in self.peers(j))
+        return out
+
+
+def _job(step: Step) -> _Job:
+    """Every member's registrations (by the bridge's rule), sorted by home (not timed)."""
+    topo, m = step.topology, len(step.micro)
+    n = len(topo.members)
+    parts = [
+        registrations(step.matrix_NW[j, : step.sizes_N[j]], topology=topo, rank=r, n_slots=m)
+        for j, r in enumerate(topo.members)
+    ]
+    entries = np.concatenate(parts)
+    entries = entries[np.argsort(entries[:, 0], kind="stable")]
+    home_at = np.searchsorted(entries[:, 0], np.arange(n + 1))
+    return _Job(step=step, entries=entries, home_at=home_at, views={})
+
+
+def simulate_exchange(job: _Job, member: int, *, radix: int = RADIX) -> ExchangeSim:
+    """What ``member`` receives in each round of the routed exchange when every member of
+    ``job`` plays its part by the bridge's rule (:mod:`mopd.bridge.peers`; not timed):
+    the registrations routed through it, its replies, its introductions, its peers' records
+    and its leaders' forwarded records."""
+    step = job.step
+    topo = step.topology
+    n = len(topo.members)
+    rounds: list[dict[int, np.ndarray]] = []
+    # 1. the Bruck rounds: rows that arrive at `member` in each
+    e = job.entries
+    origin, home = e[:, 4], e[:, 0]
+    offset = (home - origin) % n
+    step_j = 1
+    while step_j < n:
+        digit = offset // step_j % radix
+        sender = (origin + offset % step_j) % n
+        holder = (origin + offset % (step_j * radix)) % n
+        here = np.flatnonzero((holder == member) & (digit != 0))
+        _, frm = bruck_partners(n, member, step_j, radix)
+        got = {p: np.empty(0, dtype=np.int64) for p in frm}
+        for p in frm:
+            got[p] = e[here[sender[here] == p]].reshape(-1)
+        rounds.append(got)
+        step_j *= radix
+    # 2. replies; 3. introductions; 4. records; 5. forwarded records
+    rounds.append(job.replies(member))
+    view = job.view(member)
+    rounds.append({x: job.view(x).intro.reshape(-1) for x in view.intro_from})
+    held = job.held(member)
+    rounds.append({p: held[p] for p in sorted(job.peers(member))})
+    to_source, to_dest, from_ = forward_pairs(topo, topo.members[member])
+    if to_source or to_dest or from_:
+        got = {lead: job.forwarded(lead, member) for lead in from_}
+        rounds.append(got)
+        for msg in got.values():
+            for p in msg[1 : 1 + int(msg[0])].tolist():
+                held.setdefault(p, job.record(p))
+    view = read_step(topo, StepMatrix(step.matrix_NW), len(step.micro))
+    return ExchangeSim(
+        member=member,
+        rounds=tuple(rounds),
+        held=np.asarray(sorted(held), dtype=np.int64),
+        tokens_I=view.tokens_I(),
+    )
+
+
+# --- one rank's step, as the live bridge runs it ------------------------------------------------
+
+
+def offline_bridge(step: Step, rank: int, sim: ExchangeSim | None = None) -> HiddenStateBridge:
     """A :class:`~mopd.bridge.api.HiddenStateBridge` of ``step``'s meshes as global rank
     ``rank`` holds it, without process groups (this benchmark has none): the attributes its
     constructor derives from the groups are set here, so that its per-step methods
     (``_local_record``, ``_agree_and_plan``, :class:`~mopd.bridge.step.BridgeStep`) run as
-    they do in a job, minus the collectives (the metadata group is ``None``: the verdict of a
-    step without problems is then local)."""
+    they do in a job, minus the collectives: its wire (``_make_wire``) is ``sim``'s
+    (:func:`simulate_exchange`), or one that answers the verdict's sum with the job's."""
     b = HiddenStateBridge.__new__(HiddenStateBridge)
     b.teachers = (
         TeacherSpec(
@@ -395,6 +630,16 @@ def offline_bridge(step: Step, rank: int) -> HiddenStateBridge:
     b._live_steps = weakref.WeakSet()
     b.steps = 0
     b.closed = False
+    n = len(step.topology.members)
+    if sim is None:
+        full = read_step(step.topology, StepMatrix(step.matrix_NW), len(step.micro))
+        sim = ExchangeSim(
+            member=step.topology.member_index(rank),
+            rounds=(),
+            held=np.arange(n),
+            tokens_I=full.tokens_I(),
+        )
+    b._make_wire = lambda deadline, sim=sim: sim.wire(n)  # type: ignore[method-assign]
     return b
 
 
@@ -403,108 +648,114 @@ def _tokens(bs: BridgeStep) -> int:
     return bs.global_tokens() + sum(bs.global_tokens(i) for i in range(bs.num_micro_batches))
 
 
-def _fresh(step: Step, bridge: HiddenStateBridge, *, reuse: bool = True) -> StepMatrix:
-    """The gathered matrix and the summary as the bridge's exchange gives them (not timed):
-    with a plan memo every record repeats (``reuse``), the memo's matrix, nothing gathered
-    (:func:`~mopd.bridge.metadata.reuses_memo`); otherwise a new copy of the matrix, so the
-    step reads what the all-gather has just written, not what the previous step left in the
-    caches. Every record's plan-memo words are those of ``bridge``'s rank (every rank repeats
-    its step as this one does: with a memo from the step before, its record unchanged since)."""
-    memo = bridge._memo
-    words = (-1, 0) if memo is None else (memo.step, 1)
+def _summary(step: Step, memo_step: int, unchanged: int) -> np.ndarray:
+    """What the summary's all-reduce returns when every rank's record says ``(memo_step,
+    unchanged)`` (every rank repeats its step as the timed one does)."""
     header_NH = step.matrix_NW[:, :HEADER].copy()
-    header_NH[:, MEMO_STEP], header_NH[:, UNCHANGED] = words
-    summary_2H = reduced_summary(header_NH)  # what the all-reduce returns
-    if reuse and memo is not None and reuses_memo(summary_2H, memo.step):
-        return StepMatrix(memo.matrix, summary_2H)
-    bridge._memo = None  # as the bridge drops a memo that cannot serve
-    m = step.matrix_NW.copy()
-    m[:, MEMO_STEP], m[:, UNCHANGED] = words
-    return StepMatrix(m, summary_2H)
+    header_NH[:, MEMO_STEP], header_NH[:, UNCHANGED] = memo_step, unchanged
+    header_NH[:, SIZE] = step.sizes_N
+    heads = record_heads(step.matrix_NW[0, : step.sizes_N[0]], 1)
+    return np.concatenate([reduced_summary(header_NH), heads])
 
 
-def _new_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
-    """One step of ``bridge``'s rank on today's path; seconds per part."""
-    tl = time.perf_counter()
-    t_lay, s_lay = _rank_layouts(step, bridge.rank)
-    t0 = time.perf_counter()
-    record_, sections, _agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
-    t_enc = time.perf_counter()
-    gathered = _fresh(step, bridge)  # the all-gather, after the record is built (not timed)
-    t1 = time.perf_counter()
-    bs = bridge._agree_and_plan(gathered, sections)
-    t2 = time.perf_counter()
-    _tokens(bs)
-    t3 = time.perf_counter()
-    bs.finished = True  # nothing moves here; the next step may be planned
-    bridge._open_steps.clear()
-    bridge.steps = 0
-    if not np.array_equal(
-        record_tables(record_),
-        record_tables(gathered.matrix[step.topology.member_index(bridge.rank)]),
-    ):
-        raise AssertionError(f"rank {bridge.rank}: its record is not its row of the matrix")
-    return {"layouts": t0 - tl, "encode": t_enc - t0, "verdict_plan": t2 - t1, "tokens": t3 - t2}
-
-
-def _old_step(step: Step, bridge: HiddenStateBridge) -> dict[str, float]:
-    """One step of ``bridge``'s rank on the path before the record-keyed cache (the calls the
-    bridge made then, the retired ones written out here); seconds per part."""
-    topo, rank = step.topology, bridge.rank
+def _step_parts(
+    step: Step, bridge: HiddenStateBridge, sim: ExchangeSim, how: str
+) -> dict[str, float]:
+    """One step of ``bridge``'s rank; seconds per part. ``how``: ``"repeat"`` (every record
+    the memo step's: nothing exchanged, the memo's records serve), ``"routed"`` (a changed
+    step: the routed exchange, :func:`~mopd.bridge.peers.exchange_records` on ``sim``'s
+    wire), ``"gathered"`` (a changed step as before: every record, read off the all-gather's
+    matrix, a fresh copy so that the step reads what the collective wrote)."""
+    rank = bridge.rank
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, rank)
     t0 = time.perf_counter()
-    # runs from the rows: the layouts as a caller-built TokenLayout (no runs attached)
-    t_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in t_lay]
-    s_rows = [TokenLayout(sample_id_R=x.sample_id_R, position_R=x.position_R) for x in s_lay]
-    bridge._local_record({0: t_rows}, s_rows, None, None, [])
-    t_enc = time.perf_counter()
-    gathered = _fresh(step, bridge, reuse=False)  # the all-gather, after the record (not timed)
+    record_, sections, agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
     t1 = time.perf_counter()
-    matrix = StepMatrix(gathered.matrix)  # the headers were read off the matrix then
-    agreed_state(matrix, members=topo.members, rank=rank, executor=bridge.executor)
-    n_slots = agreed_slots(matrix, members=topo.members)
-    catalogs = [topo.catalog(matrix, i) for i in range(n_slots)]
-    me = topo.members.index(rank)
-    for g in topo.index.source_groups.get(rank, ()):  # replicas against their leader
-        leader, o = int(topo.source_leader[g]), int(topo.source_section[g])
-        for i in range(n_slots):
-            matrix.slot_fields(np.asarray([me, leader]), o, i)
-    problems: list[str] = []
-    if rank == topo.dests[0].ranks[0]:  # one rank read every student group's runs
-        for catalog in catalogs:
-            seen: dict[int, int] = {}
-            for d, dest in enumerate(catalog.dests):
-                c = step.student.coord(dest.ranks[0])
-                assert c is not None
-                for sample in np.unique(catalog.dest_runs(d)[:, 0]).tolist():
-                    seen.setdefault(sample, c.dp_rank)
-    for catalog in catalogs:
-        problems += check_rank(catalog, rank)
+    memo = bridge._memo
+    n = len(step.topology.members)
+    summary = _summary(step, -1, 0) if memo is None else _summary(step, memo.step, 1)
+    t1x = time.perf_counter()  # the summary's all-reduce (not timed)
+    if how == "repeat":
+        if memo is None or not reuses_memo(summary, memo.step):
+            raise AssertionError(f"rank {rank}: a repeated step without a memo that serves")
+        matrix = StepMatrix(memo.matrix, summary, memo.members)
+    else:
+        bridge._memo = None  # as the bridge drops a memo that cannot serve
+        if how == "gathered":
+            m = step.matrix_NW.copy()  # the all-gather's result (not timed)
+            if memo is not None:
+                m[:, MEMO_STEP], m[:, UNCHANGED] = memo.step, 1
+            t1x = time.perf_counter()
+            matrix = StepMatrix(m, summary)
+        else:
+            rows, members = exchange_records(
+                record_,
+                sim.wire(n),
+                topology=step.topology,
+                rank=rank,
+                n_slots=len(step.micro),
+                agreements=agreements,
+            )
+            matrix = StepMatrix(rows, summary, members)
     t2 = time.perf_counter()
-    ex = bridge.executor
-    row_bytes = [_HIDDEN * torch.bfloat16.itemsize]
-    for catalog in catalogs:  # plan every step; the schedule found by the plan's digest
-        plan = plan_rank(catalog, rank)
-        if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
-            nominal = catalog.dests[plan.dest.group].slice_rows if plan.dest is not None else 0
-            ex.schedule(plan, slice_rows=nominal, num_owners=1, row_bytes=row_bytes)
+    bs = bridge._agree_and_plan(matrix, sections, agreements)
     t3 = time.perf_counter()
-    total = 0
-    for i in [None, *range(n_slots)]:  # global_tokens: every student group's runs, each call
-        for catalog in catalogs if i is None else [catalogs[i]]:
-            for d in range(len(catalog.dests)):
-                total += int(catalog.dest_runs(d)[:, 4].sum())
+    _tokens(bs)
     t4 = time.perf_counter()
-    if problems:
-        raise RuntimeError(f"rank {rank}: unexpected verdicts {problems[:2]}")
+    bs.finished = True  # nothing moves here; the next step may be planned
+    bridge._open_steps.clear()
+    bridge.steps = 0
+    mine = matrix.row(step.topology.member_index(rank))
+    if not np.array_equal(record_tables(record_), record_tables(mine)):
+        raise AssertionError(f"rank {rank}: its record is not its row of the exchanged records")
+    if how == "routed" and not np.array_equal(matrix.members, sim.held):
+        raise AssertionError(f"rank {rank}: routed records of {matrix.members.size} members")
     return {
         "layouts": t0 - tl,
-        "encode": t_enc - t0,
-        "verdict": t2 - t1,
-        "plan": t3 - t2,
+        "encode": t1 - t0,
+        "exchange": t2 - t1x,
+        "verdict_plan": t3 - t2,
         "tokens": t4 - t3,
     }
+
+
+def _check_plans(step: Step, rank: int, sim: ExchangeSim) -> int:
+    """The measured rank's plans from its routed records equal those from every record (not
+    timed); returns the words it received in the exchange."""
+    bridge = offline_bridge(step, rank, sim)
+    routed = _step_plans(step, bridge, sim, "routed")
+    gathered = _step_plans(step, offline_bridge(step, rank, sim), sim, "gathered")
+    if routed[0] != gathered[0]:
+        raise AssertionError(f"rank {rank}: routed plans differ from every record's")
+    return routed[1]
+
+
+def _step_plans(
+    step: Step, bridge: HiddenStateBridge, sim: ExchangeSim, how: str
+) -> tuple[list[str], int]:
+    wire = sim.wire(len(step.topology.members))
+    bridge._make_wire = lambda deadline: wire  # type: ignore[method-assign]
+    if how == "routed":
+        t_lay, s_lay = _rank_layouts(step, bridge.rank)
+        record_, sections, agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+        rows, members = exchange_records(
+            record_,
+            wire,
+            topology=step.topology,
+            rank=bridge.rank,
+            n_slots=len(step.micro),
+            agreements=agreements,
+        )
+        matrix = StepMatrix(rows, _summary(step, -1, 0), members)
+    else:
+        t_lay, s_lay = _rank_layouts(step, bridge.rank)
+        _, sections, agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+        matrix = StepMatrix(step.matrix_NW.copy(), _summary(step, -1, 0))
+    received = wire.received_words
+    bs = bridge._agree_and_plan(matrix, sections, agreements)
+    digests = [s.schedule.digest if s.schedule else "" for s in bs._slots]
+    return digests, received
 
 
 def _best_parts(
@@ -512,7 +763,7 @@ def _best_parts(
 ) -> dict[str, float]:
     """Per-part minima (ms) of ``repeats`` runs (fewer once ``budget_s`` is spent, at least
     one), ``total`` (the least sum) and ``bridge`` (the least sum without the layouts): on a
-    shared machine the least disturbed run is the figure, old and new alike."""
+    shared machine the least disturbed run is the figure, every path alike."""
     runs: list[dict[str, float]] = []
     start = time.perf_counter()
     while len(runs) < repeats and (not runs or time.perf_counter() - start < budget_s):
@@ -524,64 +775,72 @@ def _best_parts(
 
 
 def measure_step(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, float]:
-    """Per-step host time of each rank in ``ranks`` on today's path (cache hits; and an empty
-    cache: ``miss``) and on the old one; for each figure the slowest rank's least of several
-    steps (ms)."""
-    new, miss, old = [], [], []
+    """Per-step host time of each rank in ``ranks``: a changed step on the routed exchange
+    (``miss``: every micro-batch planned), the same on every record (``gather``: today's
+    path before this one), a repeated step (the memo); for each figure the slowest rank's
+    least of several steps (ms), and the most words a rank received in the exchange."""
+    job = _job(step)
+    new, miss, gather = [], [], []
+    words, peers = [], []
     for r in ranks:
-        bridge = offline_bridge(step, r)
-        _new_step(step, bridge)  # warm-up: plans and caches every micro-batch
+        sim = simulate_exchange(job, step.topology.member_index(r))
+        words.append(_check_plans(step, r, sim))
+        peers.append(sim.held.size - 1)
+
+        def cold(r: int = r, sim: ExchangeSim = sim, how: str = "routed") -> dict[str, float]:
+            return _step_parts(step, offline_bridge(step, r, sim), sim, how)
+
+        miss.append(_best_parts(cold, repeats, 5.0))
+        gather.append(_best_parts(lambda c=cold: c(how="gathered"), max(repeats // 3, 1), 5.0))
+        bridge = offline_bridge(step, r, sim)
+        _step_parts(step, bridge, sim, "routed")  # the first step: plans, caches, the memo
         built = bridge.executor.schedules_built
-        new.append(_best_parts(lambda b=bridge: _new_step(step, b), repeats, 5.0))
+        new.append(
+            _best_parts(lambda b=bridge, s=sim: _step_parts(step, b, s, "repeat"), repeats, 5.0)
+        )
         if bridge.executor.schedules_built != built:
             raise AssertionError(f"rank {r}: a repeated step built schedules")
-
-        def cold(r: int = r) -> dict[str, float]:
-            return _new_step(step, offline_bridge(step, r))
-
-        miss.append(_best_parts(cold, max(repeats // 3, 1), 5.0))
-        ob = offline_bridge(step, r)
-        _old_step(step, ob)  # warm-up: its schedules are built once, found by digest after
-        old.append(_best_parts(lambda b=ob: _old_step(step, b), max(repeats // 3, 1), 10.0))
 
     def worst(rows: list[dict[str, float]], k: str) -> float:
         return max(x[k] for x in rows)
 
     return {
+        "step_host_miss_ms": worst(miss, "total"),
+        "step_host_miss_gather_ms": worst(gather, "total"),
+        "bridge_host_miss_ms": worst(miss, "bridge"),
+        "layouts_ms": worst(miss, "layouts"),
+        "encode_ms": worst(miss, "encode"),
+        "exchange_ms": worst(miss, "exchange"),
+        "verdict_plan_miss_ms": worst(miss, "verdict_plan"),
+        "verdict_plan_gather_ms": worst(gather, "verdict_plan"),
         "step_host_ms": worst(new, "total"),
         "bridge_host_ms": worst(new, "bridge"),
-        "layouts_ms": worst(new, "layouts"),
-        "encode_ms": worst(new, "encode"),
         "verdict_plan_ms": worst(new, "verdict_plan"),
         "tokens_ms": worst(new, "tokens"),
-        "step_host_miss_ms": worst(miss, "total"),
-        "step_host_old_ms": worst(old, "total"),
-        "bridge_host_old_ms": worst(old, "bridge"),
-        "encode_old_ms": worst(old, "encode"),
-        "verdict_old_ms": worst(old, "verdict"),
-        "plan_old_ms": worst(old, "plan"),
-        "tokens_old_ms": worst(old, "tokens"),
+        "received_words": float(max(words)),
+        "peers": float(max(peers)),
     }
 
 
 @dataclass(frozen=True, kw_only=True)
 class AllGatherModel:
-    """The metadata all-gather of one step at ``n`` ranks.
+    """The metadata exchange of one step at ``n`` ranks.
 
     Attributes:
         bytes_per_rank: mean record bytes (what a rank contributes before padding).
         padded_bytes_per_rank: the widest record (every record travels padded to it).
-        gathered_bytes: what every rank receives and holds (``n`` padded records).
+        gathered_bytes: what every rank receives and holds when it gathers every record
+            (``n`` padded records: a changed step before the routed exchange).
         ring_ms: flat ring: the summary's all-reduce (``s = 2 HEADER`` words: ``2 (n - 1)
             alpha + 2 s / beta``), then the records' all-gather (``(n - 1) (alpha + w /
             beta)``).
-        hier_ms: the two-level exchange the bridge runs: the summary's all-reduce in log
-            depth (``ceil(log2 n) (alpha + s / beta)``), then the records' two-level
-            all-gather (:func:`~mopd.bridge.groups.all_gather_nodes`, nodes of ``NODE``
-            ranks): a gather to the node leader over NVLink (``(k - 1) (alpha_nvl + w /
-            beta_nvl)``), the leaders' log-depth all-gather (``ceil(log2(n / k)) alpha +
-            (n - k) w / beta``), a binomial broadcast of the matrix inside the node
-            (``ceil(log2 k) (alpha_nvl + n w / beta_nvl)``).
+        hier_ms: the two-level gather: the summary's all-reduce in log depth
+            (``ceil(log2 n) (alpha + s / beta)``), then the records' two-level all-gather
+            (:func:`~mopd.bridge.groups.all_gather_nodes`, nodes of ``NODE`` ranks): a gather
+            to the node leader over NVLink (``(k - 1) (alpha_nvl + w / beta_nvl)``), the
+            leaders' log-depth all-gather (``ceil(log2(n / k)) alpha + (n - k) w / beta``), a
+            binomial broadcast of the matrix inside the node (``ceil(log2 k) (alpha_nvl + n w
+            / beta_nvl)``).
         repeat_ms: a repeated step's exchange (every record the plan memo's step's but for
             its header): the summary's all-reduce alone, in log depth.
     """
@@ -607,7 +866,7 @@ def _two_level_s(n: int, w: float) -> float:
 def model_allgather(n: int, sizes_N: np.ndarray) -> AllGatherModel:
     """The model of :class:`AllGatherModel` for records of ``sizes_N`` int64 words."""
     w = int(sizes_N.max()) * 8
-    summary = 8 * 2 * HEADER
+    summary = 8 * (2 * HEADER + 6)
     reduce_ring = 2 * (n - 1) * ALPHA_S + 2 * summary / BETA_BPS
     reduce_tree = math.ceil(math.log2(max(n, 2))) * (ALPHA_S + summary / BETA_BPS)
     ring = reduce_ring + (n - 1) * (ALPHA_S + w / BETA_BPS)
@@ -619,6 +878,22 @@ def model_allgather(n: int, sizes_N: np.ndarray) -> AllGatherModel:
         hier_ms=1e3 * (reduce_tree + _two_level_s(n, w)),
         repeat_ms=1e3 * reduce_tree,
     )
+
+
+def routed_exchange(n: int, n_slots: int, received_words: int) -> tuple[int, float]:
+    """``(bytes, ms)`` one rank receives and waits for on a changed step's routed exchange:
+    the summary's all-reduce (``2 HEADER + 6`` words) and the verdict's sum (``1 + n_slots``)
+    in log depth (a rank receives ``ceil(log2 n)`` times each), and ``received_words`` of the
+    point-to-point rounds (counted); time: every round's latency (``2`` per Bruck round and
+    per round whose sizes travel first, :func:`~mopd.bridge.route.route_rows`: ``ceil(log_8
+    n)`` rounds, then replies, introductions, records, forwarded records) plus the bytes at
+    ``beta``."""
+    depth = math.ceil(math.log2(max(n, 2)))
+    reduced = 8 * depth * ((2 * HEADER + 6) + (1 + n_slots))
+    total = reduced + 8 * received_words
+    bruck = math.ceil(math.log(max(n, 2)) / math.log(RADIX) - 1e-9)
+    hops = 2 * depth + 2 * bruck + 2 + 2 + 1 + 2
+    return total, 1e3 * (hops * ALPHA_S + total / BETA_BPS)
 
 
 def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, float | None]]:
@@ -639,34 +914,61 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
     return out
 
 
+def recorded_previous(results_dir: Path | None = None) -> dict[tuple[int, str], float]:
+    """``(ranks, sources) -> step_host_miss_ms`` of the path before the routed exchange, as
+    recorded (:data:`PREVIOUS`; empty where the record is not there)."""
+    import csv
+
+    path = (results_dir or Path(__file__).resolve().parent / "results") / f"{PREVIOUS}.csv"
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as f:
+        return {
+            (int(r["ranks"]), r["sources"]): float(r["step_host_miss_ms"])
+            for r in csv.DictReader(f)
+        }
+
+
 def _row(
     step: Step,
     local: dict[str, float],
     host: dict[str, float],
     glob: dict[str, float | None],
     rss_mib: float,
+    previous: float | None = None,
 ) -> dict:
     model = model_allgather(step.ranks, step.sizes_N)
+    routed_bytes, routed_ms = routed_exchange(
+        step.ranks, len(step.micro), int(host["received_words"])
+    )
     matrix_mib = step.matrix_NW.nbytes / 2**20
+    held_mib = (host["peers"] + 1) * model.padded_bytes_per_rank / 2**20
     return {
         "ranks": step.ranks,
         "sources": "sp_shards" if step.sp_shards else "replicas",
+        "step_host_miss_ms": round(host["step_host_miss_ms"], 4),
+        "step_host_miss_gather_ms": round(host["step_host_miss_gather_ms"], 4),
+        "step_host_miss_recorded_ms": previous,
+        "allgather_bytes": routed_bytes,
+        "allgather_bytes_gather": model.gathered_bytes,
+        "peers": int(host["peers"]),
         "micro_batches": len(step.micro),
         "tokens": step.tokens,
         "samples": step.samples,
-        "step_host_ms": round(host["step_host_ms"], 4),
-        "step_host_old_ms": round(host["step_host_old_ms"], 4),
-        "step_host_miss_ms": round(host["step_host_miss_ms"], 4),
-        "bridge_host_ms": round(host["bridge_host_ms"], 4),
-        "bridge_host_old_ms": round(host["bridge_host_old_ms"], 4),
+        "bridge_host_miss_ms": round(host["bridge_host_miss_ms"], 4),
         "layouts_ms": round(host["layouts_ms"], 4),
         "encode_ms": round(host["encode_ms"], 4),
+        "exchange_ms": round(host["exchange_ms"], 4),
+        "verdict_plan_miss_ms": round(host["verdict_plan_miss_ms"], 4),
+        "verdict_plan_gather_ms": round(host["verdict_plan_gather_ms"], 4),
+        "exchange_model_ms": round(routed_ms, 3),
+        "allgather_hier_ms": round(model.hier_ms, 3),
+        "allgather_ring_ms": round(model.ring_ms, 3),
+        "step_host_ms": round(host["step_host_ms"], 4),
+        "bridge_host_ms": round(host["bridge_host_ms"], 4),
         "verdict_plan_ms": round(host["verdict_plan_ms"], 4),
         "tokens_ms": round(host["tokens_ms"], 4),
-        "encode_old_ms": round(host["encode_old_ms"], 4),
-        "verdict_old_ms": round(host["verdict_old_ms"], 4),
-        "plan_old_ms": round(host["plan_old_ms"], 4),
-        "tokens_old_ms": round(host["tokens_old_ms"], 4),
+        "repeat_exchange_ms": round(model.repeat_ms, 3),
         "plan_ms": round(local["plan_ms"], 4),
         "plan_ms_min": round(local["plan_ms_min"], 4),
         "global_plan_ms": glob.get("global_plan_ms"),
@@ -674,13 +976,10 @@ def _row(
         "groups": len(step.topology.sources) + len(step.topology.dests),
         "metadata_bytes_per_rank": round(model.bytes_per_rank, 1),
         "metadata_padded_bytes_per_rank": model.padded_bytes_per_rank,
-        "allgather_bytes": model.gathered_bytes,
-        "allgather_ring_ms": round(model.ring_ms, 3),
-        "allgather_hier_ms": round(model.hier_ms, 3),
-        "repeat_exchange_ms": round(model.repeat_ms, 3),
-        "peak_mib": round(matrix_mib + local["plan_alloc_mib"], 3),
+        "held_mib": round(held_mib, 3),
         "matrix_mib": round(matrix_mib, 3),
         "plan_alloc_mib": round(local["plan_alloc_mib"], 3),
+        "peak_mib": round(held_mib + local["plan_alloc_mib"], 3),
         "global_rss_growth_mib": glob.get("global_rss_growth_mib"),
         "setup_s": round(step.setup_s, 2),
         "setup_rss_mib": round(rss_mib, 1),
@@ -692,35 +991,38 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11.0, 4.4), layout="constrained")
+    fig = Figure(figsize=(14.0, 4.6), layout="constrained")
     FigureCanvasAgg(fig)
-    ax, bx = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax, bx, cx = (fig.add_subplot(1, 3, k) for k in (1, 2, 3))
     for src, mark in zip(SOURCES, "os", strict=False):
         mode = [r for r in rows if r["sources"] == src]
         if not mode:
             continue
         m = [r["ranks"] for r in mode]
         for key, style, what in (
-            ("step_host_ms", "-", "step host work, memo (step_host_ms)"),
-            ("step_host_miss_ms", ":", "step host work, every plan (miss)"),
-            ("step_host_old_ms", "--", "step host work, old path"),
-            ("plan_ms", "-.", "plan + check, one micro-batch (plan_ms)"),
+            ("step_host_miss_ms", "-", "changed step, routed"),
+            ("step_host_miss_gather_ms", "--", "changed step, every record"),
+            ("step_host_ms", ":", "repeated step"),
         ):
             ax.plot(m, [r[key] for r in mode], mark + style, label=f"{what}, {src}", ms=4)
-    rows = [r for r in rows if r["sources"] == rows[0]["sources"]]  # the exchange: one mode
-    n = [r["ranks"] for r in rows]
-    ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="host time")
-    bx.plot(n, [r["allgather_ring_ms"] for r in rows], "^:", label="metadata, flat ring (model)")
-    bx.plot(n, [r["allgather_hier_ms"] for r in rows], "v-", label="metadata, two-level (model)")
-    g = [(r["ranks"], r["global_plan_ms"]) for r in rows if r["global_plan_ms"] is not None]
-    if g:
-        bx.plot(*zip(*g, strict=True), "s--", label=f"retired global planner ({BASELINE})")
-    bx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms per step", title="exchange")
-    for x in (ax, bx):
+        for key, style, what in (
+            ("allgather_bytes", "-", "routed"),
+            ("allgather_bytes_gather", "--", "every record"),
+        ):
+            mib = [r[key] / 2**20 for r in mode]
+            bx.plot(m, mib, mark + style, label=f"{what}, {src}", ms=4)
+        cx.plot(m, [r["exchange_model_ms"] for r in mode], mark + "-", label=f"routed, {src}")
+        cx.plot(m, [r["allgather_hier_ms"] for r in mode], mark + "--", label=f"two-level, {src}")
+    ax.axhline(5.0, color="grey", lw=0.8)
+    bx.axhline(8.0, color="grey", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms", title="one rank's host work")
+    bx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="MiB", title="metadata received")
+    cx.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms", title="exchange (model)")
+    for x in (ax, bx, cx):
         x.grid(alpha=0.3, which="both")
         x.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle(
-        f"One rank's step, ~{tokens_per_rank:,} tokens per rank (teacher tp8 cp2, student tp4 "
+        f"A changed step, ~{tokens_per_rank:,} tokens per rank (teacher tp8 cp2, student tp4 "
         f"cp4, colocated, THD, {rows[0]['micro_batches']} micro-batches); one CPU thread",
         fontsize=9,
     )
@@ -729,89 +1031,95 @@ def _plot(rows: Sequence[dict], png: Path, tokens_per_rank: int) -> None:
 
 
 def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
-    lines = [
-        f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; load average "
-        f"{load[0]:.1f} at the start and {load[1]:.1f} at the end of the run): absolute times "
-        "are noisy, the shape against ranks is the figure. Per rank count: one simulated step "
-        f"of {args.micro_batches} micro-batches, {args.tokens_per_rank} real tokens per rank in "
-        f"the step on average, lengths uniform in [1, {args.max_len}], teacher tp8 cp2 and "
-        "student tp4 cp4 colocated on the same ranks (rank r is both), THD both sides padded to "
-        "2 cp tp per sequence, DP ranks holding contiguous sample ids (teacher: equal sample "
-        "counts; student: equal tokens). Two source modes (`sources`): `replicas`, the "
-        "teacher's last-stage TP groups as replicas (one sending group per TP group), and "
-        "`sp_shards`, every teacher rank sending its own SP shard (TeacherSpec(sp_shards=True): "
-        "tp = 8 times the sending groups).",
-        "`step_host_ms`: one rank's per-step host work on a step it has seen (the steady "
-        "state: every rank repeats its step, so every record says it is the plan memo's "
-        "step's but for its header; the summary's all-reduce says so alike everywhere, so no "
-        "rank gathers the records again (the memo's matrix serves) or reads another's header, "
-        "and the rank reuses its plan keys and token counts, reading no group's slot table): building its 2 x micro-batches layouts (`layouts_ms`, the caller's "
-        "packed_layout calls, which now derive the runs), its record (`encode_ms`), the fence, "
-        "the verdict checks, plan keys and schedule lookups (`verdict_plan_ms`: no planner), "
-        "the token counts (`tokens_ms`: the step's and each micro-batch's); `bridge_host_ms`: "
-        "all but the layouts (the bridge's own functions). `step_host_miss_ms`: the same with an empty "
-        "schedule cache (every micro-batch planned and checked). `step_host_old_ms`: the path "
-        "before (runs from the rows, a catalog per micro-batch through the records' offsets, "
-        "every verdict and plan_rank each step, one rank reading every student group for "
-        "duplicate samples, global_tokens decoding every student group per call), with the same "
-        "layout constructors (their runs dropped, so the record derives them from the rows); "
-        "`*_old_ms` its parts. Each timed step builds its layouts and record, then reads a "
-        "fresh copy of the gathered matrix (as after the all-gather, which follows the record; "
-        "the copy is not timed; the old path reads the headers off it, as it did). "
-        f"The least of up to {args.repeats} steps (old and miss: a third of that; on this "
-        "shared machine the least disturbed step is the figure, for every path alike), "
-        "the slowest of three ranks (rank 0, one in the middle, the last teacher leader).",
-        "`plan_ms`: decode (StepMatrix + Topology.catalog) + plan_rank + check_rank of one "
-        "micro-batch of one rank, as before; `global_plan_ms`: the retired global planner "
-        f"recorded in profiling/results/{BASELINE}.md, only at its setup (one micro-batch of "
-        "4096 tokens per rank). `peak_mib` = `matrix_mib` (the gathered metadata every rank "
-        "holds) + `plan_alloc_mib` (tracemalloc peak of planning one micro-batch).",
-        f"All-gather model: records padded to the widest (`metadata_padded_bytes_per_rank`), "
-        f"two collectives (an all-reduce of the {2 * HEADER}-word header summary, then the "
-        f"records); ring: 2 (n-1) alpha + 2 s / beta for the all-reduce, (n-1) (alpha + w / "
-        f"beta) for the records, with alpha = "
-        f"{ALPHA_S * 1e6:g} us per hop and beta = {BETA_BPS / 1e9:g} GB/s; two-level (what "
-        f"the bridge runs from create_bridge_groups(metadata_nodes_from=...) on): nodes of "
-        f"{NODE} (NVLink alpha {ALPHA_NVL_S * 1e6:g} us, {BETA_NVL_BPS / 1e9:g} GB/s), the "
-        "summary's all-reduce in log depth, then a gather to the node leader, a log-depth (Bruck) all-gather among leaders, a binomial "
-        "broadcast inside the node.",
-    ]
+    lines = []
     for src in SOURCES:
         by = {r["ranks"]: r for r in rows if r["sources"] == src}
         lo, hi, top = by.get(1024), by.get(16384), by.get(65536)
+        parts = [f"{src}:"]
         if hi:
-            ok = hi["step_host_ms"] <= 2
-            lines.append(
-                f"{src}: at 16,384 ranks {hi['step_host_ms']:.3g} ms of host work per step "
-                f"({'meets' if ok else 'misses'} the <= 2 ms target; "
-                f"{hi['bridge_host_ms']:.3g} ms without building the layouts, "
-                f"{hi['layouts_ms']:.3g} ms building them), against "
-                f"{hi['step_host_old_ms']:.4g} ms on the old path; the two-level exchange "
-                f"modelled at {hi['allgather_hier_ms']:.3g} ms against "
-                f"{hi['allgather_ring_ms']:.4g} ms for the flat ring "
-                f"({'meets' if hi['allgather_hier_ms'] <= 10 else 'misses'} the <= 10 ms target) "
-                "for a step whose records changed, and at "
-                f"{hi['repeat_exchange_ms']:.3g} ms for a repeated one (the summary's "
-                "all-reduce alone: no records gathered)."
+            ok = hi["step_host_miss_ms"] <= 5
+            parts.append(
+                f"a changed step costs one rank {hi['step_host_miss_ms']:.3g} ms of host work at "
+                f"16,384 ranks ({'meets' if ok else 'misses'} the <= 5 ms target; "
+                f"{hi['layouts_ms']:.3g} ms of it the caller's layouts, "
+                f"{hi['exchange_ms']:.3g} ms the routed exchange, "
+                f"{hi['verdict_plan_miss_ms']:.3g} ms the verdict and the plans), against "
+                f"{hi['step_host_miss_gather_ms']:.3g} ms planning from every record"
+                + (
+                    f" ({hi['step_host_miss_recorded_ms']:.3g} ms recorded before this change)"
+                    if hi.get("step_host_miss_recorded_ms")
+                    else ""
+                )
+                + ";"
             )
         if lo and top:
-            ratio = top["step_host_ms"] / lo["step_host_ms"]
-            lines.append(
-                f"{src}: flatness, step_host_ms at 65,536 ranks is {ratio:.2f}x that at 1,024 "
-                f"({top['step_host_ms']:.3g} against {lo['step_host_ms']:.3g} ms; target "
-                f"<= 1.5x: {'met' if ratio <= 1.5 else 'missed'}; bridge_host_ms "
-                f"{top['bridge_host_ms'] / lo['bridge_host_ms']:.2f}x, layouts_ms "
-                f"{top['layouts_ms'] / lo['layouts_ms']:.2f}x); the old path "
-                f"{top['step_host_old_ms'] / lo['step_host_old_ms']:.3g}x."
+            ratio = top["step_host_miss_ms"] / lo["step_host_miss_ms"]
+            before = top["step_host_miss_gather_ms"] / lo["step_host_miss_gather_ms"]
+            parts.append(
+                f"65,536 / 1,024 = {ratio:.2f}x ({top['step_host_miss_ms']:.3g} against "
+                f"{lo['step_host_miss_ms']:.3g} ms; target <= 1.5x: "
+                f"{'met' if ratio <= 1.5 else 'missed'}; every record: {before:.3g}x);"
             )
-    cross = [r["ranks"] for r in rows if r["allgather_hier_ms"] < r["allgather_ring_ms"]]
-    if cross:
-        lines.append(
-            f"The two-level exchange models below the flat ring from {min(cross):,} ranks on "
-            "(of those measured); below a few hundred ranks the flat all-gather is a handful of "
-            "hops and needs no extra groups, hence create_bridge_groups' default "
-            "metadata_nodes_from=512."
-        )
+        if top:
+            mib = top["allgather_bytes"] / 2**20
+            parts.append(
+                f"at 65,536 ranks a rank receives {mib:.3g} MiB of metadata on a changed step "
+                f"(target <= 8 MiB: {'met' if mib <= 8 else 'missed'}; the records of "
+                f"{top['peers']} peers) against {top['allgather_bytes_gather'] / 2**20:.4g} MiB "
+                "gathering every record; the exchange models at "
+                f"{top['exchange_model_ms']:.3g} ms against {top['allgather_hier_ms']:.3g} ms "
+                "for the two-level gather. A repeated step: "
+                f"{top['step_host_ms']:.3g} ms (the memo's records serve, nothing exchanged)."
+            )
+        if len(parts) > 1:
+            lines.append(" ".join(parts))
+    lines += [
+        "`step_host_miss_ms`: one rank's host work on a changed step (new lengths, as every "
+        "on-policy step: an empty schedule cache, every micro-batch planned and checked): "
+        "building its 2 x micro-batches layouts (`layouts_ms`, the caller's packed_layout "
+        "calls), its record (`encode_ms`), the routed exchange's own work (`exchange_ms`: "
+        "registrations, the Bruck rounds' partitions, the replies it serves as a home and "
+        "reads, its introductions, its peers' and leaders' records into one matrix; the "
+        "messages themselves come from a simulation of every member playing the same rules, "
+        "mopd.bridge.peers' own functions, not timed), the fence, the verdict checks, plan "
+        "keys, plans and schedules (`verdict_plan_miss_ms`), the token counts (the step's and "
+        "each micro-batch's). `step_host_miss_gather_ms`: the same step planned from every "
+        "record (the all-gather's matrix, a fresh copy, not timed; `verdict_plan_gather_ms` "
+        "its verdict and plans), by the same planner: what routing saves; "
+        f"`step_host_miss_recorded_ms`: the path before this change, as recorded in "
+        f"profiling/results/{PREVIOUS}.md (another run, another load). "
+        "`step_host_ms`: a repeated step (the "
+        "plan memo's records serve; no planner runs). Each: the least of up to "
+        f"{args.repeats} steps (every record: a third of that), the slowest of three ranks "
+        "(rank 0, one in the middle, the last teacher leader); each measured rank's plans from "
+        "its routed records are checked equal to those from every record.",
+        "`allgather_bytes`: the metadata bytes one rank receives on a changed step: its "
+        "point-to-point rounds counted word for word (the most of the three ranks), and the "
+        "summary's all-reduce (26 words) and the verdict's sum (1 + micro-batches words) "
+        "modelled in log depth (ceil(log2 n) times each); `allgather_bytes_gather`: every "
+        "padded record, what a rank received before. `peers`: the records a rank holds besides "
+        "its own. `exchange_model_ms`: the routed exchange, every round's latency at alpha = "
+        f"{ALPHA_S * 1e6:g} us (two per round whose sizes travel first; ceil(log_{RADIX} n) "
+        "Bruck rounds) plus its bytes at "
+        f"{BETA_BPS / 1e9:g} GB/s; `allgather_hier_ms`: the two-level all-gather of every "
+        f"record (nodes of {NODE}, NVLink alpha {ALPHA_NVL_S * 1e6:g} us, "
+        f"{BETA_NVL_BPS / 1e9:g} GB/s), the path before.",
+        f"One CPU thread of this machine (a shared {os.cpu_count()}-core box; load average "
+        f"{load[0]:.1f} at the start and {load[1]:.1f} at the end of the run): absolute times "
+        "are noisy, the ratios within the run are the figure. Per rank count: one simulated "
+        f"step of {args.micro_batches} micro-batches, {args.tokens_per_rank} real tokens per "
+        f"rank in the step on average, lengths uniform in [1, {args.max_len}], teacher tp8 cp2 "
+        "and student tp4 cp4 colocated on the same ranks (rank r is both), THD both sides "
+        "padded to 2 cp tp per sequence, DP ranks holding contiguous sample ids (teacher: equal "
+        "sample counts; student: equal tokens). Two source modes (`sources`): `replicas`, the "
+        "teacher's last-stage TP groups as replicas, and `sp_shards`, every teacher rank "
+        "sending its own SP shard (TeacherSpec(sp_shards=True): tp = 8 times the sending "
+        "groups). `plan_ms`: decode + plan_rank + check_rank of one micro-batch of one rank "
+        "from every record; `global_plan_ms`: the retired global planner recorded in "
+        f"profiling/results/{BASELINE}.md, only at its setup. `held_mib`: the records a rank "
+        "holds (its peers' and its own, padded), `matrix_mib`: every record (what it held "
+        "before); `plan_alloc_mib`: tracemalloc peak of planning one micro-batch.",
+    ]
     return "\n\n".join(lines)
 
 
@@ -840,6 +1148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     same_setup = all(getattr(args, k) == v for k, v in _BASELINE_SETUP.items())
     baseline = recorded_global() if same_setup else {}
+    previous = (
+        recorded_previous()
+        if all(getattr(args, k) == v for k, v in _PREVIOUS_SETUP.items())
+        else {}
+    )
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     rows = []
@@ -860,14 +1173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         reps = representative_ranks(n)
         local = measure_local(step, reps, args.repeats)
         host = measure_step(step, reps, args.repeats)
-        row = _row(step, local, host, baseline.get(n, {}), rss_mib)
+        row = _row(step, local, host, baseline.get(n, {}), rss_mib, previous.get((n, src)))
         del step
         gc.collect()
         rows.append(row)
         print(
             f"bench_plan: {what} done in "
-            f"{time.perf_counter() - t0:.1f} s (one rank's step: {row['step_host_ms']:.3g} ms, "
-            f"old path {row['step_host_old_ms']:.3g} ms)",
+            f"{time.perf_counter() - t0:.1f} s (one rank's changed step: "
+            f"{row['step_host_miss_ms']:.3g} ms, from every record "
+            f"{row['step_host_miss_gather_ms']:.3g} ms)",
             file=sys.stderr,
             flush=True,
         )

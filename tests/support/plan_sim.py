@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import StepMatrix, encode_step_record
@@ -27,6 +28,7 @@ from mopd.bridge.record import StepView, rank_roles, rank_sections, read_step, s
 from mopd.bridge.topology import Topology
 
 __all__ = [
+    "MicroBatchLayouts",
     "SimStep",
     "contiguous_step",
     "deliver",
@@ -35,6 +37,7 @@ __all__ = [
     "key_sources",
     "keys_of",
     "simulate",
+    "step_records",
 ]
 
 #: ``key = sample_id * KEY_STRIDE + position`` in :func:`keys_of` (positions stay below it).
@@ -68,6 +71,39 @@ def simulate(
     A teacher's layouts are keyed by ``(dp, cp)`` shard, or by global rank where each rank holds
     its own SP shard (``shard_sources[o]``: each of its last-stage ranks is a source of its own,
     by the bridge's rule, :meth:`Topology.build` and :func:`rank_roles`)."""
+    topo, records = step_records(
+        teachers,
+        student,
+        [(teacher_layouts, student_layouts, student_rank_layouts)],
+        per_rank_dests=per_rank_dests,
+        shard_sources=shard_sources,
+    )
+    matrix, _ = stack_records(records)
+    view = read_step(topo, StepMatrix(matrix), 1)
+    return SimStep(topology=topo, matrix=view.matrix, catalog=view.catalogs[0], view=view)
+
+
+#: One micro-batch of :func:`step_records`: per teacher its layouts (by ``(dp, cp)`` shard or
+#: by global rank), the student's by shard, and (per-rank destinations) by global rank.
+MicroBatchLayouts = tuple[
+    Sequence[Mapping[Any, TokenLayout]],
+    Mapping[tuple[int, int], TokenLayout],
+    Mapping[int, TokenLayout] | None,
+]
+
+
+def step_records(
+    teachers: Sequence[Mesh],
+    student: Mesh,
+    micro_batches: Sequence[MicroBatchLayouts],
+    *,
+    per_rank_dests: bool = False,
+    shard_sources: Sequence[bool] | None = None,
+    agreements: Mapping[int, Sequence[Agreement]] | None = None,
+) -> tuple[Topology, list[torch.Tensor]]:
+    """The topology and every member's record (member order) of a step of
+    ``len(micro_batches)`` micro-batches, built by the bridge's rule; ``agreements``: global
+    rank -> the agreements it gives."""
     topo = Topology.build(
         teachers, student, per_rank_dests=per_rank_dests, shard_sources=shard_sources
     )
@@ -76,19 +112,21 @@ def simulate(
         roles = rank_roles(
             r, teachers, student, keep_sp_shard=per_rank_dests, shard_sources=shard_sources
         )
-        t_lays = {}
+        t_lays: dict[int, list[TokenLayout]] = {}
         for o, mesh in enumerate(teachers):
             c = mesh.coord(r)
             if roles[o] is not None and c is not None:
-                held = teacher_layouts[o]
-                t_lays[o] = [held[r] if r in held else held[(c.dp_rank, c.cp_rank)]]
+                t_lays[o] = [
+                    held[r] if r in held else held[(c.dp_rank, c.cp_rank)]
+                    for held in (mb[0][o] for mb in micro_batches)
+                ]
         s_lays = None
         c = student.coord(r)
         if roles[-1] is not None and c is not None:
             if per_rank_dests:
-                s_lays = [(student_rank_layouts or {})[r]]
+                s_lays = [(mb[2] or {})[r] for mb in micro_batches]
             else:
-                s_lays = [student_layouts[(c.dp_rank, c.cp_rank)]]
+                s_lays = [mb[1][(c.dp_rank, c.cp_rank)] for mb in micro_batches]
         sections = rank_sections(
             roles,
             teacher_layouts=t_lays,
@@ -96,10 +134,16 @@ def simulate(
             dtypes=[torch.bfloat16] * len(teachers),
             hiddens=[8] * len(teachers),
         )
-        records.append(encode_step_record(config_sig=1, n_slots=1, error="", sections=sections))
-    matrix, _ = stack_records(records)
-    view = read_step(topo, StepMatrix(matrix), 1)
-    return SimStep(topology=topo, matrix=view.matrix, catalog=view.catalogs[0], view=view)
+        records.append(
+            encode_step_record(
+                config_sig=1,
+                n_slots=len(micro_batches),
+                error="",
+                sections=sections,
+                agreements=(agreements or {}).get(r, ()),
+            )
+        )
+    return topo, records
 
 
 def expand_segments(segments_S5: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

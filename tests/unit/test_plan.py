@@ -28,10 +28,18 @@ from mopd.bridge.plan import (
     RunCatalog,
     SourceGroup,
     check_rank,
+    check_ranks,
     plan_rank,
+    plan_ranks,
 )
 from mopd.profiling.synthetic import SideFormat, synthetic_step
-from tests.support.plan_oracle import compose, oracle_plans, oracle_verdicts, token_pairs
+from tests.support.plan_oracle import (
+    compose,
+    normalise,
+    oracle_plans,
+    oracle_verdicts,
+    token_pairs,
+)
 from tests.support.plan_sim import (
     SimStep,
     contiguous_step,
@@ -371,6 +379,10 @@ def test_check_rank_finds_exactly_the_injected_errors(
         found = check_rank(fresh, r)
         if found:
             got[r] = found
+        # several micro-batches at once (the same samples in each: keys of one never meet
+        # another's), each judged as alone
+        again = sim.topology.catalog(sim.matrix, 0)
+        assert check_ranks([fresh, again], r) == [found, found]
     assert got == want
     every = [m for ms in got.values() for m in ms]
     if len(errors) == 1 and expect[0] is not None:
@@ -380,6 +392,11 @@ def test_check_rank_finds_exactly_the_injected_errors(
             r: plan_rank(sim.catalog, r, local_copy=ex.local_copy) for r in sim.topology.members
         }
         _check_plans(ex, sim, plans)
+        for r in sim.topology.members:  # and each micro-batch of several planned at once
+            two = [sim.topology.catalog(sim.matrix, 0) for _ in range(2)]
+            both = plan_ranks(two, r, local_copy=ex.local_copy, compact=True)
+            one = normalise(plan_rank(two[0], r, local_copy=ex.local_copy, compact=True))
+            assert [normalise(x) for x in both] == [one, one]
 
 
 def _catalog(src: list[np.ndarray], dst: list[np.ndarray], **kw: object) -> RunCatalog:
@@ -572,6 +589,18 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
         n_sources = rep["ranks"] // 8
         assert shard["groups"] - rep["groups"] == 7 * n_sources, (rep, shard)
     for r in rows:
+        # the changed step leads: its host work and the metadata a rank receives, routed and
+        # gathered
+        assert list(r)[:7] == [
+            "ranks",
+            "sources",
+            "step_host_miss_ms",
+            "step_host_miss_gather_ms",
+            "step_host_miss_recorded_ms",
+            "allgather_bytes",
+            "allgather_bytes_gather",
+        ]
+        assert r["step_host_miss_ms"] > 0 and r["allgather_bytes"] > 0 and r["peers"] > 0
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
         # another setup than the recorded one: no baseline beside it
         assert r["global_plan_ms"] is None and r["plan_ms"] > 0 and r["peak_mib"] > 0

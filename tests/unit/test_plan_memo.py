@@ -1,7 +1,7 @@
 """The plan memo: a step whose records all say their tables are unchanged since the memo's step
-reuses the memo's plan keys and token counts without reading any group's table; any rank that
-changed, or another memo step, makes every rank read the tables again. Keys and counts are
-those a fresh reading gives, bit for bit."""
+reuses the memo's records and plan keys without exchanging or reading any group's table; any
+rank that changed, or another memo step, makes every rank exchange and read the tables again.
+Keys and token counts are those a fresh reading gives, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ import torch
 from mopd.bridge.metadata import (
     HEADER,
     MEMO_STEP,
+    SIZE,
     UNCHANGED,
     StepMatrix,
     encode_step_record,
+    record_heads,
     record_tables,
     reduced_summary,
+    reuses_memo,
 )
+from mopd.bridge.peers import exchange_records
 from mopd.bridge.record import read_step
 from mopd.profiling import bench_plan
 
@@ -39,8 +43,35 @@ def _plan(step: bench_plan.Step, bridge, matrix: StepMatrix):  # type: ignore[no
     return bs
 
 
+def _summary(step: bench_plan.Step, memo_NH: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The summary's all-reduce when every rank's record says ``(memo_step, unchanged)``."""
+    head = step.matrix_NW[:, :HEADER].copy()
+    head[:, MEMO_STEP], head[:, UNCHANGED] = memo_NH
+    head[:, SIZE] = step.sizes_N
+    return np.concatenate([reduced_summary(head), record_heads(step.matrix_NW[0], 1)])
+
+
+def _exchanged(step: bench_plan.Step, rank: int, summary: np.ndarray) -> StepMatrix:
+    """``rank``'s routed records (every member playing its part, simulated)."""
+    member = step.topology.member_index(rank)
+    sim = bench_plan.simulate_exchange(bench_plan._job(step), member)
+    rows, members = exchange_records(
+        step.matrix_NW[member, : step.sizes_N[member]],
+        sim.wire(step.ranks),
+        topology=step.topology,
+        rank=rank,
+        n_slots=3,
+    )
+    return StepMatrix(rows, summary, members)
+
+
 def _fresh_keys(step: bench_plan.Step, rank: int, matrix: StepMatrix, extra: bytes) -> list:
-    return read_step(step.topology, StepMatrix(matrix.matrix.copy()), 3).plan_keys(rank, extra)
+    copy = StepMatrix(matrix.matrix.copy(), None, matrix.members)
+    return read_step(step.topology, copy, 3).plan_keys(rank, extra)
+
+
+def _every(step: bench_plan.Step, value: int) -> np.ndarray:
+    return np.full(step.ranks, value, dtype=np.int64)
 
 
 @pytest.mark.parametrize("pick", [0, 1, 2])
@@ -49,17 +80,19 @@ def test_a_repeated_step_reuses_the_memo_and_equals_a_fresh_reading(
 ) -> None:
     rank = bench_plan.representative_ranks(step.ranks)[pick]
     bridge = bench_plan.offline_bridge(step, rank)
-    first = _plan(step, bridge, bench_plan._fresh(step, bridge))
+    first = _plan(step, bridge, _exchanged(step, rank, _summary(step, (_every(step, -1), 0))))
     assert "source_GIF" in first._view.__dict__  # no memo yet: the tables were read
     memo = bridge._memo
-    assert memo is not None and memo.step == 0
-    matrix = bench_plan._fresh(step, bridge)  # every record: memo step 0, unchanged
+    assert memo is not None and memo.step == 0 and memo.members is not None
+    summary = _summary(step, (_every(step, 0), 1))  # every record: memo step 0, unchanged
+    assert reuses_memo(summary, 0)
+    matrix = StepMatrix(memo.matrix, summary, memo.members)  # what the bridge then reads
     again = _plan(step, bridge, matrix)
     view = again._view
     assert "source_GIF" not in view.__dict__ and "dest_DIF" not in view.__dict__
     extra = bridge._key_extra(matrix)
     assert list(bridge._memo.keys) == _fresh_keys(step, rank, matrix, extra)
-    want = read_step(step.topology, StepMatrix(matrix.matrix.copy()), 3).tokens_I()
+    want = read_step(step.topology, StepMatrix(step.matrix_NW), 3).tokens_I()
     assert again.global_tokens() == int(want.sum())
     assert [again.global_tokens(i) for i in range(3)] == want.tolist()
     assert bridge.executor.schedules_built == len(
@@ -73,12 +106,16 @@ def test_a_step_that_differs_anywhere_reads_the_tables_again(
 ) -> None:
     rank = bench_plan.representative_ranks(step.ranks)[0]
     bridge = bench_plan.offline_bridge(step, rank)
-    _plan(step, bridge, bench_plan._fresh(step, bridge))
-    matrix = bench_plan._fresh(step, bridge)
+    _plan(step, bridge, _exchanged(step, rank, _summary(step, (_every(step, -1), 0))))
+    memo_N, unchanged_N = _every(step, 0), _every(step, 1)
     far = step.ranks - 1  # a rank far from this one's groups
-    col = UNCHANGED if change == "one rank changed" else MEMO_STEP
-    matrix.matrix[far, col] = 0 if col == UNCHANGED else 5
-    matrix = StepMatrix(matrix.matrix, reduced_summary(matrix.matrix[:, :HEADER]))
+    if change == "one rank changed":
+        unchanged_N[far] = 0
+    else:
+        memo_N[far] = 5
+    summary = _summary(step, (memo_N, unchanged_N))
+    assert not reuses_memo(summary, 0)  # every rank exchanges its records again
+    matrix = _exchanged(step, rank, summary)
     assert matrix.uniform_slots() == 3 and not matrix.unchanged_since(0)
     again = _plan(step, bridge, matrix)
     assert "source_GIF" in again._view.__dict__
