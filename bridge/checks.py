@@ -260,11 +260,7 @@ def _duplicate_samples(
         for d in mine:
             if (todo.index(i), d) not in flagged:
                 continue
-            lo, hi = catalog.dest_range(d)
-            if lo > hi:
-                continue
-            earlier = catalog.dests_meeting(lo, hi)
-            earlier = earlier[earlier < d]
+            earlier = _earlier_dests(catalog, d)
             if not earlier.size:
                 continue
             dp = _dp_of(student, topo.dests[d].ranks[0])
@@ -286,6 +282,16 @@ def _duplicate_samples(
     return problems
 
 
+def _earlier_dests(catalog: RunCatalog, d: int) -> np.ndarray:
+    """The destination groups before ``d`` whose runs meet ``d``'s range in ``catalog``
+    (empty: none)."""
+    lo, hi = catalog.dest_range(d)
+    if lo > hi:
+        return np.empty(0, dtype=np.int64)
+    earlier = catalog.dests_meeting(lo, hi)
+    return earlier[earlier < d]
+
+
 def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[tuple[int, int]]:
     """``(catalog, group)`` pairs where destination group ``group`` (of ``mine``) wants a sample
     an earlier destination group that meets it wants too: one pass per group over every
@@ -294,11 +300,7 @@ def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[
     for d in mine:
         mb_parts, grp_parts = [], []
         for i, catalog in enumerate(catalogs):
-            lo, hi = catalog.dest_range(d)
-            if lo > hi:
-                continue
-            earlier = catalog.dests_meeting(lo, hi)
-            earlier = earlier[earlier < d]
+            earlier = _earlier_dests(catalog, d)
             if not earlier.size:
                 continue
             mb_parts.append(np.full(earlier.size + 1, i, dtype=np.int64))

@@ -129,26 +129,31 @@ def node_ranks(members: Sequence[int], node_size: int) -> list[tuple[int, ...]]:
 
 
 def create_node_groups(
-    pool: GroupPool, members: Sequence[int], node_size: int
+    pool: GroupPool | WorldLink,
+    members: Sequence[int],
+    node_size: int,
+    *,
+    rank: int | None = None,
 ) -> NodeGroups | None:
     """Create (collectively over the default group, every rank in the same order) the groups of
     the two-level all-gather over ``members``: one gloo group per node, in node order, then the
-    leaders' group. Returns this rank's (``None`` on ranks outside ``members``)."""
+    leaders' group. Returns this rank's (``None`` on ranks outside ``members``). ``pool``: or a
+    :class:`~mopd.bridge.worlds.WorldLink` (``members`` and ``rank`` in its bridge ranks);
+    ``rank``: this rank (default: its global rank)."""
     nodes = node_ranks(members, node_size)
+    me = dist.get_rank() if rank is None else rank
+    node: dist.ProcessGroup | None = None
+    mine: tuple[int, ...] = ()
     for ranks in nodes:
-        pool.create(ranks, backend="gloo", purpose=_NODE)
+        group = pool.create(ranks, backend="gloo", purpose=_NODE)
+        if me in ranks:
+            mine, node = ranks, group
     leaders = tuple(ranks[0] for ranks in nodes)
-    pool.create(leaders, backend="gloo", purpose=_NODE)
-    me = dist.get_rank()
-    mine = [ranks for ranks in nodes if me in ranks]
-    if not mine:
+    lead = pool.create(leaders, backend="gloo", purpose=_NODE)
+    if me not in members:
         return None
     return NodeGroups(
-        node=pool.get(mine[0], backend="gloo", purpose=_NODE),
-        leaders=pool.get(leaders, backend="gloo", purpose=_NODE),
-        node_members=mine[0],
-        leader_ranks=leaders,
-        node_size=node_size,
+        node=node, leaders=lead, node_members=mine, leader_ranks=leaders, node_size=node_size
     )
 
 
@@ -416,23 +421,19 @@ def create_bridge_groups(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     members = bridge_members(teachers, student)
-    if link is not None:
-        return _linked_bridge_groups(
-            pool,
-            link,
-            members,
-            student,
-            nodes_from=metadata_nodes_from,
-            node_size=metadata_node_size,
-        )
-    world = dist.get_world_size()
-    if members[-1] >= world:
-        raise ValueError(
-            f"meshes use global ranks up to {members[-1]} but the world has {world} ranks: "
-            + ", ".join(str(m) for m in [*teachers, student])
-        )
-    fresh = not pool.has(members, purpose=_DATA)
-    bridge = pool.create(members, purpose=_DATA)
+    maker: GroupPool | WorldLink = pool if link is None else link
+    if link is None:
+        me, world = dist.get_rank(), dist.get_world_size()
+        if members[-1] >= world:
+            raise ValueError(
+                f"meshes use global ranks up to {members[-1]} but the world has {world} ranks: "
+                + ", ".join(str(m) for m in [*teachers, student])
+            )
+    else:
+        me = link.rank
+        _check_linked_meshes(link, members, student)
+    fresh = not maker.has(members, purpose=_DATA)
+    bridge = maker.create(members, purpose=_DATA)
     if bridge is not None and fresh:
         # NCCL builds a group's communicator lazily, in its first collective, and every member
         # must take part in that one; the bridge's first operation is a batched send/recv that
@@ -442,76 +443,18 @@ def create_bridge_groups(
             dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier(group=bridge)
-    if student.tp > 1:
+    # the student's TP groups are its own world's (across worlds: the host's, at offset 0)
+    student_world = link is None or link.world == link.roster.names[0]
+    if student.tp > 1 and student_world:
         for d, c in student.shards():
             pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
-    pool.create(members, backend="gloo", purpose=_META)
+    meta = maker.create(members, backend="gloo", purpose=_META)
     nodes = None
     if len(members) >= metadata_nodes_from and 1 < metadata_node_size < len(members):
-        nodes = create_node_groups(pool, members, metadata_node_size)
-    pool.create(members, backend="gloo", purpose=_ROUTES)
-    me = dist.get_rank()
+        nodes = create_node_groups(maker, members, metadata_node_size, rank=me)
+    routes = maker.create(members, backend="gloo", purpose=_ROUTES)
     tp_group = None
     coord = student.coord(me)
-    if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
-        tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
-    return BridgeGroups(
-        bridge=pool.get(members, purpose=_DATA),
-        student_tp=tp_group,
-        members=members,
-        meta=pool.get(members, backend="gloo", purpose=_META),
-        meta_nodes=nodes,
-        meta_routes=pool.get(members, backend="gloo", purpose=_ROUTES),
-    )
-
-
-def _linked_bridge_groups(
-    pool: GroupPool,
-    link: WorldLink,
-    members: tuple[int, ...],
-    student: Mesh,
-    *,
-    nodes_from: int,
-    node_size: int,
-) -> BridgeGroups:
-    """:func:`create_bridge_groups` across worlds: the same groups, made on the link."""
-    if members[-1] >= link.roster.size:
-        raise ValueError(
-            f"meshes use bridge ranks up to {members[-1]} but the link's worlds have "
-            f"{link.roster.size} ranks ({dict(zip(link.roster.names, link.roster.sizes, strict=True))})"
-        )
-    if (
-        link.offset(link.roster.names[0]) != 0
-        or student.rank_offset + student.size > (link.roster.sizes[0])
-    ):
-        raise ValueError(f"the student's mesh {student} must lie in the host's (first) world")
-    bridge = link.group(members, purpose=_DATA)
-    if bridge is not None:
-        if cdist.moves_cuda(bridge) and torch.cuda.is_available():
-            dist.barrier(group=bridge, device_ids=[torch.cuda.current_device()])
-        else:
-            dist.barrier(group=bridge)
-    in_student_world = link.world == link.roster.names[0]
-    if student.tp > 1 and in_student_world:  # the student's world's own groups (offset 0)
-        for d, c in student.shards():
-            pool.create(student.tp_group_ranks(dp_rank=d, cp_rank=c))
-    meta = link.group(members, backend="gloo", purpose=_META)
-    routes = link.group(members, backend="gloo", purpose=_ROUTES)
-    nodes = None
-    if len(members) >= nodes_from and 1 < node_size < len(members):
-        cut = node_ranks(members, node_size)
-        mine = [r for r in cut if link.rank in r]
-        leaders = tuple(r[0] for r in cut)
-        if mine:
-            nodes = NodeGroups(
-                node=link.group(mine[0], backend="gloo", purpose=_NODE),
-                leaders=link.group(leaders, backend="gloo", purpose=_NODE),
-                node_members=mine[0],
-                leader_ranks=leaders,
-                node_size=node_size,
-            )
-    tp_group = None
-    coord = student.coord(link.rank)
     if student.tp > 1 and coord is not None and coord.pp_rank == student.pp - 1:
         tp_group = pool.get(student.tp_group_ranks(dp_rank=coord.dp_rank, cp_rank=coord.cp_rank))
     return BridgeGroups(
@@ -522,3 +465,15 @@ def _linked_bridge_groups(
         meta_nodes=nodes,
         meta_routes=routes,
     )
+
+
+def _check_linked_meshes(link: WorldLink, members: Sequence[int], student: Mesh) -> None:
+    """Meshes across worlds fit the link's bridge ranks, the student's in the host's world."""
+    if members[-1] >= link.roster.size:
+        sizes = dict(zip(link.roster.names, link.roster.sizes, strict=True))
+        raise ValueError(
+            f"meshes use bridge ranks up to {members[-1]} but the link's worlds have "
+            f"{link.roster.size} ranks ({sizes})"
+        )
+    if student.rank_offset + student.size > link.roster.sizes[0]:
+        raise ValueError(f"the student's mesh {student} must lie in the host's (first) world")

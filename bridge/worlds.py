@@ -15,7 +15,7 @@ in its own world with one address (``host:port``) that all of them know, and get
   the student's world first: a student rank's bridge rank is its own global rank, and world
   ``w``'s rank ``r`` is bridge rank ``offset(w) + r``. Each side describes its meshes in its own
   world's ranks; :meth:`WorldLink.to_bridge` moves a mesh into the bridge's space.
-- **The groups.** :meth:`WorldLink.group` makes a group over some bridge ranks (gloo on CPU,
+- **The groups.** :meth:`WorldLink.create` makes a group over some bridge ranks (gloo on CPU,
   NCCL on CUDA) on a ``PrefixStore`` of the rendezvous store, only on its members (a group of
   its own prefix needs no other rank). torch.distributed's registry does not know these groups:
   the library names their members and ranks through :func:`mopd.common.dist.group_ranks` /
@@ -312,20 +312,31 @@ class WorldLink:
 
     # --- groups -----------------------------------------------------------------------------------
 
-    def group(
+    def _key(
+        self, ranks: Sequence[int], backend: str | None, purpose: str
+    ) -> tuple[str, str, tuple[int, ...]]:
+        """``(key, backend, members)`` of a group: its name in the store, and what it spans."""
+        members = tuple(sorted({int(r) for r in ranks}))
+        kind = backend or self.backend
+        digest = hashlib.blake2b(repr(members).encode(), digest_size=8).hexdigest()
+        return f"{purpose}/{kind}/{len(members)}/{digest}", kind, members
+
+    def has(self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = "") -> bool:
+        """Whether :meth:`create` already made this group here (local)."""
+        return self._key(ranks, backend, purpose)[0] in self._groups
+
+    def create(
         self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = ""
     ) -> dist.ProcessGroup | None:
         """The group over ``ranks`` (bridge ranks) for ``purpose``, made on first use by its
-        members only (each member calls it; others get ``None`` and need not call).
-        ``backend``: ``"gloo"`` or ``"nccl"`` (default: :attr:`backend`). Waits at most
-        :attr:`timeout_s` for the members."""
+        members only (each member calls it; others get ``None`` and need not call): what
+        :meth:`~mopd.bridge.groups.GroupPool.create` is in one world. ``backend``: ``"gloo"``
+        or ``"nccl"`` (default: :attr:`backend`). Waits at most :attr:`timeout_s` for the
+        members."""
         self._check_open()
-        members = tuple(sorted(set(int(r) for r in ranks)))
-        kind = backend or self.backend
+        key, kind, members = self._key(ranks, backend, purpose)
         if self.rank not in members:
             return None
-        digest = hashlib.blake2b(repr(members).encode(), digest_size=8).hexdigest()
-        key = f"{purpose}/{kind}/{len(members)}/{digest}"
         if key in self._groups:
             return self._groups[key]
         store = dist.PrefixStore(f"group/{key}/", self.store)

@@ -238,7 +238,7 @@ class Distiller:
                         self.teachers,
                         student,
                         link,
-                        bridge_config=bridge_config or BridgeConfig(),
+                        bridge_config=self.bridge_config,
                         vocab_size=vocab_size,
                         teacher_sp_shards=teacher_sp_shards,
                     ),

@@ -2,8 +2,9 @@
 is named, alone, on every survivor, whose next step is the library's ``BridgeStateError``.
 
 Why its own launch: the killed process takes any harness running in it down. Four processes
-are started here directly (``env://``, global rank 0 hosting the job's store; torchrun would
-tear the survivors down as soon as one rank dies), each running the reliability job
+are started here directly (``env://``, global rank 0 hosting the job's store, and keeping it until
+the other survivors have reported; torchrun would tear the survivors down as soon as one rank
+dies), each running the reliability job
 (``tests/support/distill_job.py``: a :class:`mopd.mcore.Distiller` around megatron-core's
 schedule, teacher ``tp2`` on ranks 0-1, student ``tp2 dp2`` on 0-3). Student rank 3 kills
 itself (``SIGKILL``) in its forward of micro-batch 1 (its TP peer, rank 2, loses it inside
@@ -90,6 +91,11 @@ def _worker(out_dir: Path) -> None:
         got["elapsed"] = time.monotonic() - t0
         seen[key] = got
     (out_dir / f"rank{rank}.json").write_text(json.dumps(seen))
+    if rank == 0:  # it hosts the store: the other survivors may still read the board in it
+        others = [out_dir / f"rank{r}.json" for r in (1, 2)]
+        deadline = time.monotonic() + 2 * TIMEOUT_S + SLACK_S
+        while not all(f.exists() for f in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
     os._exit(0)  # no teardown: the job has a dead member
 
 

@@ -116,7 +116,7 @@ def main() -> None:
     worlds = args.worlds.split(",") if args.worlds else None
     n_teachers = len(worlds) - 1 if worlds else 1
     if args.world == "one":
-        link, base = None, 4
+        link = None
         tmeshes = [Mesh(tp=2, pp=2, rank_offset=4, name="teacher0")]
     elif args.world.startswith("teacher"):
         link = connect_worlds(args.address, world=args.world, timeout_s=TIMEOUT_S)
@@ -137,14 +137,12 @@ def main() -> None:
         return
     else:
         link = connect_worlds(args.address, world=args.world, worlds=worlds, timeout_s=TIMEOUT_S)
-        base = None
         tmeshes = [Mesh(tp=2, pp=2, name=f"teacher{k}") for k in range(n_teachers)]
     teachers = (
         [_teacher(0, tmeshes[0], pool, rank)]
         if link is None
         else [MeshModel(mesh=m, world=f"teacher-{k}") for k, m in enumerate(tmeshes)]
     )
-    del base
     report = _student_step(
         link=link, teachers=teachers, pool=pool, rank=rank, n_teachers=n_teachers, fault=args.fault
     )
