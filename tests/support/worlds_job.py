@@ -94,14 +94,16 @@ def _fault_hook(model: Any, rank: int) -> None:
     model.register_forward_pre_hook(die)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One rank of one world (its default group from ``env://``: torchrun's, or the variables a
+    Ray actor of a worker group sets before calling it); ``argv``: the command line's flags."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", required=True)
     ap.add_argument("--worlds", default=None)
     ap.add_argument("--address", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fault", default=None, choices=["kill-teacher", "bad-rollouts"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from tests.support.megatron_cpu import megatron_world
 
