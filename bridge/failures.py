@@ -58,6 +58,7 @@ _PHASES = {
     "planned": (2, "after planning"),
     "teacher": (3, "the teachers' forward of micro-batch {i}"),
     "send": (3, "sending micro-batch {i}"),
+    "ahead": (4, "the teachers' forward of a step submitted ahead, micro-batch {i}"),
     "forward": (4, "the student's forward of micro-batch {i}"),
     "receive": (4, "receiving micro-batch {i}"),
     "finish": (5, "finishing"),

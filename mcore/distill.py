@@ -25,8 +25,10 @@ its logits) and :meth:`DistillationStep.loss_output` (what the schedule expects)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -181,6 +183,14 @@ class Distiller:
             (:func:`~mopd.bridge.worlds.connect_worlds`, this world the student's). A teacher
             of another world is ``MeshModel(mesh=..., world=name)``; its world runs a
             :class:`~mopd.mcore.worlds.TeacherServer`. Every step takes the rollouts form.
+        steps_ahead: how many steps may be submitted (:meth:`submit`) beyond the one the
+            student takes next: ``0`` (the default) is lockstep; ``1`` lets the teacher worlds
+            score step ``k + 1`` while the student trains on step ``k``. A teacher world keeps
+            the rows of a step it scored ahead until that step: at most ``steps_ahead`` steps
+            of each last-stage teacher rank's captured hidden states (:attr:`held_bytes`). In
+            one world the teachers score a step at :meth:`step` (there is no other world to
+            run them meanwhile): the setting then only bounds the submitted steps, with a
+            warning.
 
     Attributes:
         vocab_size: the real vocabulary, agreed on every rank.
@@ -199,9 +209,21 @@ class Distiller:
         vocab_size: int | None = None,
         store: dist.Store | None = None,
         link: WorldLink | None = None,
+        steps_ahead: int = 0,
     ) -> None:
+        if isinstance(steps_ahead, bool) or not isinstance(steps_ahead, int) or steps_ahead < 0:
+            raise ValueError(f"steps_ahead must be an int >= 0, got {steps_ahead!r}")
         teachers, student = _in_bridge_ranks(teachers, student, link)
         self.link = link
+        self.steps_ahead = steps_ahead
+        if steps_ahead and link is None:
+            warn_once(
+                f"Distiller(steps_ahead={steps_ahead}) in one world: the teachers score a step "
+                "at step() (no other world runs them meanwhile); the setting only bounds the "
+                "steps submitted ahead"
+            )
+        #: steps submitted (:meth:`submit`) and not stepped yet, oldest first
+        self._submitted: collections.deque[_Submitted] = collections.deque()
         if vocab_size is not None:
             resolve_vocab_size(vocab_size, [])  # its type and sign, before any collective
         if not isinstance(teacher_sp_shards, bool):
@@ -241,9 +263,10 @@ class Distiller:
                         bridge_config=self.bridge_config,
                         vocab_size=vocab_size,
                         teacher_sp_shards=teacher_sp_shards,
+                        steps_ahead=steps_ahead,
                     ),
                 )
-        self._steps = 0
+        self._events = 0
         pool.bound_by(self.bridge_config.timeout_s)  # a pool without timeout_s: the bridge's
         groups = create_bridge_groups(pool, meshes, student.mesh, link=link)
         offset = 0 if link is None else link.offset()
@@ -347,6 +370,7 @@ class Distiller:
         self.groups = self.bridge.groups
         self.lm_heads = [None] * len(self.teachers)
         self._capture_buffers = tuple(ReusableBuffer() for _ in self.teachers)
+        self._submitted.clear()
         self.teachers = tuple(MeshModel(mesh=t.mesh) for t in self.teachers)
         self.student = MeshModel(mesh=self.student.mesh)
 
@@ -355,6 +379,59 @@ class Distiller:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def submit(self, rollouts: Rollouts | None, *, num_micro_batches: int | None) -> None:
+        """Hand a later step's rollouts over now (collective over every rank of every world,
+        outside the schedule): the rollouts exchange runs (their token ids go to the ranks
+        that use them) and every model's micro-batches are built, and a teacher world scores
+        the step as soon as it has sent the rows of the step before it, while the student
+        trains on that one. :meth:`step` without arguments takes the oldest submitted step::
+
+            distiller.submit(rollouts[0], num_micro_batches=M)
+            for k in range(steps):
+                if k + 1 < steps:
+                    distiller.submit(rollouts[k + 1], num_micro_batches=M)  # scored meanwhile
+                with distiller.step() as mopd:  # step k: its rows are waiting
+                    forward_backward(...)
+
+        At most ``steps_ahead + 1`` steps are submitted and not stepped (the next one and
+        ``steps_ahead`` beyond it). Arguments as :meth:`step`'s first form.
+
+        Raises:
+            ValueError: the same on every rank, before anything moves: more submitted steps
+                than ``steps_ahead`` allows, or bad rollouts (as :meth:`step`).
+            BridgeTimeoutError, BridgeCommError, BridgeStateError: as :meth:`step`.
+        """
+        try:
+            if self.closed:
+                self.bridge.executor.check_usable()  # refused: closed
+            if len(self._submitted) > self.steps_ahead:
+                raise ValueError(
+                    f"{len(self._submitted)} submitted steps wait for step() already: "
+                    f"steps_ahead={self.steps_ahead} allows {self.steps_ahead + 1} (the next "
+                    "step and steps_ahead beyond it); call step() first"
+                )
+            seq = self.bridge.steps + len(self._submitted)
+            self._announce("submit", num_micro_batches)
+            samples, student, teachers, deferred = self._from_rollouts(
+                rollouts, num_micro_batches, seq=seq
+            )
+            self._submitted.append(
+                _Submitted(samples=samples, student=student, teachers=teachers, deferred=deferred)
+            )
+        except Exception as exc:
+            raise self.named(exc) from None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of teacher rows this rank holds for steps it scored ahead (a teacher world's
+        last-stage ranks; at most ``steps_ahead`` steps of them)."""
+        return sum(
+            t.numel() * t.element_size()
+            for sub in self._submitted
+            for rows in (sub.rows or {}).values()
+            for t in rows.values()
+        )
 
     def step(
         self,
@@ -366,7 +443,7 @@ class Distiller:
     ) -> DistillationStep:
         """Plan one step and run the teachers' forward-only pass (collective, outside the schedule).
 
-        Two forms; every rank uses the same one:
+        Three forms; every rank uses the same one:
 
         - ``step(rollouts, num_micro_batches=M)``: the step's on-policy samples, each rank
           passing the :class:`~mopd.mcore.rollouts.Rollouts` it holds (``None`` or empty where
@@ -378,6 +455,8 @@ class Distiller:
           each :class:`MeshModel` says); :meth:`DistillationStep.schedule_kwargs` gives them
           to megatron's schedule.
         - ``step(student=..., teachers=[...])``: micro-batches built by the caller.
+        - ``step()``: the oldest step handed over by :meth:`submit` (its rows may be waiting:
+          a teacher world scored it ahead).
 
         Args:
             rollouts: this rank's rollouts (the first form).
@@ -390,7 +469,8 @@ class Distiller:
         Raises:
             ValueError: the same on every rank, before anything moves, for bad input (in the
                 first form: a malformed or missing ``Rollouts``, ``num_micro_batches`` bad or
-                left out, on any subset of ranks).
+                left out, on any subset of ranks; the first two forms while submitted steps
+                wait).
             BridgeTimeoutError, BridgeCommError: a rank failed, stalled or died in the step,
                 named (the rollouts exchange included, as the phase "the rollouts exchange").
             BridgeStateError: an earlier step failed; at once where this rank saw it.
@@ -409,18 +489,20 @@ class Distiller:
             exc.args = (self.link.names(exc.args[0]), *exc.args[1:])
         return exc
 
-    def _announce_step(self, num_micro_batches: int | None) -> None:
-        """The student's world tells the teacher worlds' servers that step ``k`` starts, with
-        ``M`` (from its rank 0; the other worlds wait for it between steps)."""
+    def _announce(self, kind: str, num_micro_batches: int | None) -> None:
+        """The student's world tells the teacher worlds' servers what it calls next, in order
+        (``"step"``: a step from rollouts, ``"submit"``: rollouts handed over ahead,
+        ``"next"``: the oldest submitted step), with ``M`` as the student passed it (from its
+        rank 0; the other worlds wait for it between calls)."""
         link = self.link
         if link is None or link.world != link.roster.names[0]:
             return
         if link.world_rank == 0:
             link.announce(
-                f"{self._session}/step/{self._steps}",
-                json.dumps({"num_micro_batches": num_micro_batches}),
+                f"{self._session}/event/{self._events}",
+                json.dumps({"kind": kind, "num_micro_batches": num_micro_batches}),
             )
-        self._steps += 1
+        self._events += 1
 
     def _step(
         self,
@@ -433,6 +515,14 @@ class Distiller:
         if self.closed:
             self.bridge.executor.check_usable()  # refused: closed
         samples = None
+        scored: dict[int, dict[int, torch.Tensor]] | None = None
+        queued = rollouts is None and num_micro_batches is None and student is None
+        queued = queued and teachers is None and bool(self._submitted)
+        if self._submitted and not queued:
+            raise ValueError(
+                f"{len(self._submitted)} submitted step(s) wait: step() without arguments "
+                "takes them in order (submit() this step's rollouts too)"
+            )
         if self.link is not None and (student is not None or teachers is not None):
             raise ValueError(
                 "a Distiller across worlds takes the rollouts form: step(rollouts, "
@@ -440,7 +530,12 @@ class Distiller:
             )
         deferred: ValueError | None = None
         micro = student is not None or teachers is not None
-        if not micro or num_micro_batches is not None or rollouts is not None:
+        if queued:
+            self._announce("next", None)
+            sub = self._submitted.popleft()
+            samples, student, teachers = sub.samples, sub.student, sub.teachers
+            deferred, scored = sub.deferred, sub.rows
+        elif not micro or num_micro_batches is not None or rollouts is not None:
             both = (
                 [
                     f"global rank {self.rank}: Distiller.step takes rollouts and "
@@ -449,9 +544,9 @@ class Distiller:
                 if micro
                 else []
             )
-            self._announce_step(num_micro_batches)
+            self._announce("step", num_micro_batches)
             samples, student, teachers, deferred = self._from_rollouts(
-                rollouts, num_micro_batches, both
+                rollouts, num_micro_batches, both, seq=self.bridge.steps
             )
         if teachers is None:
             raise ValueError("Distiller.step needs rollouts or student= and teachers=")
@@ -496,6 +591,10 @@ class Distiller:
         t1 = time.perf_counter()
         held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
         try:
+            if scored is not None:  # scored ahead: its rows wait here
+                for i in sorted(scored):
+                    step.bridge_step.send(i, scored.pop(i))
+                held = []
             for k, o in enumerate(held):
                 t, mbs = self.teachers[o], teachers[o]
                 if mbs is None:
@@ -513,15 +612,47 @@ class Distiller:
                     sp_shards=self.teacher_sp_shards[o],
                 )
             step._flush_teacher_rows()
+            t2 = time.perf_counter()
+            self._score_ahead(step)
         except BaseException as exc:  # the step is planned everywhere: fail it, as its block would
             step.__exit__(type(exc), exc, exc.__traceback__)
             raise
         step.timings["plan"] = t1 - t0
-        step.timings["teacher"] = time.perf_counter() - t1
+        step.timings["teacher"] = t2 - t1
+        step.timings["ahead"] = time.perf_counter() - t2
         return step
 
+    def _score_ahead(self, step: DistillationStep) -> None:
+        """A teacher world, once this step's rows are sent: score the steps submitted beyond
+        it (their forward-only pass, the rows kept until their step), while the student's
+        world trains on this one. Nothing elsewhere (one world, the student's world)."""
+        link, rank = self.link, self.rank
+        if link is None or link.world == link.roster.names[0]:
+            return
+        held = [o for o, t in enumerate(self.teachers) if t.holds(rank)]
+        for sub in self._submitted:
+            if sub.rows is not None or sub.teachers is None:
+                continue
+            rows: dict[int, dict[int, torch.Tensor]] = {}
+            for o in held:
+                t, mbs = self.teachers[o], sub.teachers[o]
+                if mbs is None:
+                    raise ValueError(
+                        f"global rank {rank} is in teacher {o}'s mesh: pass its micro-batches"
+                    )
+                run_teacher(
+                    t.model,
+                    mbs,
+                    pg_collection=t.pg_collection,
+                    on_hidden=functools.partial(_keep_rows, rows, o),
+                    forward=step._noted(t.forward or default_forward, "ahead", t.model),
+                    buffer=self._capture_buffers[o],
+                    sp_shards=self.teacher_sp_shards[o],
+                )
+            sub.rows = rows
+
     def _from_rollouts(
-        self, rollouts: Any, num_micro_batches: Any, problems: Sequence[str] = ()
+        self, rollouts: Any, num_micro_batches: Any, problems: Sequence[str] = (), *, seq: int
     ) -> tuple[
         StepSamples | None,
         list[MicroBatch] | None,
@@ -531,7 +662,7 @@ class Distiller:
         """The step's samples, this rank's micro-batches of each model it holds, and what is
         wrong with them on this rank only (a ``ValueError`` the planning's guarded phase
         shares: :meth:`_check_inputs`). ``problems``: this rank's own, shared in the
-        rollouts' verdict."""
+        rollouts' verdict; ``seq``: the step they are for."""
         rank = self.rank
         if rank not in self.groups.members:  # outside every mesh: nothing to build
             if isinstance(rollouts, Rollouts) and len(rollouts):
@@ -542,7 +673,7 @@ class Distiller:
         ex = self.bridge.executor
         if ex.failure_hard:  # the transport may be out of step: refuse locally
             ex.check_usable()
-        ex.at(self.bridge.steps, "rollouts")
+        ex.at(seq, "rollouts")
         samples = exchange_rollouts(
             rollouts,
             num_micro_batches=num_micro_batches,
@@ -681,6 +812,7 @@ def _describe_setup(
     bridge_config: BridgeConfig,
     vocab_size: int | None,
     teacher_sp_shards: bool,
+    steps_ahead: int,
 ) -> str:
     """What a teacher world's :class:`~mopd.mcore.worlds.TeacherServer` needs to build the
     same Distiller (JSON; meshes in their own worlds' ranks)."""
@@ -696,8 +828,30 @@ def _describe_setup(
             "bridge_config": dataclasses.asdict(bridge_config),
             "vocab_size": vocab_size,
             "teacher_sp_shards": teacher_sp_shards,
+            "steps_ahead": steps_ahead,
         }
     )
+
+
+def _keep_rows(
+    rows: dict[int, dict[int, torch.Tensor]], owner: int, i: int, hidden: torch.Tensor
+) -> None:
+    """A teacher pass scoring ahead: keep micro-batch ``i``'s rows of teacher ``owner`` (a copy:
+    the capture reuses its buffer) until their step."""
+    rows.setdefault(i, {})[owner] = hidden.clone()
+
+
+@dataclass(kw_only=True, eq=False)
+class _Submitted:
+    """A step handed over by :meth:`Distiller.submit`: what its rollouts built on this rank
+    (as :meth:`Distiller._from_rollouts` returns it) and, once a teacher world scored it
+    ahead, its rows: micro-batch -> teacher -> this rank's captured hidden states."""
+
+    samples: StepSamples | None
+    student: list[MicroBatch] | None
+    teachers: list[list[MicroBatch] | None]
+    deferred: ValueError | None
+    rows: dict[int, dict[int, torch.Tensor]] | None = None
 
 
 def _max_positions(model: Any) -> int | None:

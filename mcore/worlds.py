@@ -9,7 +9,9 @@ world's teacher models in place of their remote specs, and serves each step the 
 world starts: the rollouts' token ids arrive over the bridge's groups, the server builds its
 own micro-batches (its DP split, packing, CP/SP), runs the forward-only pass under megatron's
 schedule with the capture, and sends the rows straight into the student's layouts. Every step
-takes the same metadata exchange, verdict and fences as in one job::
+takes the same metadata exchange, verdict and fences as in one job. When the student's world
+submits steps ahead (``Distiller(steps_ahead=1)``, :meth:`~mopd.mcore.Distiller.submit`), the
+server scores the next step once it has sent this one's rows, while the student trains::
 
     link = connect_worlds("10.0.0.1:29600", world="teacher-0")
     with TeacherServer(link=link, teachers=[MeshModel(model=t, mesh=mesh, pg_collection=pgs)],
@@ -20,6 +22,7 @@ takes the same metadata exchange, verdict and fences as in one job::
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +57,12 @@ class TeacherServer:
     Attributes:
         distiller: the teacher world's :class:`~mopd.mcore.Distiller`.
         steps: steps served so far.
+        history: one entry per call the student's world made, in order: ``kind`` (``"step"``,
+            ``"submit"``, ``"next"``), ``start`` and ``end`` (``time.time()``), and for a step
+            its ``timings`` (seconds: ``plan``, ``teacher`` (its rows: forward and sends, or
+            the sends of rows scored ahead), ``ahead`` (scoring the next submitted step)), the
+            ``ahead_span`` (``time.time()`` at the start and end of that scoring) and
+            ``held_bytes`` (the rows kept after it, for the steps scored ahead).
     """
 
     def __init__(
@@ -106,25 +115,47 @@ class TeacherServer:
             vocab_size=setup["vocab_size"],
             teacher_sp_shards=bool(setup["teacher_sp_shards"]),
             link=link,
+            steps_ahead=int(setup["steps_ahead"]),
         )
         self.steps = 0
+        self._events = 0
+        self.history: list[dict[str, Any]] = []
         self.closed = False
 
     def step(self, *, timeout_s: float | None = None) -> bool:
         """Serve the student's next step: wait for it (at most ``timeout_s``; ``None``: as long
         as the link lives), then take part in it (the rollouts exchange, the plan, this world's
-        teachers' forward-only pass and sends, the step's finish). Returns ``False`` once the
+        teachers' forward-only pass and sends, the step's finish), and in the rollouts
+        exchanges of the steps the student submits before it. Returns ``False`` once the
         student's Distiller closed instead."""
-        key, value = self.link.listen(
-            [f"{self._session}/step/{self.steps}", f"{self._session}/close"], timeout_s=timeout_s
-        )
-        if key.endswith("/close"):
-            return False
-        num_micro_batches = json.loads(value)["num_micro_batches"]  # as the student passed it
-        with self.distiller.step(None, num_micro_batches=num_micro_batches):
-            pass  # the teachers' pass ran inside step(); leaving finishes its sends
-        self.steps += 1
-        return True
+        while True:
+            key, value = self.link.listen(
+                [f"{self._session}/event/{self._events}", f"{self._session}/close"],
+                timeout_s=timeout_s,
+            )
+            if key.endswith("/close"):
+                return False
+            self._events += 1
+            said = json.loads(value)
+            kind, m = said["kind"], said["num_micro_batches"]  # as the student passed them
+            entry: dict[str, Any] = {"kind": kind, "start": time.time()}
+            self.history.append(entry)
+            if kind == "submit":
+                self.distiller.submit(None, num_micro_batches=m)
+                entry["end"] = time.time()
+                continue
+            d = self.distiller
+            with d.step() if kind == "next" else d.step(None, num_micro_batches=m) as step:
+                returned = time.time()  # the teachers' pass ran inside; leaving finishes sends
+            ahead = step.timings.get("ahead", 0.0)
+            entry.update(
+                end=time.time(),
+                timings=dict(step.timings),
+                ahead_span=(returned - ahead, returned),
+                held_bytes=d.held_bytes,
+            )
+            self.steps += 1
+            return True
 
     def serve(self, *, steps: int | None = None, idle_timeout_s: float | None = None) -> int:
         """Serve steps until the student's Distiller closes (or ``steps`` of them); returns the

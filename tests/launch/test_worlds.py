@@ -5,8 +5,11 @@ group (gloo, its own master port), connected by one address
 (:mod:`tests.support.worlds_job`: a GRPO step from ``Rollouts``, teacher TP2 PP2 and student
 TP2 DP2 + SP):
 
-- the rows every student rank receives are bit-equal to the same step run as one 8-rank world,
-  and the loss and every finalized ``main_grad`` match float64 (loss rtol 1e-5, grads 1e-4);
+- with the teacher one step ahead (``Distiller(steps_ahead=1)``, three steps), the rows every
+  student rank receives in each step are bit-equal to the same steps run as one 8-rank world in
+  lockstep, the loss and every finalized ``main_grad`` match float64 (loss rtol 1e-5, grads
+  1e-4), and the teacher world's pass over step ``k + 1`` runs while the student's schedule of
+  step ``k`` does (their wall-clock spans overlap), its rows held in between;
 - two teacher worlds, each sample routed to one of them, are exact the same way;
 - a teacher rank SIGKILLed in its forward is named, by its world, on every student rank within
   the timeout (and the teacher job ends);
@@ -49,11 +52,11 @@ def _job(world: str, nproc: int, out: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _run(out: Path, teachers: int, fault: str | None = None) -> list[int]:
+def _run(out: Path, teachers: int, fault: str | None = None, *more: str) -> list[int]:
     """The student job and ``teachers`` teacher jobs, connected; their exit codes."""
     address = f"127.0.0.1:{_port()}"
     names = ["student"] + [f"teacher-{k}" for k in range(teachers)]
-    extra = ["--fault", fault] if fault else []
+    extra = (["--fault", fault] if fault else []) + list(more)
     jobs = [_job("student", 4, out, "--worlds", ",".join(names), "--address", address, *extra)]
     jobs += [_job(n, 4, out, "--address", address, *extra) for n in names[1:]]
     try:
@@ -72,21 +75,43 @@ def _tail(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("*.log")))
 
 
-def test_two_worlds_are_bit_equal_to_one_world_and_match_float64(tmp_path: Path) -> None:
-    codes = _run(tmp_path, teachers=1)
+STEPS = 3
+
+
+def test_teacher_world_one_step_ahead_is_bit_equal_to_one_world_and_overlaps(
+    tmp_path: Path,
+) -> None:
+    codes = _run(tmp_path, 1, None, "--steps", str(STEPS), "--ahead", "1")
     assert codes == [0, 0], _tail(tmp_path)
-    one = _job("one", 8, tmp_path)
+    one = _job("one", 8, tmp_path, "--steps", str(STEPS))
     assert one.wait(timeout=TIMEOUT) == 0, _tail(tmp_path)
     served = [json.loads((tmp_path / f"teacher-0-{r}.json").read_text()) for r in range(4)]
-    assert served == [{"served": 1}] * 4
+    assert [s["served"] for s in served] == [STEPS] * 4
     for two, ref in zip(_student(tmp_path), _student(tmp_path, "one"), strict=True):
-        assert not two["problems"], two["problems"]
-        assert two["loss"] == ref["loss"]
-        assert sorted(two["rows"]) == sorted(ref["rows"]) == [0, 1]
-        for i, rows in two["rows"].items():
-            assert sorted(rows) == sorted(ref["rows"][i])
-            for k, r in rows.items():
-                assert r.numel() > 0 and torch.equal(r, ref["rows"][i][k])
+        assert len(two["steps"]) == len(ref["steps"]) == STEPS
+        for k, (got, want) in enumerate(zip(two["steps"], ref["steps"], strict=True)):
+            assert not got["problems"], (k, got["problems"])
+            assert got["loss"] == want["loss"], k
+            assert sorted(got["rows"]) == sorted(want["rows"]) == [0, 1]
+            for i, rows in got["rows"].items():
+                assert sorted(rows) == sorted(want["rows"][i])
+                for o, r in rows.items():
+                    assert r.numel() > 0 and torch.equal(r, want["rows"][i][o]), (k, i, o)
+        losses = [s["loss"] for s in two["steps"]]
+        assert len(set(losses)) == STEPS  # each step its own samples: a step's rows are its own
+    # the teacher's last stage (ranks 2, 3 of its world) scored step k + 1 ahead while the
+    # student's schedule ran step k, and held its rows in between
+    spans = [s["span"] for s in _student(tmp_path)[0]["steps"]]
+    for r in (2, 3):
+        steps = [e for e in served[r]["history"] if e["kind"] == "next"]
+        assert [e["kind"] for e in served[r]["history"][:2]] == ["submit", "submit"]
+        assert len(steps) == STEPS
+        for k in range(STEPS - 1):
+            start, end = steps[k]["ahead_span"]
+            overlap = min(end, spans[k][1]) - max(start, spans[k][0])
+            assert overlap > 0, (k, steps[k], spans[k])
+            assert steps[k]["held_bytes"] > 0
+        assert steps[-1]["held_bytes"] == 0 and steps[-1]["timings"]["ahead"] < 0.05
 
 
 def test_two_teacher_worlds_routed_match_float64(tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ N_SAMPLES, M = 8, 2
 TIMEOUT_S = 60.0
 
 
-def _samples(n_teachers: int) -> dict[str, list[Any]]:
-    g = torch.Generator().manual_seed(5)
+def _samples(n_teachers: int, step: int = 0) -> dict[str, list[Any]]:
+    g = torch.Generator().manual_seed(5 + step)
     out: dict[str, list[Any]] = {"prompts": [], "responses": [], "teachers": [], "adv": []}
     for _ in range(N_SAMPLES):
         p = int(torch.randint(1, 7, (), generator=g))
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--address", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fault", default=None, choices=["kill-teacher", "bad-rollouts"])
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--ahead", type=int, default=0, help="the student's steps_ahead")
     args = ap.parse_args(argv)
 
     from tests.support.megatron_cpu import megatron_world
@@ -129,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with TeacherServer(link=link, teachers=[teacher], pool=pool) as server:
                 served = server.serve()
-            (out / f"{args.world}-{rank}.json").write_text(json.dumps({"served": served}))
+            (out / f"{args.world}-{rank}.json").write_text(
+                json.dumps({"served": served, "history": server.history})
+            )
         except Exception as exc:
             (out / f"{args.world}-{rank}.json").write_text(
                 json.dumps({"error": type(exc).__name__, "text": str(exc)})
@@ -146,7 +150,14 @@ def main(argv: list[str] | None = None) -> None:
         else [MeshModel(mesh=m, world=f"teacher-{k}") for k, m in enumerate(tmeshes)]
     )
     report = _student_step(
-        link=link, teachers=teachers, pool=pool, rank=rank, n_teachers=n_teachers, fault=args.fault
+        link=link,
+        teachers=teachers,
+        pool=pool,
+        rank=rank,
+        n_teachers=n_teachers,
+        fault=args.fault,
+        steps=args.steps,
+        ahead=args.ahead,
     )
     if report is not None:
         torch.save(report, out / f"{args.world}-{rank}.pt")
@@ -156,8 +167,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _student_step(
-    *, link: Any, teachers: list[Any], pool: Any, rank: int, n_teachers: int, fault: str | None
+    *,
+    link: Any,
+    teachers: list[Any],
+    pool: Any,
+    rank: int,
+    n_teachers: int,
+    fault: str | None,
+    steps: int,
+    ahead: int,
 ) -> dict[str, Any] | None:
+    """The student's steps (``ahead``: submitted that many steps ahead); step 0's report, with
+    every step's in ``"steps"`` (each with ``"span"``: its schedule's wall-clock start, end)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -178,7 +199,6 @@ def _student_step(
         )  # fmt: skip
         model = DDP(cfg, DistributedDataParallelConfig(), model, pg_collection=spg)
         cfg.finalize_model_grads_func = finalize_model_grads
-    smp = _samples(n_teachers)
     distiller = Distiller(
         teachers=teachers,
         student=MeshModel(mesh=smesh, model=model, pg_collection=spg),
@@ -186,50 +206,71 @@ def _student_step(
         bridge_config=BridgeConfig(timeout_s=TIMEOUT_S),
         vocab_size=V,
         link=link,
+        steps_ahead=ahead,
     )
     c = smesh.coord(rank)
     lead = c is not None and c.tp_rank == 0 and c.pp_rank == 0
     mine = [j for j in range(N_SAMPLES) if j % smesh.dp == (c.dp_rank if c else -1)] if lead else []
-    teachers_of = list(smp["teachers"])
-    if fault == "bad-rollouts" and rank == 0:
-        teachers_of = [n_teachers + 3] * N_SAMPLES
-    rollouts = Rollouts(
-        prompts=[smp["prompts"][j] for j in mine],
-        responses=[smp["responses"][j] for j in mine],
-        teachers=[teachers_of[j] for j in mine],
-        advantages=[smp["adv"][j] for j in mine],
-    )
-    report: dict[str, Any] = {}
-    t0 = time.monotonic()
-    try:
-        got: dict[int, Any] = {}
-        if model is None:  # a teacher rank of the one-world job: its pass runs inside step()
-            with distiller.step(rollouts, num_micro_batches=M):
-                pass
-            distiller.close()
-            return None
-        model.zero_grad_buffer()
-        with distiller.step(rollouts, num_micro_batches=M) as step:
-            get_forward_backward_func(pp_size=smesh.pp, vp_size=None)(
-                forward_step_func=_forward_step(step, got),
-                model=[model],
-                p2p_communicator=P2PCommunicator(pp_group=spg.pp, config=cfg),
-                pg_collection=spg,
-                **step.schedule_kwargs(),
-            )
-        report["loss"] = step.mean_loss()
-        report["rows"] = got
-    except Exception as exc:
-        report["error"] = type(exc).__name__
-        report["text"] = str(exc)
-        report["elapsed_s"] = time.monotonic() - t0
-        distiller.close()
-        return report
-    report.update(
-        _reference(smp, full_s_model, model, names, report["loss"], n_teachers, smesh, rank)
-    )
+
+    def rollouts(k: int) -> Any:
+        smp = _samples(n_teachers, k)
+        teachers_of = list(smp["teachers"])
+        if fault == "bad-rollouts" and rank == 0:
+            teachers_of = [n_teachers + 3] * N_SAMPLES
+        return Rollouts(
+            prompts=[smp["prompts"][j] for j in mine],
+            responses=[smp["responses"][j] for j in mine],
+            teachers=[teachers_of[j] for j in mine],
+            advantages=[smp["adv"][j] for j in mine],
+        )
+
+    def step_k(k: int) -> Any:
+        if ahead:
+            if k == 0:
+                distiller.submit(rollouts(0), num_micro_batches=M)
+            if k + 1 < steps:
+                distiller.submit(rollouts(k + 1), num_micro_batches=M)  # scored meanwhile
+            return distiller.step()
+        return distiller.step(rollouts(k), num_micro_batches=M)
+
+    reports: list[dict[str, Any]] = []
+    for k in range(steps):
+        report: dict[str, Any] = {}
+        t0 = time.monotonic()
+        try:
+            got: dict[int, Any] = {}
+            if model is None:  # a teacher rank of the one-world job: its pass runs in step()
+                with step_k(k):
+                    pass
+                continue
+            model.zero_grad_buffer()
+            with step_k(k) as step:
+                start = time.time()
+                get_forward_backward_func(pp_size=smesh.pp, vp_size=None)(
+                    forward_step_func=_forward_step(step, got),
+                    model=[model],
+                    p2p_communicator=P2PCommunicator(pp_group=spg.pp, config=cfg),
+                    pg_collection=spg,
+                    **step.schedule_kwargs(),
+                )
+                report["span"] = (start, time.time())
+            report["loss"] = step.mean_loss()
+            report["rows"] = got
+        except Exception as exc:
+            report["error"] = type(exc).__name__
+            report["text"] = str(exc)
+            report["elapsed_s"] = time.monotonic() - t0
+            reports.append(report)
+            break
+        smp = _samples(n_teachers, k)
+        report.update(
+            _reference(smp, full_s_model, model, names, report["loss"], n_teachers, smesh, rank)
+        )
+        reports.append(report)
     distiller.close()
-    return report
+    if not reports:
+        return None
+    return dict(reports[0], steps=reports)
 
 
 def _reference(

@@ -16,7 +16,10 @@ teacher 1 DP4, each taking its own split of the samples routed to it). What a us
 - ``signal.sample_id_T`` / ``position_T`` name each counted row's sample and position (THD and
   CP included), ``advantage_T`` its sample's advantage;
 - bad rollouts are the same ``ValueError`` on every rank before anything moves, and the bridge
-  stays usable; a step whose responses are all empty warns once, naming the step.
+  stays usable; a step whose responses are all empty warns once, naming the step;
+- steps submitted ahead (``Distiller.submit``, then ``step()``) are the steps given in lockstep,
+  bit for bit, and submitting past ``steps_ahead`` (or a lockstep step while submitted ones
+  wait) is the same ``ValueError`` on every rank before anything moves.
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ class Job:
             self.teachers.append(MeshModel(mesh=m, model=model, pg_collection=pg))
         self.full_s_model, self.full_s = _full(32, 12)
 
-    def student(self, *, thd: bool, per_token: bool = True) -> tuple[Any, ...]:
+    def student(self, *, thd: bool, per_token: bool = True, **kw: Any) -> tuple[Any, ...]:
         from megatron.core.distributed import DistributedDataParallel as DDP
         from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
@@ -193,16 +196,19 @@ class Job:
             bridge_config=BridgeConfig(timeout_s=120),
             teacher_weights=WEIGHTS,
             vocab_size=V,
+            **kw,
         )
         return smesh, spg, model, names, cfg, distiller
 
     def run(self, distiller: Any, model: Any, spg: Any, cfg: Any, rollouts: Any) -> Any:
+        """One step from ``rollouts`` (``...``: the oldest submitted step)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         seen: list = []
         model.zero_grad_buffer()
-        with distiller.step(rollouts, num_micro_batches=M) as mopd:
+        queued = rollouts is ...
+        with distiller.step() if queued else distiller.step(rollouts, num_micro_batches=M) as mopd:
             get_forward_backward_func(pp_size=2, vp_size=None)(
                 forward_step_func=_grpo_forward_step(mopd, seen),
                 model=[model],
@@ -297,6 +303,34 @@ def test_grpo_step_from_rollouts_matches_the_shifted_reference(job: Job, case: s
             f"{case}: global rank {job.rank}: loss error {worst_loss[0]:.2e}, "
             f"gradient {max(worst_grad):.2e}"
         )
+
+
+def test_steps_submitted_ahead_are_the_lockstep_steps(job: Job) -> None:
+    from tests.support.mcore_ref import unwrapped
+
+    with pytest.warns(UserWarning, match=r"steps_ahead=1\) in one world"):
+        smesh, spg, model, _, cfg, distiller = job.student(thd=False, steps_ahead=1)
+    held = [Samples(seed=s).held_by("dp", job.rank, smesh) for s in (7, 9)]
+
+    def outcome(rollouts: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        mopd, _ = job.run(distiller, model, spg, cfg, rollouts)
+        grads = {n: p.main_grad.clone() for n, p in unwrapped(model).named_parameters()}
+        return mopd.mean_loss(), grads
+
+    lockstep = [outcome(r) for r in held]
+    for r in held:
+        distiller.submit(r, num_micro_batches=M)
+    with pytest.raises(ValueError, match=r"2 submitted steps wait for step\(\) already: "):
+        distiller.submit(held[0], num_micro_batches=M)
+    with pytest.raises(ValueError, match=r"2 submitted step\(s\) wait: step\(\) without"):
+        distiller.step(held[0], num_micro_batches=M)
+    for k, (loss, grads) in enumerate(lockstep):
+        got_loss, got_grads = outcome(...)
+        assert got_loss == loss, k
+        assert all(torch.equal(g, got_grads[n]) for n, g in grads.items()), k
+    assert distiller.held_bytes == 0  # one world: scored at step(), nothing held
+    with pytest.raises(ValueError, match="steps_ahead must be an int >= 0, got -1"):
+        job.student(thd=False, steps_ahead=-1)
 
 
 def test_bad_rollouts_are_refused_alike_before_anything_moves(job: Job) -> None:
