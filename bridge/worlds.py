@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.config import DEFAULT_TIMEOUT_S
+from mopd.bridge.errors import BridgeCommError
 from mopd.bridge.mesh import Mesh
 from mopd.common import dist as cdist
 
@@ -387,11 +388,25 @@ class WorldLink:
 
     def listen(self, keys: Sequence[str], *, timeout_s: float | None) -> tuple[str, str]:
         """Wait for the first of ``keys`` to be announced; ``(key, value)``. ``timeout_s=None``
-        waits as long as the link lives (the store going away ends it with an error)."""
+        waits as long as the link lives.
+
+        Raises:
+            TimeoutError: nothing announced within ``timeout_s``.
+            BridgeCommError: the link's store went away (its host's process ended: the host
+                world's job stopped), naming the host.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             for key in keys:
-                value = self.heard(key)
+                try:
+                    value = self.heard(key)
+                except dist.DistError as exc:
+                    raise BridgeCommError(
+                        f"global rank {self.world_rank} of world {self.world!r}: the link's "
+                        f'store, served by global rank 0 of world "{self.roster.names[0]}", '
+                        "is gone (that process ended: its job stopped or failed) while this "
+                        f"rank waited for the next step. The store said: {exc}"
+                    ) from exc
                 if value is not None:
                     return key, value
             if deadline is not None and time.monotonic() >= deadline:

@@ -12,7 +12,11 @@ Or let this file start both on this machine (CPU, gloo; free ports picked for yo
 
     python examples/worlds.py
 
-It prints one line per step and the result, from one student rank.
+It prints one line per step and the result, from one student rank. With ``--one-step-ahead``
+the student submits each step's rollouts one step early and the teacher's world scores step
+``k + 1`` while the student trains on step ``k``:
+
+    python examples/worlds.py --one-step-ahead
 """
 
 from __future__ import annotations
@@ -94,9 +98,10 @@ def rollouts(step: int) -> Rollouts:
     )
 
 
-def student_job(address: str) -> None:
+def student_job(address: str, steps_ahead: int) -> None:
     """The student world: connect (it hosts the rendezvous), declare the teacher by its world,
-    and train as in one job."""
+    and train as in one job (``steps_ahead``: submit each step's rollouts that many steps
+    early, so that the teacher's world scores them while the student trains)."""
     link = connect_worlds(address, world="student", worlds=["student", "teacher-0"], timeout_s=300)
     pool = GroupPool(timeout_s=300)
     pg = megatron_process_groups(STUDENT_MESH, pool)
@@ -109,12 +114,22 @@ def student_job(address: str) -> None:
         pool=pool,
         vocab_size=VOCAB,
         link=link,
+        steps_ahead=steps_ahead,
     )
     adam = torch.optim.Adam(student.parameters(), lr=1e-3)
     losses = []
+
+    def held(step: int) -> Rollouts | None:
+        return rollouts(step) if dist.get_rank() == 0 else None  # where the sampler put them
+
+    if steps_ahead:
+        distiller.submit(held(0), num_micro_batches=2)
     for step in range(STEPS):
-        held = rollouts(step) if dist.get_rank() == 0 else None  # where the sampler put them
-        with distiller.step(held, num_micro_batches=2) as mopd:
+        if steps_ahead and step + 1 < STEPS:  # the teacher's world scores it meanwhile
+            distiller.submit(held(step + 1), num_micro_batches=2)
+        # the oldest submitted step (its rows are waiting), or this step from its rollouts
+        mopd = distiller.step() if steps_ahead else distiller.step(held(step), num_micro_batches=2)
+        with mopd:
             get_forward_backward_func(pp_size=STUDENT_MESH.pp, vp_size=None)(
                 forward_step_func=mopd.forward_step, model=[student], **mopd.schedule_kwargs(),
                 p2p_communicator=P2PCommunicator(pp_group=pg.pp, config=student.config),
@@ -128,9 +143,10 @@ def student_job(address: str) -> None:
         if dist.get_rank() == 0:
             print(f"step {step + 1}/{STEPS}: mean KL per response token {losses[-1]:.4f}")
     if dist.get_rank() == 0:
+        ahead = f", the teacher {steps_ahead} step ahead" if steps_ahead else ""
         print(
-            f'worlds.py: the student learned from world "teacher-0" over the bridge, mean KL '
-            f"{losses[0]:.4f} -> {losses[-1]:.4f} in {STEPS} steps"
+            f'worlds.py: the student learned from world "teacher-0" over the bridge{ahead}, '
+            f"mean KL {losses[0]:.4f} -> {losses[-1]:.4f} in {STEPS} steps"
         )
     distiller.close()
     link.close()
@@ -143,7 +159,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_both() -> int:
+def launch_both(steps_ahead: int) -> int:
     """Start the two jobs on this machine, as the module doc prints them; show the student's
     output (the teacher's log only if a job fails)."""
     address = f"127.0.0.1:{_free_port()}"
@@ -153,7 +169,7 @@ def launch_both() -> int:
     jobs = {}
     for world in ("teacher-0", "student"):
         cmd = [*torchrun, "--master-port", str(_free_port()), __file__, "--world", world,
-               "--address", address]  # fmt: skip
+               "--address", address, *(["--one-step-ahead"] if steps_ahead else [])]  # fmt: skip
         log = open(logs / f"{world}.log", "w")  # noqa: SIM115 (the child writes it)
         out = subprocess.PIPE if world == "student" else log
         jobs[world] = subprocess.Popen(cmd, env=env, stdout=out, stderr=log, text=True)
@@ -179,16 +195,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", choices=["student", "teacher-0"], help="this job's world")
     parser.add_argument("--address", help="host:port of the rendezvous, the same in both jobs")
+    parser.add_argument(
+        "--one-step-ahead", action="store_true",
+        help="the student's steps_ahead=1 (its world tells the teacher's); default lockstep",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.world is None:
-        sys.exit(launch_both())
+        sys.exit(launch_both(int(args.one_step_ahead)))
     if args.address is None:
         parser.error("--world needs --address host:port (the same in both jobs)")
     dist.init_process_group("gloo")  # torchrun gives this world; the other job has its own
     cpu.apply()  # megatron-core on CPU ranks
     parallel_state.initialize_model_parallel()  # for what still reads megatron's globals
     model_parallel_cuda_manual_seed(0)
-    (student_job if args.world == "student" else teacher_job)(args.address)
+    if args.world == "student":
+        student_job(args.address, int(args.one_step_ahead))
+    else:
+        teacher_job(args.address)
     dist.destroy_process_group()
 
 

@@ -12,7 +12,10 @@ TP2 DP2 + SP):
   step ``k`` does (their wall-clock spans overlap), its rows held in between;
 - two teacher worlds, each sample routed to one of them, are exact the same way;
 - a teacher rank SIGKILLed in its forward is named, by its world, on every student rank within
-  the timeout (and the teacher job ends);
+  the timeout (and the teacher job ends); so is one SIGKILLed while it scores the next step
+  ahead; a student rank SIGKILLed while the teacher scores ahead is a named error on every rank
+  of the teacher world, naming the student world's ranks it lost (torchrun ends the whole job
+  of a rank that died, the link's host with it);
 - bad rollouts on one student rank are the same ``ValueError`` on every rank of both worlds.
 """
 
@@ -131,6 +134,28 @@ def test_a_killed_teacher_rank_is_named_on_every_student_rank(tmp_path: Path) ->
         assert rep["error"] == "BridgeCommError", rep
         assert 'global rank 1 of world "teacher-0"' in rep["text"].split("failed first")[0], rep
         assert rep["elapsed_s"] < 60 + 30
+
+
+def test_a_teacher_rank_killed_scoring_ahead_is_named_in_both_worlds(tmp_path: Path) -> None:
+    codes = _run(tmp_path, 1, "kill-teacher-ahead", "--steps", str(STEPS), "--ahead", "1")
+    assert codes[0] == 0 and codes[1] != 0, _tail(tmp_path)
+    dead = 'global rank 1 of world "teacher-0"'
+    for rep in _student(tmp_path):
+        last = rep["steps"][-1]
+        assert last["error"] == "BridgeCommError", last
+        assert dead in last["text"].split("failed first")[0], last
+        assert last["elapsed_s"] < 60 + 30
+
+
+def test_a_student_rank_killed_while_the_teacher_scores_ahead_is_named_there(
+    tmp_path: Path,
+) -> None:
+    codes = _run(tmp_path, 1, "kill-student", "--steps", str(STEPS), "--ahead", "1")
+    assert codes[0] != 0 and codes[1] == 0, _tail(tmp_path)  # torchrun ends the student job
+    for r in range(4):  # every rank of the teacher world: a named error about the student's
+        seen = json.loads((tmp_path / f"teacher-0-{r}.json").read_text())
+        assert seen["error"] in ("BridgeCommError", "BridgeTimeoutError"), (r, seen)
+        assert 'of world "student"' in seen["text"], (r, seen)
 
 
 def test_bad_rollouts_are_one_value_error_in_both_worlds(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ connected by an address; a second teacher job routed beside the first; and all o
 
 Each student last-stage rank writes ``DIR/<world>-<rank>.pt``: the rows it received per
 micro-batch and teacher, its loss, and the float64 reference's verdict on the loss and every
-``main_grad``. ``--fault kill-teacher`` SIGKILLs teacher rank 1 in its forward of step 0;
+``main_grad``. ``--fault kill-teacher`` SIGKILLs teacher rank 1 in its forward of step 0
+(``kill-teacher-ahead``: of step 1, which with ``--ahead 1`` it scores during step 0;
+``kill-student``: student rank 1 in its forward of step 0, while the teacher scores ahead);
 ``--fault bad-rollouts`` gives rank 0 a teacher index out of range.
 """
 
@@ -83,13 +85,17 @@ def _forward_step(mopd: Any, got: dict[int, Any]) -> Any:
     return forward_step
 
 
-def _fault_hook(model: Any, rank: int) -> None:
-    """Teacher rank 1 SIGKILLs itself in its first forward (a process that dies mid-step)."""
+def _fault_hook(model: Any, rank: int, at_call: int = 0) -> None:
+    """Rank 1 SIGKILLs itself in its forward call ``at_call`` (a process that dies
+    mid-step; with M micro-batches a step, call M is the first of the step after)."""
     if rank != 1:
         return
+    calls = [0]
 
     def die(*_: Any) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+        calls[0] += 1
+        if calls[0] > at_call:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     model.register_forward_pre_hook(die)
 
@@ -102,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worlds", default=None)
     ap.add_argument("--address", default=None)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fault", default=None, choices=["kill-teacher", "bad-rollouts"])
+    ap.add_argument(
+        "--fault",
+        default=None,
+        choices=["kill-teacher", "kill-teacher-ahead", "kill-student", "bad-rollouts"],
+    )
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--ahead", type=int, default=0, help="the student's steps_ahead")
     args = ap.parse_args(argv)
@@ -126,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         link = connect_worlds(args.address, world=args.world, timeout_s=TIMEOUT_S)
         k = int(args.world.split("-")[1])
         teacher = _teacher(k, Mesh(tp=2, pp=2, name=f"teacher{k}"), pool, rank)
-        if args.fault == "kill-teacher" and teacher.model is not None:
-            _fault_hook(teacher.model, rank)
+        if args.fault in ("kill-teacher", "kill-teacher-ahead") and teacher.model is not None:
+            _fault_hook(teacher.model, rank, M if args.fault == "kill-teacher-ahead" else 0)
         try:
             with TeacherServer(link=link, teachers=[teacher], pool=pool) as server:
                 served = server.serve()
@@ -161,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if report is not None:
         torch.save(report, out / f"{args.world}-{rank}.pt")
+    if link is not None and rank == 0:  # it hosts the link's store: the others may still read
+        others = [out / f"{args.world}-{r}.pt" for r in range(1, dist.get_world_size())]
+        deadline = time.monotonic() + 2 * TIMEOUT_S
+        while not all(f.exists() for f in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if link is not None:
         link.close()
     pool.close()
@@ -199,6 +214,8 @@ def _student_step(
         )  # fmt: skip
         model = DDP(cfg, DistributedDataParallelConfig(), model, pg_collection=spg)
         cfg.finalize_model_grads_func = finalize_model_grads
+        if fault == "kill-student" and link is not None:
+            _fault_hook(model, rank)
     distiller = Distiller(
         teachers=teachers,
         student=MeshModel(mesh=smesh, model=model, pg_collection=spg),
