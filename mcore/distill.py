@@ -251,9 +251,11 @@ class Distiller:
         self.kl_config = kl_config or KLConfig(reduction="sum")
         meshes = [t.mesh for t in self.teachers]
         self._session = None
-        if link is not None:
+        if link is not None and link.world == link.roster.names[0]:
+            # the student's world numbers its bridges on the link; a teacher world's
+            # TeacherServer numbers its own alike, one per bridge (this Distiller's)
             self._session = link.open_session()
-            if link.world == link.roster.names[0] and link.world_rank == 0:
+            if link.world_rank == 0:
                 link.announce(
                     f"{self._session}/distiller",
                     _describe_setup(

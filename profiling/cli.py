@@ -37,7 +37,9 @@ from mopd.profiling.mesh_arg import OneLineParser
 __all__ = ["BENCHMARKS", "bench_module", "build_parser", "main", "nsys_script", "version"]
 
 #: ``mopd bench NAME`` -> module ``mopd.profiling.bench_NAME``.
-BENCHMARKS: tuple[str, ...] = ("capture", "bridge", "kernels", "kl", "ranges", "plan", "overlap")
+BENCHMARKS: tuple[str, ...] = (
+    "capture", "bridge", "kernels", "kl", "ranges", "plan", "overlap", "worlds",
+)  # fmt: skip
 
 _ENTRY_POINTS: dict[str, str] = {
     "demo": "mopd.profiling.demo",

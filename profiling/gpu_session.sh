@@ -14,7 +14,8 @@
 #     megatron-core==0.16.1 nvtx==0.2.17
 # With the device tool, name `.whl` in carry (it is git-ignored) and give timeout_s >= BUDGET + 60.
 # Parts (ONLY): env, tests (TESTS: the tier-3 files, default all), kernels, kl, bridge, capture,
-# ranges (with nsys.sh's check), demo (the MOPD demo on NCCL at world size 1).
+# ranges (with nsys.sh's check), demo (the MOPD demo on NCCL at world size 1), worlds (the
+# bridge across two worlds beside the host path; Ray from .whl; its ranks on gloo).
 # BUDGET (seconds, default 480) bounds the whole run: each part's limit is cut to what is left,
 # and the archive is rewritten after every part (and on exit), so a run cut short still returns
 # everything finished so far. The parts' own limits add up to more than BUDGET on purpose: the
@@ -25,7 +26,7 @@ set -uo pipefail
 FINAL=${OUT:-$PWD/gpu-out}
 OUT=$(mktemp -d)  # everything is written here, then packed into $FINAL/gpu_session.tgz
 mkdir -p "$FINAL"
-ONLY=${ONLY:-"env kernels tests kl bridge demo capture ranges"}  # most wanted first: BUDGET may cut the tail
+ONLY=${ONLY:-"env kernels tests kl bridge demo capture ranges worlds"}  # most wanted first: BUDGET may cut the tail
 BUDGET=${BUDGET:-480}
 TESTS=${TESTS:-tests/gpu}
 PY=${PYTHON:-python3}
@@ -76,6 +77,7 @@ for part in $ONLY; do
             run nsys_check 15 bash -c "bash profiling/nsys.sh --out '$OUT/nsys' -- $PY -c 'print(1)'; rc=\$?; echo nsys.sh rc=\$rc; command -v nsys >/dev/null || [ \$rc -eq 2 ]" ;;
     demo) run demo 90 $PY -m mopd.profiling.demo --backend nccl --nproc 1 --teacher tp=1 \
               --teacher tp=1 --student tp=1 --steps 3 --trace "$OUT/demo_trace" ;;
+    worlds) run bench_worlds 90 $PY -m mopd.profiling.bench_worlds --results-dir "$OUT" ;;
     *) log "unknown part $part"; status=1 ;;
     esac
 done
