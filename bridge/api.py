@@ -180,6 +180,7 @@ class HiddenStateBridge:
                 timeout_s=self.config.timeout_s,
                 store=link.store if link is not None and store is None else store,
                 names=link.names if link is not None else None,
+                store_host=0 if link is not None and store is None else None,
             ),
         )
         self._tp_group_error = self._check_student_tp_group()

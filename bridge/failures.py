@@ -197,6 +197,9 @@ class FailureBoard:
         census_s: how long a census waits for answers.
         names: rewrites a published text's rank names (a bridge across worlds names each
             rank by its world: :meth:`~mopd.bridge.worlds.WorldLink.names`).
+        store_host: the global rank whose process serves ``store``, when one does (a link's
+            store: the student's world's rank 0); ``None``: another process, or not known.
+            A store that went away is then named as that rank's failure.
     """
 
     def __init__(
@@ -208,9 +211,12 @@ class FailureBoard:
         members: Sequence[int],
         census_s: float = CENSUS_S,
         names: Callable[[str], str] | None = None,
+        store_host: int | None = None,
     ) -> None:
         self.store = dist.PrefixStore(namespace, store)
         self.names = names
+        self.store_host = store_host
+        self._lost = False  # the store stopped answering (its process ended)
         self.rank = rank
         self.members = tuple(members)
         self.census_s = census_s
@@ -238,6 +244,7 @@ class FailureBoard:
         timeout_s: float,
         store: dist.Store | None = None,
         names: Callable[[str], str] | None = None,
+        store_host: int | None = None,
     ) -> FailureBoard | None:
         """The board of ``group`` (shared by every bridge on it in this process), or ``None``
         off the group or when there is no store to publish in."""
@@ -258,6 +265,7 @@ class FailureBoard:
                 members=members,
                 census_s=min(CENSUS_S, timeout_s / 2),
                 names=names,
+                store_host=store_host,
             )
             _BOARDS[name] = board
         return board
@@ -296,9 +304,25 @@ class FailureBoard:
                     break
             if first is None:
                 first = self._publish(*blame) if blame else self.cause(symptom)
+        if self._lost and first == self._mine:  # nobody else can read it: the store is gone
+            return self._store_gone()
         if first == self._mine and not self._blamed:
             return None
         return first
+
+    def _store_gone(self) -> str:
+        """The lead of a failure seen once the store went away: its host's process ended."""
+        if self.store_host is None:
+            text = (
+                "the job's store failed first: it does not respond (the process serving it "
+                "ended, with its job)"
+            )
+        else:
+            text = (
+                f"global rank {self.store_host} failed first: does not respond (its process, "
+                "which served the job's store, ended)"
+            )
+        return self.names(text) if self.names is not None else text
 
     def read(self) -> str | None:
         """The first failure published so far (``None``: none, or the store is unreachable)."""
@@ -307,6 +331,7 @@ class FailureBoard:
                 if self.store.check(["first"]):
                     self.first = self.store.get("first").decode(errors="replace")
             except Exception:
+                self._lost = True
                 return None
         return self.first
 
@@ -316,6 +341,7 @@ class FailureBoard:
         try:
             got = self.store.compare_set("first", "", text).decode(errors="replace")
         except Exception:  # the store is gone: this rank's view is all there is
+            self._lost = True
             got = text
         if got == text:
             self._mine, self._blamed = text, blames

@@ -57,6 +57,8 @@ __all__ = ["WorldLink", "WorldRoster", "connect_worlds"]
 _ROOT = "mopd-worlds/"
 #: How often a wait on the store wakes to look again (a rendezvous, the next step).
 _POLL_S = 0.05
+#: The longest a listener waits on its first key before it looks at the others again.
+_LISTEN_S = 0.5
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -397,24 +399,29 @@ class WorldLink:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            for key in keys:
-                try:
+            try:
+                for key in keys:
                     value = self.heard(key)
-                except dist.DistError as exc:
-                    raise BridgeCommError(
-                        f"global rank {self.world_rank} of world {self.world!r}: the link's "
-                        f'store, served by global rank 0 of world "{self.roster.names[0]}", '
-                        "is gone (that process ended: its job stopped or failed) while this "
-                        f"rank waited for the next step. The store said: {exc}"
-                    ) from exc
-                if value is not None:
-                    return key, value
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"world {self.world!r}: none of {list(keys)} was announced within "
-                    f"{timeout_s:g} s"
-                )
-            time.sleep(_POLL_S)
+                    if value is not None:
+                        return key, value
+                left = _LISTEN_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"world {self.world!r}: none of {list(keys)} was announced within "
+                        f"{timeout_s:g} s"
+                    )
+                # woken as soon as the first key is set; the others are looked at in between
+                with contextlib.suppress(dist.DistStoreError):  # its wait timed out
+                    self.store.wait(
+                        [f"say/{keys[0]}"], datetime.timedelta(seconds=min(left, _LISTEN_S))
+                    )
+            except dist.DistNetworkError as exc:
+                raise BridgeCommError(
+                    f"global rank {self.world_rank} of world {self.world!r}: the link's "
+                    f'store, served by global rank 0 of world "{self.roster.names[0]}", '
+                    "is gone (that process ended: its job stopped or failed) while this "
+                    f"rank waited for the next step. The store said: {exc}"
+                ) from exc
 
     # --- lifecycle --------------------------------------------------------------------------------
 

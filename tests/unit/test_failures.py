@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -213,3 +214,35 @@ def test_closing_a_board_ends_its_watcher(store):
     assert watcher.name == "mopd-bridge-watcher-1"
     del b  # the last reference gone: its watcher ends too
     assert not watcher.is_alive() and _new_threads(before) == []
+
+
+def test_a_store_that_went_away_is_named_as_its_hosts_failure():
+    """A rank whose failure comes after the store's host process ended (a link's host: the
+    student's world's rank 0) cannot read or publish: its error leads with that host, named by
+    the board's names, instead of standing alone."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=_short())
+
+    def names(text: str) -> str:
+        return text.replace("global rank 0", 'global rank 0 of world "student"')
+
+    b = FailureBoard(
+        store=client, namespace="job", rank=5, members=[0, 5], census_s=0.2, names=names,
+        store_host=0,
+    )  # fmt: skip
+    del server  # its process's store ends
+    first = b.lead("BridgeCommError: lost a peer", peers=None)
+    assert first == (
+        'global rank 0 of world "student" failed first: does not respond (its process, which '
+        "served the job's store, ended)"
+    )
+    plain = FailureBoard(store=client, namespace="j2", rank=5, members=[0, 5], census_s=0.2)
+    assert plain.lead("BridgeCommError: lost a peer").startswith("the job's store failed first")
+    b.close()
+    plain.close()
+
+
+def _short() -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=2)
