@@ -417,7 +417,7 @@ class WorldLink:
                     )
             except dist.DistNetworkError as exc:
                 raise BridgeCommError(
-                    f"global rank {self.world_rank} of world {self.world!r}: the link's "
+                    f'global rank {self.world_rank} of world "{self.world}": the link\'s '
                     f'store, served by global rank 0 of world "{self.roster.names[0]}", '
                     "is gone (that process ended: its job stopped or failed) while this "
                     f"rank waited for the next step. The store said: {exc}"
