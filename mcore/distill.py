@@ -87,6 +87,10 @@ from mopd.mcore.teacher import (
 
 __all__ = ["DistillationStep", "Distiller", "MeshModel"]
 
+#: The longest a closing Distiller that hosts a link waits for the teacher worlds' servers to
+#: see the close (they listen for it every fraction of a second; one that died never answers).
+CLOSE_WAIT_S = 30.0
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class MeshModel:
@@ -368,6 +372,8 @@ class Distiller:
         if link is not None and link.world == link.roster.names[0] and link.world_rank == 0:
             with contextlib.suppress(Exception):  # the link is gone: its servers see that
                 link.announce(f"{self._session}/close", "1")
+                if self.bridge.executor.failure is None:  # a dead rank would never answer
+                    self._await_servers(link)
         self.bridge.close()
         self.groups = self.bridge.groups
         self.lm_heads = [None] * len(self.teachers)
@@ -375,6 +381,30 @@ class Distiller:
         self._submitted.clear()
         self.teachers = tuple(MeshModel(mesh=t.mesh) for t in self.teachers)
         self.student = MeshModel(mesh=self.student.mesh)
+
+    def _await_servers(self, link: WorldLink) -> None:
+        """The link's host (this world's rank 0): wait until no teacher rank serves (each
+        :class:`~mopd.mcore.TeacherServer` says so once it saw the close, raised, or closed),
+        at most ``CLOSE_WAIT_S`` (or the link's ``timeout_s``, if shorter), so that this
+        process's store outlives their last read of it; warn naming the ranks still serving."""
+        ranks = range(link.roster.sizes[0], link.roster.size)
+        keys = [f"{self._session}/serving/{r}" for r in ranks]
+        deadline = time.monotonic() + min(CLOSE_WAIT_S, link.timeout_s)
+        while True:
+            serving = [
+                r
+                for r, k in zip(ranks, keys, strict=True)
+                if link.store.check([k]) and link.store.get(k) == b"1"
+            ]
+            if not serving or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if serving:
+            warn_once(
+                f"Distiller.close(): {', '.join(link.describe(r) for r in serving)} still "
+                f"served {min(CLOSE_WAIT_S, link.timeout_s):g} s after the close; their "
+                "TeacherServer will find the link's store gone"
+            )
 
     def __enter__(self) -> Distiller:
         return self

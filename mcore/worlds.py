@@ -21,6 +21,7 @@ server scores the next step once it has sent this one's rows, while the student 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -128,6 +129,18 @@ class TeacherServer:
         teachers' forward-only pass and sends, the step's finish), and in the rollouts
         exchanges of the steps the student submits before it. Returns ``False`` once the
         student's Distiller closed instead."""
+        self._present(True)
+        try:
+            served = self._serve_next(timeout_s)
+        except BaseException:
+            self._present(False)
+            raise
+        if not served:
+            self._present(False)
+        return served
+
+    def _serve_next(self, timeout_s: float | None) -> bool:
+        """:meth:`step`'s work: ``False`` when the student's Distiller closed."""
         while True:
             key, value = self.link.listen(
                 [f"{self._session}/event/{self._events}", f"{self._session}/close"],
@@ -157,6 +170,15 @@ class TeacherServer:
             self.steps += 1
             return True
 
+    def _present(self, serving: bool) -> None:
+        """Tell the student's world whether this rank serves (will read the link's store for
+        the next call): its rank 0 keeps its process, which serves the store, until no teacher
+        rank does (:meth:`Distiller.close`)."""
+        with contextlib.suppress(Exception):  # the store is gone already: nothing waits
+            self.link.store.set(
+                f"{self._session}/serving/{self.link.rank}", "1" if serving else "0"
+            )
+
     def serve(self, *, steps: int | None = None, idle_timeout_s: float | None = None) -> int:
         """Serve steps until the student's Distiller closes (or ``steps`` of them); returns the
         number served. ``idle_timeout_s``: the longest wait for a step (``None``: no limit)."""
@@ -171,6 +193,7 @@ class TeacherServer:
         """Close the server's Distiller (local; then close the pool and the link)."""
         if not self.closed:
             self.closed = True
+            self._present(False)
             self.distiller.close()
 
     def __enter__(self) -> TeacherServer:

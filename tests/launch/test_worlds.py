@@ -142,7 +142,9 @@ def test_a_teacher_rank_killed_scoring_ahead_is_named_in_both_worlds(tmp_path: P
     dead = 'global rank 1 of world "teacher-0"'
     for rep in _student(tmp_path):
         last = rep["steps"][-1]
-        assert last["error"] == "BridgeCommError", last
+        # a transport error, or (where the dead peer's sockets are not seen closing) the wait's
+        # timeout: either way named by the census, the dead rank first
+        assert last["error"] in ("BridgeCommError", "BridgeTimeoutError"), last
         assert dead in last["text"].split("failed first")[0], last
         assert last["elapsed_s"] < 60 + 30
 
