@@ -67,6 +67,7 @@ _MODULE_OF = {
     "matplotlib": "matplotlib",
     "tqdm": "tqdm",
     "liger-kernel": "liger_kernel",
+    "ray": "ray",
 }
 #: the test extra's tools: used by the tests and CI, never imported by the package
 _TOOLS = {"pytest", "pytest-timeout", "hypothesis", "ruff", "mypy", "setuptools"}
