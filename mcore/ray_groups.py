@@ -32,6 +32,7 @@ import contextlib
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ __all__ = ["PendingCall", "WorkerGroup"]
 
 #: How long a group waits for its actors (to start, to answer a call) unless told otherwise.
 DEFAULT_TIMEOUT_S = 300.0
+#: How long after a call finds an actor dead the group ends its other actors (``grace_s``).
+DEFAULT_GRACE_S = 5.0
 #: The variables a group sets on each actor (``env`` may not set them).
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # a world's name, as connect_worlds takes it
@@ -160,6 +163,11 @@ class WorkerGroup:
             ``scheduling_strategy`` with a placement group, ...).
         timeout_s: how long the group waits for its actors: to start, and to answer each
             :meth:`call` (:meth:`PendingCall.get` takes another).
+        grace_s: once a call finds an actor dead, the group ends its other actors this many
+            seconds later, as torchrun ends a job whose rank died: a world cannot go on without
+            a rank, and the other worlds' ranks waiting on it then fail at once (a closed
+            connection) instead of at their timeout. The grace lets the survivors name the dead
+            rank first (the bridge's census takes up to 2 s). ``None``: leave them running.
 
     Raises:
         ValueError: bad input (``size``, ``world``, ``env``, ``num_cpus_per_worker``,
@@ -184,6 +192,7 @@ class WorkerGroup:
         kwargs: Mapping[str, Any] | None = None,
         options: Mapping[str, Any] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        grace_s: float | None = DEFAULT_GRACE_S,
     ) -> None:
         if not isinstance(world, str) or not _NAME.match(world):
             raise ValueError(
@@ -195,6 +204,8 @@ class WorkerGroup:
             raise ValueError(f"num_cpus_per_worker must be >= 0, got {num_cpus_per_worker!r}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if grace_s is not None and (not isinstance(grace_s, (int, float)) or grace_s < 0):
+            raise ValueError(f"grace_s must be >= 0 or None, got {grace_s!r}")
         env = dict(env or {})
         reserved = sorted(set(env) & set(DIST_VARS))
         if reserved:
@@ -210,13 +221,16 @@ class WorkerGroup:
         self.world = world
         self.size = size
         self.timeout_s = float(timeout_s)
+        self.grace_s = grace_s
         self._killed: set[int] = set()
+        self._ending: threading.Timer | None = None
+        self._actors: list[Any] = []
         opts: dict[str, Any] = {"num_cpus": num_cpus_per_worker, **dict(options or {})}
         opts["max_restarts"] = 0  # a dead rank stays dead: its world cannot take it back
         if env:
             opts["runtime_env"] = {"env_vars": env}
         remote: Any = ray.remote(_Worker)
-        self._actors: list[Any] = [remote.options(**opts).remote() for _ in range(size)]
+        self._actors = [remote.options(**opts).remote() for _ in range(size)]
         try:
             where = self._all("node")
             ip = where[0][1]
@@ -281,11 +295,9 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """End every actor (those still running a method too); the group is unusable after."""
-        import ray
-
-        for act in getattr(self, "_actors", []):
-            with contextlib.suppress(Exception):  # already gone, or Ray itself is shut down
-                ray.kill(act, no_restart=True)
+        if self._ending is not None:
+            self._ending.cancel()
+        self._end()
         self._actors = []
 
     def __enter__(self) -> WorkerGroup:
@@ -313,11 +325,25 @@ class WorkerGroup:
                 f"{self.timeout_s:g} s"
             ) from exc
 
+    def _end(self) -> None:
+        import ray
+
+        for act in self._actors:
+            with contextlib.suppress(Exception):  # already gone, or Ray itself is shut down
+                ray.kill(act, no_restart=True)
+
     def _died(self, rank: int, what: str, exc: BaseException) -> BridgeCommError:
         how = "killed by WorkerGroup.kill" if rank in self._killed else "its Ray actor is gone"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        then = ""
+        if self.grace_s is not None and self._actors:
+            if self._ending is None:  # the world cannot go on: end its other actors soon
+                self._ending = threading.Timer(self.grace_s, self._end)
+                self._ending.daemon = True
+                self._ending.start()
+            then = f"; the group ends its other actors {self.grace_s:g} s after the first death"
         err = BridgeCommError(
-            f"{_ranks(self.world, [rank])} failed in {what}: the process died ({how}); "
+            f"{_ranks(self.world, [rank])} failed in {what}: the process died ({how}){then}; "
             f"Ray: {type(exc).__name__}: {first}"
         )
         err.add_note(f"Ray's error for {_ranks(self.world, [rank])}: {exc}")
