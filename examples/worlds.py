@@ -98,10 +98,10 @@ def rollouts(step: int) -> Rollouts:
     )
 
 
-def student_job(address: str, steps_ahead: int) -> None:
+def student_job(address: str, steps_ahead: int) -> list[float]:
     """The student world: connect (it hosts the rendezvous), declare the teacher by its world,
     and train as in one job (``steps_ahead``: submit each step's rollouts that many steps
-    early, so that the teacher's world scores them while the student trains)."""
+    early, so that the teacher's world scores them while the student trains); its losses."""
     link = connect_worlds(address, world="student", worlds=["student", "teacher-0"], timeout_s=300)
     pool = GroupPool(timeout_s=300)
     pg = megatron_process_groups(STUDENT_MESH, pool)
@@ -151,6 +151,7 @@ def student_job(address: str, steps_ahead: int) -> None:
     distiller.close()
     link.close()
     pool.close()
+    return losses
 
 
 def _free_port() -> int:

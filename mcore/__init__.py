@@ -14,7 +14,8 @@ heads read off the models (:func:`lm_head_from_models`); one step's on-policy sa
 teacher world's end of a bridge across worlds (:class:`TeacherServer`). The internals (the teachers'
 forward-only pass, the stock loss function) live in their modules (:mod:`.teacher`,
 :mod:`.loss`). :mod:`mopd.mcore.cpu` makes megatron-core run on CPU ranks (gloo) for the demo and
-the tests; it is not imported here.
+the tests; it is not imported here. Ray worker groups as worlds (:class:`WorkerGroup`) import
+Ray when a group is made: importing this package never needs Ray.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mopd.mcore.groups import (
 from mopd.mcore.lm_head import lm_head_from_models
 from mopd.mcore.logprob import cross_entropy, token_logprobs
 from mopd.mcore.loss import TeacherSignal, megatron_loss_output, teacher_signal
+from mopd.mcore.ray_groups import PendingCall, WorkerGroup  # Ray only when a group is made
 from mopd.mcore.rollouts import Rollouts
 from mopd.mcore.worlds import TeacherServer
 
@@ -44,9 +46,11 @@ __all__ = [
     "Distiller",
     "MeshModel",
     "MicroBatch",
+    "PendingCall",
     "Rollouts",
     "TeacherServer",
     "TeacherSignal",
+    "WorkerGroup",
     "cross_entropy",
     "lm_head_from_models",
     "megatron_loss_output",
