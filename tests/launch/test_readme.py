@@ -156,6 +156,18 @@ def test_training_examples_print_one_line_per_step_from_one_rank() -> None:
             ]
 
 
+def test_ray_worker_groups_learn_as_the_torchrun_worlds() -> None:
+    """examples/ray_worlds.py runs examples/worlds.py's jobs in Ray actors: its steps' losses
+    are the two torchrun jobs' (docs/ray.md says so), to every printed digit."""
+    commands = _commands()
+    assert "python examples/ray_worlds.py" in commands and "python examples/worlds.py" in commands
+
+    def steps(command: str) -> list[str]:
+        return [x for x in _run(command).stdout.splitlines() if re.match(r"^step \d+/\d+: ", x)]
+
+    assert steps("python examples/ray_worlds.py") == steps("python examples/worlds.py") != []
+
+
 def test_training_examples_are_right() -> None:
     """:mod:`tests.support.readme_checks`, one launch of 4 ranks: each check's line on every rank."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
