@@ -11,9 +11,10 @@ TP2 DP2 + SP):
   1e-4), and the teacher world's pass over step ``k + 1`` runs while the student's schedule of
   step ``k`` does (their wall-clock spans overlap), its rows held in between;
 - two teacher worlds, each sample routed to one of them, are exact the same way;
-- a teacher rank SIGKILLed in its forward is named, by its world, on every student rank within
-  the timeout (and the teacher job ends); so is one SIGKILLed while it scores the next step
-  ahead; a student rank SIGKILLed while the teacher scores ahead is a named error on every rank
+- a teacher rank SIGKILLed while it scores the next step ahead is named, by its world, on
+  every student rank within the timeout (and the teacher job ends; one killed in a lockstep
+  step's forward is tests/launch/test_ray.py's case, named by both worlds and the driver); a
+  student rank SIGKILLed while the teacher scores ahead is a named error on every rank
   of the teacher world, naming the student world's ranks it lost (torchrun ends the whole job
   of a rank that died, the link's host with it);
 - bad rollouts on one student rank are the same ``ValueError`` on every rank of both worlds.
@@ -125,15 +126,6 @@ def test_two_teacher_worlds_routed_match_float64(tmp_path: Path) -> None:
         assert rep["loss_err"] < 1e-5
         owners = {k for rows in rep["rows"].values() for k in rows}
         assert owners == {0, 1}  # both teacher worlds delivered rows here
-
-
-def test_a_killed_teacher_rank_is_named_on_every_student_rank(tmp_path: Path) -> None:
-    codes = _run(tmp_path, teachers=1, fault="kill-teacher")
-    assert codes[0] == 0 and codes[1] != 0, _tail(tmp_path)
-    for rep in _student(tmp_path):
-        assert rep["error"] == "BridgeCommError", rep
-        assert 'global rank 1 of world "teacher-0"' in rep["text"].split("failed first")[0], rep
-        assert rep["elapsed_s"] < 60 + 30
 
 
 def test_a_teacher_rank_killed_scoring_ahead_is_named_in_both_worlds(tmp_path: Path) -> None:
