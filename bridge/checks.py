@@ -15,13 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mopd.bridge.catalog import RunCatalog, dense_samples, read_runs
 from mopd.bridge.config import TeacherSpec
+from mopd.bridge.coverage import check_rank
 from mopd.bridge.errors import BridgeStateError
 from mopd.bridge.executor import Executor
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
-from mopd.bridge.plan import RunCatalog, check_rank, dense_samples, read_runs
 from mopd.bridge.topology import Topology
 from mopd.common import ranges
 

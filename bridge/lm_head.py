@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mopd.bridge.catalog import DestGroup, RunCatalog, SourceGroup
 from mopd.bridge.executor import Executor, Slot
 from mopd.bridge.groups import BridgeGroups, all_gather_flat
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import code_dtype, dtype_code
-from mopd.bridge.plan import DestGroup, RunCatalog, SourceGroup, plan_rank
+from mopd.bridge.plan import plan_rank
 from mopd.common import dist as cdist
 from mopd.common import ranges
 

@@ -20,7 +20,7 @@ destination and sends its own runs.
 
 Reading back (:func:`read_step`) costs one strided slice of the leaders' slot tables per
 section for the whole step (rows, sample ranges, digests, token counts of every group and
-micro-batch), then per micro-batch a lazy :class:`~mopd.bridge.plan.RunCatalog`. From the same
+micro-batch), then per micro-batch a lazy :class:`~mopd.bridge.catalog.RunCatalog`. From the same
 tables, :meth:`StepView.plan_keys` hashes what a rank's plan and checks of a micro-batch depend
 on: its own groups and the groups whose sample range meets theirs (ids, rows, ranges, digests).
 Equal keys, equal plans: a rank's schedule cache is keyed on them, so a repeated micro-batch
@@ -39,10 +39,10 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from mopd.bridge.catalog import RunCatalog, StepBatch
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
-from mopd.bridge.plan import RunCatalog, StepBatch
 from mopd.bridge.topology import Topology
 from mopd.common.lazy import LazySequence
 
@@ -149,7 +149,7 @@ def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndar
 
 def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
     """A step's catalogs, each built on first access (a micro-batch a rank has planned before
-    needs none), planned and checked together (one :class:`~mopd.bridge.plan.StepBatch`,
+    needs none), planned and checked together (one :class:`~mopd.bridge.catalog.StepBatch`,
     :attr:`StepView.batch`); the columns they read (``(n_rows, sample_min, sample_max)`` of
     every group here, ``[I, X, 3]``) are copied once, on the first."""
     fields: list[tuple[np.ndarray, np.ndarray]] = []
@@ -197,7 +197,7 @@ class StepView:
             ``source_ids[r]``, or group ``r``).
         dest_DIF: ``[D', n_slots, SLOT_FIELDS]`` those destination group leaders' (the same).
         catalogs: per micro-batch, the planner's lazy catalog (each built on first access).
-        batch: :attr:`catalogs` as one :class:`~mopd.bridge.plan.StepBatch`.
+        batch: :attr:`catalogs` as one :class:`~mopd.bridge.catalog.StepBatch`.
     """
 
     topology: Topology

@@ -412,7 +412,7 @@ class RankSchedule:
         """The schedule of ``plan`` (pure, host tensors only): :meth:`build_many` of one.
 
         ``slice_rows``: rows of this rank's slice in the output buffer (the destination group's
-        equal slice, :attr:`~mopd.bridge.plan.DestGroup.slice_rows`; 0 without a destination).
+        equal slice, :attr:`~mopd.bridge.catalog.DestGroup.slice_rows`; 0 without a destination).
         ``digest``: :func:`plan_digest` of ``plan`` when the caller has it already.
         """
         return RankSchedule.build_many(

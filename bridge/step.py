@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from mopd.bridge.catalog import RunCatalog
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
 from mopd.bridge.executor import Executor, Slot
@@ -23,7 +24,7 @@ from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import check_buffer
 from mopd.bridge.metadata import Section, StepMatrix, code_dtype
 from mopd.bridge.order import StepOrder
-from mopd.bridge.plan import RunCatalog, plan_rank
+from mopd.bridge.plan import plan_rank
 from mopd.bridge.record import StepView
 from mopd.bridge.schedule import RankSchedule
 from mopd.bridge.topology import Topology

@@ -5,10 +5,10 @@ last-stage TP group per ``(dp, cp)`` shard, or each of its ranks alone when it s
 sequence-parallel shard) and which ranks share one crossing (the student's last-stage TP group
 per shard, or each rank alone when it keeps its SP slice). Every rank derives
 the same :class:`Topology` from the meshes alone; per micro-batch, :meth:`Topology.catalog` turns
-the exchanged step metadata into the planner's :class:`~mopd.bridge.plan.RunCatalog` without
+the exchanged step metadata into the planner's :class:`~mopd.bridge.catalog.RunCatalog` without
 decoding more than the groups the caller asks about.
 
-What is per rank and what is per job: the groups and their :class:`~mopd.bridge.plan.GroupIndex`
+What is per rank and what is per job: the groups and their :class:`~mopd.bridge.catalog.GroupIndex`
 (``O(ranks)``) are built once per topology; a catalog costs one vectorized read of the leaders'
 slot tables, and its groups are built one by one when the planner looks at them, so a rank of a
 large job pays for its peers, not for every group.
@@ -25,16 +25,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from mopd.bridge.catalog import DestGroup, GroupIndex, RunCatalog, RunFetch, SourceGroup, StepBatch
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.metadata import StepMatrix
-from mopd.bridge.plan import (
-    DestGroup,
-    GroupIndex,
-    RunCatalog,
-    RunFetch,
-    SourceGroup,
-    StepBatch,
-)
 from mopd.common.lazy import LazySequence
 
 __all__ = ["Topology"]
@@ -73,7 +66,7 @@ class Topology:
         shard_sources: per teacher, whether its sources are single ranks holding their own
             sequence-parallel shard (``True``) or TP groups of replicas (``False``).
 
-    :attr:`index` (the groups' :class:`~mopd.bridge.plan.GroupIndex`) is built on first use and
+    :attr:`index` (the groups' :class:`~mopd.bridge.catalog.GroupIndex`) is built on first use and
     shared by every catalog of the topology.
     """
 
@@ -175,7 +168,7 @@ class Topology:
         return GroupIndex.build(self.sources, self.dests)
 
     def fetcher(self, matrix: StepMatrix) -> RunFetch:
-        """:attr:`~mopd.bridge.plan.RunCatalog.fetch` for ``matrix``'s catalogs: the runs of
+        """:attr:`~mopd.bridge.catalog.RunCatalog.fetch` for ``matrix``'s catalogs: the runs of
         ``(micro-batch, group)`` pairs, each from its group leader's record, in one read."""
         return _fetcher(self, matrix)
 

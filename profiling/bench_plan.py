@@ -69,6 +69,7 @@ import torch
 
 from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.config import BridgeConfig, TeacherSpec
+from mopd.bridge.coverage import check_rank
 from mopd.bridge.executor import Executor
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
@@ -94,7 +95,7 @@ from mopd.bridge.peers import (
     read_replies,
     registrations,
 )
-from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge.plan import plan_rank
 from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
 from mopd.bridge.route import RADIX, bruck_partners
 from mopd.bridge.step import BridgeStep

@@ -7,7 +7,7 @@ given link. All of that follows from the meshes and the batch shape alone, so th
 it on a laptop: no GPU, no process group. It simulates one step as the live bridge sees it:
 every rank's metadata record (:mod:`mopd.bridge.metadata`) for every micro-batch, stacked as the
 all-gather would, then :func:`mopd.bridge.plan.plan_rank` and
-:func:`mopd.bridge.plan.check_rank` on every rank (the functions each rank of a live bridge
+:func:`mopd.bridge.coverage.check_rank` on every rank (the functions each rank of a live bridge
 runs). The job's plan is the union of those rank plans, and every figure is derived from it.
 
 Batch model (one training step of one teacher; sample ids ``0 .. B-1``):
@@ -69,10 +69,11 @@ from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import MESH_EXAMPLE, MeshSpec, OneLineParser, mesh_type, parse_int_list
 
 if TYPE_CHECKING:
+    from mopd.bridge.catalog import RunCatalog
     from mopd.bridge.layout import TokenLayout
     from mopd.bridge.mesh import Mesh
     from mopd.bridge.metadata import StepMatrix
-    from mopd.bridge.plan import RankPlan, RunCatalog
+    from mopd.bridge.plan import RankPlan
     from mopd.bridge.topology import Topology
 
 __all__ = [
@@ -297,13 +298,14 @@ def simulate_step(req: PlanRequest) -> SimulatedStep:
     """Every rank's record, the gathered matrix, every rank's verdicts and plan (no processes).
 
     Raises:
-        ValueError: a verdict of :func:`~mopd.bridge.plan.check_rank` (the bridge would refuse
+        ValueError: a verdict of :func:`~mopd.bridge.coverage.check_rank` (the bridge would refuse
             this step on every rank).
     """
     import torch
 
+    from mopd.bridge.coverage import check_rank
     from mopd.bridge.metadata import StepMatrix, encode_step_record
-    from mopd.bridge.plan import check_rank, plan_rank
+    from mopd.bridge.plan import plan_rank
     from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
     from mopd.bridge.topology import Topology
 

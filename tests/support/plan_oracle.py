@@ -1,7 +1,7 @@
 """The per-token oracle of the transfer planner: every rank's plan and every verdict, globally.
 
 Why this file exists: :func:`mopd.bridge.plan.plan_rank` joins runs of keys, one rank at a time,
-and :func:`mopd.bridge.plan.check_rank` finds bad input by interval arithmetic. Both are checked
+and :func:`mopd.bridge.coverage.check_rank` finds bad input by interval arithmetic. Both are checked
 against this module, which does the same job the obvious way: it expands every run of every
 group into tokens, joins all tokens of the exchange at once by key, and applies the rules of
 :mod:`mopd.bridge.plan` (blocks in destination-row order, ``k`` near-equal chunks rotated by
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mopd.bridge.plan import DestSlot, RankPlan, RunCatalog, Transfer
+from mopd.bridge.catalog import RunCatalog
+from mopd.bridge.plan import DestSlot, RankPlan, Transfer
 
 __all__ = [
     "NormalPlan",
@@ -218,7 +219,7 @@ def _where(label: str, ranks: tuple[int, ...], row: int | None = None) -> str:
 
 
 def oracle_verdicts(catalog: RunCatalog) -> dict[int, list[str]]:
-    """``rank -> verdicts`` (only ranks with one), with :func:`mopd.bridge.plan.check_rank`'s rules.
+    """``rank -> verdicts`` (only ranks with one), with :func:`mopd.bridge.coverage.check_rank`'s rules.
 
     Source group ``g`` (by its first rank): the smallest key it holds twice (its two smallest
     rows, and how many distinct keys it holds more than once); else the first group ``h < g``

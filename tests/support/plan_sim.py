@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from mopd.bridge.catalog import RunCatalog
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import StepMatrix, encode_step_record
-from mopd.bridge.plan import RankPlan, RunCatalog
+from mopd.bridge.plan import RankPlan
 from mopd.bridge.record import StepView, rank_roles, rank_sections, read_step, stack_records
 from mopd.bridge.topology import Topology
 

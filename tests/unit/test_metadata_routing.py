@@ -27,8 +27,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from mopd.bridge.catalog import GroupIndex, RunCatalog
 from mopd.bridge.checks import rank_checks
 from mopd.bridge.config import TeacherSpec
+from mopd.bridge.coverage import check_rank, check_ranks
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import padded_layout
 from mopd.bridge.mesh import Mesh
@@ -40,14 +42,7 @@ from mopd.bridge.metadata import (
     reduced_summary,
 )
 from mopd.bridge.peers import exchange_records
-from mopd.bridge.plan import (
-    GroupIndex,
-    RunCatalog,
-    check_rank,
-    check_ranks,
-    plan_rank,
-    plan_ranks,
-)
+from mopd.bridge.plan import plan_rank, plan_ranks
 from mopd.bridge.record import read_step, stack_records
 from mopd.bridge.route import bruck_partners, route_rows
 from mopd.bridge.topology import Topology

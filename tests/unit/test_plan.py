@@ -22,16 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mopd.bridge import Mesh, TokenLayout
-from mopd.bridge.plan import (
-    DestGroup,
-    RankPlan,
-    RunCatalog,
-    SourceGroup,
-    check_rank,
-    check_ranks,
-    plan_rank,
-    plan_ranks,
-)
+from mopd.bridge.catalog import DestGroup, RunCatalog, SourceGroup
+from mopd.bridge.coverage import check_rank, check_ranks
+from mopd.bridge.plan import RankPlan, plan_rank, plan_ranks
 from mopd.profiling.synthetic import SideFormat, synthetic_step
 from tests.support.plan_oracle import (
     compose,

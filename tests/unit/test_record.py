@@ -19,10 +19,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from mopd.bridge.coverage import check_rank
 from mopd.bridge.layout import TokenLayout, padded_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import StepMatrix, encode_step_record
-from mopd.bridge.plan import check_rank, plan_rank
+from mopd.bridge.plan import plan_rank
 from mopd.bridge.record import StepView, rank_roles, rank_sections, read_step, stack_records
 from mopd.bridge.schedule import plan_digest
 from mopd.bridge.topology import Topology

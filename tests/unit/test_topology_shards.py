@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from mopd.bridge import Mesh, TokenLayout, padded_layout
-from mopd.bridge.plan import RunCatalog, check_rank, plan_rank
+from mopd.bridge.catalog import RunCatalog
+from mopd.bridge.coverage import check_rank
+from mopd.bridge.plan import plan_rank
 from mopd.bridge.record import rank_roles
 from mopd.bridge.topology import Topology
 from tests.support.plan_sim import simulate
