@@ -132,6 +132,7 @@ class HiddenStateBridge:
         config: BridgeConfig | None = None,
         store: dist.Store | None = None,
         link: WorldLink | None = None,
+        _topology: Topology | None = None,
     ) -> None:
         if not teachers:
             raise ValueError("the bridge needs at least one teacher")
@@ -146,7 +147,7 @@ class HiddenStateBridge:
         self.groups = groups
         self.config = config or BridgeConfig()
         self.rank = groups.rank
-        self.topology = Topology.build(
+        self.topology = _topology or Topology.build(
             [t.mesh for t in self.teachers],
             student,
             per_rank_dests=self.config.keep_sp_shard,
@@ -183,7 +184,10 @@ class HiddenStateBridge:
                 store_host=0 if link is not None and store is None else None,
             ),
         )
-        self._tp_group_error = self._check_student_tp_group()
+        # offline (no groups): nothing is all-gathered after the crossing
+        self._tp_group_error = "" if groups.is_offline else self._check_student_tp_group()
+        #: an offline bridge's metadata wire (:meth:`offline`); ``None``: the groups' own
+        self._offline_wire: Callable[[float], Wire] | None = None
         #: what this rank contributes per section (:func:`~mopd.bridge.record.rank_roles`)
         self._roles = rank_roles(
             self.rank,
@@ -215,6 +219,46 @@ class HiddenStateBridge:
         self.steps = 0
         #: :meth:`close` was called
         self.closed = False
+
+    @classmethod
+    def offline(
+        cls,
+        *,
+        teachers: Sequence[TeacherSpec],
+        student: Mesh,
+        rank: int,
+        config: BridgeConfig | None = None,
+        topology: Topology | None = None,
+        wire: Callable[[float], Wire] | None = None,
+    ) -> HiddenStateBridge:
+        """This bridge as global rank ``rank`` of these meshes holds it, without a process
+        group: its record, verdicts, plan keys, plans and schedules are the live bridge's, and
+        nothing moves (:class:`~mopd.bridge.offline.OfflineBridge` runs a step on it; the
+        ``mopd plan`` inspector, ``mopd bench plan`` and the tests use it).
+
+        Args:
+            teachers, student, config: as for the live bridge.
+            rank: the global rank this bridge is (a member of the meshes).
+            topology: the meshes' :class:`~mopd.bridge.topology.Topology` when the caller has
+                built it (it is the same for every rank of a job); else built here.
+            wire: ``deadline -> `` the metadata rounds' and sums' transport (a
+                :class:`~mopd.bridge.peers.Wire`, e.g. a simulation of every member); ``None``:
+                a step that needs one raises.
+        """
+        topo = topology or Topology.build(
+            [t.mesh for t in teachers],
+            student,
+            per_rank_dests=(config or BridgeConfig()).keep_sp_shard,
+            shard_sources=[t.sp_shards for t in teachers],
+        )
+        if rank not in topo.members:
+            raise ValueError(f"global rank {rank} is not in the meshes {list(topo.members)}")
+        groups = BridgeGroups.offline(members=topo.members, rank=rank)
+        bridge = cls(
+            teachers=teachers, student=student, groups=groups, config=config, _topology=topo
+        )
+        bridge._offline_wire = wire
+        return bridge
 
     def close(self) -> None:
         """Free what this bridge holds on its groups: its steps' transport handles and buffers,
@@ -373,10 +417,9 @@ class HiddenStateBridge:
             timeout_s=self.config.timeout_s,
             heads=len(self.teachers),
         )
-        memo = self._memo
-        if memo is not None and reuses_memo(summary, memo.step):
-            return StepMatrix(memo.matrix, summary, memo.members)
-        self._memo = None
+        repeated = self._memo_matrix(summary)
+        if repeated is not None:
+            return repeated
         n_slots = uniform_count(summary)
         route: RecordRoute | None = None
         routes = self.groups.meta_routes is not None or len(self.topology.members) == 1
@@ -406,9 +449,29 @@ class HiddenStateBridge:
         )
         return StepMatrix(matrix, summary, members)
 
+    def forget_plan_memo(self) -> None:
+        """Forget what the last step derived from the job's records (this rank's plan memo):
+        its next step exchanges the records again, and so does every rank's (the step's
+        summary tells them this rank has no memo). Local; the records' digests still let it
+        reuse cached schedules."""
+        self._memo = None
+
+    def _memo_matrix(self, summary: np.ndarray) -> StepMatrix | None:
+        """The plan memo's records as this step's, when the summary says every record
+        repeats the memo's step; else ``None``, and the memo is dropped."""
+        memo = self._memo
+        if memo is not None and reuses_memo(summary, memo.step):
+            return StepMatrix(memo.matrix, summary, memo.members)
+        self._memo = None
+        return None
+
     def _make_wire(self, deadline: float) -> Wire:
         """This rank's end of the metadata group's point-to-point rounds and sums, every wait
-        ending by ``deadline``."""
+        ending by ``deadline`` (an offline bridge's: the one it was given)."""
+        if self.groups.is_offline:
+            if self._offline_wire is None:
+                raise ValueError("this offline bridge was given no metadata wire")
+            return self._offline_wire(deadline)
         return GroupWire(
             self.groups.meta_routes,
             members=self.topology.members,

@@ -366,6 +366,8 @@ class BridgeGroups:
             metadata goes as one flat all-gather over :attr:`metadata_group`.
         meta_routes: a gloo group over ``members`` for the routed metadata's point-to-point
             rounds (``None``: the bridge gathers every record, also on an agreed step).
+        offline_rank: an offline bridge's rank (:meth:`offline`: no group at all); ``None``
+            for a live one.
     """
 
     bridge: dist.ProcessGroup | None
@@ -374,11 +376,26 @@ class BridgeGroups:
     meta: dist.ProcessGroup | None = None
     meta_nodes: NodeGroups | None = None
     meta_routes: dist.ProcessGroup | None = None
+    offline_rank: int | None = None
+
+    @classmethod
+    def offline(cls, *, members: Sequence[int], rank: int) -> BridgeGroups:
+        """No group, for global rank ``rank`` of ``members``: an offline bridge's
+        (:meth:`~mopd.bridge.api.HiddenStateBridge.offline`)."""
+        return cls(bridge=None, student_tp=None, members=tuple(members), offline_rank=rank)
+
+    @property
+    def is_offline(self) -> bool:
+        """Whether these are an offline bridge's (no group at all)."""
+        return self.offline_rank is not None
 
     @property
     def rank(self) -> int:
         """This process's rank in the meshes' rank space: its global rank, or its bridge rank
-        when the bridge spans several worlds (:mod:`mopd.bridge.worlds`)."""
+        when the bridge spans several worlds (:mod:`mopd.bridge.worlds`); an offline bridge's
+        own."""
+        if self.offline_rank is not None:
+            return self.offline_rank
         return cdist.rank_in(self.metadata_group)
 
     @property

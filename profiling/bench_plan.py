@@ -58,7 +58,6 @@ import statistics
 import sys
 import time
 import tracemalloc
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +66,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mopd.bridge.api import HiddenStateBridge
-from mopd.bridge.config import BridgeConfig, TeacherSpec
+from mopd.bridge.config import TeacherSpec
 from mopd.bridge.coverage import check_rank
-from mopd.bridge.executor import Executor
-from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.layout import TokenLayout, packed_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import (
@@ -84,8 +80,8 @@ from mopd.bridge.metadata import (
     record_heads,
     record_tables,
     reduced_summary,
-    reuses_memo,
 )
+from mopd.bridge.offline import OfflineBridge
 from mopd.bridge.peers import (
     PeerView,
     directory_replies,
@@ -252,6 +248,13 @@ def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenL
     return t, s
 
 
+def _teachers_of(teacher: Mesh, sp_shards: bool) -> tuple[TeacherSpec, ...]:
+    """The simulated job's one teacher (bf16, its sources as ``sp_shards`` says)."""
+    return (
+        TeacherSpec(mesh=teacher, hidden_size=_HIDDEN, dtype=torch.bfloat16, sp_shards=sp_shards),
+    )
+
+
 def build_step(
     ranks: int,
     *,
@@ -275,6 +278,14 @@ def build_step(
     per_mb = max(tokens_per_rank // micro_batches, 1)
     micro = tuple(_samples(ranks, per_mb, max_len, seed + i) for i in range(micro_batches))
     t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
+    t1 = time.perf_counter()
+    topo = Topology.build([teacher], student, shard_sources=[sp_shards])
+    _ = topo.index
+    topology_ms = 1e3 * (time.perf_counter() - t1)
+    # the configuration word every record carries: the offline bridge's own
+    sig = OfflineBridge(
+        teachers=_teachers_of(teacher, sp_shards), student=student, rank=0, topology=topo
+    ).config_sig
     records: list[np.ndarray] = []
     sp = _T_TP if sp_shards else 1
     for d in range(teacher.dp):
@@ -305,16 +316,12 @@ def build_step(
                     hiddens=[_HIDDEN],
                 )
                 rec = encode_step_record(
-                    config_sig=1, n_slots=micro_batches, error="", sections=sections
+                    config_sig=sig, n_slots=micro_batches, error="", sections=sections
                 )
                 same[key] = rec.numpy()
             records.append(same[key])
     matrix, sizes = stack_records(records)
     del records
-    t1 = time.perf_counter()
-    topo = Topology.build([teacher], student, shard_sources=[sp_shards])
-    _ = topo.index
-    topology_ms = 1e3 * (time.perf_counter() - t1)
     return Step(
         ranks=ranks,
         sp_shards=sp_shards,
@@ -600,37 +607,11 @@ def simulate_exchange(job: _Job, member: int, *, radix: int = RADIX) -> Exchange
 # --- one rank's step, as the live bridge runs it ------------------------------------------------
 
 
-def offline_bridge(step: Step, rank: int, sim: ExchangeSim | None = None) -> HiddenStateBridge:
-    """A :class:`~mopd.bridge.api.HiddenStateBridge` of ``step``'s meshes as global rank
-    ``rank`` holds it, without process groups (this benchmark has none): the attributes its
-    constructor derives from the groups are set here, so that its per-step methods
-    (``_local_record``, ``_agree_and_plan``, :class:`~mopd.bridge.step.BridgeStep`) run as
-    they do in a job, minus the collectives: its wire (``_make_wire``) is ``sim``'s
-    (:func:`simulate_exchange`), or one that answers the verdict's sum with the job's."""
-    b = HiddenStateBridge.__new__(HiddenStateBridge)
-    b.teachers = (
-        TeacherSpec(
-            mesh=step.teacher,
-            hidden_size=_HIDDEN,
-            dtype=torch.bfloat16,
-            sp_shards=step.sp_shards,
-        ),
-    )
-    b.student = step.student
-    b.topology = step.topology
-    b.groups = BridgeGroups(bridge=None, student_tp=None, members=step.topology.members)
-    b.config = BridgeConfig()
-    b.rank = rank
-    b.device = torch.device("cpu")
-    b._executor = Executor(rank=rank, timeout_s=b.config.timeout_s)
-    b._tp_group_error = ""
-    b._roles = rank_roles(rank, [step.teacher], step.student, shard_sources=[step.sp_shards])
-    b.config_sig = 1
-    b._open_steps = []
-    b._memo = None
-    b._live_steps = weakref.WeakSet()
-    b.steps = 0
-    b.closed = False
+def offline_bridge(step: Step, rank: int, sim: ExchangeSim | None = None) -> OfflineBridge:
+    """``step``'s bridge as global rank ``rank`` holds it, without process groups
+    (:class:`~mopd.bridge.offline.OfflineBridge`: the live bridge's per-step code, minus the
+    collectives); its wire is ``sim``'s (:func:`simulate_exchange`), or one that answers the
+    verdict's sum with the job's."""
     n = len(step.topology.members)
     if sim is None:
         full = read_step(step.topology, StepMatrix(step.matrix_NW), len(step.micro))
@@ -640,8 +621,13 @@ def offline_bridge(step: Step, rank: int, sim: ExchangeSim | None = None) -> Hid
             held=np.arange(n),
             tokens_I=full.tokens_I(),
         )
-    b._make_wire = lambda deadline, sim=sim: sim.wire(n)  # type: ignore[method-assign]
-    return b
+    return OfflineBridge(
+        teachers=_teachers_of(step.teacher, step.sp_shards),
+        student=step.student,
+        rank=rank,
+        topology=step.topology,
+        wire=lambda deadline, sim=sim: sim.wire(n),
+    )
 
 
 def _tokens(bs: BridgeStep) -> int:
@@ -659,9 +645,7 @@ def _summary(step: Step, memo_step: int, unchanged: int) -> np.ndarray:
     return np.concatenate([reduced_summary(header_NH), heads])
 
 
-def _step_parts(
-    step: Step, bridge: HiddenStateBridge, sim: ExchangeSim, how: str
-) -> dict[str, float]:
+def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -> dict[str, float]:
     """One step of ``bridge``'s rank; seconds per part. ``how``: ``"repeat"`` (every record
     the memo step's: nothing exchanged, the memo's records serve), ``"routed"`` (a changed
     step: the routed exchange, :func:`~mopd.bridge.peers.exchange_records` on ``sim``'s
@@ -671,44 +655,41 @@ def _step_parts(
     tl = time.perf_counter()
     t_lay, s_lay = _rank_layouts(step, rank)
     t0 = time.perf_counter()
-    record_, sections, agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
+    local = bridge.record({0: t_lay}, s_lay)
     t1 = time.perf_counter()
-    memo = bridge._memo
+    memo_step = bridge.memo_step
     n = len(step.topology.members)
-    summary = _summary(step, -1, 0) if memo is None else _summary(step, memo.step, 1)
+    summary = _summary(step, -1, 0) if memo_step is None else _summary(step, memo_step, 1)
     t1x = time.perf_counter()  # the summary's all-reduce (not timed)
     if how == "repeat":
-        if memo is None or not reuses_memo(summary, memo.step):
+        matrix = bridge.memo_matrix(summary)
+        if matrix is None:
             raise AssertionError(f"rank {rank}: a repeated step without a memo that serves")
-        matrix = StepMatrix(memo.matrix, summary, memo.members)
     else:
-        bridge._memo = None  # as the bridge drops a memo that cannot serve
+        bridge.forget_memo()  # as the bridge drops a memo that cannot serve
         if how == "gathered":
             m = step.matrix_NW.copy()  # the all-gather's result (not timed)
-            if memo is not None:
-                m[:, MEMO_STEP], m[:, UNCHANGED] = memo.step, 1
+            if memo_step is not None:
+                m[:, MEMO_STEP], m[:, UNCHANGED] = memo_step, 1
             t1x = time.perf_counter()
             matrix = StepMatrix(m, summary)
         else:
             rows, members = exchange_records(
-                record_,
+                local.record,
                 sim.wire(n),
                 topology=step.topology,
                 rank=rank,
                 n_slots=len(step.micro),
-                agreements=agreements,
+                agreements=local.agreements,
             )
             matrix = StepMatrix(rows, summary, members)
     t2 = time.perf_counter()
-    bs = bridge._agree_and_plan(matrix, sections, agreements)
+    bs = bridge.plan(matrix, local)
     t3 = time.perf_counter()
     _tokens(bs)
     t4 = time.perf_counter()
-    bs.finished = True  # nothing moves here; the next step may be planned
-    bridge._open_steps.clear()
-    bridge.steps = 0
     mine = matrix.row(step.topology.member_index(rank))
-    if not np.array_equal(record_tables(record_), record_tables(mine)):
+    if not np.array_equal(record_tables(local.record), record_tables(mine)):
         raise AssertionError(f"rank {rank}: its record is not its row of the exchanged records")
     if how == "routed" and not np.array_equal(matrix.members, sim.held):
         raise AssertionError(f"rank {rank}: routed records of {matrix.members.size} members")
@@ -733,29 +714,30 @@ def _check_plans(step: Step, rank: int, sim: ExchangeSim) -> int:
 
 
 def _step_plans(
-    step: Step, bridge: HiddenStateBridge, sim: ExchangeSim, how: str
+    step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str
 ) -> tuple[list[str], int]:
     wire = sim.wire(len(step.topology.members))
-    bridge._make_wire = lambda deadline: wire  # type: ignore[method-assign]
+    bridge.use_wire(lambda deadline: wire)
+    t_lay, s_lay = _rank_layouts(step, bridge.rank)
+    local = bridge.record({0: t_lay}, s_lay)
     if how == "routed":
-        t_lay, s_lay = _rank_layouts(step, bridge.rank)
-        record_, sections, agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
         rows, members = exchange_records(
-            record_,
+            local.record,
             wire,
             topology=step.topology,
             rank=bridge.rank,
             n_slots=len(step.micro),
-            agreements=agreements,
+            agreements=local.agreements,
         )
         matrix = StepMatrix(rows, _summary(step, -1, 0), members)
     else:
-        t_lay, s_lay = _rank_layouts(step, bridge.rank)
-        _, sections, agreements = bridge._local_record({0: t_lay}, s_lay, None, None, [])
         matrix = StepMatrix(step.matrix_NW.copy(), _summary(step, -1, 0))
     received = wire.received_words
-    bs = bridge._agree_and_plan(matrix, sections, agreements)
-    digests = [s.schedule.digest if s.schedule else "" for s in bs._slots]
+    bs = bridge.plan(matrix, local)
+    digests = []
+    for i in range(bs.num_micro_batches):
+        sched = bs.schedule(i)
+        digests.append(sched.digest if sched else "")
     return digests, received
 
 

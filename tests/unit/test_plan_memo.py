@@ -21,8 +21,10 @@ from mopd.bridge.metadata import (
     reduced_summary,
     reuses_memo,
 )
+from mopd.bridge.offline import OfflineBridge
 from mopd.bridge.peers import exchange_records
 from mopd.bridge.record import read_step
+from mopd.bridge.step import BridgeStep
 from mopd.profiling import bench_plan
 
 
@@ -33,14 +35,9 @@ def step(request: pytest.FixtureRequest) -> bench_plan.Step:
     )
 
 
-def _plan(step: bench_plan.Step, bridge, matrix: StepMatrix):  # type: ignore[no-untyped-def]
+def _plan(step: bench_plan.Step, bridge: OfflineBridge, matrix: StepMatrix) -> BridgeStep:
     t_lay, s_lay = bench_plan._rank_layouts(step, bridge.rank)
-    _, sections, _ = bridge._local_record({0: t_lay}, s_lay, None, None, [])
-    bs = bridge._agree_and_plan(matrix, sections)
-    bs.finished = True
-    bridge._open_steps.clear()
-    bridge.steps = 0
-    return bs
+    return bridge.plan(matrix, bridge.record({0: t_lay}, s_lay))
 
 
 def _summary(step: bench_plan.Step, memo_NH: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -82,7 +79,7 @@ def test_a_repeated_step_reuses_the_memo_and_equals_a_fresh_reading(
     bridge = bench_plan.offline_bridge(step, rank)
     first = _plan(step, bridge, _exchanged(step, rank, _summary(step, (_every(step, -1), 0))))
     assert "source_GIF" in first._view.__dict__  # no memo yet: the tables were read
-    memo = bridge._memo
+    memo = bridge.bridge._memo
     assert memo is not None and memo.step == 0 and memo.members is not None
     summary = _summary(step, (_every(step, 0), 1))  # every record: memo step 0, unchanged
     assert reuses_memo(summary, 0)
@@ -90,8 +87,8 @@ def test_a_repeated_step_reuses_the_memo_and_equals_a_fresh_reading(
     again = _plan(step, bridge, matrix)
     view = again._view
     assert "source_GIF" not in view.__dict__ and "dest_DIF" not in view.__dict__
-    extra = bridge._key_extra(matrix)
-    assert list(bridge._memo.keys) == _fresh_keys(step, rank, matrix, extra)
+    extra = bridge.bridge._key_extra(matrix)
+    assert list(bridge.bridge._memo.keys) == _fresh_keys(step, rank, matrix, extra)
     want = read_step(step.topology, StepMatrix(step.matrix_NW), 3).tokens_I()
     assert again.global_tokens() == int(want.sum())
     assert [again.global_tokens(i) for i in range(3)] == want.tolist()
@@ -119,7 +116,9 @@ def test_a_step_that_differs_anywhere_reads_the_tables_again(
     assert matrix.uniform_slots() == 3 and not matrix.unchanged_since(0)
     again = _plan(step, bridge, matrix)
     assert "source_GIF" in again._view.__dict__
-    assert list(bridge._memo.keys) == _fresh_keys(step, rank, matrix, bridge._key_extra(matrix))
+    assert list(bridge.bridge._memo.keys) == _fresh_keys(
+        step, rank, matrix, bridge.bridge._key_extra(matrix)
+    )
 
 
 def test_the_record_says_unchanged_only_for_equal_tables(step: bench_plan.Step) -> None:
