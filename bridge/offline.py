@@ -2,15 +2,16 @@
 
 Why this file exists: the ``mopd plan`` inspector, ``mopd bench plan`` and the tests run a
 step's host work as one rank of a live job runs it (the record it contributes, the fence, the
-shared verdict, the plan keys, the plans and schedules) with no process group, from records the
-caller stacks or routes itself. They do it through this one door, on a bridge made by
-:meth:`~mopd.bridge.api.HiddenStateBridge.offline`, so that what they run is the live bridge's
+shared verdict, the plan keys, the plans and schedules) with no process group. They build every
+member's record by the bridge's rule in one place (:func:`step_records`), and step one rank
+through one door (:class:`OfflineBridge`, on a bridge made by
+:meth:`~mopd.bridge.api.HiddenStateBridge.offline`), so that what they run is the live bridge's
 own code and never a copy of its fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,12 +22,13 @@ from mopd.bridge.executor import Executor
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import Section, StepMatrix
+from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
+from mopd.bridge.record import rank_roles, rank_sections
 from mopd.bridge.route import Wire
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.topology import Topology
 
-__all__ = ["LocalRecord", "OfflineBridge"]
+__all__ = ["LocalRecord", "OfflineBridge", "holder_key", "step_records"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -141,3 +143,89 @@ class OfflineBridge:
         bridge._open_steps.clear()
         bridge.steps = 0
         return step
+
+
+#: Where a rank's layouts are looked up (:func:`holder_key`): its global rank, or its
+#: ``(dp_rank, cp_rank)`` shard.
+HolderKey = Hashable
+
+
+def holder_key(mesh: Mesh, global_rank: int, *, per_rank: bool) -> HolderKey:
+    """The key of ``global_rank``'s layouts on ``mesh``: the rank itself where each rank holds
+    its own rows (``per_rank``: a teacher's SP-shard sources, a student that keeps its SP
+    shard), else its ``(dp_rank, cp_rank)`` shard, whose TP replicas hold the same rows."""
+    if per_rank:
+        return global_rank
+    c = mesh.coord(global_rank)
+    assert c is not None, (global_rank, mesh)
+    return (c.dp_rank, c.cp_rank)
+
+
+def step_records(
+    teachers: Sequence[TeacherSpec],
+    student: Mesh,
+    *,
+    n_slots: int,
+    teacher_layouts: Sequence[Callable[[HolderKey], Sequence[TokenLayout]]],
+    student_layouts: Callable[[HolderKey], Sequence[TokenLayout]],
+    config: BridgeConfig | None = None,
+    topology: Topology | None = None,
+    agreements: Mapping[int, Sequence[Agreement]] | None = None,
+) -> tuple[Topology, list[torch.Tensor]]:
+    """Every member's record of a step of ``n_slots`` micro-batches, as the bridge's ranks
+    would contribute them (their roles, sections and configuration word), in member order.
+
+    Args:
+        teacher_layouts: per teacher, ``holder key -> `` one layout per micro-batch (the rows
+            that shard or rank sends; :func:`holder_key`, per rank for ``sp_shards``).
+        student_layouts: ``holder key -> `` one layout per micro-batch of the rows it receives
+            (per rank with ``config.keep_sp_shard``).
+        topology: the meshes' topology when the caller has it; else built here.
+        agreements: global rank -> the agreements it gives.
+
+    Ranks with the same holder keys and roles (TP replicas) share one encoding; the layouts
+    are looked up in member order, once per distinct key (a caller may build them lazily).
+    """
+    cfg = config or BridgeConfig()
+    meshes = [t.mesh for t in teachers]
+    shards = [t.sp_shards for t in teachers]
+    topo = topology or Topology.build(
+        meshes, student, per_rank_dests=cfg.keep_sp_shard, shard_sources=shards
+    )
+    sig = HiddenStateBridge.offline(
+        teachers=teachers, student=student, rank=topo.members[0], config=cfg, topology=topo
+    ).config_sig  # the configuration word of every record: the bridge's own
+    dtypes = [t.dtype for t in teachers]
+    hiddens = [t.hidden_size for t in teachers]
+    given = agreements or {}
+    shared: dict[Hashable, torch.Tensor] = {}
+    records: list[torch.Tensor] = []
+    for r in topo.members:
+        roles = rank_roles(
+            r, meshes, student, keep_sp_shard=cfg.keep_sp_shard, shard_sources=shards
+        )
+        t_keys = tuple(
+            None if roles[o] is None else holder_key(m, r, per_rank=shards[o])
+            for o, m in enumerate(meshes)
+        )
+        s_key = None if roles[-1] is None else holder_key(student, r, per_rank=cfg.keep_sp_shard)
+        key = (t_keys, s_key, roles)
+        mine = given.get(r, ())
+        rec = shared.get(key) if not mine else None
+        if rec is None:
+            sections = rank_sections(
+                roles,
+                teacher_layouts={
+                    o: teacher_layouts[o](k) for o, k in enumerate(t_keys) if k is not None
+                },
+                student_layouts=None if s_key is None else student_layouts(s_key),
+                dtypes=dtypes,
+                hiddens=hiddens,
+            )
+            rec = encode_step_record(
+                config_sig=sig, n_slots=n_slots, error="", sections=sections, agreements=mine
+            )
+            if not mine:
+                shared[key] = rec
+        records.append(rec)
+    return topo, records

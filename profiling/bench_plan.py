@@ -49,6 +49,7 @@ Records ``plan-step-<machine>-<date>.{csv,md}`` and a log-log figure
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -76,12 +77,11 @@ from mopd.bridge.metadata import (
     SIZE,
     UNCHANGED,
     StepMatrix,
-    encode_step_record,
     record_heads,
     record_tables,
     reduced_summary,
 )
-from mopd.bridge.offline import OfflineBridge
+from mopd.bridge.offline import OfflineBridge, step_records
 from mopd.bridge.peers import (
     PeerView,
     directory_replies,
@@ -92,7 +92,7 @@ from mopd.bridge.peers import (
     registrations,
 )
 from mopd.bridge.plan import plan_rank
-from mopd.bridge.record import rank_roles, rank_sections, read_step, stack_records
+from mopd.bridge.record import read_step, stack_records
 from mopd.bridge.route import RADIX, bruck_partners
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.topology import Topology
@@ -264,14 +264,13 @@ def build_step(
     micro_batches: int = 1,
     sp_shards: bool = False,
 ) -> Step:
-    """Every rank's record (by the bridge's rule: :func:`~mopd.bridge.record.rank_roles`,
-    :func:`~mopd.bridge.record.rank_sections`, :func:`~mopd.bridge.metadata.encode_step_record`)
+    """Every rank's record (by the bridge's rule: :func:`~mopd.bridge.offline.step_records`)
     and the stacked matrix; ``tokens_per_rank`` over the whole step, split evenly into the
     micro-batches (each its own draw of samples); ``sp_shards``: the teacher's sources are its
     SP shards (each teacher rank sends its own slice of the CP-local sequence).
 
-    Built one DP index (16 ranks) at a time; ranks whose records are identical (same shards,
-    same roles) share one encoding.
+    Layouts are built one DP index (16 ranks) at a time, as the ranks ask; TP replicas share
+    one encoding.
     """
     t0 = time.perf_counter()
     teacher, student = _meshes(ranks)
@@ -282,44 +281,32 @@ def build_step(
     topo = Topology.build([teacher], student, shard_sources=[sp_shards])
     _ = topo.index
     topology_ms = 1e3 * (time.perf_counter() - t1)
-    # the configuration word every record carries: the offline bridge's own
-    sig = OfflineBridge(
-        teachers=_teachers_of(teacher, sp_shards), student=student, rank=0, topology=topo
-    ).config_sig
-    records: list[np.ndarray] = []
     sp = _T_TP if sp_shards else 1
-    for d in range(teacher.dp):
-        t_lay = [
-            [
-                [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult, sp, k) for m in micro]
-                for k in range(sp)
-            ]
-            for c in range(_T_CP)
-        ]
-        s_lay = [
-            [_layout(m.student_parts[d], m.lengths_S, _S_CP, c, s_mult) for m in micro]
-            for c in range(_S_CP)
-        ]
-        same: dict[tuple[Any, ...], np.ndarray] = {}
-        for r in range(d * _BLOCK, (d + 1) * _BLOCK):
-            tc, sc = teacher.coord(r), student.coord(r)
-            assert tc is not None and sc is not None
-            roles = rank_roles(r, [teacher], student, shard_sources=[sp_shards])
-            k = tc.tp_rank if sp_shards else 0
-            key = (tc.cp_rank, k, sc.cp_rank, roles)
-            if key not in same:
-                sections = rank_sections(
-                    roles,
-                    teacher_layouts={0: t_lay[tc.cp_rank][k]},
-                    student_layouts=s_lay[sc.cp_rank],
-                    dtypes=[torch.bfloat16],
-                    hiddens=[_HIDDEN],
-                )
-                rec = encode_step_record(
-                    config_sig=sig, n_slots=micro_batches, error="", sections=sections
-                )
-                same[key] = rec.numpy()
-            records.append(same[key])
+
+    # a DP index's layouts, built when its first rank asks (ranks come in order; kept a while)
+    @functools.lru_cache(maxsize=4 * _BLOCK)
+    def teacher_shard(d: int, c: int, k: int) -> list[TokenLayout]:
+        return [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult, sp, k) for m in micro]
+
+    @functools.lru_cache(maxsize=4 * _BLOCK)
+    def student_shard(d: int, c: int) -> list[TokenLayout]:
+        return [_layout(m.student_parts[d], m.lengths_S, _S_CP, c, s_mult) for m in micro]
+
+    def teacher_layouts(key: Any) -> list[TokenLayout]:
+        if not sp_shards:
+            return teacher_shard(*key, 0)
+        tc = teacher.coord(key)  # each rank its own SP shard
+        assert tc is not None
+        return teacher_shard(tc.dp_rank, tc.cp_rank, tc.tp_rank)
+
+    _, records = step_records(
+        _teachers_of(teacher, sp_shards),
+        student,
+        n_slots=micro_batches,
+        teacher_layouts=[teacher_layouts],
+        student_layouts=lambda key: student_shard(*key),
+        topology=topo,
+    )
     matrix, sizes = stack_records(records)
     del records
     return Step(

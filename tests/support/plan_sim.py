@@ -3,7 +3,7 @@
 Why this file exists: the planner's property tests and the planning benchmark need every rank's
 metadata record and the gathered matrix of a step, built exactly as the live bridge builds them,
 but in one process. :func:`simulate` encodes each rank's record by the bridge's own rule
-(:mod:`mopd.bridge.record`), stacks them as the all-gather would, and :func:`deliver` moves key-pattern rows through every
+(:func:`mopd.bridge.offline.step_records`), stacks them as the all-gather would, and :func:`deliver` moves key-pattern rows through every
 rank's :class:`~mopd.bridge.plan.RankPlan` (a mailbox instead of a transport), so a test can
 compare each destination row with the row its key names (:func:`key_sources`,
 :func:`expected_slice`). :func:`contiguous_step` builds steps whose DP ranks hold contiguous
@@ -12,7 +12,7 @@ ranges of sample ids, as real jobs do, so that the sample ranges single out a gr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +20,14 @@ import numpy as np
 import torch
 
 from mopd.bridge.catalog import RunCatalog
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
 from mopd.bridge.mesh import Mesh
-from mopd.bridge.metadata import StepMatrix, encode_step_record
+from mopd.bridge.metadata import StepMatrix
+from mopd.bridge.offline import step_records as offline_records
 from mopd.bridge.plan import RankPlan
-from mopd.bridge.record import StepView, rank_roles, rank_sections, read_step, stack_records
+from mopd.bridge.record import StepView, read_step, stack_records
 from mopd.bridge.topology import Topology
 
 __all__ = [
@@ -103,48 +105,30 @@ def step_records(
     agreements: Mapping[int, Sequence[Agreement]] | None = None,
 ) -> tuple[Topology, list[torch.Tensor]]:
     """The topology and every member's record (member order) of a step of
-    ``len(micro_batches)`` micro-batches, built by the bridge's rule; ``agreements``: global
-    rank -> the agreements it gives."""
-    topo = Topology.build(
-        teachers, student, per_rank_dests=per_rank_dests, shard_sources=shard_sources
+    ``len(micro_batches)`` micro-batches, built by the bridge's rule
+    (:func:`mopd.bridge.offline.step_records`; bf16 teachers of hidden size 8);
+    ``agreements``: global rank -> the agreements it gives."""
+    shards = [False] * len(teachers) if shard_sources is None else list(shard_sources)
+    specs = [
+        TeacherSpec(mesh=m, hidden_size=8, dtype=torch.bfloat16, sp_shards=s)
+        for m, s in zip(teachers, shards, strict=True)
+    ]
+
+    def teacher_of(o: int) -> Callable[[Any], list[TokenLayout]]:
+        return lambda key: [mb[0][o][key] for mb in micro_batches]
+
+    def student_of(key: Any) -> list[TokenLayout]:
+        return [(mb[2] or {})[key] if per_rank_dests else mb[1][key] for mb in micro_batches]
+
+    return offline_records(
+        specs,
+        student,
+        n_slots=len(micro_batches),
+        teacher_layouts=[teacher_of(o) for o in range(len(teachers))],
+        student_layouts=student_of,
+        config=BridgeConfig(keep_sp_shard=per_rank_dests),
+        agreements=agreements,
     )
-    records = []
-    for r in topo.members:
-        roles = rank_roles(
-            r, teachers, student, keep_sp_shard=per_rank_dests, shard_sources=shard_sources
-        )
-        t_lays: dict[int, list[TokenLayout]] = {}
-        for o, mesh in enumerate(teachers):
-            c = mesh.coord(r)
-            if roles[o] is not None and c is not None:
-                t_lays[o] = [
-                    held[r] if r in held else held[(c.dp_rank, c.cp_rank)]
-                    for held in (mb[0][o] for mb in micro_batches)
-                ]
-        s_lays = None
-        c = student.coord(r)
-        if roles[-1] is not None and c is not None:
-            if per_rank_dests:
-                s_lays = [(mb[2] or {})[r] for mb in micro_batches]
-            else:
-                s_lays = [mb[1][(c.dp_rank, c.cp_rank)] for mb in micro_batches]
-        sections = rank_sections(
-            roles,
-            teacher_layouts=t_lays,
-            student_layouts=s_lays,
-            dtypes=[torch.bfloat16] * len(teachers),
-            hiddens=[8] * len(teachers),
-        )
-        records.append(
-            encode_step_record(
-                config_sig=1,
-                n_slots=len(micro_batches),
-                error="",
-                sections=sections,
-                agreements=(agreements or {}).get(r, ()),
-            )
-        )
-    return topo, records
 
 
 def expand_segments(segments_S5: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
