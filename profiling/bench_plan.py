@@ -49,7 +49,6 @@ Records ``plan-step-<machine>-<date>.{csv,md}`` and a log-log figure
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -59,7 +58,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,10 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mopd.bridge.config import TeacherSpec
 from mopd.bridge.coverage import check_rank
-from mopd.bridge.layout import TokenLayout, packed_layout
-from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import (
     HEADER,
     MEMO_STEP,
@@ -81,21 +77,23 @@ from mopd.bridge.metadata import (
     record_tables,
     reduced_summary,
 )
-from mopd.bridge.offline import OfflineBridge, step_records
+from mopd.bridge.offline import OfflineBridge
 from mopd.bridge.peers import (
-    PeerView,
-    directory_replies,
     exchange_records,
-    forward_bundles,
-    forward_pairs,
-    read_replies,
-    registrations,
 )
 from mopd.bridge.plan import plan_rank
-from mopd.bridge.record import read_step, stack_records
-from mopd.bridge.route import RADIX, bruck_partners
+from mopd.bridge.route import RADIX
 from mopd.bridge.step import BridgeStep
-from mopd.bridge.topology import Topology
+from mopd.profiling.bench_plan_job import (
+    ExchangeSim,
+    Step,
+    build_step,
+    exchange_job,
+    offline_bridge,
+    rank_layouts,
+    representative_ranks,
+    simulate_exchange,
+)
 from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser, prog_for
 from mopd.profiling.results import environment, format_table, record
@@ -106,19 +104,13 @@ __all__ = [
     "PREVIOUS",
     "SOURCES",
     "AllGatherModel",
-    "ExchangeSim",
-    "SimWire",
-    "Step",
-    "build_step",
     "main",
     "measure_local",
     "measure_step",
     "model_allgather",
-    "offline_bridge",
     "recorded_global",
     "recorded_previous",
     "routed_exchange",
-    "simulate_exchange",
 ]
 
 #: The retired global planner's recorded run (``global_plan_ms``, ``global_rss_growth_mib`` per
@@ -135,194 +127,10 @@ _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_b
 SOURCES: tuple[str, ...] = ("replicas", "sp_shards")
 #: Rank counts measured by default.
 DEFAULT_RANKS: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
-_T_TP, _T_CP, _S_TP, _S_CP = 8, 2, 4, 4
-_BLOCK = _T_TP * _T_CP  # ranks per DP index (the same for both meshes)
-_HIDDEN = 8192
 #: Ring all-gather model: latency per ring step (inter-node NCCL hop) and bandwidth per rank.
 ALPHA_S, BETA_BPS = 10e-6, 20e9
 #: Inside a node (the two-level model): ranks per node, NVLink latency and bandwidth.
 NODE, ALPHA_NVL_S, BETA_NVL_BPS = 8, 2e-6, 200e9
-
-
-def _meshes(ranks: int) -> tuple[Mesh, Mesh]:
-    if ranks % _BLOCK:
-        raise ValueError(f"ranks must be a multiple of {_BLOCK}, got {ranks}")
-    dp = ranks // _BLOCK
-    return (
-        Mesh(tp=_T_TP, cp=_T_CP, dp=dp, name="teacher"),
-        Mesh(tp=_S_TP, cp=_S_CP, dp=dp, name="student"),
-    )
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Samples:
-    """One micro-batch's samples and how each side assigns them to its DP ranks (contiguous
-    ids)."""
-
-    lengths_S: np.ndarray
-    teacher_parts: list[np.ndarray]
-    student_parts: list[np.ndarray]
-
-
-def _samples(ranks: int, tokens_per_rank: int, max_len: int, seed: int) -> _Samples:
-    rng = np.random.default_rng(seed)
-    total = tokens_per_rank * ranks
-    lengths = rng.integers(1, max_len + 1, size=int(2.4 * total / (max_len + 1)) + 64)
-    n = int(np.searchsorted(np.cumsum(lengths), total)) + 1
-    if n > lengths.size:
-        raise AssertionError("drew too few samples")
-    lengths = lengths[:n]
-    dp = ranks // _BLOCK
-    ids = np.arange(n, dtype=np.int64)
-    teacher = np.array_split(ids, dp)  # the same number of samples per DP rank
-    cuts = np.searchsorted(np.cumsum(lengths), np.arange(1, dp) * (lengths.sum() / dp))
-    student = np.split(ids, cuts)  # about the same number of tokens per DP rank
-    return _Samples(lengths_S=lengths, teacher_parts=teacher, student_parts=student)
-
-
-def _layout(
-    ids: np.ndarray,
-    lengths_S: np.ndarray,
-    cp: int,
-    cp_rank: int,
-    mult: int,
-    sp: int = 1,
-    sp_rank: int = 0,
-) -> TokenLayout:
-    lens = lengths_S[ids]
-    padded = (lens + mult - 1) // mult * mult
-    cu = np.concatenate([[0], np.cumsum(padded)])
-    return packed_layout(
-        torch.from_numpy(ids),
-        torch.from_numpy(lens),
-        cu_seqlens_padded=torch.from_numpy(cu),
-        cp_size=cp,
-        cp_rank=cp_rank,
-        sp_size=sp,
-        sp_rank=sp_rank,
-    )
-
-
-def _mult(tp: int, cp: int) -> int:
-    """Megatron's THD padding under CP with SP: each sequence to a multiple of ``2 * cp * tp``."""
-    return 2 * cp * tp
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class Step:
-    """One simulated step: meshes, topology, the gathered matrix and what it cost to build.
-
-    ``micro``: per micro-batch the samples (what a rank builds its layouts from);
-    ``sp_shards``: the teacher sends from its sequence-parallel shards (every teacher rank its
-    own source, ``TeacherSpec(sp_shards=True)``) instead of from TP replicas."""
-
-    ranks: int
-    sp_shards: bool
-    tokens: int
-    samples: int
-    teacher: Mesh
-    student: Mesh
-    topology: Topology
-    matrix_NW: np.ndarray
-    sizes_N: np.ndarray
-    micro: tuple[_Samples, ...]
-    setup_s: float
-    topology_ms: float
-
-
-def _rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenLayout]]:
-    """``rank``'s teacher and student layouts, one per micro-batch (built as a rank builds
-    them each step)."""
-    tc, sc = step.teacher.coord(rank), step.student.coord(rank)
-    assert tc is not None and sc is not None
-    t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
-    sp = (_T_TP, tc.tp_rank) if step.sp_shards else (1, 0)
-    t = [
-        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, _T_CP, tc.cp_rank, t_mult, *sp)
-        for m in step.micro
-    ]
-    s = [
-        _layout(m.student_parts[sc.dp_rank], m.lengths_S, _S_CP, sc.cp_rank, s_mult)
-        for m in step.micro
-    ]
-    return t, s
-
-
-def _teachers_of(teacher: Mesh, sp_shards: bool) -> tuple[TeacherSpec, ...]:
-    """The simulated job's one teacher (bf16, its sources as ``sp_shards`` says)."""
-    return (
-        TeacherSpec(mesh=teacher, hidden_size=_HIDDEN, dtype=torch.bfloat16, sp_shards=sp_shards),
-    )
-
-
-def build_step(
-    ranks: int,
-    *,
-    tokens_per_rank: int,
-    max_len: int,
-    seed: int = 0,
-    micro_batches: int = 1,
-    sp_shards: bool = False,
-) -> Step:
-    """Every rank's record (by the bridge's rule: :func:`~mopd.bridge.offline.step_records`)
-    and the stacked matrix; ``tokens_per_rank`` over the whole step, split evenly into the
-    micro-batches (each its own draw of samples); ``sp_shards``: the teacher's sources are its
-    SP shards (each teacher rank sends its own slice of the CP-local sequence).
-
-    Layouts are built one DP index (16 ranks) at a time, as the ranks ask; TP replicas share
-    one encoding.
-    """
-    t0 = time.perf_counter()
-    teacher, student = _meshes(ranks)
-    per_mb = max(tokens_per_rank // micro_batches, 1)
-    micro = tuple(_samples(ranks, per_mb, max_len, seed + i) for i in range(micro_batches))
-    t_mult, s_mult = _mult(_T_TP, _T_CP), _mult(_S_TP, _S_CP)
-    t1 = time.perf_counter()
-    topo = Topology.build([teacher], student, shard_sources=[sp_shards])
-    _ = topo.index
-    topology_ms = 1e3 * (time.perf_counter() - t1)
-    sp = _T_TP if sp_shards else 1
-
-    # a DP index's layouts, built when its first rank asks (ranks come in order; kept a while)
-    @functools.lru_cache(maxsize=4 * _BLOCK)
-    def teacher_shard(d: int, c: int, k: int) -> list[TokenLayout]:
-        return [_layout(m.teacher_parts[d], m.lengths_S, _T_CP, c, t_mult, sp, k) for m in micro]
-
-    @functools.lru_cache(maxsize=4 * _BLOCK)
-    def student_shard(d: int, c: int) -> list[TokenLayout]:
-        return [_layout(m.student_parts[d], m.lengths_S, _S_CP, c, s_mult) for m in micro]
-
-    def teacher_layouts(key: Any) -> list[TokenLayout]:
-        if not sp_shards:
-            return teacher_shard(*key, 0)
-        tc = teacher.coord(key)  # each rank its own SP shard
-        assert tc is not None
-        return teacher_shard(tc.dp_rank, tc.cp_rank, tc.tp_rank)
-
-    _, records = step_records(
-        _teachers_of(teacher, sp_shards),
-        student,
-        n_slots=micro_batches,
-        teacher_layouts=[teacher_layouts],
-        student_layouts=lambda key: student_shard(*key),
-        topology=topo,
-    )
-    matrix, sizes = stack_records(records)
-    del records
-    return Step(
-        ranks=ranks,
-        sp_shards=sp_shards,
-        tokens=int(sum(m.lengths_S.sum() for m in micro)),
-        samples=int(sum(m.lengths_S.size for m in micro)),
-        teacher=teacher,
-        student=student,
-        topology=topo,
-        matrix_NW=matrix,
-        sizes_N=sizes,
-        micro=micro,
-        setup_s=time.perf_counter() - t0,
-        topology_ms=topology_ms,
-    )
 
 
 def _plan_one(step: Step, rank: int) -> tuple[Any, list[str]]:
@@ -340,12 +148,6 @@ def _groups_read(step: Step, rank: int) -> int:
     plan_rank(counting, rank, compact=True)
     check_rank(counting, rank)
     return len(source_ids) + len(dest_ids)
-
-
-def representative_ranks(ranks: int) -> list[int]:
-    """Rank 0 (teacher and student group leader: checks both), one in the middle (no leader),
-    and the last teacher leader (a student leader too)."""
-    return sorted({0, ranks // 2 + 5, ranks - _BLOCK // 2})
 
 
 def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, float]:
@@ -382,239 +184,7 @@ def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, f
 # --- the routed exchange, as every member plays it ------------------------------------------------
 
 
-class SimWire:
-    """:class:`~mopd.bridge.route.Wire` of one member of a simulated job: each round answers
-    with what :func:`simulate_exchange` found the other members send it, checking that the
-    member expects exactly those messages; :meth:`reduce_sum` answers with the job's sum.
-
-    Args:
-        member, size: the member and the job's member count.
-        rounds: per :meth:`~mopd.bridge.route.Wire.swap`, in order, ``member -> words`` it
-            receives.
-        total: what :meth:`reduce_sum` returns (the verdict's flag and the step's tokens).
-    """
-
-    def __init__(
-        self, member: int, size: int, rounds: Sequence[dict[int, np.ndarray]], total: np.ndarray
-    ) -> None:
-        self.member = member
-        self.size = size
-        self._rounds = list(rounds)
-        self._total = total
-        self._at = 0
-        self._received = 0
-
-    @property
-    def received_words(self) -> int:
-        return self._received
-
-    def swap(
-        self,
-        sends: Mapping[int, np.ndarray],
-        recv_from: Sequence[int],
-        *,
-        sizes: Mapping[int, int] | None = None,
-    ) -> dict[int, np.ndarray]:
-        got = self._rounds[self._at]
-        self._at += 1
-        if set(recv_from) != set(got):
-            raise AssertionError(
-                f"member {self.member}, round {self._at}: expects {sorted(recv_from)[:8]}, "
-                f"the job sends from {sorted(got)[:8]}"
-            )
-        for p in recv_from:
-            self._received += got[p].size + (0 if sizes is not None or p == self.member else 1)
-        return {p: got[p] for p in recv_from}
-
-    def reduce_sum(self, words: np.ndarray) -> np.ndarray:
-        if words.size != self._total.size:
-            raise AssertionError(f"a sum of {words.size} words, the job's has {self._total.size}")
-        return self._total.copy()
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class ExchangeSim:
-    """One member's routed exchange of a simulated step (:func:`simulate_exchange`).
-
-    Attributes:
-        member: the member.
-        rounds: per swap of :func:`~mopd.bridge.peers.exchange_records`, what it receives.
-        held: the members whose records it ends up with (its own included), ascending.
-        tokens_I: ``[n_slots]`` the step's tokens (what the verdict's sum returns).
-    """
-
-    member: int
-    rounds: tuple[dict[int, np.ndarray], ...]
-    held: np.ndarray
-    tokens_I: np.ndarray
-
-    def wire(self, size: int) -> SimWire:
-        total = np.concatenate([[0], self.tokens_I]).astype(np.int64)
-        return SimWire(self.member, size, self.rounds, total)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Job:
-    """Every member's registrations, sorted by home, and what the members learn of them."""
-
-    step: Step
-    entries: np.ndarray  # [E, 6] ENTRY_COLUMNS, by home
-    home_at: np.ndarray  # [n + 1] each home's rows
-    views: dict[int, PeerView]
-
-    def record(self, j: int) -> np.ndarray:
-        return self.step.matrix_NW[j, : self.step.sizes_N[j]]
-
-    def replies(self, j: int) -> dict[int, np.ndarray]:
-        """``home -> rows`` member ``j`` receives back (one per home it registered at)."""
-        homes = self._homes(j)
-        out = {}
-        for h in homes:
-            at = self.entries[self.home_at[h] : self.home_at[h + 1]]
-            out[h] = directory_replies(at)[j]
-        return out
-
-    def _homes(self, j: int) -> list[int]:
-        return sorted(set(self._own(j)[:, 0].tolist()))
-
-    def _own(self, j: int) -> np.ndarray:
-        topo, m = self.step.topology, len(self.step.micro)
-        return registrations(self.record(j), topology=topo, rank=topo.members[j], n_slots=m)
-
-    def view(self, j: int) -> PeerView:
-        got = self.views.get(j)
-        if got is None:
-            reps = self.replies(j)
-            rows = (
-                np.concatenate([r.reshape(-1, 5) for r in reps.values()])
-                if reps
-                else np.empty((0, 5), dtype=np.int64)
-            )
-            got = self.views[j] = read_replies(
-                rows, member=j, n_sources=len(self.step.topology.sources)
-            )
-        return got
-
-    def introduced(self, j: int) -> dict[int, int]:
-        """Member ``j``'s introduced (second-hop) peers, ``member -> words``."""
-        out = {}
-        for x in self.view(j).intro_from:
-            intro = self.view(x).intro
-            for p, w in zip(intro[:, 1].tolist(), intro[:, 2].tolist(), strict=True):
-                if p != j:
-                    out[p] = w
-        return out
-
-    def peers(self, j: int) -> dict[int, int]:
-        """Member ``j``'s peers: first hop and introduced, ``member -> words``."""
-        return {**self.view(j).peers, **self.introduced(j)}
-
-    def forwarded(self, lead: int, j: int) -> np.ndarray:
-        """What leader ``lead`` forwards member ``j`` (by the bridge's rule)."""
-        topo = self.step.topology
-        to_source, to_dest, _ = forward_pairs(topo, topo.members[lead])
-        view = self.view(lead)
-        return forward_bundles(
-            self.held(lead),
-            member=lead,
-            to_source=[m for m in to_source if m == j],
-            to_dest=[m for m in to_dest if m == j],
-            source_side=view.source_side | set(self.introduced(lead)),
-            dest_side=view.dest_side,
-        )[j]
-
-    def held(self, j: int) -> dict[int, np.ndarray]:
-        """Member ``j``'s records after the records' round (its own and its peers')."""
-        out = {j: self.record(j)}
-        out.update((p, self.record(p)) for p in self.peers(j))
-        return out
-
-
-def _job(step: Step) -> _Job:
-    """Every member's registrations (by the bridge's rule), sorted by home (not timed)."""
-    topo, m = step.topology, len(step.micro)
-    n = len(topo.members)
-    parts = [
-        registrations(step.matrix_NW[j, : step.sizes_N[j]], topology=topo, rank=r, n_slots=m)
-        for j, r in enumerate(topo.members)
-    ]
-    entries = np.concatenate(parts)
-    entries = entries[np.argsort(entries[:, 0], kind="stable")]
-    home_at = np.searchsorted(entries[:, 0], np.arange(n + 1))
-    return _Job(step=step, entries=entries, home_at=home_at, views={})
-
-
-def simulate_exchange(job: _Job, member: int, *, radix: int = RADIX) -> ExchangeSim:
-    """What ``member`` receives in each round of the routed exchange when every member of
-    ``job`` plays its part by the bridge's rule (:mod:`mopd.bridge.peers`; not timed):
-    the registrations routed through it, its replies, its introductions, its peers' records
-    and its leaders' forwarded records."""
-    step = job.step
-    topo = step.topology
-    n = len(topo.members)
-    rounds: list[dict[int, np.ndarray]] = []
-    # 1. the Bruck rounds: rows that arrive at `member` in each
-    e = job.entries
-    origin, home = e[:, 4], e[:, 0]
-    offset = (home - origin) % n
-    step_j = 1
-    while step_j < n:
-        digit = offset // step_j % radix
-        sender = (origin + offset % step_j) % n
-        holder = (origin + offset % (step_j * radix)) % n
-        here = np.flatnonzero((holder == member) & (digit != 0))
-        _, frm = bruck_partners(n, member, step_j, radix)
-        got = {p: np.empty(0, dtype=np.int64) for p in frm}
-        for p in frm:
-            got[p] = e[here[sender[here] == p]].reshape(-1)
-        rounds.append(got)
-        step_j *= radix
-    # 2. replies; 3. introductions; 4. records; 5. forwarded records
-    rounds.append(job.replies(member))
-    view = job.view(member)
-    rounds.append({x: job.view(x).intro.reshape(-1) for x in view.intro_from})
-    held = job.held(member)
-    rounds.append({p: held[p] for p in sorted(job.peers(member))})
-    to_source, to_dest, from_ = forward_pairs(topo, topo.members[member])
-    if to_source or to_dest or from_:
-        got = {lead: job.forwarded(lead, member) for lead in from_}
-        rounds.append(got)
-        for msg in got.values():
-            for p in msg[1 : 1 + int(msg[0])].tolist():
-                held.setdefault(p, job.record(p))
-    view = read_step(topo, StepMatrix(step.matrix_NW), len(step.micro))
-    return ExchangeSim(
-        member=member,
-        rounds=tuple(rounds),
-        held=np.asarray(sorted(held), dtype=np.int64),
-        tokens_I=view.tokens_I(),
-    )
-
-
 # --- one rank's step, as the live bridge runs it ------------------------------------------------
-
-
-def offline_bridge(step: Step, rank: int, sim: ExchangeSim | None = None) -> OfflineBridge:
-    """``step``'s bridge as global rank ``rank`` holds it, without process groups
-    (:class:`~mopd.bridge.offline.OfflineBridge`: the live bridge's per-step code, minus the
-    collectives); its wire is ``sim``'s (:func:`simulate_exchange`), or one that answers the
-    verdict's sum with the job's."""
-    n = len(step.topology.members)
-    if sim is None:
-        full = read_step(step.topology, StepMatrix(step.matrix_NW), len(step.micro))
-        sim = ExchangeSim(
-            member=step.topology.member_index(rank),
-            rounds=(),
-            held=np.arange(n),
-            tokens_I=full.tokens_I(),
-        )
-    return OfflineBridge(
-        teachers=_teachers_of(step.teacher, step.sp_shards),
-        student=step.student,
-        rank=rank,
-        topology=step.topology,
-        wire=lambda deadline, sim=sim: sim.wire(n),
-    )
 
 
 def _tokens(bs: BridgeStep) -> int:
@@ -640,7 +210,7 @@ def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -
     matrix, a fresh copy so that the step reads what the collective wrote)."""
     rank = bridge.rank
     tl = time.perf_counter()
-    t_lay, s_lay = _rank_layouts(step, rank)
+    t_lay, s_lay = rank_layouts(step, rank)
     t0 = time.perf_counter()
     local = bridge.record({0: t_lay}, s_lay)
     t1 = time.perf_counter()
@@ -705,7 +275,7 @@ def _step_plans(
 ) -> tuple[list[str], int]:
     wire = sim.wire(len(step.topology.members))
     bridge.use_wire(lambda deadline: wire)
-    t_lay, s_lay = _rank_layouts(step, bridge.rank)
+    t_lay, s_lay = rank_layouts(step, bridge.rank)
     local = bridge.record({0: t_lay}, s_lay)
     if how == "routed":
         rows, members = exchange_records(
@@ -749,7 +319,7 @@ def measure_step(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, fl
     (``miss``: every micro-batch planned), the same on every record (``gather``: today's
     path before this one), a repeated step (the memo); for each figure the slowest rank's
     least of several steps (ms), and the most words a rank received in the exchange."""
-    job = _job(step)
+    job = exchange_job(step)
     new, miss, gather = [], [], []
     words, peers = [], []
     for r in ranks:

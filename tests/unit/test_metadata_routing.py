@@ -46,7 +46,7 @@ from mopd.bridge.plan import plan_rank, plan_ranks
 from mopd.bridge.record import read_step, stack_records
 from mopd.bridge.route import bruck_partners, route_rows
 from mopd.bridge.topology import Topology
-from mopd.profiling import bench_plan
+from mopd.profiling import bench_plan_job
 from tests.support.plan_oracle import normalise
 from tests.support.plan_sim import contiguous_step, step_records
 from tests.support.route_sim import run_members
@@ -297,7 +297,7 @@ def test_agreements_and_duplicate_samples_are_judged_alike() -> None:
 def test_a_rank_holds_as_many_records_in_a_larger_job() -> None:
     held = {}
     for ranks in (64, 256):
-        step = bench_plan.build_step(ranks, tokens_per_rank=1024, max_len=512, micro_batches=2)
+        step = bench_plan_job.build_step(ranks, tokens_per_rank=1024, max_len=512, micro_batches=2)
         records = [
             torch.from_numpy(step.matrix_NW[j, : step.sizes_N[j]].copy()) for j in range(ranks)
         ]

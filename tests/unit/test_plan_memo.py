@@ -25,22 +25,22 @@ from mopd.bridge.offline import OfflineBridge
 from mopd.bridge.peers import exchange_records
 from mopd.bridge.record import read_step
 from mopd.bridge.step import BridgeStep
-from mopd.profiling import bench_plan
+from mopd.profiling import bench_plan_job
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["replicas", "sp_shards"])
-def step(request: pytest.FixtureRequest) -> bench_plan.Step:
-    return bench_plan.build_step(
+def step(request: pytest.FixtureRequest) -> bench_plan_job.Step:
+    return bench_plan_job.build_step(
         64, tokens_per_rank=256, max_len=200, micro_batches=3, sp_shards=request.param
     )
 
 
-def _plan(step: bench_plan.Step, bridge: OfflineBridge, matrix: StepMatrix) -> BridgeStep:
-    t_lay, s_lay = bench_plan._rank_layouts(step, bridge.rank)
+def _plan(step: bench_plan_job.Step, bridge: OfflineBridge, matrix: StepMatrix) -> BridgeStep:
+    t_lay, s_lay = bench_plan_job.rank_layouts(step, bridge.rank)
     return bridge.plan(matrix, bridge.record({0: t_lay}, s_lay))
 
 
-def _summary(step: bench_plan.Step, memo_NH: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+def _summary(step: bench_plan_job.Step, memo_NH: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """The summary's all-reduce when every rank's record says ``(memo_step, unchanged)``."""
     head = step.matrix_NW[:, :HEADER].copy()
     head[:, MEMO_STEP], head[:, UNCHANGED] = memo_NH
@@ -48,10 +48,10 @@ def _summary(step: bench_plan.Step, memo_NH: tuple[np.ndarray, np.ndarray]) -> n
     return np.concatenate([reduced_summary(head), record_heads(step.matrix_NW[0], 1)])
 
 
-def _exchanged(step: bench_plan.Step, rank: int, summary: np.ndarray) -> StepMatrix:
+def _exchanged(step: bench_plan_job.Step, rank: int, summary: np.ndarray) -> StepMatrix:
     """``rank``'s routed records (every member playing its part, simulated)."""
     member = step.topology.member_index(rank)
-    sim = bench_plan.simulate_exchange(bench_plan._job(step), member)
+    sim = bench_plan_job.simulate_exchange(bench_plan_job.exchange_job(step), member)
     rows, members = exchange_records(
         step.matrix_NW[member, : step.sizes_N[member]],
         sim.wire(step.ranks),
@@ -62,21 +62,21 @@ def _exchanged(step: bench_plan.Step, rank: int, summary: np.ndarray) -> StepMat
     return StepMatrix(rows, summary, members)
 
 
-def _fresh_keys(step: bench_plan.Step, rank: int, matrix: StepMatrix, extra: bytes) -> list:
+def _fresh_keys(step: bench_plan_job.Step, rank: int, matrix: StepMatrix, extra: bytes) -> list:
     copy = StepMatrix(matrix.matrix.copy(), None, matrix.members)
     return read_step(step.topology, copy, 3).plan_keys(rank, extra)
 
 
-def _every(step: bench_plan.Step, value: int) -> np.ndarray:
+def _every(step: bench_plan_job.Step, value: int) -> np.ndarray:
     return np.full(step.ranks, value, dtype=np.int64)
 
 
 @pytest.mark.parametrize("pick", [0, 1, 2])
 def test_a_repeated_step_reuses_the_memo_and_equals_a_fresh_reading(
-    step: bench_plan.Step, pick: int
+    step: bench_plan_job.Step, pick: int
 ) -> None:
-    rank = bench_plan.representative_ranks(step.ranks)[pick]
-    bridge = bench_plan.offline_bridge(step, rank)
+    rank = bench_plan_job.representative_ranks(step.ranks)[pick]
+    bridge = bench_plan_job.offline_bridge(step, rank)
     first = _plan(step, bridge, _exchanged(step, rank, _summary(step, (_every(step, -1), 0))))
     assert "source_GIF" in first._view.__dict__  # no memo yet: the tables were read
     memo = bridge.bridge._memo
@@ -99,10 +99,10 @@ def test_a_repeated_step_reuses_the_memo_and_equals_a_fresh_reading(
 
 @pytest.mark.parametrize("change", ["one rank changed", "another memo step"])
 def test_a_step_that_differs_anywhere_reads_the_tables_again(
-    step: bench_plan.Step, change: str
+    step: bench_plan_job.Step, change: str
 ) -> None:
-    rank = bench_plan.representative_ranks(step.ranks)[0]
-    bridge = bench_plan.offline_bridge(step, rank)
+    rank = bench_plan_job.representative_ranks(step.ranks)[0]
+    bridge = bench_plan_job.offline_bridge(step, rank)
     _plan(step, bridge, _exchanged(step, rank, _summary(step, (_every(step, -1), 0))))
     memo_N, unchanged_N = _every(step, 0), _every(step, 1)
     far = step.ranks - 1  # a rank far from this one's groups
@@ -121,7 +121,7 @@ def test_a_step_that_differs_anywhere_reads_the_tables_again(
     )
 
 
-def test_the_record_says_unchanged_only_for_equal_tables(step: bench_plan.Step) -> None:
+def test_the_record_says_unchanged_only_for_equal_tables(step: bench_plan_job.Step) -> None:
     from mopd.bridge.layout import packed_layout
     from mopd.bridge.metadata import Section
 
