@@ -48,7 +48,6 @@ from mopd.bridge.lm_head import LMHeadShard, VocabSpec, reshard_lm_head
 from mopd.bridge.mesh import Mesh, MeshCoord, mesh_from_groups
 from mopd.bridge.step import BridgeStep, ExchangeHandle
 from mopd.bridge.worlds import WorldLink, connect_worlds
-from mopd.common.deprecation import moved_names
 
 __all__ = [
     "BridgeCommError",
@@ -81,13 +80,3 @@ __all__ = [
     "reshard_lm_head",
 ]
 
-# Moved to mopd.mcore (megatron-facing); the old names work for one release, with a warning.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "lm_head_from_models": "mopd.mcore",
-        "megatron_process_groups": "mopd.mcore",
-        "mesh_from_parallel_state": "mopd.mcore",
-        "mesh_from_pg_collection": "mopd.mcore",
-    },
-)

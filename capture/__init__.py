@@ -14,7 +14,6 @@ from mopd.capture.capture import (
 )
 from mopd.capture.gather import ReusableBuffer, gather_sequence_parallel
 from mopd.capture.unwrap import find_output_layer
-from mopd.common.deprecation import moved_names
 
 __all__ = [
     "CaptureMisuseError",
@@ -25,7 +24,3 @@ __all__ = [
     "get_opd_full_capture_context",
 ]
 
-# Not megatron.core.utils.unwrap_model (which unwraps known wrapper classes and maps over a list):
-# this one follows any ``.module`` chain down to the LM head's owner. Internal from now on; the
-# old name works for one release, with a warning.
-__getattr__ = moved_names(__name__, {"unwrap_model": "mopd.capture.unwrap"})

@@ -8,7 +8,6 @@ twins) are the bridge's internals, in :mod:`.rows`.
 
 from __future__ import annotations
 
-from mopd.common.deprecation import moved_names
 from mopd.kernels.cupy_rows import set_default_variants
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
 
@@ -19,12 +18,3 @@ __all__ = [
     "vocab_parallel_kl",
 ]
 
-# The bridge's row kernels, public until now; the old names work for one release, with a warning.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "copy_runs": "mopd.kernels.rows",
-        "gather_rows": "mopd.kernels.rows",
-        "scatter_rows": "mopd.kernels.rows",
-    },
-)

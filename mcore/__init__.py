@@ -20,7 +20,6 @@ Ray when a group is made: importing this package never needs Ray.
 
 from __future__ import annotations
 
-from mopd.common.deprecation import moved_names
 from mopd.mcore.batch import (
     MicroBatch,
     micro_batch_layout,
@@ -65,7 +64,3 @@ __all__ = [
     "token_logprobs",
 ]
 
-# Internals, public until now; the old names work for one release, with a warning.
-__getattr__ = moved_names(
-    __name__, {"kl_loss_func": "mopd.mcore.loss", "run_teacher": "mopd.mcore.teacher"}
-)

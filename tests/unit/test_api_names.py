@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -51,45 +50,6 @@ def test_page_is_what_the_docstrings_say(package: str) -> None:
     assert page_path(package).read_text() == render(package), (
         f"docs/api/{package}.md is out of date: run python -m tests.support.api_pages"
     )
-
-
-#: old place -> (name, new place) for every name moved in this release.
-MOVED = [
-    ("mopd.bridge", "megatron_process_groups", "mopd.mcore"),
-    ("mopd.bridge", "mesh_from_parallel_state", "mopd.mcore"),
-    ("mopd.bridge", "mesh_from_pg_collection", "mopd.mcore"),
-    ("mopd.bridge", "lm_head_from_models", "mopd.mcore"),
-    ("mopd.mcore", "kl_loss_func", "mopd.mcore.loss"),
-    ("mopd.mcore", "run_teacher", "mopd.mcore.teacher"),
-    ("mopd.kernels", "gather_rows", "mopd.kernels.rows"),
-    ("mopd.kernels", "scatter_rows", "mopd.kernels.rows"),
-    ("mopd.kernels", "copy_runs", "mopd.kernels.rows"),
-    ("mopd.capture", "unwrap_model", "mopd.capture.unwrap"),
-    ("mopd.profiling.ranges", "enable", "mopd.common.ranges"),
-]
-
-
-def test_moved_names_are_listed_in_the_reference() -> None:
-    moved = (ROOT / "docs" / "api" / "README.md").read_text().split("## Moved in this release")[1]
-    for old, name, new in MOVED:
-        assert name in moved and old in moved and new in moved, (old, name, new)
-
-
-@pytest.mark.parametrize(("old", "name", "new"), MOVED)
-def test_moved_name_warns_and_is_the_same_object(old: str, name: str, new: str) -> None:
-    old_module = importlib.import_module(old)
-    assert name not in getattr(old_module, "__all__", [])
-    with pytest.warns(DeprecationWarning, match=re.escape(f"use {new}.{name}")):
-        value = getattr(old_module, name)
-    assert value is getattr(importlib.import_module(new), name)
-
-
-def test_an_unknown_name_is_still_an_attribute_error() -> None:
-    bridge = importlib.import_module("mopd.bridge")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(AttributeError, match="no_such_name"):
-            _ = bridge.no_such_name
 
 
 def test_the_bridge_api_module_still_offers_the_names_it_held() -> None:

@@ -252,15 +252,3 @@ def test_nvtx_package_preferred_when_present() -> None:
     ranges.enable(True)
     with ranges.span("pack", 0):  # the real package: must not raise without a profiler attached
         _work()
-
-
-def test_old_module_is_a_deprecated_alias_sharing_the_switch() -> None:
-    """``mopd.profiling.ranges`` (one release more) warns and hands out the same objects."""
-    old = importlib.import_module("mopd.profiling.ranges")
-    with pytest.warns(DeprecationWarning, match=r"mopd\.common\.ranges\.enable"):
-        old_enable = old.enable
-    assert old_enable is ranges.enable
-    old_enable(True)
-    assert ranges.is_enabled()
-    with pytest.raises(AttributeError):
-        _ = old.no_such_name
