@@ -79,4 +79,3 @@ __all__ = [
     "padded_layout",
     "reshard_lm_head",
 ]
-

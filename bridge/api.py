@@ -50,7 +50,6 @@ bridge and its planning call, and re-exports the names it used to define.
 
 from __future__ import annotations
 
-import hashlib
 import time
 import warnings
 import weakref
@@ -95,6 +94,7 @@ from mopd.bridge.transport import comm_failure
 from mopd.bridge.worlds import WorldLink
 from mopd.common import dist as cdist
 from mopd.common import ranges
+from mopd.common.digest import Digest
 
 __all__ = [
     "BridgeConfig",
@@ -207,9 +207,7 @@ class HiddenStateBridge:
                 groups.meta_routes is not None,
             ]
         )
-        self.config_sig = int.from_bytes(
-            hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little"
-        )
+        self.config_sig = Digest(sig, size=7).word()
         self._open_steps: list[BridgeStep] = []
         #: what the last planned step derived from the job's tables (:class:`_PlanMemo`)
         self._memo: _PlanMemo | None = None

@@ -8,7 +8,6 @@ Why this file exists: planning (:mod:`mopd.bridge.api`) and the step's sends
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from mopd.bridge.layout import TokenLayout
+from mopd.common.digest import Digest
 
 __all__ = [
     "Agreement",
@@ -129,8 +129,7 @@ class Agreement:
     @property
     def key(self) -> int:
         """62 bits naming the agreement (``what`` and ``ranks``): the same on every rank."""
-        h = hashlib.blake2b(f"{self.what}|{self.ranks}".encode(), digest_size=8)
-        return int.from_bytes(h.digest(), "little") >> 2
+        return Digest(f"{self.what}|{self.ranks}", size=8).word(bits=62)
 
     def differs(self, theirs: Sequence[int], *, me: int) -> str | None:
         """Where ``theirs`` (the first rank's words) differ from this rank's, in words, or

@@ -34,13 +34,14 @@ each step costs no per-row sort; the runs are exactly those the per-row path giv
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
+
+from mopd.common.digest import Digest
 
 __all__ = [
     "TokenLayout",
@@ -96,10 +97,7 @@ class TokenLayout:
 
     def digest(self) -> str:
         """A short content hash (for plan caching and messages)."""
-        h = hashlib.blake2b(digest_size=12)
-        h.update(self.sample_id_R.numpy().tobytes())
-        h.update(self.position_R.numpy().tobytes())
-        return h.hexdigest()
+        return Digest(self.sample_id_R, self.position_R, size=12).hexdigest()
 
     def same_as(self, other: TokenLayout) -> bool:
         """True if both layouts map every row to the same key."""

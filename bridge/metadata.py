@@ -54,7 +54,6 @@ what differs, the same on every rank.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +65,7 @@ from mopd.bridge.groups import NodeGroups, all_gather_flat, all_gather_nodes
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, layout_to_runs
 from mopd.common import dist as cdist
+from mopd.common.digest import Digest
 
 __all__ = [
     "DTYPES",
@@ -152,10 +152,8 @@ def code_dtype(code: int) -> torch.dtype | None:
 
 def layout_digest(num_rows: int, runs_K5: np.ndarray) -> int:
     """A 62-bit content hash of a layout's rows and runs (equal layouts, equal digests)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(np.asarray([num_rows], dtype=_I64).tobytes())
-    h.update(np.ascontiguousarray(runs_K5, dtype=_I64).tobytes())
-    return int.from_bytes(h.digest(), "little") >> 2
+    h = Digest(np.asarray([num_rows], dtype=_I64), np.asarray(runs_K5, dtype=_I64), size=8)
+    return h.word(bits=62)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -31,7 +31,6 @@ counts and never reads them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -44,6 +43,7 @@ from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
 from mopd.bridge.topology import Topology
+from mopd.common.digest import Digest
 from mopd.common.lazy import LazySequence
 
 __all__ = [
@@ -326,11 +326,11 @@ class StepView:
         keys = []
         for i in range(n_i):
             gs, ds = np.flatnonzero(meet_s[i]), np.flatnonzero(meet_d[i])
-            h = hashlib.blake2b(extra, digest_size=16)
+            h = Digest(extra, size=16)
             for rows, ids, table in ((gs, ids_s, src), (ds, ids_d, dst)):
                 h.update(np.asarray([rows.size], dtype=_I64).tobytes())
-                h.update(np.asarray(ids[rows], dtype=_I64).tobytes())
-                h.update(np.ascontiguousarray(table[rows, i][:, _KEY_COLS]).tobytes())
+                h.update(np.asarray(ids[rows], dtype=_I64))
+                h.update(table[rows, i][:, _KEY_COLS])
             keys.append(h.digest())
         return keys
 

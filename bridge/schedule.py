@@ -12,7 +12,6 @@ read on the data's device with one asynchronous host-to-device copy.
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from mopd.bridge.plan import DestSlot, RankPlan, Transfer
+from mopd.common.digest import Digest
 
 __all__ = ["MIN_AVG_RUN", "DeviceIndices", "RankSchedule", "plan_digest"]
 
@@ -295,15 +295,15 @@ def _fill(plan: RankPlan, slice_rows: int, num_owners: int) -> dict[int, torch.T
 
 def plan_digest(plan: RankPlan) -> str:
     """A content hash of a rank's plan (peers, owners and segments): schedules cache on it."""
-    h = hashlib.blake2b(digest_size=16)
+    h = Digest(size=16)
     d = plan.dest
-    h.update(repr((plan.rank, None if d is None else tuple(d.__dict__.values()))).encode())
+    h.update(repr((plan.rank, None if d is None else tuple(d.__dict__.values()))))
     for kind, ts in (("s", plan.sends), ("r", plan.recvs), ("l", plan.locals)):
         for t in ts:
-            h.update(f"{kind}{t.owner},{t.src_rank},{t.dst_rank}|".encode())
-            h.update(np.ascontiguousarray(t.segments_S5, dtype=np.int64).tobytes())
+            h.update(f"{kind}{t.owner},{t.src_rank},{t.dst_rank}|")
+            h.update(np.asarray(t.segments_S5, dtype=np.int64))
     if plan.owner_N is not None:
-        h.update(np.ascontiguousarray(plan.owner_N, dtype=np.int64).tobytes())
+        h.update(np.asarray(plan.owner_N, dtype=np.int64))
     return h.hexdigest()
 
 

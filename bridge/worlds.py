@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import json
 import re
 import time
@@ -50,6 +49,7 @@ from mopd.bridge.config import DEFAULT_TIMEOUT_S
 from mopd.bridge.errors import BridgeCommError
 from mopd.bridge.mesh import Mesh
 from mopd.common import dist as cdist
+from mopd.common.digest import Digest
 
 __all__ = ["WorldLink", "WorldRoster", "connect_worlds"]
 
@@ -321,7 +321,7 @@ class WorldLink:
         """``(key, backend, members)`` of a group: its name in the store, and what it spans."""
         members = tuple(sorted({int(r) for r in ranks}))
         kind = backend or self.backend
-        digest = hashlib.blake2b(repr(members).encode(), digest_size=8).hexdigest()
+        digest = Digest(repr(members), size=8).hexdigest()
         return f"{purpose}/{kind}/{len(members)}/{digest}", kind, members
 
     def has(self, ranks: Sequence[int], *, backend: str | None = None, purpose: str = "") -> bool:

@@ -23,4 +23,3 @@ __all__ = [
     "gather_sequence_parallel",
     "get_opd_full_capture_context",
 ]
-

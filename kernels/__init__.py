@@ -17,4 +17,3 @@ __all__ = [
     "set_default_variants",
     "vocab_parallel_kl",
 ]
-

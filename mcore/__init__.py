@@ -63,4 +63,3 @@ __all__ = [
     "teacher_signal",
     "token_logprobs",
 ]
-

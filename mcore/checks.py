@@ -13,7 +13,6 @@ returned as an :class:`~mopd.bridge.inputs.Agreement` the bridge compares across
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.capture.unwrap import unwrap_model
+from mopd.common.digest import Digest
 from mopd.common.log import warn_once
 from mopd.mcore.batch import MicroBatch, _ints, sample_id_problem
 from mopd.mcore.lm_head import MEGATRON_VOCAB_MULTIPLE, VOCAB_ATTRIBUTE, looks_padded
@@ -364,8 +364,7 @@ def _ends(t: torch.Tensor | None, device: torch.device, *, mask: bool) -> torch.
 
 
 def _digest(values: Sequence[int]) -> int:
-    h = hashlib.blake2b(repr(list(values)).encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") >> 2
+    return Digest(repr(list(values)), size=8).word(bits=62)
 
 
 def _shape_words(mb: MicroBatch, cp: int) -> tuple[int, int, int, int, int]:
