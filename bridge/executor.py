@@ -49,7 +49,6 @@ import torch.distributed as dist
 
 from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeStateError, BridgeTimeoutError
 from mopd.bridge.failures import FailureBoard
-from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.integrity import (
     IntegrityTransport,
     NoChecks,
@@ -69,6 +68,7 @@ from mopd.bridge.transport import (
 )
 from mopd.common import dist as cdist
 from mopd.common import ranges
+from mopd.common.dist import all_gather_flat
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
 
 __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]

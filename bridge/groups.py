@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,16 +62,13 @@ import torch.distributed as dist
 from mopd.bridge.config import DEFAULT_TIMEOUT_S
 from mopd.bridge.mesh import Mesh, bridge_members
 from mopd.bridge.worlds import WorldLink
-from mopd.capture.gather import all_gather_into
 from mopd.common import dist as cdist
+from mopd.common.dist import NodeGroups
 from mopd.common.log import warn_once
 
 __all__ = [
     "BridgeGroups",
     "GroupPool",
-    "NodeGroups",
-    "all_gather_flat",
-    "all_gather_nodes",
     "create_bridge_groups",
     "create_node_groups",
     "node_ranks",
@@ -82,42 +78,6 @@ __all__ = [
 #: shared with a model's groups over the same ranks (point-to-point and collectives apart).
 _DATA, _META, _NODE = "bridge data", "bridge metadata", "bridge metadata nodes"
 _ROUTES = "bridge metadata routes"
-
-
-def all_gather_flat(
-    output: torch.Tensor,
-    input_: torch.Tensor,
-    *,
-    group: dist.ProcessGroup | None,
-    timeout_s: float | None,
-) -> None:
-    """All-gather equal-sized ``input_`` into the concatenated ``output`` and wait.
-
-    Through :data:`mopd.capture.gather.all_gather_into` (in place when ``input_`` is this rank's
-    slice of ``output``). CPU tensors: a host wait of at most ``timeout_s``; CUDA tensors: a
-    stream wait (:func:`mopd.common.dist.wait`).
-    """
-    work = all_gather_into(output, input_, group=group, async_op=True)
-    cdist.wait(work, device=output.device, timeout_s=timeout_s)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class NodeGroups:
-    """One rank's groups of the two-level metadata all-gather (:func:`all_gather_nodes`).
-
-    Attributes:
-        node: gloo group over this rank's node (``node_members``).
-        leaders: gloo group over every node's first rank; ``None`` on ranks that lead no node.
-        node_members: global ranks of this rank's node, ascending (the first is its leader).
-        leader_ranks: global ranks of every node's leader, in node order.
-        node_size: ranks per node (the last node may hold fewer).
-    """
-
-    node: dist.ProcessGroup | None
-    leaders: dist.ProcessGroup | None
-    node_members: tuple[int, ...]
-    leader_ranks: tuple[int, ...]
-    node_size: int
 
 
 def node_ranks(members: Sequence[int], node_size: int) -> list[tuple[int, ...]]:
@@ -155,68 +115,6 @@ def create_node_groups(
     return NodeGroups(
         node=node, leaders=lead, node_members=mine, leader_ranks=leaders, node_size=node_size
     )
-
-
-def all_gather_nodes(
-    output: torch.Tensor,
-    input_: torch.Tensor,
-    *,
-    nodes: NodeGroups,
-    timeout_s: float | None,
-) -> None:
-    """:func:`all_gather_flat` in two levels over ``nodes`` (CPU tensors, gloo groups).
-
-    ``input_``: ``[c]`` this rank's part; ``output``: ``[n * c]`` every member's part in member
-    order, the same bytes as the flat all-gather. 1. each node gathers its parts on its leader;
-    2. the leaders all-gather the node blocks (``node_size * c``, the last one padded) in
-    ``ceil(log2(leaders))`` point-to-point rounds (Bruck: in round ``j`` a leader passes the
-    ``2^j`` blocks it holds to the leader ``2^j`` before it); 3. each leader broadcasts the
-    result inside its node. The whole call waits at most ``timeout_s`` (one deadline shared by
-    its waits, host waits on gloo).
-    """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def left() -> float | None:
-        return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-
-    c = input_.numel()
-    k = nodes.node_size
-    members = nodes.node_members
-    me = cdist.rank_in(nodes.node if nodes.node is not None else nodes.leaders)
-    leader = members[0]
-    dev = output.device
-    n_total = output.numel() // max(c, 1) if c else 0
-    if me == leader:
-        parts = [torch.empty_like(input_) for _ in members] if len(members) > 1 else [input_]
-    if len(members) > 1:
-        work = dist.gather(
-            input_, parts if me == leader else None, group=nodes.node, group_dst=0, async_op=True
-        )
-        cdist.wait(work, device=dev, timeout_s=left())
-    if me == leader:
-        n_lead = len(nodes.leader_ranks)
-        at = nodes.leader_ranks.index(me)
-        block = torch.zeros(k * c, dtype=input_.dtype, device=dev)
-        block[: len(members) * c] = torch.cat([p.reshape(-1) for p in parts])
-        held = [block]  # blocks of leaders at, at + 1, ... (mod n_lead)
-        have, rnd = 1, 0
-        while have < n_lead:
-            cnt = min(have, n_lead - have)
-            send = torch.cat(held[:cnt]) if cnt > 1 else held[0]
-            recv = torch.empty(cnt * k * c, dtype=input_.dtype, device=dev)
-            to = nodes.leader_ranks[(at - have) % n_lead]
-            frm = nodes.leader_ranks[(at + have) % n_lead]
-            for w in cdist.batch_p2p([(send, to)], [(recv, frm)], group=nodes.leaders, tag=rnd):
-                cdist.wait(w, device=dev, timeout_s=left())
-            held.extend(recv.split(k * c))
-            have += cnt
-            rnd += 1
-        # held[i] is leader (at + i)'s block: rotate into node order and drop the padding
-        ordered = held[n_lead - at :] + held[: n_lead - at]
-        output.copy_(torch.cat(ordered)[: n_total * c])
-    if len(members) > 1:
-        work = dist.broadcast(output, group=nodes.node, group_src=0, async_op=True)
-        cdist.wait(work, device=dev, timeout_s=left())
 
 
 class GroupPool:

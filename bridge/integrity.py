@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.errors import BridgeIntegrityError
-from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Op
 from mopd.bridge.transport import Message, Posted, Transport, time_left
 from mopd.common import dist as cdist
+from mopd.common.dist import all_gather_flat
 
 __all__ = [
     "CROSSING",

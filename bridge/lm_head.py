@@ -29,12 +29,13 @@ import torch
 
 from mopd.bridge.catalog import DestGroup, RunCatalog, SourceGroup
 from mopd.bridge.executor import Executor, Slot
-from mopd.bridge.groups import BridgeGroups, all_gather_flat
+from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import code_dtype, dtype_code
 from mopd.bridge.plan import plan_rank
 from mopd.common import dist as cdist
 from mopd.common import ranges
+from mopd.common.dist import all_gather_flat
 
 __all__ = ["LMHeadShard", "VocabSpec", "lm_head_catalog", "reshard_lm_head"]
 

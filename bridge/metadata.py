@@ -61,11 +61,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.groups import NodeGroups, all_gather_flat, all_gather_nodes
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, layout_to_runs
 from mopd.common import dist as cdist
 from mopd.common.digest import Digest
+from mopd.common.dist import NodeGroups, all_gather_flat, all_gather_nodes
 
 __all__ = [
     "DTYPES",
@@ -415,7 +415,7 @@ def gather_records(
     Without ``route``: every member's (``k = n``, ``members`` ``None``: row ``j`` is member
     ``j``'s record in group-rank order, zero-padded to ``width``, the widest: the summary's
     ``size``), the same everywhere; one all-gather flat over ``group`` or, with ``nodes``, in
-    two levels (:func:`~mopd.bridge.groups.all_gather_nodes`; CPU, the same bytes). With
+    two levels (:func:`~mopd.common.dist.all_gather_nodes`; CPU, the same bytes). With
     ``route`` (:func:`mopd.bridge.peers.exchange_records`, for an agreed step): what it
     returns, the records of the members (ascending) this rank reads.
     """

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mopd.common import ranges
 from mopd.common.dist import all_gather_into
 
-__all__ = ["ReusableBuffer", "all_gather_into", "gather_sequence_parallel"]
+__all__ = ["ReusableBuffer", "gather_sequence_parallel"]
 
 
 class ReusableBuffer:

@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from mopd.bridge.errors import BridgeError
-from mopd.bridge.groups import all_gather_flat
 from mopd.bridge.layout import megatron_padded_length
 from mopd.bridge.mesh import Mesh
 from mopd.common import dist as cdist
+from mopd.common.dist import all_gather_flat
 from mopd.mcore.batch import (
     MicroBatch,
     _is_int,

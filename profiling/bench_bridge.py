@@ -177,8 +177,8 @@ def bench_case(
     import torch.distributed as dist
 
     from mopd.bridge import BridgeConfig, HiddenStateBridge, TeacherSpec, create_bridge_groups
-    from mopd.bridge.groups import all_gather_flat
     from mopd.bridge.layout import encode_keys
+    from mopd.common.dist import all_gather_flat
     from mopd.kernels.rows import gather_rows
     from mopd.profiling.synthetic import key_pattern
 

@@ -376,7 +376,7 @@ class AllGatherModel:
             beta)``).
         hier_ms: the two-level gather: the summary's all-reduce in log depth
             (``ceil(log2 n) (alpha + s / beta)``), then the records' two-level all-gather
-            (:func:`~mopd.bridge.groups.all_gather_nodes`, nodes of ``NODE`` ranks): a gather
+            (:func:`~mopd.common.dist.all_gather_nodes`, nodes of ``NODE`` ranks): a gather
             to the node leader over NVLink (``(k - 1) (alpha_nvl + w / beta_nvl)``), the
             leaders' log-depth all-gather (``ceil(log2(n / k)) alpha + (n - k) w / beta``), a
             binomial broadcast of the matrix inside the node (``ceil(log2 k) (alpha_nvl + n w

@@ -28,10 +28,11 @@ from mopd.bridge import metadata as bridge_metadata
 from mopd.bridge import step as bridge_step
 from mopd.bridge.api import HiddenStateBridge
 from mopd.bridge.config import BridgeConfig, TeacherSpec
-from mopd.bridge.groups import GroupPool, all_gather_flat, all_gather_nodes, create_bridge_groups
+from mopd.bridge.groups import GroupPool, create_bridge_groups
 from mopd.bridge.layout import TokenLayout, padded_layout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import HEADER, SIZE, gather_step_matrix, reduced_summary
+from mopd.common.dist import all_gather_flat, all_gather_nodes
 from mopd.profiling.synthetic import key_pattern
 from tests.support.bridges import poison_outputs
 

@@ -6,12 +6,15 @@ one nor a sibling on its floor, so the data path (everything below ``profiling``
 tool. And no module reaches itself through its imports (no import circle). Every ``import``
 statement counts, at module level or inside a function, because a lazy import is a dependency
 too. The folders come from ``pyproject.toml``'s package map, so a new subpackage must be placed
-on a floor here before this test passes.
+on a floor here before this test passes. The general collective helpers (a timed all-gather or
+all-reduce, point-to-point batches, the shared verdict) live in ``common``: none is defined
+elsewhere, and no ``mcore`` or ``capture`` module takes one from ``bridge``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -35,6 +38,10 @@ FLOORS: dict[str, int] = {
     "__main__": 5,  # mopd/__main__.py: ``python -m mopd``
 }
 DATA_PATH = ("capture", "bridge", "kernels", "mcore", "common")
+#: The names of general collective helpers (module-level functions): they live in ``common``.
+COLLECTIVE = re.compile(
+    r"^(all_gather|all_reduce|all_to_all|reduce_scatter|broadcast|batch_p2p|same_verdict)"
+)
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
@@ -80,6 +87,31 @@ def import_graph(modules: Mapping[str, Path]) -> dict[str, set[str]]:
         tree = ast.parse(path.read_text(), filename=str(path))
         graph[name] = {t for t in _imported_names(tree, package) if t in modules and t != name}
     return graph
+
+
+def collective_misplaced(modules: Mapping[str, Path]) -> list[str]:
+    """Every general collective helper defined outside ``common``, and every ``mcore`` or
+    ``capture`` module that imports one (or anything named like one) from ``bridge``."""
+    bad = []
+    for name, path in modules.items():
+        layer = name.split(".")[1]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if layer != "common":
+            bad += [
+                f"{name} defines {node.name}"
+                for node in tree.body
+                if isinstance(node, ast.FunctionDef) and COLLECTIVE.match(node.name)
+            ]
+        if layer in ("mcore", "capture"):
+            bad += [
+                f"{name} takes {alias.name} from {node.module}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("mopd.bridge")
+                for alias in node.names
+                if COLLECTIVE.match(alias.name)
+            ]
+    return sorted(bad)
 
 
 def upward_imports(graph: Mapping[str, set[str]]) -> list[str]:
@@ -167,6 +199,28 @@ def test_nothing_imports_upward(graph: dict[str, set[str]]) -> None:
 def test_no_import_circle(graph: dict[str, set[str]]) -> None:
     assert len(graph) > 50  # the whole package was read
     assert import_circles(graph) == []
+
+
+def test_collective_helpers_live_in_common() -> None:
+    dirs = package_dirs(ROOT)
+    modules = source_modules(dirs)
+    assert "mopd.common.dist" in modules
+    assert collective_misplaced(modules) == []
+
+
+def test_the_collective_rule_finds_a_helper_out_of_place(tmp_path: Path) -> None:
+    for folder in ("bridge", "mcore"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "bridge" / "groups.py").write_text("def all_gather_flat():\n    pass\n")
+    (tmp_path / "mcore" / "rollouts.py").write_text(
+        "def f():\n    from mopd.bridge.groups import all_gather_flat, GroupPool\n"
+    )
+    dirs = {"mopd.bridge": tmp_path / "bridge", "mopd.mcore": tmp_path / "mcore"}
+    assert collective_misplaced(source_modules(dirs)) == [
+        "mopd.bridge.groups defines all_gather_flat",
+        "mopd.mcore.rollouts takes all_gather_flat from mopd.bridge.groups",
+    ]
 
 
 def test_the_checks_find_a_climb_and_a_circle(tmp_path: Path) -> None:
