@@ -8,8 +8,8 @@ twins) are the bridge's internals, in :mod:`.rows`.
 
 from __future__ import annotations
 
-from mopd.kernels.cupy_rows import set_default_variants
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
+from mopd.kernels.rows.cupy_rows import set_default_variants
 
 __all__ = [
     "KLConfig",

@@ -16,7 +16,7 @@ rows stay); a run cut short (Ctrl-C, or SIGTERM from a time limit) still prints 
 rows measured so far, marked as cut short. The table is printed once, at the end; while it runs,
 a progress bar on stderr names the case being measured (on a terminal only). The summary line names the best variant per op (gather, scatter, copy_runs), ranked
 by its mean % of the copy over the index kinds, and prints them as a ``DEFAULT_VARIANTS`` dict
-for :mod:`mopd.kernels.cupy_rows`. With all variants it runs in well under a minute on an H200
+for :mod:`mopd.kernels.rows.cupy_rows`. With all variants it runs in well under a minute on an H200
 (plus the one-time NVRTC compile of rows.cu when CuPy's cache is cold).
 
 Run: ``python -m mopd.profiling.bench_kernels`` on a GPU; ``--quick`` for a small CPU run that
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from mopd.kernels.backend import cupy_available
-from mopd.kernels.cupy_rows import DEFAULT_VARIANTS, OPS, VARIANTS
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
+from mopd.kernels.rows.cupy_rows import DEFAULT_VARIANTS, OPS, VARIANTS
 from mopd.profiling.mesh_arg import OneLineParser, prog_for
 from mopd.profiling.results import CPU_CAVEAT, Progress, environment, format_table, record
 from mopd.profiling.timing import time_calls

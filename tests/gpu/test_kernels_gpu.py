@@ -17,11 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopd.kernels import cupy_rows
 from mopd.kernels.backend import cupy_available, resolve_backend
-from mopd.kernels.cupy_rows import VARIANTS
-from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
-from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, scatter_rows_torch
+from mopd.kernels.rows import copy_runs, cupy_rows, gather_rows, scatter_rows
+from mopd.kernels.rows.cupy_rows import VARIANTS
+from mopd.kernels.rows.torch_rows import copy_runs_torch, gather_rows_torch, scatter_rows_torch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -28,10 +28,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.kernels import kl_matmul
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
-from mopd.kernels.kl_rowwise import resolve_backend, row_grad, row_stats
+from mopd.kernels.kl import matmul as kl_matmul
+from mopd.kernels.kl.rowwise import resolve_backend, row_grad, row_stats
 from tests.support.kl_reference import (
     distillation_case,
     kl_vs_float64,

@@ -32,10 +32,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mopd.kernels import cupy_rows
-from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, scatter_rows_torch
+from mopd.kernels.rows import cupy_rows
+from mopd.kernels.rows.torch_rows import copy_runs_torch, gather_rows_torch, scatter_rows_torch
 
-KERNELS_DIR = Path(cupy_rows.__file__).resolve().parent
+KERNELS_DIR = Path(cupy_rows.__file__).resolve().parents[1]  # kernels/: its families' folders
 NVCC = shutil.which("nvcc")
 pytestmark = [
     pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: CUDA sources not checked"),
@@ -66,7 +66,7 @@ def _nvcc_build(source: Path, flags: Sequence[str], output_name: str) -> tuple[P
     digest = hashlib.sha256(version.encode())
     digest.update("\0".join(flags).encode())
     digest.update(source.name.encode())
-    for cu in sorted(KERNELS_DIR.glob("*.cu*")):
+    for cu in sorted(KERNELS_DIR.rglob("*.cu*")):
         digest.update(cu.name.encode() + b"\0" + cu.read_bytes())
     entry = _cache_dir() / digest.hexdigest()[:32]
     out, log = entry / output_name, entry / "nvcc.stderr"
@@ -95,7 +95,7 @@ def _ptxas_report(cu: Path, *defines: str) -> str:
     return _nvcc_build(cu, flags, cu.stem + ".cubin")[1]
 
 
-@pytest.mark.parametrize("cu", sorted(KERNELS_DIR.glob("*.cu")), ids=lambda p: p.name)
+@pytest.mark.parametrize("cu", sorted(KERNELS_DIR.rglob("*.cu")), ids=lambda p: p.name)
 def test_compiles_without_spills(cu: Path) -> None:
     report = _ptxas_report(cu)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
@@ -107,7 +107,7 @@ def test_compiles_without_spills(cu: Path) -> None:
 
 
 def test_every_launchable_row_kernel_exists() -> None:
-    report = _ptxas_report(KERNELS_DIR / "rows.cu")
+    report = _ptxas_report(KERNELS_DIR / "rows" / "rows.cu")
     entries = set(re.findall(r"Compiling entry function '(\w+)'", report))
     wanted = {
         cupy_rows.kernel_name(op, cupy_rows.resolve_variant(v, w, cc), w)
@@ -132,7 +132,7 @@ def test_every_launchable_row_kernel_exists() -> None:
 
 def test_bulk_kernel_set_is_its_own_module() -> None:
     """cupy_rows compiles the bulk kernels apart (MOPD_KERNEL_SET=2): exactly those, no spills."""
-    report = _ptxas_report(KERNELS_DIR / "rows.cu", "MOPD_KERNEL_SET=2")
+    report = _ptxas_report(KERNELS_DIR / "rows" / "rows.cu", "MOPD_KERNEL_SET=2")
     entries = set(re.findall(r"Compiling entry function '(\w+)'", report))
     bulk = [v for v, spec in cupy_rows.VARIANT_SPECS.items() if spec.fallback is not None]
     assert bulk
@@ -149,7 +149,7 @@ def test_bulk_kernel_set_is_its_own_module() -> None:
 @pytest.fixture(scope="module")
 def emulator() -> ctypes.CDLL:
     flags = ["-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-O1", "-DMOPD_HOST_EMULATION"]
-    out, _ = _nvcc_build(KERNELS_DIR / "rows.cu", flags, "rows_emulate.so")
+    out, _ = _nvcc_build(KERNELS_DIR / "rows" / "rows.cu", flags, "rows_emulate.so")
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_longlong, ctypes.c_void_p
     lib.mopd_emulate.argtypes = [

@@ -1,9 +1,9 @@
-"""Tier 2 (launch): the KL's CUDA kernels (``kernels/kl_kernels.cu``) run on the CPU, thread by thread.
+"""Tier 2 (launch): the KL's CUDA kernels (``kernels/kl/kl_kernels.cu``) run on the CPU, thread by thread.
 
 Why this file exists: the CuPy kernels only run on a GPU, which this tier does not have. Here the
 same source is compiled for the host with a small shim (one OS thread per CUDA thread, a
 ``std::barrier`` for ``__syncthreads`` and for warp shuffles, blocks one after another) and
-launched with the grid, column split and vector-alignment flag that :mod:`mopd.kernels.kl_cupy`
+launched with the grid, column split and vector-alignment flag that :mod:`mopd.kernels.kl.cupy_kernels`
 would use. The results must match the torch twins: this checks the kernels' online softmax
 merge, the block reduction, the column split, the vector and scalar paths and bf16 rounding,
 without a GPU. ``nvcc`` checks that the same source compiles for the device
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mopd.kernels import kl_cupy
-from mopd.kernels.kl_rowwise import combine_partials, row_grad_torch, row_stats_torch
+from mopd.kernels.kl import cupy_kernels as kl_cupy
+from mopd.kernels.kl.rowwise import combine_partials, row_grad_torch, row_stats_torch
 
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not on PATH: kernels not emulated")
@@ -253,14 +253,15 @@ def test_geometry_covers_every_column() -> None:
 
 @pytest.fixture
 def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Route :mod:`mopd.kernels.kl_cupy`'s launches to the emulator (CPU tensors, no CuPy).
+    """Route :mod:`mopd.kernels.kl.cupy_kernels`'s launches to the emulator (CPU tensors, no CuPy).
 
     Everything of the launcher runs as on a GPU (geometry, alignment flags, argument order,
     partial combination); only ``get_kernel`` / ``on_torch_stream`` / ``to_cupy`` are replaced.
     """
     import contextlib
 
-    from mopd.kernels import kl_prepare, kl_rowwise
+    from mopd.kernels.kl import prepare as kl_prepare
+    from mopd.kernels.kl import rowwise as kl_rowwise
 
     launched: list[str] = []
 
@@ -272,7 +273,7 @@ def emulated_cupy(emu: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> list[str
         return int(a)
 
     def get_kernel(filename: str, name: str, device: torch.device) -> Callable[..., None]:
-        assert filename == "kl_kernels.cu" and device.type == "cpu"
+        assert filename == "kl/kl_kernels.cu" and device.type == "cpu"
         op, suffix = name.removeprefix("kl_row_").split("_", 1)
         fn = getattr(emu, f"emu_{op}_{suffix}")
 

@@ -103,7 +103,7 @@ def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
         assert f"mopd/{sub}/py.typed" in names
     assert not any("/results/" in n for n in names)
     assert "mopd/profiling/nsys.sh" in names  # what `mopd nsys` runs
-    src_cu = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
+    src_cu = sorted(p.name for p in (ROOT / "kernels").rglob("*.cu"))
     assert sorted(n.split("/")[-1] for n in names if n.endswith(".cu")) == src_cu
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "mopd = mopd.profiling.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

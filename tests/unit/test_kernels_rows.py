@@ -16,7 +16,12 @@ import torch
 from mopd.common.log import reset_once
 from mopd.kernels import backend as backend_mod
 from mopd.kernels.rows import copy_runs, gather_rows, scatter_rows
-from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, run_rows, scatter_rows_torch
+from mopd.kernels.rows.torch_rows import (
+    copy_runs_torch,
+    gather_rows_torch,
+    run_rows,
+    scatter_rows_torch,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]
 
@@ -176,7 +181,7 @@ def test_empty_and_one_row() -> None:
 def test_twins_share_signatures() -> None:
     import inspect
 
-    from mopd.kernels import cupy_rows
+    from mopd.kernels.rows import cupy_rows
 
     for twin, kernel in (
         (gather_rows_torch, cupy_rows.gather_rows_cupy),
@@ -342,7 +347,7 @@ def test_bulk_variant_needs_sm90_when_named(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On a pre-sm_90 device: a named bulk variant raises; a bulk default falls back, logged once."""
-    from mopd.kernels import cupy_rows
+    from mopd.kernels.rows import cupy_rows
 
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(cupy_rows, "_device_facts", lambda index: (108, (8, 0)))
@@ -361,7 +366,8 @@ def test_bulk_variant_needs_sm90_when_named(
 
 
 def test_set_default_variants_validates_and_returns_the_old_ones() -> None:
-    from mopd.kernels import cupy_rows, set_default_variants
+    from mopd.kernels import set_default_variants
+    from mopd.kernels.rows import cupy_rows
 
     before = dict(cupy_rows.DEFAULT_VARIANTS)
     try:
@@ -415,8 +421,8 @@ def test_rows_overlap_rule() -> None:
 def test_compile_failure_falls_back_to_the_twin_under_auto_only(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from mopd.kernels import rows as rows_mod
     from mopd.kernels.backend import KernelCompileError
+    from mopd.kernels.rows import ops as rows_mod
 
     def broken(*args: object, **kwargs: object) -> None:
         raise KernelCompileError("nvcc could not build rows.cu: no compiler")

@@ -28,14 +28,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mopd.kernels import kl_loop, kl_prepare
 from mopd.kernels.kl import (
     KLConfig,
     choose_chunk_tokens,
     fused_vocab_parallel_kl,
     vocab_parallel_kl,
 )
-from mopd.kernels.kl_rowwise import (
+from mopd.kernels.kl import loop as kl_loop
+from mopd.kernels.kl import prepare as kl_prepare
+from mopd.kernels.kl.rowwise import (
     combine_partials,
     resolve_backend,
     row_grad,

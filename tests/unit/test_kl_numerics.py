@@ -10,7 +10,7 @@ group checks, so the bounds can fail.
 
 Also: the fused path's weight gradient summed over many chunks in fp32 rounds once (the
 ``"weight"`` mode's per-chunk rounding is measurably worse), ``"auto"`` picks fp32 when it fits
-the budget; :func:`mopd.kernels.kl_matmul.matmul_into` is fp32-exact for bf16/fp16 operands on
+the budget; :func:`mopd.kernels.kl.matmul.matmul_into` is fp32-exact for bf16/fp16 operands on
 every blocking branch (hypothesis); the loss opens one profiler range per chunk and per teacher
 matmul.
 """
@@ -27,8 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mopd.common import ranges
-from mopd.kernels import kl_matmul, kl_prepare
 from mopd.kernels.kl import KLConfig, fused_vocab_parallel_kl, vocab_parallel_kl
+from mopd.kernels.kl import matmul as kl_matmul
+from mopd.kernels.kl import prepare as kl_prepare
 from tests.support.kl_reference import (
     case_reference,
     distillation_case,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mopd.common import log as backend_mod
-from mopd.kernels import kl_rowwise
+from mopd.kernels.kl import rowwise as kl_rowwise
 
 
 @pytest.fixture(autouse=True)

@@ -2,9 +2,9 @@
 
 Why this file exists: every bridge exchange packs rows of a local buffer into per-peer staging
 buffers and unpacks received rows into the student's layout. These are the entry points the
-bridge calls; each one has a CuPy kernel (on CUDA tensors, :mod:`mopd.kernels.cupy_rows`) and a
+bridge calls; each one has a CuPy kernel (on CUDA tensors, :mod:`mopd.kernels.rows.cupy_rows`) and a
 torch twin with the same signature (the CPU path and the reference,
-:mod:`mopd.kernels.rows_torch`). Which one runs is decided by :mod:`mopd.kernels.backend`.
+:mod:`mopd.kernels.rows.torch_rows`). Which one runs is decided by :mod:`mopd.kernels.backend`.
 Inputs are validated here, once, before either runs, with the same ``ValueError`` on every rank.
 
 All tensors are 2-D row views ``[rows, H]``: a ``[S, B, H]`` buffer is passed as its
@@ -28,8 +28,13 @@ from collections.abc import Callable
 import torch
 
 from mopd.kernels.backend import Backend, resolve_backend, run_cupy_or_twin
-from mopd.kernels.cupy_rows import VARIANTS, copy_runs_cupy, gather_rows_cupy, scatter_rows_cupy
-from mopd.kernels.rows_torch import copy_runs_torch, gather_rows_torch, scatter_rows_torch
+from mopd.kernels.rows.cupy_rows import (
+    VARIANTS,
+    copy_runs_cupy,
+    gather_rows_cupy,
+    scatter_rows_cupy,
+)
+from mopd.kernels.rows.torch_rows import copy_runs_torch, gather_rows_torch, scatter_rows_torch
 
 __all__ = ["VARIANTS", "copy_runs", "gather_rows", "rows_overlap", "scatter_rows"]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mopd.common.dist import all_reduce, group_device, same_verdict
 
 if TYPE_CHECKING:
-    from mopd.kernels.kl_prepare import KLJob
+    from mopd.kernels.kl.prepare import KLJob
 
 __all__ = [
     "SIGNATURE_LEN",

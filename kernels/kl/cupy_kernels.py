@@ -1,7 +1,7 @@
 """CuPy launchers for the KL's row-wise kernels (``kl_kernels.cu``).
 
 Why this file exists: it maps torch tensors onto the two KL kernels (grid, column split, vector
-alignment) and launches them; :mod:`mopd.kernels.kl_rowwise` decides when it is used, merges the
+alignment) and launches them; :mod:`mopd.kernels.kl.rowwise` decides when it is used, merges the
 per-block statistics and holds the torch twins with the same contracts. Compilation and the torch-stream bridge are
 :mod:`mopd.kernels.cupy_loader`'s. CuPy is only imported when a kernel runs.
 
@@ -26,7 +26,7 @@ __all__ = [
     "unsupported_reason",
 ]
 
-_SOURCE = "kl_kernels.cu"
+_SOURCE = "kl/kl_kernels.cu"
 _THREADS = 256
 _TARGET_BLOCKS = 1024  # enough blocks in flight to saturate HBM on a 132-SM part
 _MIN_COLS_PER_BLOCK = 4096
@@ -126,11 +126,11 @@ def _launch(kernel_name: str, s_CV: torch.Tensor, P: int, args: tuple[object, ..
 def row_stats_partials_cupy(
     s_CV: torch.Tensor, u_CV: torch.Tensor, *, need_forward: bool
 ) -> torch.Tensor:
-    """The statistics of :func:`mopd.kernels.kl_rowwise.row_stats_torch` per column block.
+    """The statistics of :func:`mopd.kernels.kl.rowwise.row_stats_torch` per column block.
 
     Returns ``[6, C, P]`` float32: for each of ``s_CV``'s ``C`` rows, the six statistics of each
     of its ``P >= 1`` column blocks relative to that block's maxima;
-    :func:`mopd.kernels.kl_rowwise.combine_partials` merges them into ``[6, C]``.
+    :func:`mopd.kernels.kl.rowwise.combine_partials` merges them into ``[6, C]``.
     """
     import numpy as np
 
@@ -166,7 +166,7 @@ def row_grad_cupy(
     *,
     teacher_term: bool,
 ) -> torch.Tensor:
-    """:func:`mopd.kernels.kl_rowwise.row_grad_torch`'s contract as a CuPy kernel."""
+    """:func:`mopd.kernels.kl.rowwise.row_grad_torch`'s contract as a CuPy kernel."""
     import numpy as np
 
     C, _ = s_CV.shape

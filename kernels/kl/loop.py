@@ -2,7 +2,7 @@
 
 Why this file exists: this is the loss's data path. Per chunk of ``C`` tokens it forms the
 student and teacher logits blocks ``[C, V_local]`` (at least fp32, see
-:mod:`mopd.kernels.kl_matmul`), reduces their softmax statistics over the TP group (one MAX and
+:mod:`mopd.kernels.kl.matmul`), reduces their softmax statistics over the TP group (one MAX and
 one SUM all-reduce), computes the per-token KL and, when a backward can follow, the gradient with
 respect to the student logits, which it moves into the input gradients (the fused path through
 the student's LM-head matmuls, accumulated in fp32 where ``KLJob`` says so). :class:`KLFunction`
@@ -24,9 +24,9 @@ from torch.autograd.function import once_differentiable
 
 from mopd.common.dist import ReduceOpLike, all_reduce
 from mopd.common.ranges import span
-from mopd.kernels.kl_matmul import logit_dtype, matmul_into
-from mopd.kernels.kl_prepare import KLJob, TeacherSlot
-from mopd.kernels.kl_rowwise import rescale_sums, row_grad, row_stats
+from mopd.kernels.kl.matmul import logit_dtype, matmul_into
+from mopd.kernels.kl.prepare import KLJob, TeacherSlot
+from mopd.kernels.kl.rowwise import rescale_sums, row_grad, row_stats
 
 __all__ = ["KLFunction", "StudentSide", "run_chunks", "scale_", "teacher_logits"]
 

@@ -4,7 +4,7 @@ Why this file exists: after the chunk's matmuls, the loss needs per-row softmax 
 student and teacher logits (pass 1) and, once those are reduced over the TP group, the gradient
 with respect to the student logits (pass 2). Each pass is one function here with two
 implementations of the same signature: a CuPy kernel (``kl_kernels.cu`` via
-:mod:`mopd.kernels.kl_cupy`; reads the logits once, keeps the rest in registers) and a torch twin
+:mod:`mopd.kernels.kl.cupy_kernels`; reads the logits once, keeps the rest in registers) and a torch twin
 (CPU path and reference). Backend rule, as for the rest of :mod:`mopd.kernels`
 (:mod:`mopd.kernels.backend`): ``"auto"`` uses CuPy for CUDA tensors when it is importable and
 supports the dtypes, the torch twin otherwise (a fallback on CUDA is logged once); an explicit
@@ -25,7 +25,7 @@ import torch
 from mopd.common.log import log_once
 from mopd.kernels.backend import Backend, Resolved, run_cupy_or_twin
 from mopd.kernels.backend import resolve_backend as _resolve_base
-from mopd.kernels.kl_cupy import (
+from mopd.kernels.kl.cupy_kernels import (
     dtype_reason,
     row_grad_cupy,
     row_stats_partials_cupy,
@@ -70,7 +70,7 @@ def resolve_backend(backend: Backend, *tensors: torch.Tensor) -> Resolved:
     """Which implementation runs for ``tensors`` (``(s, u)`` or ``(s, u, out)``) under ``backend``.
 
     :func:`mopd.kernels.backend.resolve_backend`'s rule, plus the KL kernels' own limits (the
-    storage dtypes of :data:`mopd.kernels.kl_cupy.STATS_KERNELS` / ``GRAD_KERNELS``, contiguous
+    storage dtypes of :data:`mopd.kernels.kl.cupy_kernels.STATS_KERNELS` / ``GRAD_KERNELS``, contiguous
     columns): beyond them ``"auto"`` takes the twin (logged once) and ``"cupy"`` raises.
 
     Raises:

@@ -1,6 +1,6 @@
 // Row-wise fused passes of the vocab-parallel KL (mopd.kernels.kl), compiled by CuPy (NVRTC).
 //
-// Why this file exists: the torch twin of these two passes (mopd.kernels.kl_rowwise) makes about
+// Why this file exists: the torch twin of these two passes (mopd.kernels.kl.rowwise) makes about
 // ten fp32 passes over each [chunk, V_local] block; these kernels read the logits once per pass
 // and keep everything else in registers:
 //   kl_row_stats: per row, online softmax statistics of the student (s) and teacher (u) logits:

@@ -4,7 +4,7 @@ Why this file exists: it turns torch tensors into a kernel launch (zero-copy thr
 torch's current stream, into outputs torch allocated) and owns the choices a launch needs: the
 vector width a pair of row views allows, the variant, and the grid. The public entry points
 with validation are in :mod:`mopd.kernels.rows`; the torch twins, with the same signatures, are
-in :mod:`mopd.kernels.rows_torch`.
+in :mod:`mopd.kernels.rows.torch_rows`.
 
 Inputs here are already validated by :mod:`mopd.kernels.rows` (2-D row views whose rows are
 contiguous, int64 indices in range, same device and dtype). Data is moved as bytes, so any dtype
@@ -43,7 +43,7 @@ __all__ = [
     "vector_bytes",
 ]
 
-_SOURCE = "rows.cu"
+_SOURCE = "rows/rows.cu"
 _log = logging.getLogger(__name__)
 
 #: Threads per block of the vector kernels (``MOPD_BLOCK`` in rows.cu, their launch bounds).

@@ -6,12 +6,12 @@ the whole vocabulary. The student holds a vocab shard ``[V_local]`` of its logit
 shard is rebuilt from the bridged hidden states. This module holds the two entry points (logits;
 fused hidden states + LM head); the work is split by concern:
 
-- :mod:`~mopd.kernels.kl_config`: :class:`KLConfig` and the chunk size its budget implies;
-- :mod:`~mopd.kernels.kl_prepare`: validation (local, before any collective) and the job;
-- :mod:`~mopd.kernels.kl_loop`: the chunk loop and the autograd function;
-- :mod:`~mopd.kernels.kl_matmul`: fp32 logits and gradients from bf16 operands;
-- :mod:`~mopd.kernels.kl_rowwise` (CuPy kernels on CUDA, a torch twin elsewhere): the two
-  row-wise passes; :mod:`~mopd.kernels.kl_collectives`: the debug agreement check.
+- :mod:`~mopd.kernels.kl.config`: :class:`KLConfig` and the chunk size its budget implies;
+- :mod:`~mopd.kernels.kl.prepare`: validation (local, before any collective) and the job;
+- :mod:`~mopd.kernels.kl.loop`: the chunk loop and the autograd function;
+- :mod:`~mopd.kernels.kl.matmul`: fp32 logits and gradients from bf16 operands;
+- :mod:`~mopd.kernels.kl.rowwise` (CuPy kernels on CUDA, a torch twin elsewhere): the two
+  row-wise passes; :mod:`~mopd.kernels.kl.collectives`: the debug agreement check.
 
 How: tokens are processed in chunks of ``C`` rows (``C`` from a memory budget), so extra memory is
 ``O(C x V_local)`` plus the gradients; a ``[T, V]`` fp32 tensor never exists. Per chunk the
@@ -65,21 +65,21 @@ import torch
 import torch.distributed as dist
 
 from mopd.common.log import warn_once
-from mopd.kernels.kl_collectives import (
+from mopd.kernels.kl.collectives import (
     check_agreement,
     collective_device,
     group_position,
     job_signature,
 )
-from mopd.kernels.kl_config import (
+from mopd.kernels.kl.config import (
     KLConfig,
     KLKind,
     KLReduction,
     WeightGradAccumulation,
     choose_chunk_tokens,
 )
-from mopd.kernels.kl_loop import KLFunction
-from mopd.kernels.kl_prepare import KLArgs, prepare
+from mopd.kernels.kl.loop import KLFunction
+from mopd.kernels.kl.prepare import KLArgs, prepare
 
 __all__ = [
     "KLConfig",
