@@ -28,7 +28,30 @@ from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.common import dist as cdist
 from mopd.common import ranges
 
-__all__ = ["Message", "P2PTransport", "Posted", "Transport", "comm_failure", "time_left"]
+__all__ = [
+    "TIMEOUT_WORDS",
+    "TRANSPORT_WORDS",
+    "Message",
+    "P2PTransport",
+    "Posted",
+    "Transport",
+    "comm_failure",
+    "is_transport_failure",
+    "says_timeout",
+    "time_left",
+]
+
+#: Words of torch / gloo / NCCL errors that say a wait timed out.
+TIMEOUT_WORDS = ("timed out", "timeout", "timing out", "time out")
+#: Words of torch / gloo / NCCL errors that say a collective or a peer failed (timeouts too).
+TRANSPORT_WORDS = (
+    *TIMEOUT_WORDS,
+    "connection closed",
+    "connection reset",
+    "gloo",
+    "nccl",
+    "broken pipe",
+)
 
 
 #: The peer a message's ``what`` names (``"send to global rank 3 (...)"``, ``"receive from ..."``).
@@ -38,6 +61,27 @@ _PEER = re.compile(r"(?:send to|receive from) global rank (\d+)")
 def time_left(deadline: float) -> float:
     """Seconds until ``deadline`` (``time.monotonic()`` clock), at least 1 ms."""
     return max(deadline - time.monotonic(), 1e-3)
+
+
+def says_timeout(exc: BaseException) -> bool:
+    """Whether ``exc``'s message says a wait timed out (:data:`TIMEOUT_WORDS`)."""
+    low = str(exc).lower()
+    return any(k in low for k in TIMEOUT_WORDS)
+
+
+def is_transport_failure(exc: BaseException) -> bool:
+    """True for a timeout or a transport error (the process groups may be out of step), False
+    for an error of the caller's own code: the bridge's own timeout and transport errors,
+    ``TimeoutError``, ``torch.distributed.DistError``, and runtime errors whose message names
+    one (:data:`TRANSPORT_WORDS`)."""
+    if isinstance(exc, BridgeError):
+        return isinstance(exc, BridgeTimeoutError | BridgeCommError)
+    if isinstance(exc, TimeoutError | dist.DistError):
+        return True
+    if isinstance(exc, RuntimeError):
+        low = str(exc).lower()
+        return any(k in low for k in TRANSPORT_WORDS)
+    return False
 
 
 def comm_failure(
@@ -56,8 +100,7 @@ def comm_failure(
     pending transfers), as :attr:`~mopd.bridge.errors.BridgeError.peers`.
     """
     msg = str(exc)
-    low = msg.lower()
-    said_timeout = any(k in low for k in ("timed out", "timeout", "timing out", "time out"))
+    said_timeout = says_timeout(exc)
     phase = _phase(what)
     err: BridgeError
     if said_timeout or elapsed_s >= 0.98 * timeout_s:

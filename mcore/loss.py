@@ -20,7 +20,7 @@ mean loss per counted token:
 
 The stock loss (:func:`kl_loss_func`) is the weighted KL summed over counted tokens. The logged
 value is ``[loss_sum, num_tokens]`` of this rank's tokens (the same on every TP rank): reduce it
-over DP x CP only (:meth:`mopd.mcore.distill.DistillationStep.mean_loss`).
+over DP x CP only (:meth:`mopd.mcore.distill_step.DistillationStep.mean_loss`).
 """
 
 from __future__ import annotations

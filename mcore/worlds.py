@@ -31,7 +31,8 @@ from mopd.bridge.config import BridgeConfig
 from mopd.bridge.groups import GroupPool
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.worlds import WorldLink
-from mopd.mcore.distill import Distiller, MeshModel
+from mopd.mcore.distill import Distiller
+from mopd.mcore.mesh_model import MeshModel
 
 __all__ = ["TeacherServer"]
 
