@@ -1,15 +1,19 @@
-"""mopd.profiling: the tools around the pipeline.
+"""mopd.profiling: the tools around the pipeline, in three wings and a few shared modules.
 
-The ``mopd`` command (:mod:`.cli`; also ``python -m mopd``): ``mopd demo`` (:mod:`.demo`,
-:mod:`.demo_job`, the student's rollouts :mod:`.sampling`, started by :mod:`.launch`, which
-reports each rank's phase from :mod:`.phases` when it kills a job), ``mopd plan``
-(:mod:`.plan_inspector`), ``mopd nsys`` (``nsys.sh``), ``mopd bench NAME``
-(:mod:`.bench_kernels`, :mod:`.bench_kl` with :mod:`.kl_numerics`, :mod:`.bench_bridge`,
-:mod:`.bench_capture`, :mod:`.bench_ranges`, :mod:`.bench_plan`, recorded by :mod:`.results`,
-drawn by :mod:`.plots`), the command-line syntax they share (:mod:`.mesh_arg`), what they do
-without an optional dependency (:mod:`.extras`: one line naming the extra), synthetic steps
-(:mod:`.synthetic`), allocator counts (:mod:`.allocations`) and the one-command GPU session
-(``gpu_session.sh``). Submodules are imported on use; this package imports nothing
+The ``mopd`` command (:mod:`.cli`; also ``python -m mopd``) runs them:
+
+- ``mopd demo``: :mod:`.demo` (the end-to-end job: its configuration, its build / step /
+  verify / report, the student's rollouts), started by :mod:`.launch`, which reports each rank's
+  phase from :mod:`.phases` when it kills a job;
+- ``mopd plan``: :mod:`.plan` (the plan inspector: arguments, the simulated step, the report,
+  the heatmap);
+- ``mopd bench NAME``: :mod:`.bench` (one module per benchmark and their helpers), recorded by
+  :mod:`.results`, drawn by :mod:`.plots`;
+- ``mopd nsys``: ``nsys.sh``; the one-command GPU session: ``gpu_session.sh``.
+
+Shared: the command-line syntax (:mod:`.mesh_arg`), what the tools do without an optional
+dependency (:mod:`.extras`: one line naming the extra), synthetic steps (:mod:`.synthetic`),
+timing helpers (:mod:`.timing`). Submodules are imported on use; this package imports nothing
 heavy. Nothing in the library's data path (capture, bridge, kernels, mcore, common) imports from
 here.
 """

@@ -5,11 +5,11 @@ Why this file exists: one entry point (the ``mopd`` console script, and ``python
 everything a person runs by hand. It only dispatches:
 
 - ``mopd demo [ARGS...]``: ``mopd.profiling.demo:main(ARGS)``;
-- ``mopd plan [ARGS...]``: ``mopd.profiling.plan_inspector:main(ARGS)``;
+- ``mopd plan [ARGS...]``: ``mopd.profiling.plan:main(ARGS)``;
 - ``mopd nsys [ARGS...] [-- CMD...]``: the package's ``nsys.sh`` (one Nsight Systems report per
   rank of the demo or of CMD, the mopd ranges on) run with ``bash``, from the installed package;
 - ``mopd bench [--results-dir DIR] [--no-plot] NAME [ARGS...]``: runs
-  ``python -m mopd.profiling.bench_NAME [--results-dir DIR] ARGS`` in a child process, then
+  ``python -m mopd.profiling.bench.NAME [--results-dir DIR] ARGS`` in a child process, then
   draws one PNG next to each CSV that the run created or rewrote under DIR, unless the
   benchmark drew its own plot of it. DIR defaults to :func:`mopd.profiling.results.
   default_results_dir`: ``mopd-results/`` at the root of a checkout (git ignores it),
@@ -36,14 +36,14 @@ from mopd.profiling.mesh_arg import OneLineParser
 
 __all__ = ["BENCHMARKS", "bench_module", "build_parser", "main", "nsys_script", "version"]
 
-#: ``mopd bench NAME`` -> module ``mopd.profiling.bench_NAME``.
+#: ``mopd bench NAME`` -> module ``mopd.profiling.bench.NAME``.
 BENCHMARKS: tuple[str, ...] = (
     "capture", "bridge", "kernels", "kl", "ranges", "plan", "overlap", "worlds",
 )  # fmt: skip
 
 _ENTRY_POINTS: dict[str, str] = {
     "demo": "mopd.profiling.demo",
-    "plan": "mopd.profiling.plan_inspector",
+    "plan": "mopd.profiling.plan",
 }
 
 EXIT_USAGE = 2
@@ -52,7 +52,7 @@ _DIST = "mopd-bridge"
 
 def bench_module(name: str) -> str:
     """The module ``mopd bench NAME`` runs with ``python -m``."""
-    return f"mopd.profiling.bench_{name}"
+    return f"mopd.profiling.bench.{name}"
 
 
 def nsys_script() -> Path:
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run a benchmark and plot the CSV it records",
-        description="Run python -m mopd.profiling.bench_NAME [--results-dir DIR] ARGS, then plot "
+        description="Run python -m mopd.profiling.bench.NAME [--results-dir DIR] ARGS, then plot "
         "each CSV it wrote that it did not plot itself. On a CPU the figures are functional "
         "(the harness runs, outputs are checked), not performance.",
     )

@@ -66,18 +66,18 @@ for part in $ONLY; do
     case $part in
     env) run env 30 bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(torch.__version__, torch.version.cuda, cupy.__version__, torch.cuda.get_device_name(0))'" ;;
     tests) run tests 180 $PY -m pytest $TESTS -q -rs -p no:cacheprovider -o addopts= --timeout 120 ;;
-    kernels) run bench_kernels 90 $PY -m mopd.profiling.bench_kernels --results-dir "$OUT" ;;
+    kernels) run bench_kernels 90 $PY -m mopd.profiling.bench.kernels --results-dir "$OUT" ;;
     # kl: speed and memory at T=8192, H=4096, V=151936 bf16 against the matmul floor and the
     # peers (Liger-Kernel too where its wheel was installed from .whl), then the numerics sweep
-    kl) run bench_kl 150 $PY -m mopd.profiling.bench_kl --tokens 8192 --results-dir "$OUT" ;;
-    bridge) run bench_bridge 60 $PY -m mopd.profiling.bench_bridge --results-dir "$OUT" ;;
-    capture) run bench_capture 45 $PY -m mopd.profiling.bench_capture --results-dir "$OUT" ;;
-    ranges) run bench_ranges 30 $PY -m mopd.profiling.bench_ranges --iters 20000 --results-dir "$OUT"
+    kl) run bench_kl 150 $PY -m mopd.profiling.bench.kl --tokens 8192 --results-dir "$OUT" ;;
+    bridge) run bench_bridge 60 $PY -m mopd.profiling.bench.bridge --results-dir "$OUT" ;;
+    capture) run bench_capture 45 $PY -m mopd.profiling.bench.capture --results-dir "$OUT" ;;
+    ranges) run bench_ranges 30 $PY -m mopd.profiling.bench.ranges --iters 20000 --results-dir "$OUT"
             # nsys is not on that image: expect nsys.sh's clear failure (exit 2)
             run nsys_check 15 bash -c "bash profiling/nsys.sh --out '$OUT/nsys' -- $PY -c 'print(1)'; rc=\$?; echo nsys.sh rc=\$rc; command -v nsys >/dev/null || [ \$rc -eq 2 ]" ;;
     demo) run demo 90 $PY -m mopd.profiling.demo --backend nccl --nproc 1 --teacher tp=1 \
               --teacher tp=1 --student tp=1 --steps 3 --trace "$OUT/demo_trace" ;;
-    worlds) run bench_worlds 90 $PY -m mopd.profiling.bench_worlds --results-dir "$OUT" ;;
+    worlds) run bench_worlds 90 $PY -m mopd.profiling.bench.worlds --results-dir "$OUT" ;;
     *) log "unknown part $part"; status=1 ;;
     esac
 done

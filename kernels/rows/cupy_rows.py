@@ -136,7 +136,7 @@ VARIANT_SPECS: dict[str, Variant] = {
 }
 VARIANTS: tuple[str, ...] = tuple(VARIANT_SPECS)
 #: The variant each op uses when none is named (keys: :data:`OPS`). Chosen from
-#: profiling/bench_kernels.py on an H200 (its summary line prints the winners in this form);
+#: profiling/bench/kernels.py on an H200 (its summary line prints the winners in this form);
 #: the ops may differ. Round 1 (2026-11-30): ``warp`` led gather and scatter on random indices,
 #: ``warp_cs_flat`` led copy_runs.
 DEFAULT_VARIANTS: dict[str, str] = {
@@ -150,7 +150,7 @@ def set_default_variants(variants: dict[str, str]) -> dict[str, str]:
     """Change the variant ops use when none is named, for this process; returns the old ones.
 
     For a GPU other than the one :data:`DEFAULT_VARIANTS` was tuned on: run
-    ``python -m mopd.profiling.bench_kernels`` there and pass the dict its summary prints.
+    ``python -m mopd.profiling.bench.kernels`` there and pass the dict its summary prints.
 
     Args:
         variants: ``op -> variant`` for some or all of :data:`OPS`.

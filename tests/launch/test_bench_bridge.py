@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling import bench_bridge
+from mopd.profiling.bench import bridge as bench_bridge
 from tests.support.processes import run_module
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def output() -> list[dict]:
     res = run_module(
-        "mopd.profiling.bench_bridge", "--nproc", "2", "--iters", "1",
+        "mopd.profiling.bench.bridge", "--nproc", "2", "--iters", "1",
         "--samples", "4", "--max-len", "16", "--hidden", "8", "--json", "--no-record",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -99,5 +99,5 @@ def test_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         bench_bridge.main(["--nproc", "0"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    prog = "python -m mopd.profiling.bench_bridge"  # its usage names the command as typed
+    prog = "python -m mopd.profiling.bench.bridge"  # its usage names the command as typed
     assert err == f"{prog}: error: --nproc must be >= 1, got 0 (see {prog} --help)\n"

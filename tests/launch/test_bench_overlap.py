@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling import bench_overlap, cli
+from mopd.profiling import cli
+from mopd.profiling.bench import overlap as bench_overlap
 from tests.support.processes import run_module
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +29,7 @@ RATIOS = (0.5, 2.0)
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path, str]:
     out = tmp_path_factory.mktemp("overlap")
     res = run_module(
-        "mopd.profiling.bench_overlap", "--quick", "--json",
+        "mopd.profiling.bench.overlap", "--quick", "--json",
         "--ratios", *map(str, RATIOS), "--results-dir", str(out),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -117,4 +118,4 @@ def test_bad_flags_are_one_line(argv: list[str], says: str, capsys: pytest.Captu
 
 def test_mopd_bench_knows_it() -> None:
     assert "overlap" in cli.BENCHMARKS
-    assert cli.bench_module("overlap") == "mopd.profiling.bench_overlap"
+    assert cli.bench_module("overlap") == "mopd.profiling.bench.overlap"

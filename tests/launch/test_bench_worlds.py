@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling import bench_worlds, cli
+from mopd.profiling import cli
+from mopd.profiling.bench import worlds as bench_worlds
 from tests.support.processes import run_module
 
 CONFIGS = [
@@ -34,7 +35,7 @@ CONFIGS = [
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path, str]:
     out = tmp_path_factory.mktemp("worlds")
-    res = run_module("mopd.profiling.bench_worlds", "--quick", "--json", "--results-dir", str(out))
+    res = run_module("mopd.profiling.bench.worlds", "--quick", "--json", "--results-dir", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines()]  # --json: nothing else
     return rows, out, res.stderr
@@ -107,4 +108,4 @@ def test_bad_flags_are_one_line(argv: list[str], says: str, capsys: pytest.Captu
 
 def test_mopd_bench_knows_it() -> None:
     assert "worlds" in cli.BENCHMARKS
-    assert cli.bench_module("worlds") == "mopd.profiling.bench_worlds"
+    assert cli.bench_module("worlds") == "mopd.profiling.bench.worlds"

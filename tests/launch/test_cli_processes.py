@@ -81,7 +81,7 @@ def test_bad_flags_fail_before_torch_is_imported() -> None:
 
 def test_capture_quick_cpu_run_is_labelled_functional(tmp_path: Path) -> None:
     res = run_module(  # the benchmark picks a free port
-        "mopd.profiling.bench_capture", "--quick", "--iters", "2", "--results-dir", str(tmp_path)
+        "mopd.profiling.bench.capture", "--quick", "--iters", "2", "--results-dir", str(tmp_path)
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("| path |") == 1
@@ -199,13 +199,13 @@ def test_bench_help_is_the_benchmarks_own_named_as_typed(
     assert "(default: 50000)" in " ".join(out.split())
     assert err == "" and asked == []
     res = subprocess.run(
-        [sys.executable, "-m", "mopd.profiling.bench_ranges", "--help"],
+        [sys.executable, "-m", "mopd.profiling.bench.ranges", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
         env={k: v for k, v in os.environ.items() if k != "MOPD_PROG"},
     )
-    assert res.stdout.startswith("usage: python -m mopd.profiling.bench_ranges ["), res.stdout
+    assert res.stdout.startswith("usage: python -m mopd.profiling.bench.ranges ["), res.stdout
     assert res.stderr == ""
 
 

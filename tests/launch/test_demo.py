@@ -11,7 +11,7 @@ loss-curve PNG it writes, a line per step in a log, its ``--json`` form (``"roll
 (a one-rank run of them), the held-out KL of every teacher ends at most 0.9x where it started.
 
 Independence of the parallelism: every weight is drawn from its full name's seed, and a sample's
-tokens from noise keyed by its id (:mod:`mopd.profiling.sampling`), so the 8-rank job (student
+tokens from noise keyed by its id (:mod:`mopd.profiling.demo.sampling`), so the 8-rank job (student
 TP2 CP2 DP2, teachers TP2 DP2 and TP4), a one-rank job and a pipelined job (student and teacher
 PP=2, 4 micro-batches, megatron's default loss path) sample the same rollouts wherever their
 logits agree up to float reordering. Compared: the first two steps (step 1 from the same weights,
@@ -45,7 +45,7 @@ from typing import Any
 import pytest
 import torch
 
-from mopd.profiling import demo
+from mopd.profiling.demo import run as demo
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("held-out", "sample", "exchange+plan", "teacher fwd", "student fwd+bwd", "finish")

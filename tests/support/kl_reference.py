@@ -4,7 +4,7 @@ Why this file exists: the chunked, vocab-parallel loss in :mod:`mopd.kernels.kl`
 (tier 1, 2 and 3 tests) against one obviously-correct formula over the full, unsharded
 vocabulary. Nothing here is fast or memory-frugal, on purpose, and nothing in the library
 imports it (the numerics benchmark has its own float64 reference in
-:mod:`mopd.profiling.kl_numerics`).
+:mod:`mopd.profiling.bench.kl_numerics`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.capture import OutputLayerInputCapture, ReusableBuffer, get_opd_full_capture_context
-from mopd.profiling.allocations import count_allocations
+from mopd.profiling.bench.allocations import count_allocations
 from tests.support import megatron_cpu as mc
 
 TORCHRUN_NPROC = 2

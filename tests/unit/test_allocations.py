@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopd.profiling.allocations import count_allocations
+from mopd.profiling.bench.allocations import count_allocations
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling import bench_capture, bench_ranges
+from mopd.profiling.bench import capture as bench_capture
+from mopd.profiling.bench import ranges as bench_ranges
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

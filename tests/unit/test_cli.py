@@ -65,9 +65,9 @@ def test_demo_gets_every_argument(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plan_missing_exits_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "mopd.profiling.plan_inspector", None)  # -> not found
+    monkeypatch.setitem(sys.modules, "mopd.profiling.plan", None)  # -> not found
     assert cli.main(["plan", "--x"]) == 2
-    assert "mopd.profiling.plan_inspector is not available" in capsys.readouterr().err
+    assert "mopd.profiling.plan is not available" in capsys.readouterr().err
 
 
 def test_broken_import_inside_target_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
 """Tier 1: the demo's verdict line, results file and loss-curve picture
-(:mod:`mopd.profiling.demo_report`).
+(:mod:`mopd.profiling.demo.report`).
 
 What a reader relies on: the last line says whether the rows were exact and whether the
 student's held-out KL fell for every teacher, with the ratios it judged by; the results file
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling.demo_report import verdict, write
+from mopd.profiling.demo.report import verdict, write
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

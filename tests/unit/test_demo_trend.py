@@ -1,4 +1,4 @@
-"""Tier 1: the demo's trend line says what its numbers did (:func:`mopd.profiling.demo_job._trend`).
+"""Tier 1: the demo's trend line says what its numbers did (:func:`mopd.profiling.demo.report._trend`).
 
 What a reader relies on: the line gives first -> last and their ratio, and names every step at
 which the series went up; "fell every step" only when every step went down.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mopd.profiling.demo_job import _trend
+from mopd.profiling.demo.report import _trend
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mopd.profiling import bench_kernels
+from mopd.profiling.bench import kernels as bench_kernels
 
 
 def test_quick_run_records_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mopd.profiling import bench_kl
+from mopd.profiling.bench import kl as bench_kl
 
 
 def _rows(path: Path) -> list[dict[str, str]]:

@@ -46,7 +46,7 @@ from mopd.bridge.plan import plan_rank, plan_ranks
 from mopd.bridge.record import read_step, stack_records
 from mopd.bridge.route import bruck_partners, route_rows
 from mopd.bridge.topology import Topology
-from mopd.profiling import bench_plan_job
+from mopd.profiling.bench import plan_job as bench_plan_job
 from tests.support.plan_oracle import normalise
 from tests.support.plan_sim import contiguous_step, step_records
 from tests.support.route_sim import run_members

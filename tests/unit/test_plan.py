@@ -561,7 +561,8 @@ def test_topology_catalog_builds_groups_on_access_with_the_micro_batch_rows() ->
 def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from mopd.profiling import bench_plan, cli
+    from mopd.profiling import cli
+    from mopd.profiling.bench import plan as bench_plan
 
     assert "plan" in cli.BENCHMARKS
     argv = ["--ranks", "16", "32", "--tokens-per-rank", "64", "--max-len", "40", "--repeats", "2"]
@@ -602,7 +603,7 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
 
 def test_bench_plan_baseline_is_the_retired_planners_record(tmp_path: Path) -> None:
     """The global planner is gone; its recorded figures are the baseline, read per rank count."""
-    from mopd.profiling import bench_plan
+    from mopd.profiling.bench import plan as bench_plan
 
     # the checkout's record, as written (the tests run the installed package, whose wheel leaves
     # profiling/results out, so the folder is named here)

@@ -1,4 +1,4 @@
-"""Tier 1: ``mopd plan`` (profiling/plan_inspector.py) against figures derived apart from it.
+"""Tier 1: ``mopd plan`` (profiling/plan/inspector.py) against figures derived apart from it.
 
 Each case runs ``main()`` as a user would, reads the JSON and the printed summary, and checks
 them against what this file derives on its own: expected token counts from plain arithmetic on
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mopd.profiling import cli
-from mopd.profiling.plan_inspector import PlanReport, PlanRequest, inspect_plan, main
+from mopd.profiling.plan import PlanReport, PlanRequest, inspect_plan, main
 from tests.support.plan_oracle import oracle_plans
 from tests.support.plan_sim import deliver, expected_slice, key_sources
 

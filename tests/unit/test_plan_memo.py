@@ -25,7 +25,7 @@ from mopd.bridge.offline import OfflineBridge
 from mopd.bridge.peers import exchange_records
 from mopd.bridge.record import read_step
 from mopd.bridge.step import BridgeStep
-from mopd.profiling import bench_plan_job
+from mopd.profiling.bench import plan_job as bench_plan_job
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["replicas", "sp_shards"])

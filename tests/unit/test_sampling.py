@@ -1,4 +1,4 @@
-"""Tier 1: the demo's sampler (:mod:`mopd.profiling.sampling`) in one process.
+"""Tier 1: the demo's sampler (:mod:`mopd.profiling.demo.sampling`) in one process.
 
 What the demo relies on: a sample's noise depends on its seed, stream and id only (so two meshes
 sample the same tokens from the same logits); the Gumbel-max rule draws from
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mopd.profiling.sampling import (
+from mopd.profiling.demo.sampling import (
     SamplingConfig,
     choose_tokens,
     gumbel_noise,

@@ -44,7 +44,7 @@ its schedule; the host path's lockstep scores, then trains, and gains the whole 
 run on gloo on a GPU machine too
 (NCCL cannot put two ranks on one GPU), so every row says so.
 
-Run: ``python -m mopd.profiling.bench_worlds [--json] [--quick] [--results-dir DIR]`` (or
+Run: ``python -m mopd.profiling.bench.worlds [--json] [--quick] [--results-dir DIR]`` (or
 ``mopd bench worlds``; needs Ray: ``pip install "mopd-bridge[ray]"``). A table (``--json``: one
 JSON object per configuration, and nothing else on stdout) and a summary line; records
 ``worlds-<machine>-<date>.{csv,md}`` in the results folder (not with ``--no-record``).
@@ -75,7 +75,7 @@ TIMEOUT_S = 600.0
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_worlds"), description=__doc__.splitlines()[0]
+        prog=prog_for("mopd.profiling.bench.worlds"), description=__doc__.splitlines()[0]
     )
     p.add_argument("--micro-batches", type=int, default=4, help="M per step (default: 4)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per row (default: 4)")

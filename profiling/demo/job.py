@@ -5,7 +5,7 @@ then runs :func:`worker` from here, as a megatron-core user's training script wo
 their own meshes, :class:`mopd.mcore.Distiller` once, then per step ``Distiller.step`` around
 megatron's ``get_forward_backward_func()``, an optimizer step, step 1 verified bit-exact against
 an all-gather reference, and a report per phase. On-policy: each step the student samples its
-responses to the step's prompts under its own mesh (:mod:`mopd.profiling.sampling`), and before
+responses to the step's prompts under its own mesh (:mod:`mopd.profiling.demo.sampling`), and before
 each step a fixed held-out set is scored against the teachers, so the report shows whether the
 student gets closer to them.
 """
@@ -15,41 +15,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import itertools
-import json
 import math
 import os
 import re
 import sys
 import time
 import zlib
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mopd.profiling import phases
-from mopd.profiling.demo_config import DemoConfig
+from mopd.profiling.demo.config import DemoConfig
 
 if TYPE_CHECKING:
     import torch
 
     from mopd.mcore import Rollouts
 
+from mopd.profiling.demo.config import PHASES, STOP_TOKEN
+from mopd.profiling.demo.report import ReportMixin
+from mopd.profiling.demo.verify import VerifyMixin
+
 __all__ = ["worker"]
 
-#: The timed phases of one step, in table order.
-PHASES: tuple[str, ...] = (
-    "held-out",
-    "sample",
-    "exchange+plan",
-    "teacher fwd",
-    "student fwd+bwd",
-    "finish",
-    "optimizer",
-)
-
-#: The token that ends a response; the domain tag of teacher ``k``'s prompts is ``1 + k``, and
-#: the rest of a prompt draws from the ids after the tags.
-STOP_TOKEN = 0
 
 #: Sampling streams: the held-out set's continuations and the training rollouts draw
 #: independent noise even where their sample ids overlap.
@@ -134,7 +121,7 @@ def _init_weights(
             p.copy_(full.to(p.device, p.dtype))
 
 
-class _Job:
+class _Job(VerifyMixin, ReportMixin):
     """One rank's share of the demo (built collectively, then :meth:`run`)."""
 
     def __init__(
@@ -332,15 +319,15 @@ class _Job:
 
         Each student DP replica ``d`` samples part ``d`` of ``ids`` (contiguous,
         :func:`~mopd.mcore.split_samples`) under the student's TP/CP/PP
-        (:func:`~mopd.profiling.sampling.generate`); every copy is checked equal over the job
-        (:func:`~mopd.profiling.sampling.check_copies_agree`). The replica's first rank (TP, CP
+        (:func:`~mopd.profiling.demo.sampling.generate`); every copy is checked equal over the job
+        (:func:`~mopd.profiling.demo.sampling.check_copies_agree`). The replica's first rank (TP, CP
         and PP rank 0) returns them as :class:`~mopd.mcore.Rollouts` (sample ids, routed to
         teacher ``id % num_teachers``) and keeps their token ids for the report
         (:attr:`sampled`); every other rank returns ``None``. Replicas in DP order hold the
         samples in id order, so the step's micro-batches are contiguous runs of ids on any mesh.
         """
         from mopd.mcore import Rollouts, split_samples
-        from mopd.profiling.sampling import SamplingConfig, check_copies_agree, generate
+        from mopd.profiling.demo.sampling import SamplingConfig, check_copies_agree, generate
 
         cfg = self.cfg
         timeout_s = self.timeout.total_seconds()
@@ -547,7 +534,7 @@ class _Job:
             phases.enter("reporting (gathering every rank's figures)")
             self._report()
         elif self.rank == 0 and self.verified:
-            from mopd.profiling.demo_report import verdict
+            from mopd.profiling.demo.report import verdict
 
             line = verdict(rows_ok=False, bad_ranks=self.verified["bad_ranks"], heldout=[])
             print(line, file=self.out, flush=True)
@@ -619,350 +606,4 @@ class _Job:
 
     # ---- verification ------------------------------------------------------------------------
 
-    def _verify(self, dstep: Any) -> bool:
-        """Every student rank checks its bridged rows against an all-gather reference (bit-exact).
-
-        Reference: each teacher's hidden states from a second forward-only pass over the same
-        micro-batches (those ``Distiller.step`` built from the rollouts and ran,
-        :attr:`~mopd.mcore.DistillationStep.teacher_micro_batches`; deterministic: the same
-        bits), all-gathered with the key of every row;
-        the student's rows are joined to it by key. Checked: the owner of each row
-        (``sample_id % num_teachers``, ``-1`` for padding), each owned row equal to the reference
-        row, one row per token of its teacher (compact, in layout order).
-        """
-        import torch
-        import torch.distributed as dist
-
-        from mopd.bridge.layout import encode_keys
-        from mopd.mcore import micro_batch_layout
-        from mopd.mcore.teacher import run_teacher
-
-        cfg, dev = self.cfg, self.device
-        s_mbs, t_mbs = dstep.micro_batches, dstep.teacher_micro_batches
-        stride = cfg.seq_len
-        problems: list[str] = []
-        checked = 0
-        for k, mesh in enumerate(self.teacher_meshes):
-            seen: dict[int, torch.Tensor] = {}
-            if t_mbs[k] is not None:
-                run_teacher(
-                    self.teachers[k],
-                    t_mbs[k],
-                    pg_collection=self.teacher_pgs[k],
-                    on_hidden=lambda i, h, seen=seen: seen.__setitem__(i, h.clone()),
-                )
-            h = cfg.teacher_hidden[k]
-            for i in range(cfg.micro_batches):
-                cap = cfg.seq_len * cfg.samples
-                rows = torch.zeros(cap, h, dtype=torch.float32, device=dev)
-                keys = torch.full((cap,), -1, dtype=torch.int64, device=dev)
-                tc = mesh.coord(self.rank)
-                if i in seen and tc is not None and tc.tp_rank == 0:
-                    flat = seen[i].reshape(-1, h)
-                    lay = micro_batch_layout(t_mbs[k][i], rows="hidden")
-                    rows[: flat.shape[0]] = flat
-                    keys[: flat.shape[0]] = encode_keys(lay.sample_id_R, lay.position_R, stride).to(
-                        dev
-                    )
-                every_rows = [torch.empty_like(rows) for _ in range(self.world)]
-                every_keys = [torch.empty_like(keys) for _ in range(self.world)]
-                dist.all_gather(every_rows, rows)
-                dist.all_gather(every_keys, keys)
-                all_keys, all_rows = torch.cat(every_keys).cpu(), torch.cat(every_rows)
-                valid = all_keys >= 0
-                all_keys, all_rows = all_keys[valid], all_rows[valid.to(dev)]
-                order = torch.argsort(all_keys)
-                ref_keys, ref_rows = all_keys[order], all_rows[order.to(dev)]
-                if not self.student_mesh.is_last_stage(self.rank):
-                    continue
-                got = dstep.bridge_step.receive(i)[k]
-                owner = dstep.bridge_step.owner(i).cpu()
-                if (
-                    self.args.inject_mismatch
-                    and k == 0
-                    and i == 0
-                    and self.rank == max(self.student_mesh.ranks)
-                ):
-                    got = got.clone()  # compact rows: row 0 is teacher 0's first token
-                    got[0, 0] += 1.0
-                lay = micro_batch_layout(s_mbs[i], rows="logits", pg_collection=self.student_pg)
-                keys_N = encode_keys(lay.sample_id_R, lay.position_R, stride)
-                want_owner = torch.where(
-                    keys_N >= 0, lay.sample_id_R % cfg.num_teachers, torch.full_like(keys_N, -1)
-                )
-                if k == 0 and not torch.equal(owner, want_owner):
-                    problems.append(
-                        f"micro-batch {i}: {int((owner != want_owner).sum())} rows have the wrong owner"
-                    )
-                mine = (want_owner == k).nonzero().reshape(-1)
-                pos = torch.searchsorted(ref_keys, keys_N[mine]).clamp(
-                    max=max(ref_keys.numel() - 1, 0)
-                )
-                if mine.numel() and not torch.equal(ref_keys[pos], keys_N[mine]):
-                    problems.append(
-                        f"teacher {k} micro-batch {i}: student keys missing from the reference"
-                    )
-                    continue
-                if got.shape[0] != mine.numel():  # compact: one row per token of teacher k
-                    problems.append(
-                        f"teacher {k} micro-batch {i}: {got.shape[0]} rows arrived for "
-                        f"{mine.numel()} tokens"
-                    )
-                    continue
-                if not torch.equal(got, ref_rows[pos.to(dev)]):
-                    diff = (got != ref_rows[pos.to(dev)]).any(dim=1).nonzero().reshape(-1)
-                    first = int(mine[diff[0]])
-                    problems.append(
-                        f"teacher {k} micro-batch {i}: {diff.numel()} of {mine.numel()} rows differ "
-                        f"from the reference (first: row {first}, sample "
-                        f"{int(lay.sample_id_R[first])}, position {int(lay.position_R[first])})"
-                    )
-                checked += mine.numel()
-        flag = torch.tensor([1 if problems else 0, checked], dtype=torch.int64, device=dev)
-        dist.all_reduce(flag)
-        for p in problems:
-            print(f"verification: global rank {self.rank}: {p}", file=sys.stderr, flush=True)
-        self.verified = {"ok": int(flag[0]) == 0, "rows": int(flag[1]), "bad_ranks": int(flag[0])}
-        if self.rank == 0:
-            if int(flag[0]) == 0:
-                print(
-                    f"verification: OK (step 1: {int(flag[1])} bridged rows on "
-                    f"{len(self.student_mesh.last_stage_ranks())} student ranks, "
-                    f"{cfg.micro_batches} micro-batches, bit-exact against the all-gather reference)",
-                    file=self.out,
-                    flush=True,
-                )
-            else:
-                print(
-                    f"verification: MISMATCH on {int(flag[0])} rank(s)", file=self.out, flush=True
-                )
-        return int(flag[0]) == 0
-
     # ---- printing ----------------------------------------------------------------------------
-
-    def _print_meshes(self) -> None:
-        cfg = self.cfg
-        lines = [
-            f"world: {self.world} ranks, backend {os.environ.get('MOPD_DEMO_BACKEND', 'gloo')}"
-        ]
-        for i, m in enumerate(self.teacher_meshes):
-            lines.append(
-                f"{m} hidden={cfg.teacher_hidden[i]} sp={'on' if self._sp(m.tp) else 'off'} "
-                f"frozen; gets samples with id % {cfg.num_teachers} == {i}"
-            )
-        lines.append(
-            f"{self.student_mesh} hidden={cfg.student_hidden} THD-packed, CP zigzag; "
-            f"vocab={cfg.vocab} layers={cfg.layers} heads={cfg.heads}"
-        )
-        lines.append(
-            f"step: {cfg.samples} prompts of {cfg.prompt_len} tokens (a domain tag, 1 + teacher, "
-            f"then random ids); the student samples each response (temperature "
-            f"{cfg.temperature:g}, stop token {STOP_TOKEN}, at most {cfg.max_new_tokens} tokens); "
-            f"{cfg.micro_batches} micro-batches, megatron's "
-            f"{'per-token' if cfg.per_token_loss else 'default'} loss path, Adam lr {cfg.lr:g}"
-        )
-        print("\n".join(f"  {x}" for x in lines), file=self.out, flush=True)
-
-    def _report(self) -> None:
-        import torch.distributed as dist
-
-        cfg = self.cfg
-        times = self.times.to(self.device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        links: list[Any] = [None] * self.world
-        dist.all_gather_object(links, self.link_bytes)
-        sampled: list[Any] = [None] * self.world
-        dist.all_gather_object(sampled, self.sampled)
-        if self.rank != 0:
-            return
-        link_bytes: dict[tuple[int, int, int], int] = {}
-        for part in links:
-            for key, n in part.items():
-                link_bytes[key] = link_bytes.get(key, 0) + n
-        # every sampling call's samples, from the replicas' first ranks: prompt + response
-        calls: list[dict[int, list[int]]] = [{} for _ in range(1 + cfg.steps)]
-        for part in sampled:
-            for j, call in enumerate(part):
-                calls[j].update({s: p + r for s, (p, r) in call.items()})
-        heldout_tokens, rollouts = calls[0], calls[1:]
-        ms = times.cpu() * 1e3
-        tokens = sum(len(t) for step in rollouts for t in step.values())
-        lengths = [[len(step[s]) - cfg.prompt_len for s in sorted(step)] for step in rollouts]
-        stopped = sum(
-            t[-1] == STOP_TOKEN and len(t) > cfg.prompt_len
-            for step in rollouts
-            for t in step.values()
-        )
-        heldout = self.heldout_kl.tolist()
-        rollout_kl = self.rollout_kl.tolist()
-        trends = {
-            "rollout_kl": _trend([float(x) for x in self.losses]),
-            "heldout_kl": [_trend(h) for h in heldout],
-        }
-        cross = sum(n for (o, s, d), n in link_bytes.items() if s != d)
-        local = sum(n for (o, s, d), n in link_bytes.items() if s == d)
-        masked, saved = self._masked_bytes(link_bytes, rollouts)
-        result = {
-            "config": cfg.as_dict(),
-            "verification": self.verified,
-            "rollouts": "student",
-            "loss_per_step": [float(x) for x in self.losses],
-            "rollout_kl": rollout_kl,
-            "heldout_kl": heldout,
-            "response_lengths": lengths,
-            "stopped_responses": stopped,
-            "rollout_digest": [_digest(step) for step in rollouts],
-            "heldout_digest": _digest(heldout_tokens),
-            "trends": trends,
-            "phase_ms_max_over_ranks": {
-                name: [float(ms[s, k]) for s in range(cfg.steps)] for k, name in enumerate(PHASES)
-            },
-            "bytes_sent": cross,
-            "bytes_local": local,
-            "masked_tokens": masked,
-            "bytes_saved_by_mask": saved,
-            "logits_bytes_instead": 4 * cfg.vocab * tokens,
-            "links": [
-                {"teacher": o, "src": s, "dst": d, "bytes": n}
-                for (o, s, d), n in sorted(link_bytes.items())
-            ],
-        }
-        ending = self._record(result)
-        if self.args.json:
-            print(json.dumps(result), flush=True)
-            print("\n".join(ending), file=self.out, flush=True)
-            return
-        n = cfg.num_teachers
-        time_head = ["step", *PHASES, "total"]
-        time_rows = [
-            [str(s + 1), *(f"{float(x):.1f}" for x in ms[s]), f"{float(ms[s].sum()):.1f}"]
-            for s in range(cfg.steps)
-        ]
-        kl_head = ["step", "rollout KL (the loss)"]
-        kl_head += [f"rollout t{k}" for k in range(n)] + [f"held-out t{k}" for k in range(n)]
-        kl_rows = [
-            [str(s + 1), f"{float(self.losses[s]):.6f}"]
-            + [f"{rollout_kl[k][s]:.6f}" for k in range(n)]
-            + [f"{heldout[k][s]:.6f}" for k in range(n)]
-            for s in range(cfg.steps)
-        ]
-        out = ["  time per phase (ms, max over ranks):"]
-        out += _table(time_head, time_rows)
-        out.append("")
-        out.append(
-            "  reverse KL per response token of the student that samples the step (before its "
-            "update):\n  rollout = on the step's fresh rollouts (all, then per teacher tk), "
-            "held-out = on the fixed held-out set:"
-        )
-        out += _table(kl_head, kl_rows)
-        flat = [n for step in lengths for n in step]
-        out.append(
-            f"  rollouts: {len(flat)} responses sampled by the student, {min(flat)}.."
-            f"{max(flat)} tokens (mean {sum(flat) / len(flat):.1f}), {stopped} ended by the "
-            "stop token"
-        )
-        out.append("")
-        if self.args.links:
-            out.append(
-                f"  bytes per link (teacher rank -> student rank, from the plans, {cfg.steps} "
-                "steps):"
-            )
-            for (owner, src, dst), nbytes in sorted(link_bytes.items()):
-                kind = "local copy" if src == dst else "sent"
-                out.append(f"    teacher{owner} r{src} -> r{dst}  {_human(nbytes):>10}  {kind}")
-        out.append(
-            f"  bytes over {len(link_bytes)} teacher-to-student links (--links lists them): "
-            f"{_human(cross)} sent, {_human(local)} local copies (teacher logits instead: "
-            f"{_human(4 * cfg.vocab * tokens)}, {tokens} tokens x {cfg.vocab} fp32)"
-        )
-        out.append(
-            f"  prompt tokens (loss mask) not sent: {masked} tokens, {_human(saved)} saved "
-            f"({100 * saved / max(saved + cross + local, 1):.0f}% of the unmasked traffic)"
-        )
-        out.append(f"  rollout KL: {trends['rollout_kl']}")
-        for k in range(cfg.num_teachers):
-            out.append(f"  held-out KL teacher {k}: {trends['heldout_kl'][k]}")
-        print("\n".join(out + ending), file=self.out, flush=True)
-
-    def _record(self, result: dict[str, Any]) -> list[str]:
-        """Write the results JSON and the loss-curve PNG (rank 0); the run's last lines: where
-        they went, then the verdict."""
-        from pathlib import Path
-
-        from mopd.profiling.demo_report import verdict, write
-        from mopd.profiling.extras import can_draw
-        from mopd.profiling.results import default_results_dir, environment
-
-        out_dir = Path(self.args.results_dir) if self.args.results_dir else default_results_dir()
-        json_path, png = write(
-            result, out_dir=out_dir, env=environment(), draw=can_draw("mopd demo")
-        )
-        wrote = f"  results: {json_path}" + (f" and its loss curves {png.name}" if png else "")
-        line = verdict(
-            rows_ok=bool(self.verified.get("ok")),
-            bad_ranks=int(self.verified.get("bad_ranks", 0)),
-            heldout=result["heldout_kl"],
-        )
-        return [wrote, line]
-
-    def _masked_bytes(
-        self, link_bytes: dict[tuple[int, int, int], int], rollouts: list[dict[int, list[int]]]
-    ) -> tuple[int, int]:
-        """``(tokens, bytes)`` the loss mask kept off the bridge over the run: each teacher's
-        moved bytes per counted token (every counted token moves once, from the plans) times
-        the prompt tokens routed to it."""
-        cfg = self.cfg
-        counted = [0] * cfg.num_teachers
-        masked = [0] * cfg.num_teachers
-        for step in rollouts:
-            for s, t in step.items():
-                k = s % cfg.num_teachers
-                prompt = min(cfg.prompt_len, len(t))
-                masked[k] += prompt
-                counted[k] += len(t) - prompt
-        moved = [0] * cfg.num_teachers
-        for (o, _s, _d), n in link_bytes.items():
-            moved[o] += n
-        saved = sum(moved[k] * masked[k] // max(counted[k], 1) for k in range(cfg.num_teachers))
-        return sum(masked), saved
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Lines of a right-aligned text table under ``head``."""
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-
-    def fmt(r: Sequence[str]) -> str:
-        return "    " + "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))
-
-    return [fmt(head), "    " + "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(fmt, rows)]
-
-
-def _trend(values: Sequence[float]) -> str:
-    """What a per-step series did: first -> last, their ratio, and every step where it rose."""
-    if len(values) == 1:  # one value is no trend
-        return f"{values[0]:.4f} (one step)"
-    first, last = values[0], values[-1]
-    rose = [k + 1 for k in range(1, len(values)) if values[k] > values[k - 1]]
-    if rose:  # step k (1-based) rose when its value is above step k - 1's
-        what = f"rose at step{'s' if len(rose) > 1 else ''} {', '.join(map(str, rose))}"
-    elif all(b < a for a, b in itertools.pairwise(values)):
-        what = "fell every step"
-    else:
-        what = "never rose (flat at some step)"
-    ratio = f"{last / first:.2f}x" if first > 0 else "n/a"
-    return f"{first:.4f} -> {last:.4f} ({ratio}), {what}"
-
-
-def _digest(tokens: dict[int, list[int]]) -> int:
-    """CRC-32 of samples' token ids in sample-id order (rollouts compared across runs)."""
-    crc = 0
-    for s in sorted(tokens):
-        crc = zlib.crc32(f"{s}:{tokens[s]};".encode(), crc)
-    return crc
-
-
-def _human(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    exp = min(int(math.log(n, 1024)), 3)
-    return f"{n / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB'][exp]}"

@@ -35,7 +35,7 @@ The two ranks must not share a core with anything else: on a busy machine the fi
 about the machine than the library (the run prints the load average it saw). Times are one CPU
 thread per rank, the ratios are the figure.
 
-Run: ``python -m mopd.profiling.bench_overlap [--ratios 0.5 1 2] [--json] [--results-dir DIR]``
+Run: ``python -m mopd.profiling.bench.overlap [--ratios 0.5 1 2] [--json] [--results-dir DIR]``
 (or ``mopd bench overlap``). Each ratio says on stderr when it starts and what it measured
 (``n of N``); then a table (``--json``: one JSON object per ratio, ``teacher_to_student``,
 ``step_over_floor``, ..., and nothing else on stdout) and a summary line. Records ``overlap-<machine>-<date>.{csv,md}`` in
@@ -106,7 +106,7 @@ def plot(rows: Sequence[dict[str, Any]], png: Path, title: str) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_overlap"), description=__doc__.splitlines()[0]
+        prog=prog_for("mopd.profiling.bench.overlap"), description=__doc__.splitlines()[0]
     )
     p.add_argument(
         "--ratios",

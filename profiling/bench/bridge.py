@@ -21,10 +21,10 @@ On CPU ranks (gloo) the times are functional figures (the paths run, the rows ar
 bytes and launches are what a GPU run moves), not link or kernel speed: ranks share this
 machine's cores. Every table, note and the plot say so. Planning at scale is ``mopd bench plan``.
 
-Run: ``python -m mopd.profiling.bench_bridge [--quick] [--nproc N] [--json] [--results-dir DIR]``
+Run: ``python -m mopd.profiling.bench.bridge [--quick] [--nproc N] [--json] [--results-dir DIR]``
 (or ``mopd bench bridge``). Without torchrun it starts ``--nproc`` ranks itself (default 4 gloo
 ranks on CPU, 1 NCCL rank on a GPU: send/recv to itself); under
-``torchrun --nproc-per-node N -m mopd.profiling.bench_bridge`` it uses torchrun's world.
+``torchrun --nproc-per-node N -m mopd.profiling.bench.bridge`` it uses torchrun's world.
 Records ``bridge-<machine>-<date>.{csv,md,png}`` under the results folder
 (:func:`mopd.profiling.results.default_results_dir`).
 """
@@ -684,7 +684,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_bridge"), description=__doc__.splitlines()[0]
+        prog=prog_for("mopd.profiling.bench.bridge"), description=__doc__.splitlines()[0]
     )
     p.add_argument("--quick", action="store_true", help="small sizes (CPU / harness check)")
     p.add_argument(

@@ -39,7 +39,7 @@ micro-batch, 4096 tokens per rank), the retired global planner's recorded figure
 ``profiling/results/`` in a checkout (:data:`BASELINE`). Each rank count prints a line on
 stderr as it starts and ends. Figures are one CPU thread of this machine.
 
-Run: ``python -m mopd.profiling.bench_plan [--ranks N ...] [--json] [--results-dir DIR]``
+Run: ``python -m mopd.profiling.bench.plan [--ranks N ...] [--json] [--results-dir DIR]``
 (or ``mopd bench plan``). ``--json`` prints one JSON object per rank count; otherwise a table.
 Records ``plan-step-<machine>-<date>.{csv,md}`` and a log-log figure
 ``plan-step-<machine>-<date>-vs-ranks.png`` in the results folder (``--results-dir``; by default
@@ -84,7 +84,7 @@ from mopd.bridge.peers import (
 from mopd.bridge.plan import plan_rank
 from mopd.bridge.route import RADIX
 from mopd.bridge.step import BridgeStep
-from mopd.profiling.bench_plan_job import (
+from mopd.profiling.bench.plan_job import (
     ExchangeSim,
     Step,
     build_step,
@@ -441,7 +441,7 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
     not there, e.g. in an installed package, whose wheel leaves ``results/`` out)."""
     import csv
 
-    path = (results_dir or Path(__file__).resolve().parent / "results") / f"{BASELINE}.csv"
+    path = (results_dir or Path(__file__).resolve().parents[1] / "results") / f"{BASELINE}.csv"
     if not path.is_file():
         return {}
     out: dict[int, dict[str, float | None]] = {}
@@ -459,7 +459,7 @@ def recorded_previous(results_dir: Path | None = None) -> dict[tuple[int, str], 
     recorded (:data:`PREVIOUS`; empty where the record is not there)."""
     import csv
 
-    path = (results_dir or Path(__file__).resolve().parent / "results") / f"{PREVIOUS}.csv"
+    path = (results_dir or Path(__file__).resolve().parents[1] / "results") / f"{PREVIOUS}.csv"
     if not path.is_file():
         return {}
     with path.open(newline="") as f:
@@ -665,7 +665,7 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_plan"), description=__doc__.splitlines()[0]
+        prog=prog_for("mopd.profiling.bench.plan"), description=__doc__.splitlines()[0]
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS))
     parser.add_argument(

@@ -8,7 +8,7 @@ zero-allocation path), a recycled ``buffer=``, the default (a fresh tensor per c
 answer), and the usual ``all_gather`` into a fresh list + ``torch.cat``; plus the forward-time
 overhead of the capture hook on a Megatron GPTModel on a GPU.
 
-Allocations are counted, not timed (:mod:`mopd.profiling.allocations`): on a CPU, the caller's
+Allocations are counted, not timed (:mod:`mopd.profiling.bench.allocations`): on a CPU, the caller's
 own allocator calls apart from those the collective's backend makes for itself (gloo's CPU
 all-gather stages through temporaries); on CUDA, the caching allocator's count (not split).
 
@@ -17,7 +17,7 @@ run, the buffer is reused), not performance, and the table, the notes and the pl
 allocation counts are exact. The plot puts each path beside the first row (``x`` = its time / the
 ``out=`` path's) on a log axis when the times span decades.
 
-Run: ``python -m mopd.profiling.bench_capture [--quick] [--results-dir DIR]`` (one process: the
+Run: ``python -m mopd.profiling.bench.capture [--quick] [--results-dir DIR]`` (one process: the
 gather is a copy) or under ``torchrun --nproc-per-node N`` (the gather over N ranks; rank 0
 records). Records ``capture-<machine>-<date>.{csv,md,png}`` (``capture-<N>ranks-...`` under
 torchrun) under the results folder (:func:`mopd.profiling.results.default_results_dir`).
@@ -144,7 +144,7 @@ def _capture_step(
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_capture"), description=__doc__.split("\n\n")[0]
+        prog=prog_for("mopd.profiling.bench.capture"), description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--quick", action="store_true", help="small sizes (harness check on CPU)")
     p.add_argument("--results-dir", type=Path, default=None)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from mopd.capture import ReusableBuffer
-    from mopd.profiling.allocations import count_allocations
+    from mopd.profiling.bench.allocations import count_allocations
     from mopd.profiling.results import CPU_CAVEAT, format_table, record
 
     cuda = torch.cuda.is_available()

@@ -19,7 +19,7 @@ by its mean % of the copy over the index kinds, and prints them as a ``DEFAULT_V
 for :mod:`mopd.kernels.rows.cupy_rows`. With all variants it runs in well under a minute on an H200
 (plus the one-time NVRTC compile of rows.cu when CuPy's cache is cold).
 
-Run: ``python -m mopd.profiling.bench_kernels`` on a GPU; ``--quick`` for a small CPU run that
+Run: ``python -m mopd.profiling.bench.kernels`` on a GPU; ``--quick`` for a small CPU run that
 only checks the harness (torch twins, perf_counter timing: functional figures, not performance,
 as its table, notes and plot say; nothing recorded unless ``--results-dir`` is given).
 """
@@ -285,7 +285,7 @@ def summarize(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_kernels"), description=__doc__.split("\n\n")[0]
+        prog=prog_for("mopd.profiling.bench.kernels"), description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="small CPU run: harness check only")
     parser.add_argument("--gib", type=float, default=None, help="payload per buffer (>= 1 on GPU)")

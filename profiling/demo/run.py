@@ -3,7 +3,7 @@
 Why this file exists: a user should see the whole pipeline work, end to end and verified, before
 wiring it into a trainer. ``main`` checks the flags, then starts torchrun itself (8 CPU ranks with
 gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
-(:mod:`mopd.profiling.demo_job`), which trains the way a megatron-core user does:
+(:mod:`mopd.profiling.demo.job`), which trains the way a megatron-core user does:
 
 - two frozen teacher GPTModels, each on its own mesh with its own hidden size (default teacher 0:
   TP2 DP2 on ranks 0-3, teacher 1: TP4 on ranks 4-7, SP on), and a student GPTModel on its own
@@ -14,7 +14,7 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
 - each step, on-policy: the step's prompts with global ids (sample ``i`` goes to teacher
   ``i % num_teachers``; its prompt starts with that teacher's domain tag); each student DP
   replica samples the responses to its share under the student's own TP/CP/PP
-  (:mod:`mopd.profiling.sampling`: temperature, a stop token, a maximum length); each
+  (:mod:`mopd.profiling.demo.sampling`: temperature, a stop token, a maximum length); each
   replica's first rank passes them as :class:`mopd.mcore.Rollouts` to
   ``Distiller.step(rollouts, num_micro_batches=M)`` (the other ranks pass ``None``), which
   moves their token ids where they are used, builds every model's micro-batches (the student's
@@ -29,7 +29,7 @@ gloo by default, NCCL when there are enough GPUs); every rank runs ``--worker``
   exit non-zero; otherwise rank 0 prints ``verification: OK``; a line per step off a terminal (a
   progress bar on one); then time per phase, the rollout and held-out KL per step (and what
   they did), the bytes moved (``--links``: per link); the results JSON and a PNG of the KL
-  curves go to the results folder (:mod:`mopd.profiling.demo_report`), and the last line is the
+  curves go to the results folder (:mod:`mopd.profiling.demo.report`), and the last line is the
   verdict, ``mopd demo: OK - rows exact, student learned: held-out KL 0.60x / 0.68x``
   (``--json``: the results as one JSON object on stdout instead, the rest on stderr).
 
@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import replace
 
-from mopd.profiling.demo_config import DemoConfig
+from mopd.profiling.demo.config import DemoConfig
 from mopd.profiling.mesh_arg import MeshSpec, OneLineParser, parse_int_list, parse_mesh
 
 __all__ = ["DemoConfig", "main"]
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         from mopd.profiling import phases
 
         phases.enter("starting: importing torch and megatron-core")
-        from mopd.profiling.demo_job import worker
+        from mopd.profiling.demo.job import worker
 
         return worker(args, cfg)
     from mopd.profiling.extras import missing_megatron

@@ -1,7 +1,7 @@
 """The demo's configuration: what every rank of ``mopd demo`` needs, validated in one place.
 
 Why this file exists: the launcher (:mod:`mopd.profiling.demo`) checks the flags before it starts
-any rank, and each rank (:mod:`mopd.profiling.demo_job`) runs from the same validated values;
+any rank, and each rank (:mod:`mopd.profiling.demo.job`) runs from the same validated values;
 both import this module, neither imports the other.
 """
 
@@ -11,7 +11,22 @@ from dataclasses import dataclass
 
 from mopd.profiling.mesh_arg import MeshSpec
 
-__all__ = ["DemoConfig", "flag"]
+__all__ = ["PHASES", "STOP_TOKEN", "DemoConfig", "flag"]
+
+#: The timed phases of one step, in table order.
+PHASES: tuple[str, ...] = (
+    "held-out",
+    "sample",
+    "exchange+plan",
+    "teacher fwd",
+    "student fwd+bwd",
+    "finish",
+    "optimizer",
+)
+
+#: The token that ends a response; the domain tag of teacher ``k``'s prompts is ``1 + k``, and
+#: the rest of a prompt draws from the ids after the tags.
+STOP_TOKEN = 0
 
 #: Configuration fields whose flag is not ``--`` plus the name with dashes.
 _FLAGS = {"per_token_loss": "--loss-path"}

@@ -9,7 +9,7 @@ These are host-side costs, so a CPU run measures them as well as a GPU machine's
 are per machine). The plot is on a log scale: it exists to show the near-zero cost of the OFF
 rows beside peers that cost tens of times more.
 
-Run: ``python -m mopd.profiling.bench_ranges [--iters N] [--repeat R] [--results-dir DIR]``
+Run: ``python -m mopd.profiling.bench.ranges [--iters N] [--repeat R] [--results-dir DIR]``
 (or ``mopd bench ranges``). Records ``ranges-<machine>-<date>.{csv,md,png}`` under the results
 folder (:func:`mopd.profiling.results.default_results_dir`).
 """
@@ -136,7 +136,7 @@ def plot(rows: Sequence[dict[str, object]], png: Path, title: str) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_ranges"), description=__doc__.splitlines()[0]
+        prog=prog_for("mopd.profiling.bench.ranges"), description=__doc__.splitlines()[0]
     )
     parser.add_argument("--iters", type=int, default=50_000, help="calls per timing run")
     parser.add_argument("--repeat", type=int, default=5, help="timing runs (median taken)")

@@ -23,7 +23,7 @@ compared with ours (``loss_rel_diff``) as a sanity check. Recorded as ``kl``.
 
 ``numerics``: relative loss and gradient errors against float64 from the same bf16 inputs, for
 this loss, a plain torch bf16 computation and (GPU, where it imports) Liger-Kernel, over logit
-std 1-16 and V 32000 and 151936 (:mod:`mopd.profiling.kl_numerics`). Recorded as
+std 1-16 and V 32000 and 151936 (:mod:`mopd.profiling.bench.kl_numerics`). Recorded as
 ``kl-numerics`` with a log-scale plot (``...-errors.png``); ``--baseline CSV`` adds a table of
 an earlier run's errors beside these (``kl-numerics-vs-baseline``).
 
@@ -34,7 +34,7 @@ case as it is measured (``n of N``, seconds so far: 12 cases take about 4.5 min 
 print the worst errors per method, path and kind (every row goes to the CSV) and end in a summary
 line.
 
-Run: ``python -m mopd.profiling.bench_kl`` (GPU: both parts; CPU: numerics);
+Run: ``python -m mopd.profiling.bench.kl`` (GPU: both parts; CPU: numerics);
 ``--quick`` for a small run of both parts that only checks the harness (nothing recorded unless
 ``--results-dir`` is given).
 """
@@ -53,7 +53,7 @@ import torch
 
 from mopd.kernels.backend import cupy_available
 from mopd.kernels.kl import KLConfig, choose_chunk_tokens, fused_vocab_parallel_kl
-from mopd.profiling import kl_numerics
+from mopd.profiling.bench import kl_numerics
 from mopd.profiling.extras import can_draw
 from mopd.profiling.mesh_arg import OneLineParser, prog_for
 from mopd.profiling.results import default_results_dir, environment, format_table, record
@@ -379,7 +379,7 @@ def cpu_skips(args: argparse.Namespace, *, cuda: bool) -> str | None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(
-        prog=prog_for("mopd.profiling.bench_kl"), description=(__doc__ or "").split("\n\n")[0]
+        prog=prog_for("mopd.profiling.bench.kl"), description=(__doc__ or "").split("\n\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="small CPU run: harness check only")
     parser.add_argument("--part", nargs="+", choices=PARTS, default=None, help="which parts")
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(KL summed over T={args.num_tokens} tokens), gradients ||g - g64|| / ||g64|| "
             f"(grad_rel_err: the worst of the inputs' gradients, logits or hidden + weight). "
             f"H={args.num_hidden}, student logits within noise 0.25 of the teacher's "
-            "(mopd.profiling.kl_numerics). Errors do not depend on speed: a CPU run is a "
+            "(mopd.profiling.bench.kl_numerics). Errors do not depend on speed: a CPU run is a "
             "measurement of the CPU path. "
             + " ".join(peer_notes)
             + (" QUICK RUN: harness check." if args.quick else "")
