@@ -4,7 +4,7 @@ Why this file exists: every benchmark (kernels, KL, bridge, capture, ranges, pla
 figures side by side with its peers and records them with the machine, the versions and the
 date, in one place: ``mopd-results/`` at the root of a checkout of this repository (which git
 ignores: a run leaves no untracked file; the figures the repository keeps are copied to
-``profiling/results/`` by hand), ``./mopd-results/`` elsewhere (``--results-dir`` changes it). Long runs show their progress on stderr, and
+``docs/results/`` by hand), ``./mopd-results/`` elsewhere (``--results-dir`` changes it). Long runs show their progress on stderr, and
 only on a terminal, so that logs and ``--json`` output stay clean.
 """
 

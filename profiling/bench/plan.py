@@ -36,14 +36,14 @@ rank receives on a changed step (counted; the two small all-reduces modelled), b
 ``allgather_bytes_gather`` (every record). ``plan_ms`` is, as before, decoding + ``plan_rank`` +
 ``check_rank`` of one micro-batch from every record; beside it, at the recorded setup (one
 micro-batch, 4096 tokens per rank), the retired global planner's recorded figures, read from
-``profiling/results/`` in a checkout (:data:`BASELINE`). Each rank count prints a line on
+``docs/results/`` in a checkout (:data:`BASELINE`). Each rank count prints a line on
 stderr as it starts and ends. Figures are one CPU thread of this machine.
 
 Run: ``python -m mopd.profiling.bench.plan [--ranks N ...] [--json] [--results-dir DIR]``
 (or ``mopd bench plan``). ``--json`` prints one JSON object per rank count; otherwise a table.
 Records ``plan-step-<machine>-<date>.{csv,md}`` and a log-log figure
 ``plan-step-<machine>-<date>-vs-ranks.png`` in the results folder (``--results-dir``; by default
-``profiling/results/`` inside a checkout, ``./mopd-results/`` elsewhere; not with ``--no-record``).
+``docs/results/`` inside a checkout, ``./mopd-results/`` elsewhere; not with ``--no-record``).
 """
 
 from __future__ import annotations
@@ -441,7 +441,7 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
     not there, e.g. in an installed package, whose wheel leaves ``results/`` out)."""
     import csv
 
-    path = (results_dir or Path(__file__).resolve().parents[1] / "results") / f"{BASELINE}.csv"
+    path = (results_dir or Path(__file__).resolve().parents[2] / "docs" / "results") / f"{BASELINE}.csv"
     if not path.is_file():
         return {}
     out: dict[int, dict[str, float | None]] = {}
@@ -459,7 +459,7 @@ def recorded_previous(results_dir: Path | None = None) -> dict[tuple[int, str], 
     recorded (:data:`PREVIOUS`; empty where the record is not there)."""
     import csv
 
-    path = (results_dir or Path(__file__).resolve().parents[1] / "results") / f"{PREVIOUS}.csv"
+    path = (results_dir or Path(__file__).resolve().parents[2] / "docs" / "results") / f"{PREVIOUS}.csv"
     if not path.is_file():
         return {}
     with path.open(newline="") as f:
@@ -627,7 +627,7 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "record (the all-gather's matrix, a fresh copy, not timed; `verdict_plan_gather_ms` "
         "its verdict and plans), by the same planner: what routing saves; "
         f"`step_host_miss_recorded_ms`: the path before this change, as recorded in "
-        f"profiling/results/{PREVIOUS}.md (another run, another load). "
+        f"docs/results/{PREVIOUS}.md (another run, another load). "
         "`step_host_ms`: a repeated step (the "
         "plan memo's records serve; no planner runs). Each: the least of up to "
         f"{args.repeats} steps (every record: a third of that), the slowest of three ranks "
@@ -656,7 +656,7 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "sending its own SP shard (TeacherSpec(sp_shards=True): tp = 8 times the sending "
         "groups). `plan_ms`: decode + plan_rank + check_rank of one micro-batch of one rank "
         "from every record; `global_plan_ms`: the retired global planner recorded in "
-        f"profiling/results/{BASELINE}.md, only at its setup. `held_mib`: the records a rank "
+        f"docs/results/{BASELINE}.md, only at its setup. `held_mib`: the records a rank "
         "holds (its peers' and its own, padded), `matrix_mib`: every record (what it held "
         "before); `plan_alloc_mib`: tracemalloc peak of planning one micro-batch.",
     ]

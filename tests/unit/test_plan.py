@@ -606,8 +606,8 @@ def test_bench_plan_baseline_is_the_retired_planners_record(tmp_path: Path) -> N
     from mopd.profiling.bench import plan as bench_plan
 
     # the checkout's record, as written (the tests run the installed package, whose wheel leaves
-    # profiling/results out, so the folder is named here)
-    recorded = bench_plan.recorded_global(Path(__file__).resolve().parents[2] / "profiling/results")
+    # docs/results out, so the folder is named here)
+    recorded = bench_plan.recorded_global(Path(__file__).resolve().parents[2] / "docs/results")
     assert recorded[256]["global_plan_ms"] == 32.33
     assert recorded[16384]["global_rss_growth_mib"] == 3717.4
     assert bench_plan.recorded_global(tmp_path) == {}  # no record there: no baseline
