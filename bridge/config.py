@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mopd.bridge.mesh import Mesh
+from mopd.common import dist as cdist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -20,9 +21,10 @@ __all__ = [
     "TeacherSpec",
 ]
 
-#: The bridge's default ``timeout_s``, and the wait of a ``GroupPool``'s groups made without one
-#: (until a :class:`~mopd.mcore.Distiller` on the pool bounds them by its own).
-DEFAULT_TIMEOUT_S = 300.0
+#: The bridge's default ``timeout_s`` (the library's one default, :data:`mopd.common.dist.
+#: DEFAULT_TIMEOUT_S`), and the wait of a ``GroupPool``'s groups made without one (until a
+#: :class:`~mopd.mcore.Distiller` on the pool bounds them by its own).
+DEFAULT_TIMEOUT_S = cdist.DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True, kw_only=True)

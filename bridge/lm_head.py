@@ -35,7 +35,7 @@ from mopd.bridge.metadata import code_dtype, dtype_code
 from mopd.bridge.plan import plan_rank
 from mopd.common import dist as cdist
 from mopd.common import ranges
-from mopd.common.dist import all_gather_flat
+from mopd.common.dist import DEFAULT_TIMEOUT_S, all_gather_flat
 
 __all__ = ["LMHeadShard", "VocabSpec", "lm_head_catalog", "reshard_lm_head"]
 
@@ -153,7 +153,7 @@ def reshard_lm_head(
     vocab: VocabSpec,
     hidden_size: int,
     groups: BridgeGroups,
-    timeout_s: float = 300.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     local_copy: bool = True,
 ) -> LMHeadShard | None:
     """Move the teacher's ``output_layer`` weight rows into the student's vocab partitions.

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "KL_TIMEOUT_FACTOR",
     "MESSAGE_BYTES",
     "NodeGroups",
     "ReduceOpLike",
@@ -59,6 +61,13 @@ ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
 #: ``all_gather_into_tensor`` under the name torch >= 2.13 prefers (it deprecates the old one):
 #: ``all_gather_into(output, input, group=..., async_op=...)``.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: The library's one default wait, in seconds: the bridge's ``timeout_s``, a ``GroupPool``'s groups,
+#: the LM-head reshard, the rollouts' log-probs and a Ray worker group; the KL's collectives wait
+#: :data:`KL_TIMEOUT_FACTOR` times it (they follow a whole chunked forward of the vocabulary).
+DEFAULT_TIMEOUT_S = 300.0
+#: The KL's ``timeout_s`` in units of :data:`DEFAULT_TIMEOUT_S`.
+KL_TIMEOUT_FACTOR = 2
 
 #: Bytes of a problem's text carried to every rank by :func:`same_verdict`.
 MESSAGE_BYTES = 4000

@@ -27,6 +27,7 @@ from mopd.bridge.lm_head import LMHeadShard, VocabSpec, reshard_lm_head
 from mopd.bridge.mesh import Mesh
 from mopd.capture.unwrap import find_output_layer, unwrap_model
 from mopd.common import dist as cdist
+from mopd.common.dist import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "MEGATRON_VOCAB_MULTIPLE",
@@ -164,7 +165,7 @@ def lm_head_from_models(
     student: Mesh,
     groups: BridgeGroups,
     vocab_size: int | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     local_copy: bool = True,
 ) -> LMHeadShard | None:
     """:func:`reshard_lm_head` with every size read off the Megatron models.

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.common import dist as cdist
+from mopd.common.dist import DEFAULT_TIMEOUT_S
 
 __all__ = ["cross_entropy", "token_logprobs"]
 
@@ -76,7 +77,7 @@ def token_logprobs(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-    timeout_s: float | None = 300.0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> torch.Tensor:
     """``log p_S(labels)`` per row, fp32, differentiable into ``logits`` (collective over the TP
     group).
@@ -114,7 +115,7 @@ def cross_entropy(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-    timeout_s: float | None = 300.0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> torch.Tensor:
     """The per-row cross-entropy ``-log p_S(labels)`` (an SFT term), over ``tp_group`` and the
     real vocabulary: :func:`token_logprobs` negated, with its arguments, shapes and gradient."""

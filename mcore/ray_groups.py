@@ -38,11 +38,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mopd.bridge.errors import BridgeCommError, BridgeTimeoutError
+from mopd.common.dist import DEFAULT_TIMEOUT_S
 
 __all__ = ["PendingCall", "WorkerGroup"]
 
-#: How long a group waits for its actors (to start, to answer a call) unless told otherwise.
-DEFAULT_TIMEOUT_S = 300.0
 #: How long after a call finds an actor dead the group ends its other actors (``grace_s``).
 DEFAULT_GRACE_S = 5.0
 #: The variables a group sets on each actor (``env`` may not set them).

@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from mopd.common.dist import DEFAULT_TIMEOUT_S, KL_TIMEOUT_FACTOR
 from mopd.kernels.backend import Backend
 
 __all__ = [
@@ -78,7 +79,7 @@ class KLConfig:
     chunk_tokens: int | None = None
     backend: Backend = "auto"
     debug: bool = False
-    timeout_s: float | None = 600.0
+    timeout_s: float | None = KL_TIMEOUT_FACTOR * DEFAULT_TIMEOUT_S
     sum_hidden_grad_over_tp: bool = True
     weight_grad_accumulation: WeightGradAccumulation = "auto"
 

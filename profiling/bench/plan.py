@@ -441,7 +441,9 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
     not there, e.g. in an installed package, whose wheel leaves ``results/`` out)."""
     import csv
 
-    path = (results_dir or Path(__file__).resolve().parents[2] / "docs" / "results") / f"{BASELINE}.csv"
+    path = (
+        results_dir or Path(__file__).resolve().parents[2] / "docs" / "results"
+    ) / f"{BASELINE}.csv"
     if not path.is_file():
         return {}
     out: dict[int, dict[str, float | None]] = {}
@@ -459,7 +461,9 @@ def recorded_previous(results_dir: Path | None = None) -> dict[tuple[int, str], 
     recorded (:data:`PREVIOUS`; empty where the record is not there)."""
     import csv
 
-    path = (results_dir or Path(__file__).resolve().parents[2] / "docs" / "results") / f"{PREVIOUS}.csv"
+    path = (
+        results_dir or Path(__file__).resolve().parents[2] / "docs" / "results"
+    ) / f"{PREVIOUS}.csv"
     if not path.is_file():
         return {}
     with path.open(newline="") as f:
