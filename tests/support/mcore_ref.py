@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
     "ExtraLoss",
+    "Float64Check",
+    "Reference",
     "bridged_row_problems",
     "compare_grads",
     "compare_loss",
@@ -193,6 +195,108 @@ def compare_grads(
     if worst is not None:
         worst.append(largest)
     return problems
+
+
+class Reference(NamedTuple):
+    """What :func:`reference_step` returns: the float64 loss and ``{full name: full gradient}``."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+
+
+class Float64Check:
+    """The tier-2 loop tests' check of distributed steps against the float64 reference.
+
+    One per test: :meth:`reference` runs the plain computation (:func:`reference_step`),
+    :meth:`loss` and :meth:`grads` (or both at once, :meth:`compare`) compare a step with it
+    within the stated tolerances (loss: relative ``loss_rtol``; each parameter's ``main_grad``:
+    ``grad_rtol`` relative to its norm, see :func:`compare_grads`), collecting the problems and
+    the worst errors over every step the test runs. :meth:`summary` says the worst errors (the
+    line the tests print), :meth:`assert_ok` fails the test on any problem, or if no gradient
+    was compared at all.
+    """
+
+    def __init__(self, *, loss_rtol: float = 1e-5, grad_rtol: float = 1e-4) -> None:
+        self.loss_rtol = loss_rtol
+        self.grad_rtol = grad_rtol
+        self.problems: list[str] = []
+        self.worst_loss: list[float] = []
+        self.worst_grad: list[float] = []
+
+    @staticmethod
+    def reference(
+        student: torch.nn.Module,
+        teachers: Sequence[torch.nn.Module],
+        samples: Sequence[tuple[int, torch.Tensor]],
+        **kwargs: Any,
+    ) -> Reference:
+        """The plain step's loss and full gradients (:func:`reference_step`'s arguments)."""
+        return Reference(*reference_step(student, teachers, samples, **kwargs))
+
+    def _add(self, what: str, problems: list[str]) -> None:
+        self.problems += [f"{what}: {p}" if what else p for p in problems]
+
+    def loss(self, ref: tuple[float, Any], loss: float | None, *, what: str = "") -> None:
+        """A step's loss (the student's last stage holds it: never ``None`` here) against the
+        reference's, within ``loss_rtol``."""
+        assert loss is not None, f"{what or 'the step'}: no loss on a rank that holds it"
+        self._add(what, compare_loss(loss, ref[0], rtol=self.loss_rtol, worst=self.worst_loss))
+
+    def grads(
+        self,
+        ref: tuple[float, dict[str, torch.Tensor]],
+        model: torch.nn.Module,
+        names: dict[str, str],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        glu: bool = False,
+        what: str = "",
+    ) -> None:
+        """Each parameter's ``main_grad`` of ``model`` (unwrapped from DDP here) against its shard
+        of the reference gradient, within ``grad_rtol`` (:func:`compare_grads`)."""
+        problems = compare_grads(
+            unwrapped(model),
+            names,
+            ref[1],
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            rtol=self.grad_rtol,
+            worst=self.worst_grad,
+            glu=glu,
+        )
+        self._add(what, problems)
+
+    def compare(
+        self,
+        ref: tuple[float, dict[str, torch.Tensor]],
+        *,
+        loss: float | None,
+        holds_loss: bool,
+        model: torch.nn.Module,
+        names: dict[str, str],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        glu: bool = False,
+        what: str = "",
+    ) -> None:
+        """:meth:`loss` where this rank ``holds_loss`` (the student's last stage), then
+        :meth:`grads`."""
+        if holds_loss:
+            self.loss(ref, loss, what=what)
+        self.grads(ref, model, names, tp_rank=tp_rank, tp_size=tp_size, glu=glu, what=what)
+
+    def summary(self) -> str:
+        """The worst errors seen: ``largest relative loss error 1.2e-07, gradient 3.4e-06``."""
+        return (
+            f"largest relative loss error {max(self.worst_loss, default=0.0):.2e}, "
+            f"gradient {max(self.worst_grad, default=0.0):.2e}"
+        )
+
+    def assert_ok(self, *, limit: int = 20) -> None:
+        """Fail on any problem found (the first ``limit`` named), or if no gradient was compared."""
+        assert self.worst_grad, "no gradient was compared with the float64 reference"
+        assert not self.problems, "\n".join(self.problems[:limit])
 
 
 def unwrapped(model: Any) -> torch.nn.Module:

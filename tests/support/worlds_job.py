@@ -302,7 +302,7 @@ def _reference(
 ) -> dict[str, Any]:
     """The float64 reference's loss and each ``main_grad``'s largest relative error."""
     from tests.support.mcore_models import full_gpt
-    from tests.support.mcore_ref import reference_step
+    from tests.support.mcore_ref import Float64Check
 
     seqs = [torch.cat([p, r]) for p, r in zip(smp["prompts"], smp["responses"], strict=True)]
     rows = []
@@ -320,7 +320,8 @@ def _reference(
         full_gpt(hidden=HIDDEN_T[k], seed=11 + k, vocab=V, seq=S, layers=LAYERS)[0]
         for k in range(n)
     ]
-    ref_loss, ref_grads = reference_step(
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
+    ref = check.reference(
         full_s,
         full_ts,
         list(zip(smp["teachers"], seqs, strict=True)),
@@ -328,23 +329,16 @@ def _reference(
         masks=rows,
         extra=extra,
     )
-    from tests.support.mcore_ref import compare_grads, compare_loss, unwrapped
-
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
-    problems = []
-    if loss is not None:
-        problems += compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
     c = smesh.coord(rank)
-    problems += compare_grads(
-        unwrapped(model), names, ref_grads, tp_rank=c.tp_rank, tp_size=smesh.tp, rtol=1e-4,
-        worst=worst_grad,
+    check.compare(
+        ref, loss=loss, holds_loss=loss is not None, model=model, names=names,
+        tp_rank=c.tp_rank, tp_size=smesh.tp,
     )  # fmt: skip
     return {
-        "ref_loss": ref_loss,
-        "problems": problems,
-        "loss_err": worst_loss[0] if worst_loss else None,
-        "grad_err": max(worst_grad),
+        "ref_loss": ref.loss,
+        "problems": check.problems,
+        "loss_err": check.worst_loss[0] if check.worst_loss else None,
+        "grad_err": max(check.worst_grad),
     }
 
 

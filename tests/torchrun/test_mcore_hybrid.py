@@ -179,12 +179,9 @@ def test_one_step_rows_loss_and_grads_match_direct(world: Any, case: str) -> Non
     from mopd.bridge import BridgeConfig, GroupPool, Mesh
     from mopd.mcore import Distiller, MeshModel, megatron_process_groups
     from tests.support.mcore_ref import (
+        Float64Check,
         bridged_row_problems,
-        compare_grads,
-        compare_loss,
         masked_padded_micro_batches,
-        reference_step,
-        unwrapped,
     )
 
     t_kind, t_kw, s_kw, s_sp, thd, per_token = CASES[case]
@@ -240,35 +237,29 @@ def test_one_step_rows_loss_and_grads_match_direct(world: Any, case: str) -> Non
         )
     assert step.bridge_step.finished
     ids = [s for ids in micro for s in ids]
-    ref_loss, ref_grads = reference_step(
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
+    check.problems += problems  # the bridged rows'
+    ref = check.reference(
         full_student,
         [full_teacher],
         [(0, toks[s]) for s in ids],
         vocab_size=V,
         masks=[mask[s] for s in ids],
     )
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
     if smesh.is_last_stage(rank):
         assert checked > 0, "no bridged row was checked on a student last-stage rank"
-        loss = step.mean_loss()
-        assert loss is not None
-        problems += compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
     sc = smesh.coord(rank)
-    problems += compare_grads(
-        unwrapped(student),
-        names,
-        ref_grads,
+    check.compare(
+        ref,
+        loss=step.mean_loss(),
+        holds_loss=smesh.is_last_stage(rank),
+        model=student,
+        names=names,
         tp_rank=sc.tp_rank,
         tp_size=smesh.tp,
-        rtol=1e-4,
-        worst=worst_grad,
     )
-    print(
-        f"{case}: {checked} bridged rows bit-exact; largest relative loss error "
-        f"{max(worst_loss, default=0.0):.2e}, gradient {max(worst_grad):.2e}"
-    )
-    assert not problems, "\n".join(problems[:20])
+    print(f"{case}: {checked} bridged rows bit-exact; {check.summary()}")
+    check.assert_ok()
 
 
 def test_capture_on_a_hybrid_model_under_tp2_sp_equals_its_logits(world: Any) -> None:

@@ -189,7 +189,7 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
 
     from mopd.bridge import BridgeConfig, GroupPool, Mesh
     from mopd.mcore import Distiller, MeshModel, megatron_process_groups
-    from tests.support.mcore_ref import compare_grads, compare_loss, reference_step, unwrapped
+    from tests.support.mcore_ref import Float64Check
 
     smesh_kw, s_sp, thd = CASES[case]
     rank = dist.get_rank()
@@ -202,9 +202,7 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
     teacher, _, _ = _sharded(tmesh, tpg, full_t, hidden=48, sp=True, thd=False)
     teacher.eval()
     tc, sc = tmesh.coord(rank), smesh.coord(rank)
-    problems: list[str] = []
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
     for per_token in (True, False):
         student, names, scfg = _sharded(
             smesh, spg, full_s, hidden=32, sp=s_sp, thd=thd, per_token=per_token
@@ -248,33 +246,22 @@ def test_schedule_loss_and_grads_match_direct(world: Any, case: str) -> None:
             ]
             assert not ours, ours  # e.g. no "in flight" warning at 12 micro-batches
             loss = step.mean_loss()
-            ref_loss, ref_grads = reference_step(
+            ref = check.reference(
                 full_s_model, [full_t_model], [(0, toks[i]) for i in ids], vocab_size=V
             )
-            what = f"{case} per_token={per_token} M={m}"
-            if smesh.is_last_stage(rank):
-                assert loss is not None
-                problems += [
-                    f"{what}: {p}"
-                    for p in compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
-                ]
-            problems += [
-                f"{what}: {p}"
-                for p in compare_grads(
-                    unwrapped(student),
-                    names,
-                    ref_grads,
-                    tp_rank=sc.tp_rank,
-                    tp_size=smesh.tp,
-                    rtol=1e-4,
-                    worst=worst_grad,
-                )
-            ]
+            check.compare(
+                ref,
+                loss=loss,
+                holds_loss=smesh.is_last_stage(rank),
+                model=student,
+                names=names,
+                tp_rank=sc.tp_rank,
+                tp_size=smesh.tp,
+                what=f"{case} per_token={per_token} M={m}",
+            )
     del tc
-    print(
-        f"{case}: largest relative loss error {max(worst_loss, default=0.0):.2e}, gradient {max(worst_grad):.2e}"
-    )
-    assert not problems, "\n".join(problems[:20])
+    print(f"{case}: {check.summary()}")
+    check.assert_ok()
 
 
 def test_inline_send_in_forward_step(world: Any) -> None:

@@ -246,7 +246,7 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
 
     from mopd.bridge import BridgeConfig, GroupPool, Mesh
     from mopd.mcore import Distiller, MeshModel, megatron_process_groups
-    from tests.support.mcore_ref import compare_grads, compare_loss, reference_step, unwrapped
+    from tests.support.mcore_ref import Float64Check
 
     spec = CASES[case]
     n_teachers = spec.get("teachers", 1)
@@ -269,9 +269,7 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
             model.eval()
         teachers.append(MeshModel(mesh=m, model=model, pg_collection=pg))
     sc = smesh.coord(rank)
-    problems: list[str] = []
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
     moved_ok = True
     for per_token in (True, False):
         student, names, scfg = _sharded(
@@ -346,7 +344,7 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
         moved_ok &= int(moved) == want
         if rank == 0:
             print(f"{what}: bridge moved {int(moved)} bytes, counted tokens {counted}")
-        ref_loss, ref_grads = reference_step(
+        ref = check.reference(
             full_s_model,
             [f[0] for f in fulls],
             [(k, batch.tokens[s]) for s, k in zip(batch.ids(), owner, strict=True)],
@@ -355,25 +353,16 @@ def test_onpolicy_loss_and_grads_match_direct(world: Any, case: str) -> None:
             teacher_weights=(0.0,) * n_teachers if loss_kind == "rl" else weights,
             extra=None if loss_kind == "kl" else _extra_reference(loss_kind, batch),
         )
-        if smesh.is_last_stage(rank):
-            assert loss is not None
-            problems += [
-                f"{what}: {p}" for p in compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
-            ]
-        problems += [
-            f"{what}: {p}"
-            for p in compare_grads(
-                unwrapped(student),
-                names,
-                ref_grads,
-                tp_rank=sc.tp_rank,
-                tp_size=smesh.tp,
-                rtol=1e-4,
-                worst=worst_grad,
-            )
-        ]
-    print(
-        f"{case}: largest relative loss error {max(worst_loss, default=0.0):.2e}, gradient {max(worst_grad):.2e}"
-    )
+        check.compare(
+            ref,
+            loss=loss,
+            holds_loss=smesh.is_last_stage(rank),
+            model=student,
+            names=names,
+            tp_rank=sc.tp_rank,
+            tp_size=smesh.tp,
+            what=what,
+        )
+    print(f"{case}: {check.summary()}")
     assert moved_ok, "the bridge moved rows the loss mask excludes"
-    assert not problems, "\n".join(problems[:20])
+    check.assert_ok()

@@ -234,7 +234,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_grpo_step_from_rollouts_matches_the_shifted_reference(job: Job, case: str) -> None:
-    from tests.support.mcore_ref import compare_grads, compare_loss, unwrapped
+    from tests.support.mcore_ref import Float64Check, unwrapped
 
     thd, per_token = CASES[case]
     smesh, spg, model, names, cfg, distiller = job.student(thd=thd, per_token=per_token)
@@ -250,20 +250,16 @@ def test_grpo_step_from_rollouts_matches_the_shifted_reference(job: Job, case: s
     # where the rollouts sat does not matter: the same micro-batches, the same step
     assert loss == results["one"][0]
     assert all(torch.equal(g, results["one"][1][n]) for n, g in grads.items())
-    ref_loss, ref_grads = samples.reference(job.full_s_model, [f[0] for f in job.fulls])
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
+    ref = samples.reference(job.full_s_model, [f[0] for f in job.fulls])
     sc = smesh.coord(job.rank)
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
-    problems = []
-    if smesh.is_last_stage(job.rank):
-        problems += compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
     for n, p in unwrapped(model).named_parameters():
         p.main_grad.copy_(grads[n])
-    problems += compare_grads(
-        unwrapped(model), names, ref_grads, tp_rank=sc.tp_rank, tp_size=smesh.tp, rtol=1e-4,
-        worst=worst_grad,
+    check.compare(
+        ref, loss=loss, holds_loss=smesh.is_last_stage(job.rank), model=model, names=names,
+        tp_rank=sc.tp_rank, tp_size=smesh.tp, what=case,
     )  # fmt: skip
-    assert not problems, f"{case}: " + "; ".join(problems[:10])
+    check.assert_ok()
     # each counted row names its sample, its position and its sample's advantage
     counted = set()
     for signal in seen:
@@ -298,11 +294,8 @@ def test_grpo_step_from_rollouts_matches_the_shifted_reference(job: Job, case: s
         (samples.teachers[j], i, j) for i in range(M) for j in mopd.samples.micro_batch(i)
     }  # sample index j = sample id j: the library numbered them 0 .. N-1
     assert set().union(*map(set, every_ran)) == routed
-    if worst_loss:  # the student's last stage holds the loss
-        print(
-            f"{case}: global rank {job.rank}: loss error {worst_loss[0]:.2e}, "
-            f"gradient {max(worst_grad):.2e}"
-        )
+    if check.worst_loss:  # the student's last stage holds the loss
+        print(f"{case}: global rank {job.rank}: {check.summary()}")
 
 
 def test_steps_submitted_ahead_are_the_lockstep_steps(job: Job) -> None:
@@ -438,7 +431,7 @@ def test_an_sft_term_with_the_library_cross_entropy_matches_float64(job: Job) ->
     teachers' rows the loss received are there under their documented name."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from tests.support.mcore_ref import compare_grads, compare_loss, reference_step, unwrapped
+    from tests.support.mcore_ref import Float64Check
 
     smesh, spg, model, names, cfg, distiller = job.student(thd=False)
     samples = Samples(seed=10)
@@ -489,7 +482,8 @@ def test_an_sft_term_with_the_library_cross_entropy_matches_float64(job: Job) ->
         labels = torch.cat([seqs[j][1:], torch.zeros(1, dtype=torch.int64)])
         return -LAMBDA * torch.log_softmax(s_logits, -1).gather(-1, labels[:, None])[:, 0]
 
-    ref_loss, ref_grads = reference_step(
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
+    ref = check.reference(
         job.full_s_model,
         [f[0] for f in job.fulls],
         [(k, t) for k, t in zip(samples.teachers, seqs, strict=True)],
@@ -499,11 +493,8 @@ def test_an_sft_term_with_the_library_cross_entropy_matches_float64(job: Job) ->
         extra=sft,
     )
     sc = smesh.coord(job.rank)
-    problems = []
     if smesh.is_last_stage(job.rank):
-        problems += compare_loss(mopd.mean_loss(), ref_loss, rtol=1e-5, worst=[])
+        check.loss(ref, mopd.mean_loss())
         assert min(trap) > 1e-2, trap  # megatron's global-group cross-entropy is another number
-    problems += compare_grads(
-        unwrapped(model), names, ref_grads, tp_rank=sc.tp_rank, tp_size=smesh.tp, rtol=1e-4
-    )
-    assert not problems, "; ".join(problems[:10])
+    check.grads(ref, model, names, tp_rank=sc.tp_rank, tp_size=smesh.tp)
+    check.assert_ok()

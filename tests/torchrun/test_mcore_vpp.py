@@ -117,7 +117,7 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
 
     from mopd.bridge import BridgeConfig, GroupPool, Mesh
     from mopd.mcore import Distiller, MeshModel, megatron_process_groups
-    from tests.support.mcore_ref import compare_grads, compare_loss, reference_step
+    from tests.support.mcore_ref import Float64Check
 
     rank = dist.get_rank()
     pool = GroupPool(timeout_s=120)
@@ -148,9 +148,7 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
             pg_collection=spg,
         )
 
-    problems: list[str] = []
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
     for per_token in (True, False):
         chunks, names, cfg = _chunks(
             smesh, spg, full_s_weights, batch_p2p=False, per_token=per_token
@@ -180,7 +178,7 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
             )
         loss = step.mean_loss()
         ids = sorted(toks)
-        ref_loss, ref_grads = reference_step(
+        ref = check.reference(
             full_s,
             [full_t],
             [(0, toks[s]) for s in ids],
@@ -189,16 +187,9 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
         )
         what = f"per_token={per_token}"
         if smesh.is_last_stage(rank):
-            problems += [
-                f"{what}: {p}" for p in compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
-            ]
+            check.loss(ref, loss, what=what)
         for v, c in enumerate(chunks):
-            problems += [
-                f"{what} chunk {v}: {p}"
-                for p in compare_grads(
-                    c, names[v], ref_grads, tp_rank=0, tp_size=1, rtol=1e-4, worst=worst_grad
-                )
-            ]
+            check.grads(ref, c, names[v], what=f"{what} chunk {v}")
     # 3 micro-batches at PP=2, which megatron's interleaved schedule refuses once running (it
     # wants a multiple of its group size, the pipeline size): the same ValueError on every rank
     # from distiller.step, naming the rule, before the teachers' pass and the schedule
@@ -213,10 +204,8 @@ def test_vpp_student_matches_direct_and_gloo_trap_is_refused(world: Any) -> None
     ):
         distiller.step(held, num_micro_batches=3)
     if smesh.is_last_stage(rank):
-        print(
-            f"vpp: largest relative loss error {max(worst_loss, default=0.0):.2e}, gradient {max(worst_grad):.2e}"
-        )
-    assert not problems, "\n".join(problems[:20])
+        print(f"vpp: {check.summary()}")
+    check.assert_ok()
 
 
 def test_packed_student_at_pp2_without_variable_lengths_fails_early_everywhere(world: Any) -> None:

@@ -213,7 +213,7 @@ def job(world: Any) -> Job:
 @pytest.mark.parametrize("student_padded", [1024, 1008])
 @pytest.mark.parametrize("case", sorted(STUDENTS))
 def test_loss_and_grads_over_the_real_columns(job: Job, case: str, student_padded: int) -> None:
-    from tests.support.mcore_ref import compare_grads, compare_loss, reference_step, unwrapped
+    from tests.support.mcore_ref import Float64Check, unwrapped
 
     mesh_kw, thd = STUDENTS[case]
     smesh, spg, model, names, full_s_model = job.student(mesh_kw, padded=student_padded, thd=thd)
@@ -225,27 +225,22 @@ def test_loss_and_grads_over_the_real_columns(job: Job, case: str, student_padde
     step = _run(distiller, model, spg, s_mbs, t_mbs)
     loss = step.mean_loss()
     ids = [s for ids in micro for s in ids]
-    ref_loss, ref_grads = reference_step(
+    check = Float64Check()  # loss within rtol 1e-5, each gradient within 1e-4
+    ref = check.reference(
         full_s_model, [job.full_t_model], [(0, toks[s]) for s in ids], vocab_size=V
     )
     sc = smesh.coord(job.rank)
-    worst_loss: list[float] = []
-    worst_grad: list[float] = []
-    problems = compare_loss(loss, ref_loss, rtol=1e-5, worst=worst_loss)
-    problems += compare_grads(
-        unwrapped(model),
-        names,
-        ref_grads,
+    check.compare(  # no pipeline: every rank holds the loss
+        ref,
+        loss=loss,
+        holds_loss=True,
+        model=model,
+        names=names,
         tp_rank=sc.tp_rank,
         tp_size=smesh.tp,
-        rtol=1e-4,
-        worst=worst_grad,
         glu=True,
     )
-    print(
-        f"{case} student padded {student_padded}: relative loss error {worst_loss[0]:.2e}, "
-        f"largest gradient error {worst_grad[0]:.2e}"
-    )
+    print(f"{case} student padded {student_padded}: {check.summary()}")
     # the student's padded output rows (global ids >= V) get no gradient at all; its real rows do
     out = unwrapped(model).output_layer.weight
     rows = out.shape[0]
@@ -254,8 +249,10 @@ def test_loss_and_grads_over_the_real_columns(job: Job, case: str, student_padde
     if bool((vocab_ids >= V).any()):
         padded_grad = float(grad[vocab_ids >= V].abs().max())
         if padded_grad != 0.0:
-            problems.append(f"padded output rows got gradient (max |g| {padded_grad:.3e})")
-    assert not problems, f"{case} student padded {student_padded}: " + "; ".join(problems[:10])
+            check.problems.append(f"padded output rows got gradient (max |g| {padded_grad:.3e})")
+    assert not check.problems, f"{case} student padded {student_padded}: " + "; ".join(
+        check.problems[:10]
+    )
     assert float(grad[vocab_ids < V].abs().max()) > 0
     # the teacher's padded LM-head rows never reach the student: its resharded rows past V are
     # zero, although the teacher's own padded rows are not; its real rows are the teacher's
