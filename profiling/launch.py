@@ -18,8 +18,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 from mopd.profiling import phases
 
@@ -35,24 +36,21 @@ def free_port() -> int:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every descendant (torchrun's workers included)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, seen = [pid], []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo.extend(children.get(p, []))
+    """SIGKILL ``pid``, its process group and every descendant (torchrun's workers included).
+
+    The descendants are listed (psutil) before anything is killed, so none is missed by being
+    handed to init when its parent dies first.
+    """
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    for p in seen:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            proc.kill()
 
 
 def run_torchrun(

@@ -60,6 +60,7 @@ _PACKAGE_DIRS = ("capture", "bridge", "kernels", "mcore", "common", "profiling",
 _MODULE_OF = {
     "torch": "torch",
     "numpy": "numpy",
+    "psutil": "psutil",
     "megatron-core": "megatron",
     "cupy-cuda12x": "cupy",
     "cupy-cuda13x": "cupy",
