@@ -68,6 +68,7 @@ from mopd.bridge.failures import FailureBoard
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import Agreement, LayoutArg, StepChecks, called, check_buffer, layout_list
 from mopd.bridge.layout import TokenLayout
+from mopd.bridge.lifecycle import Lifecycle
 from mopd.bridge.mesh import Mesh, meshes_overlap
 from mopd.bridge.metadata import (
     SIZE,
@@ -288,6 +289,11 @@ class HiddenStateBridge:
         """This rank's executor (schedule cache, staging buffers, figures)."""
         return self._executor
 
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """Whether this rank's bridge may be used, and the first failure that ended it."""
+        return self._executor.lifecycle
+
     def _check_student_tp_group(self) -> str:
         """Why ``groups.student_tp`` cannot serve this rank's all-gather, or ``""``."""
         s = self.student
@@ -364,15 +370,15 @@ class HiddenStateBridge:
         """
         ex = self._executor
         if self.closed:
-            ex.check_usable()
+            self.lifecycle.check_usable()
         if self.groups.bridge is None:
             raise ValueError(
                 f"global rank {self.rank} is in no mesh of this bridge; it must not call it"
             )
-        if ex.failure_hard:  # the transport may be out of step: refuse locally
-            ex.check_usable()
+        if self.lifecycle.hard:  # the transport may be out of step: refuse locally
+            self.lifecycle.check_usable()
         open_steps = [s for s in self._open_steps if not s.finished]
-        if open_steps and ex.failure is None:
+        if open_steps and self.lifecycle.failure is None:
             warnings.warn(
                 f"global rank {self.rank}: a step is planned while {len(open_steps)} earlier "
                 "step(s) of this bridge are not finished; call step.finish() (every rank) after "
@@ -488,14 +494,13 @@ class HiddenStateBridge:
     ) -> tuple[torch.Tensor, list[Section | None], tuple[Agreement, ...]]:
         """This rank's step record, sections and agreements (local; a ``ValueError`` of the
         input becomes the record's error text, which every rank reads after the exchange)."""
-        ex = self._executor
         n = len(self.teachers)
         sections: list[Section | None] = [None] * (n + 1)
         n_slots = -1
         error = ""
         state, unposted = STATE_READY, [s for s in open_steps if s.unposted()]
-        if ex.failure is not None:
-            state, error = STATE_FAILED, ex.failure
+        if self.lifecycle.failure is not None:
+            state, error = STATE_FAILED, self.lifecycle.failure
         elif unposted:
             s0 = unposted[0]
             state = STATE_OPEN

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeStateError, BridgeTimeoutError
+from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
 from mopd.bridge.failures import FailureBoard
 from mopd.bridge.integrity import (
     IntegrityTransport,
@@ -56,6 +56,7 @@ from mopd.bridge.integrity import (
     SlotChecks,
     integrity_verdict,
 )
+from mopd.bridge.lifecycle import Lifecycle
 from mopd.bridge.plan import RankPlan
 from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Side, plan_digest
 from mopd.bridge.transport import (
@@ -81,7 +82,6 @@ __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
 _T = TypeVar("_T")
 #: Characters of the failure text a refusal quotes.
-_FAILURE_CHARS = 800
 
 
 def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
@@ -289,16 +289,11 @@ class Executor:
         self._devs: dict[tuple[str, str], DeviceIndices] = {}
         self._pool = _StagePool()
         self._zeros: dict[tuple[Any, ...], torch.Tensor] = {}
-        #: the first failure (text), and whether it left the transport in an unknown state
-        #: (``True``: refuse locally, no communication; ``False``: a step abandoned by the
-        #: caller, announced to every rank at the next ``plan_step``)
-        self.failure: str | None = None
-        self.failure_hard = False
+        #: whether this rank's bridge may be used, and the first failure that ended it
+        self.lifecycle = Lifecycle(rank)
         #: schedules built (cache misses) and slots issued, for figures and tests
         self.schedules_built = 0
         self.slots_issued = 0
-        #: :meth:`close` was called: every later call is refused
-        self.closed = False
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -391,7 +386,7 @@ class Executor:
     def close(self) -> None:
         """Drop every cached schedule, index copy and staging buffer; refuse every later call
         (local). Idempotent."""
-        self.closed = True
+        self.lifecycle.close()
         self._schedules.clear()
         self._inputs.clear()
         self._devs.clear()
@@ -399,35 +394,19 @@ class Executor:
         self._pool = _StagePool()
         self.debug_hook = None
 
-    def check_usable(self) -> None:
-        """Raise :class:`BridgeStateError` if the bridge was closed or an earlier slot failed
-        (local, no communication)."""
-        if self.closed:
-            raise BridgeStateError(
-                f"global rank {self.rank}: this bridge is closed; build a new one (on new "
-                "groups: a new GroupPool) to go on"
-            )
-        if self.failure is not None:
-            raise BridgeStateError(
-                f"global rank {self.rank}: this bridge cannot be used after a failed exchange "
-                f"({self.failure}); its process group may still hold sends/receives of that "
-                "exchange, which a later one could match. Create new groups (a new GroupPool and "
-                "create_bridge_groups) and a new HiddenStateBridge on every rank."
-            )
-
     def at(self, step: int, phase: str, micro_batch: int | None = None) -> None:
         """Note where this rank is (what a census reports; the place a cause names)."""
         if self.board is not None:
             self.board.progress.at(step, phase, micro_batch)
 
     def mark_failed(self, exc: BaseException) -> None:
-        """Refuse further work, locally (see :meth:`check_usable`); keeps the first cause.
+        """Refuse further work, locally (:meth:`Lifecycle.check_usable`); keeps the first cause.
 
         The job's first failure is published or read (:attr:`board`): a timeout or transport
         error here is a symptom, and a bridge error of that kind then leads with another
         rank's first failure (:meth:`BridgeError.lead_with`); any other error is a cause,
         published as the first failure unless one is there."""
-        if self.failure is None:
+        if self.lifecycle.failure is None:
             text = f"{type(exc).__name__}: {exc}"
             board = self.board
             if board is not None:
@@ -438,8 +417,9 @@ class Executor:
                         text = f"{type(exc).__name__}: {exc}"
                 else:
                     board.cause(f"{type(exc).__name__}: {exc}")
-            self.failure = text[:_FAILURE_CHARS]
-        self.failure_hard = True
+            self.lifecycle.fail(text, hard=True)
+        else:
+            self.lifecycle.fail(None, hard=True)
 
     def mark_abandoned(
         self,
@@ -450,15 +430,14 @@ class Executor:
         rank: int | None = None,
         where: str | None = None,
     ) -> None:
-        """Refuse further work after a step its caller abandoned (see :attr:`failure_hard`);
+        """Refuse further work after a step its caller abandoned (:class:`State` ``ABANDONED``);
         keeps the first cause. ``cause`` (default ``text``) is published as the job's first
         failure unless one is there (``publish=False``: ``text`` only repeats what the matrix
         said of other ranks); ``rank``, ``where``: the rank it is about and its place (default
         this one, where it is)."""
-        if self.failure is None:
-            self.failure = text[:_FAILURE_CHARS]
-            if publish and self.board is not None:
-                self.board.cause(cause if cause is not None else text, rank=rank, where=where)
+        first = self.lifecycle.fail(text, hard=False)  # always recorded, published if first
+        if first and publish and self.board is not None:
+            self.board.cause(cause if cause is not None else text, rank=rank, where=where)
 
     def _dev(self, sched: RankSchedule, device: torch.device) -> DeviceIndices:
         key = (sched.digest, str(device))
@@ -496,7 +475,7 @@ class Executor:
             output_specs: ``owner -> (hidden, dtype)`` of every owner's output buffer.
             device: the bridge's device.
         """
-        self.check_usable()
+        self.lifecycle.check_usable()
         sched = slot.schedule
         slot.device = device
         if sched is None:
@@ -526,7 +505,7 @@ class Executor:
         ``tag``: the step's fence on the wire (transports that match by tag, gloo, never pair an
         operation with another step's; NCCL ignores tags and pairs in issue order, which
         ``plan_step``'s agreement keeps step-major on every rank)."""
-        self.check_usable()
+        self.lifecycle.check_usable()
         sched = slot.schedule
         slot.issued = True
         slot.device = device
@@ -701,7 +680,7 @@ class Executor:
         Any failure here refuses further work: this rank's TP peers may be waiting in the slot's
         all-gather, and receives it posted may still land in its staging buffers.
         """
-        self.check_usable()
+        self.lifecycle.check_usable()
         try:
             self._complete(slot, tp_group=tp_group, deadline=deadline)
         except BaseException as exc:

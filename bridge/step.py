@@ -22,6 +22,7 @@ from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
 from mopd.bridge.executor import Executor, Slot
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import check_buffer
+from mopd.bridge.lifecycle import Lifecycle
 from mopd.bridge.metadata import Section, StepMatrix, code_dtype
 from mopd.bridge.order import StepOrder
 from mopd.bridge.plan import plan_rank
@@ -62,6 +63,9 @@ class StepBridge(Protocol):
 
     @property
     def executor(self) -> Executor: ...
+
+    @property
+    def lifecycle(self) -> Lifecycle: ...
 
 
 class BridgeStep:
@@ -218,8 +222,8 @@ class BridgeStep:
     # --- the data phase ------------------------------------------------------------------------
 
     def _check_index(self, i: int, *, finished_ok: bool = False) -> None:
-        if not finished_ok or self._bridge.executor.closed:
-            self._bridge.executor.check_usable()
+        if not finished_ok or self._bridge.lifecycle.closed:
+            self._bridge.lifecycle.check_usable()
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_micro_batches:
             raise ValueError(f"micro-batch {i!r} outside [0, {self.num_micro_batches})")
         if self.finished and not finished_ok:
@@ -264,7 +268,7 @@ class BridgeStep:
         """
         self._check_index(micro_batch)
         b = self._bridge
-        b.executor.check_usable()
+        b.lifecycle.check_usable()
         b.executor.at(self.seq, "send", micro_batch)
         if not isinstance(hidden, Mapping):
             raise ValueError(
@@ -318,7 +322,7 @@ class BridgeStep:
         """
         self._check_index(micro_batch)
         b = self._bridge
-        b.executor.check_usable()
+        b.lifecycle.check_usable()
         b.executor.at(self.seq, "receive", micro_batch)
         self._order.complete_through(micro_batch, deadline=time.monotonic() + b.config.timeout_s)
         self._order.release_done()
@@ -432,7 +436,7 @@ class BridgeStep:
         if self.finished:
             return
         b = self._bridge
-        b.executor.check_usable()
+        b.lifecycle.check_usable()
         b.executor.at(self.seq, "finish")
         deadline = time.monotonic() + b.config.timeout_s
         self._order.finish(deadline=deadline)

@@ -302,7 +302,7 @@ class Distiller:
         if link is not None and link.world == link.roster.names[0] and link.world_rank == 0:
             with contextlib.suppress(Exception):  # the link is gone: its servers see that
                 link.announce(f"{self._session}/close", "1")
-                if self.bridge.executor.failure is None:  # a dead rank would never answer
+                if self.bridge.lifecycle.failure is None:  # a dead rank would never answer
                     self._await_servers(link)
         self.bridge.close()
         self.groups = self.bridge.groups
@@ -366,7 +366,7 @@ class Distiller:
         """
         try:
             if self.closed:
-                self.bridge.executor.check_usable()  # refused: closed
+                self.bridge.lifecycle.check_usable()  # refused: closed
             if len(self._submitted) > self.steps_ahead:
                 raise ValueError(
                     f"{len(self._submitted)} submitted steps wait for step() already: "
@@ -475,7 +475,7 @@ class Distiller:
         teachers: Sequence[Sequence[MicroBatch] | None] | None,
     ) -> DistillationStep:
         if self.closed:
-            self.bridge.executor.check_usable()  # refused: closed
+            self.bridge.lifecycle.check_usable()  # refused: closed
         samples = None
         scored: dict[int, dict[int, torch.Tensor]] | None = None
         queued = rollouts is None and num_micro_batches is None and student is None
@@ -633,8 +633,8 @@ class Distiller:
                 )
             return None, None, [None] * len(self.teachers), None
         ex = self.bridge.executor
-        if ex.failure_hard:  # the transport may be out of step: refuse locally
-            ex.check_usable()
+        if self.bridge.lifecycle.hard:  # the transport may be out of step: refuse locally
+            self.bridge.lifecycle.check_usable()
         ex.at(seq, "rollouts")
         samples = exchange_rollouts(
             rollouts,

@@ -368,8 +368,8 @@ class DistillationStep:
         for v in self._logged.values():
             total += v.to(device)
         if group is not None and group.size() > 1:
+            self.distiller.bridge.lifecycle.check_usable()
             ex = self.distiller.bridge.executor
-            ex.check_usable()
             ranks = dist.get_process_group_ranks(group)
             ex.timed(
                 lambda: cdist.all_reduce(

@@ -124,7 +124,7 @@ def test_clean_steps_with_integrity_are_exact(nccl_world, local_copy):
     ).wait()[0]
     torch.cuda.synchronize()
     assert torch.equal(bits(got.cpu()), bits(case.want(0, 0)))
-    assert case.bridge.executor.failure is None
+    assert case.bridge.lifecycle.failure is None
 
 
 @pytest.mark.parametrize("point", ["packed", "received"])
@@ -145,5 +145,5 @@ def test_flipped_bit_on_the_nccl_path_is_caught_at_finish(nccl_world, point):
     ):
         case.run(0)
     assert case.got == [True, False, True]  # the corrupted rows were delivered, then judged
-    assert not armed[0] and case.bridge.executor.failure is None
+    assert not armed[0] and case.bridge.lifecycle.failure is None
     assert case.run(1) == [True] * M  # and the bridge works again

@@ -393,7 +393,7 @@ def test_bad_rollouts_are_refused_alike_before_anything_moves(job: Job) -> None:
         assert seen[0][0] == "ValueError", (what, seen[0])
         assert expect in seen[0][1], (what, seen[0][1])
         assert distiller.bridge.executor.slots_issued == before, what
-        assert distiller.bridge.executor.failure is None, what
+        assert distiller.bridge.lifecycle.failure is None, what
     mopd, _ = job.run(distiller, model, spg, cfg, good)  # still usable
     assert mopd.mean_loss() is not None or not smesh.is_last_stage(job.rank)
 

@@ -391,7 +391,9 @@ def test_a_malformed_input_is_the_same_value_error_on_every_rank(job, name):
     ex = job.distiller.bridge.executor
     before = ex.slots_issued
     got = outcome(lambda: job.distiller.step(student=s, teachers=[t]))
-    seen = everyone((got[0], got[1], got[2], ex.slots_issued == before, ex.failure is None))
+    seen = everyone(
+        (got[0], got[1], got[2], ex.slots_issued == before, ex.lifecycle.failure is None)
+    )
     kind, msg, _, _, _ = seen[0]
     assert kind == "ValueError", seen
     assert all(x[:2] == (kind, msg) for x in seen), seen  # the same text everywhere

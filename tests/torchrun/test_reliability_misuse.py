@@ -117,7 +117,7 @@ def fails_alike(bridge: HiddenStateBridge, call: Callable[[], Any], match: str) 
     assert elapsed < FAST_S, f"took {elapsed:.1f} s: a rank waited on a peer"
     after = (ex.slots_issued, ex.memory_stats()["staging_allocations"], bridge.steps)
     assert after == before, f"data moved (or a step was made) before the error: {before} {after}"
-    assert ex.failure is None, "bad input must not break the bridge"
+    assert ex.lifecycle.failure is None, "bad input must not break the bridge"
     msgs = everyone(str(info.value))
     assert all(m == msgs[0] for m in msgs), msgs
     return str(msgs[0])

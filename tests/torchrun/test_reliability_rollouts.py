@@ -183,7 +183,7 @@ def test_malformed_rollouts_are_the_same_value_error_on_every_rank(
     ex = job.distiller.bridge.executor
     before = ex.slots_issued
     got = outcome(lambda: job.distiller.step(held, **kwargs))
-    seen = everyone((got[0], got[1], got[2] < T_S, ex.slots_issued == before, ex.failure))
+    seen = everyone((got[0], got[1], got[2] < T_S, ex.slots_issued == before, ex.lifecycle.failure))
     assert all(s == seen[0] for s in seen), seen  # the same error, type and text, everywhere
     kind, msg, fast, nothing_moved, failure = seen[0]
     assert kind == "ValueError" and fast and nothing_moved and failure is None, seen[0]

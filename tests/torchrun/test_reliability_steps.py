@@ -146,7 +146,7 @@ def fails_alike(job: Job, fn: Any) -> str:
     assert all(s[:3] == (seen[0][0], seen[0][1], True) for s in seen), seen
     assert seen[0][0] == "ValueError", seen[0]
     assert job.distiller.bridge.executor.slots_issued == before
-    assert job.distiller.bridge.executor.failure is None  # the bridge stays usable
+    assert job.distiller.bridge.lifecycle.failure is None  # the bridge stays usable
     return seen[0][1]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from mopd.bridge.errors import BridgeStateError, BridgeTimeoutError
 from mopd.bridge.executor import Executor, Slot
+from mopd.bridge.lifecycle import Lifecycle
 from mopd.bridge.order import StepOrder
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.transport import Posted
@@ -115,7 +116,7 @@ def test_a_failed_wait_names_what_was_pending_and_retires_the_executor():
     assert "send to global rank 1" not in msg  # completed before the failure
     assert "timeout_s=1" in msg and "Operation timed out!" in msg
     with pytest.raises(BridgeStateError, match="cannot be used after a failed exchange"):
-        ex.check_usable()
+        ex.lifecycle.check_usable()
 
 
 def test_sends_done_polls_without_waiting():
@@ -131,9 +132,8 @@ def test_sends_done_polls_without_waiting():
 class RecordingExecutor:
     """Stands in for the step's executor: records what it is asked to complete and release."""
 
-    closed = False
-
     def __init__(self, sleep_s: float) -> None:
+        self.lifecycle = Lifecycle(0)
         self.sleep_s = sleep_s
         self.completed: list[tuple[int, float]] = []
         self.released: list[tuple[int, float]] = []
@@ -164,6 +164,7 @@ def _step(n: int, timeout_s: float, sleep_s: float) -> tuple[BridgeStep, Recordi
     step._bridge = SimpleNamespace(  # type: ignore[assignment]
         config=SimpleNamespace(timeout_s=timeout_s, integrity=False),
         executor=ex,
+        lifecycle=ex.lifecycle,
         groups=SimpleNamespace(student_tp=None),
     )
     step.num_micro_batches = n

@@ -409,7 +409,7 @@ def test_one_rank_steps_are_exact_with_and_without_integrity(one_rank_world, int
     assert run(b, 0) and run(b, 1)
     stats = b.executor.memory_stats()
     assert stats["staging_buffers"] == 0  # local copies only: nothing staged
-    assert b.executor.failure is None
+    assert b.lifecycle.failure is None
 
 
 def test_integrity_names_the_micro_batch_of_a_row_changed_after_its_local_copy(one_rank_world):
@@ -438,7 +438,7 @@ def test_integrity_names_the_micro_batch_of_a_row_changed_after_its_local_copy(o
         f"teacher 0, micro-batch 1: global rank 0 -> global rank 0: 1 of {count} rows differ "
         f"(destination rows [{dst_row}], source rows [{src_row}])"
     ), str(info.value)
-    assert b.executor.failure is None  # a caught corruption leaves the bridge usable
+    assert b.lifecycle.failure is None  # a caught corruption leaves the bridge usable
     assert run(b, 1)
 
 
@@ -527,7 +527,7 @@ def test_step_misuse_on_one_rank_raises_at_once(one_rank_world):
         step.receive(0)
     with pytest.raises(BridgeStateError, match="this step is finished"):
         step.send(0, {0: rows(t[0], 0)})
-    assert b.executor.failure is None and run(b, 1)
+    assert b.lifecycle.failure is None and run(b, 1)
 
 
 def test_a_step_left_on_an_error_fails_the_bridge_naming_it(one_rank_world):
@@ -539,7 +539,7 @@ def test_a_step_left_on_an_error_fails_the_bridge_naming_it(one_rank_world):
         for i in range(M):
             step.send(i, {0: rows(t[i], i)})
             step.receive(i)
-    assert step.finished and b.executor.failure is None
+    assert step.finished and b.lifecycle.failure is None
     with pytest.raises(KeyError), b.plan_step(teacher_layouts={0: t}, student_layouts=s) as other:
         other.send(0, {0: rows(t[0], 0)})
         raise KeyError("the schedule failed")
@@ -585,7 +585,7 @@ def test_a_step_whose_unposted_micro_batches_move_nothing_on_the_wire_does_not_b
         got.append(torch.equal(bits(inner.receive(i)[0]), bits(want(s2[i], i))))
     inner.finish()
     outer.finish()
-    assert got == [True] * 2 * M and b.executor.failure is None and run(b, 2)
+    assert got == [True] * 2 * M and b.lifecycle.failure is None and run(b, 2)
 
 
 def test_non_finite_teacher_rows_are_named_where_they_arrive(one_rank_world):
