@@ -32,6 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mopd.common.units import rank_list
+
 __all__ = ["FailureBoard", "Progress"]
 
 #: Longest a census waits for the answers of every rank (a dead rank costs all of it).
@@ -417,7 +419,7 @@ def _blame(answers: dict[int, dict[str, Any]], members: Sequence[int]) -> str | 
         a = answers[culprits[0]]
         how = "waiting" if a["waiting"] else "busy"
         return (
-            f"{_who(culprits)} failed first ({a['at']}): {_ranks(waiters)} wait for its "
+            f"{_who(culprits)} failed first ({a['at']}): {rank_list(waiters, noun='global rank', style='list')} wait for its "
             f"transfers, and it is {how} in {a['where']}"
         )
     busy = [r for r, a in answers.items() if not a["waiting"]]
@@ -449,10 +451,6 @@ def _first_of(ranks: Sequence[int], answers: dict[int, dict[str, Any]]) -> list[
 def _who(ranks: Sequence[int]) -> str:
     more = f" (and global ranks {list(ranks[1:])})" if len(ranks) > 1 else ""
     return f"global rank {ranks[0]}{more}"
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"global rank {ranks[0]}" if len(ranks) == 1 else f"global ranks {list(ranks)}"
 
 
 def _stop(watcher: _Watcher | None) -> None:

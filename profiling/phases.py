@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mopd.common.units import human_seconds, rank_list
+
 __all__ = ["ENV_VAR", "RankPhase", "enter", "read", "timeout_report"]
 
 #: The folder every rank writes its phase file into (set by the launcher).
@@ -84,23 +86,10 @@ def read(folder: str | Path) -> dict[int, RankPhase]:
     return found
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    """``rank 3`` / ``ranks 0-3`` / ``ranks 0, 2, 5``."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
-
-
 def _seconds(values: Sequence[float]) -> str:
-    """``12 s`` / ``0.4 s`` / ``12-15 s``: whole seconds from 10 s on, tenths below."""
-
-    def one(x: float) -> str:
-        return f"{max(x, 0.0):.0f}" if x >= 10 else f"{max(x, 0.0):.1f}"
-
-    lo, hi = one(min(values)), one(max(values))
-    return f"{lo} s" if lo == hi else f"{lo}-{hi} s"
+    """``12 s`` / ``0.4 s`` / ``12-15 s``: the least and the most, coarse."""
+    lo, hi = (human_seconds(x, coarse=True) for x in (min(values), max(values)))
+    return lo if lo == hi else f"{lo.removesuffix(' s')}-{hi}"
 
 
 def timeout_report(
@@ -129,14 +118,14 @@ def timeout_report(
         groups.setdefault(phases[rank].phase, []).append(phases[rank])
     for phase, members in sorted(groups.items(), key=lambda kv: kv[1][0].rank):
         lines.append(
-            f"  {_ranks([m.rank for m in members])}: {phase}, for "
+            f"  {rank_list([m.rank for m in members], noun='rank', style='span')}: {phase}, for "
             f"{_seconds([now - m.since for m in members])} "
             f"(up {_seconds([now - m.up_since for m in members])})"
         )
     if ranks is not None:
         silent = [r for r in ranks if r not in phases]
         if silent:
-            lines.append(f"  {_ranks(silent)}: {unreported}")
+            lines.append(f"  {rank_list(silent, noun='rank', style='span')}: {unreported}")
     elif len(mine) < nproc:
         others = nproc - len(mine)
         lines.append(f"  {others} more rank{'s' if others > 1 else ''} of this node: {unreported}")

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mopd.common.units import human_number, human_seconds
+
 __all__ = [
     "CPU_CAVEAT",
     "INSTALLED_RESULTS_DIR",
@@ -28,7 +30,6 @@ __all__ = [
     "default_results_dir",
     "environment",
     "format_table",
-    "human_seconds",
     "record",
 ]
 
@@ -226,24 +227,6 @@ _TIME_SUFFIXES: tuple[tuple[str, float], ...] = (
     (" ms", 1e-3),
     ("_s", 1.0),
 )
-_TIME_UNITS: tuple[tuple[str, float], ...] = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
-
-
-def human_seconds(seconds: float) -> str:
-    """``seconds`` in the unit that puts it in [1, 1000) (s, ms, µs, ns), four significant
-    figures at most: ``1.495e-05`` -> ``"14.95 µs"``, ``0.25`` -> ``"250 ms"``."""
-    if seconds == 0 or seconds != seconds:  # zero, NaN
-        return f"{seconds:g} s"
-    unit, scale = next(((u, f) for u, f in _TIME_UNITS if abs(seconds) >= f), _TIME_UNITS[-1])
-    return f"{_number(seconds / scale)} {unit}"
-
-
-def _number(v: float) -> str:
-    """Four significant figures, without an exponent where the number is of everyday size
-    (``14950.3`` -> ``"14950"``, not ``"1.495e+04"``)."""
-    if 1e4 <= abs(v) < 1e9:
-        return f"{v:.0f}"
-    return f"{v:.4g}"
 
 
 def _time_column(name: str) -> tuple[str, float] | None:
@@ -275,7 +258,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             return str(v)
         if unit is not None:
             return human_seconds(float(v) * unit[1])
-        return _number(v) if isinstance(v, float) else str(v)
+        return human_number(v) if isinstance(v, float) else str(v)
 
     heads = [t[0] if (t := times[c]) is not None else c for c in cols]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(cols)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import zlib
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
 from collections.abc import Mapping
 from pathlib import Path
 
+from mopd.common.units import human_bytes
 from mopd.profiling.demo.config import PHASES, STOP_TOKEN
 
 __all__ = ["ReportMixin", "plot_kl", "verdict", "write"]
@@ -238,14 +238,16 @@ class ReportMixin:
             )
             for (owner, src, dst), nbytes in sorted(link_bytes.items()):
                 kind = "local copy" if src == dst else "sent"
-                out.append(f"    teacher{owner} r{src} -> r{dst}  {_human(nbytes):>10}  {kind}")
+                out.append(
+                    f"    teacher{owner} r{src} -> r{dst}  {human_bytes(nbytes, decimals=1):>10}  {kind}"
+                )
         out.append(
             f"  bytes over {len(link_bytes)} teacher-to-student links (--links lists them): "
-            f"{_human(cross)} sent, {_human(local)} local copies (teacher logits instead: "
-            f"{_human(4 * cfg.vocab * tokens)}, {tokens} tokens x {cfg.vocab} fp32)"
+            f"{human_bytes(cross, decimals=1)} sent, {human_bytes(local, decimals=1)} local copies (teacher logits instead: "
+            f"{human_bytes(4 * cfg.vocab * tokens, decimals=1)}, {tokens} tokens x {cfg.vocab} fp32)"
         )
         out.append(
-            f"  prompt tokens (loss mask) not sent: {masked} tokens, {_human(saved)} saved "
+            f"  prompt tokens (loss mask) not sent: {masked} tokens, {human_bytes(saved, decimals=1)} saved "
             f"({100 * saved / max(saved + cross + local, 1):.0f}% of the unmasked traffic)"
         )
         out.append(f"  rollout KL: {trends['rollout_kl']}")
@@ -320,13 +322,6 @@ def _trend(values: Sequence[float]) -> str:
         what = "never rose (flat at some step)"
     ratio = f"{last / first:.2f}x" if first > 0 else "n/a"
     return f"{first:.4f} -> {last:.4f} ({ratio}), {what}"
-
-
-def _human(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    exp = min(int(math.log(n, 1024)), 3)
-    return f"{n / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB'][exp]}"
 
 
 def _digest(tokens: dict[int, list[int]]) -> int:

@@ -14,8 +14,8 @@ import numpy as np
 if TYPE_CHECKING:
     pass
 
+from mopd.common.units import human_bytes, human_seconds
 from mopd.profiling.plan.figures import PlanReport
-from mopd.profiling.plan.report import fmt_bytes, fmt_time
 
 __all__ = [
     "render_heatmap",
@@ -87,7 +87,7 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
                 facecolors="none",
                 edgecolors="tab:orange",
                 linewidths=1.4,
-                label=f"local copy: {fmt_bytes(f['bytes_local'])} in all, not sent",
+                label=f"local copy: {human_bytes(f['bytes_local'])} in all, not sent",
             )
         )
     # the teacher's source groups (rows) and the student's destinations (columns), alternating
@@ -116,7 +116,7 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
     fig.suptitle(
         f"mopd plan: teacher TP{t.tp} CP{t.cp} DP{t.dp} PP{t.pp} -> student TP{s.tp} CP{s.cp} "
         f"DP{s.dp} PP{s.pp}, {req.micro_batches} micro-batch(es)\n"
-        f"{fmt_bytes(f['bytes_cross'])} across ranks + {fmt_bytes(f['bytes_local'])} local "
+        f"{human_bytes(f['bytes_cross'])} across ranks + {human_bytes(f['bytes_local'])} local "
         f"copies = {minimum} (each token once); send max/mean {f['send_imbalance']:.3f}, "
         f"recv max/mean {f['recv_imbalance']:.3f}",
         fontsize=9,
@@ -168,8 +168,8 @@ def render_heatmap(report: PlanReport, path: Path) -> Path:
     cax.set_title(f"{unit} per (source, destination){', log scale' if log else ''}", fontsize=7)
     cax.tick_params(labelsize=7)
     timing = [  # one phrase a line: matplotlib's own wrapping cuts phrases in two
-        f"modelled: crossing {fmt_time(f['time_cross_s'])} at {req.link_gbps:g} Gb/s",
-        f"+ student TP all-gather {fmt_time(f['time_student_allgather_s'])}",
+        f"modelled: crossing {human_seconds(f['time_cross_s'])} at {req.link_gbps:g} Gb/s",
+        f"+ student TP all-gather {human_seconds(f['time_student_allgather_s'])}",
         f"teacher logits instead: {f['logits_full_ratio']:.1f}x the bytes",
         f"host path: {f['host_bytes_ratio']:.1f}x the bytes, {f['host_time_ratio']:.2f}x the time",
     ]

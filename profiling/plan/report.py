@@ -14,46 +14,14 @@ import numpy as np
 if TYPE_CHECKING:
     from mopd.bridge.mesh import Mesh
 
+from mopd.common.units import human_bytes, human_seconds, rank_list
 from mopd.profiling.plan.figures import DENSE_MAX_WORLD, LINK_CLASSES, PlanReport
 from mopd.profiling.plan.request import pad_rule
 
 __all__ = [
-    "fmt_bytes",
-    "fmt_time",
     "format_report",
     "report_to_dict",
 ]
-
-
-def fmt_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'`` (binary units)."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    raise AssertionError("unreachable")
-
-
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-def _ranges(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5] -> '0-2,5'``."""
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _row_entries(dst: Sequence[int], nbytes: Sequence[int]) -> str:
@@ -66,7 +34,7 @@ def _row_entries(dst: Sequence[int], nbytes: Sequence[int]) -> str:
             j += 1
         who = str(dst[i]) if i == j else f"{dst[i]}-{dst[j]}"
         each = " each" if j > i else ""
-        parts.append(f"{who}: {fmt_bytes(nbytes[i])}{each}")
+        parts.append(f"{who}: {human_bytes(nbytes[i])}{each}")
         i = j + 1
     return "; ".join(parts)
 
@@ -75,7 +43,7 @@ def _mesh_line(mesh: Mesh, sp: bool) -> str:
     return (
         f"TP{mesh.tp} CP{mesh.cp} DP{mesh.dp} PP{mesh.pp}{' SP' if sp and mesh.tp > 1 else ''}, "
         f"global ranks {mesh.rank_offset}..{mesh.rank_offset + mesh.size - 1}, "
-        f"last stage {_ranges(mesh.last_stage_ranks())}"
+        f"last stage {rank_list(mesh.last_stage_ranks(), sep=',')}"
     )
 
 
@@ -114,7 +82,7 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         f"({per_mb // s.dp} samples{sp_note}); padding rows never move"
     )
     add(
-        f"row: hidden {req.hidden_size} x {req.dtype_bytes} B = {fmt_bytes(req.row_bytes)}; "
+        f"row: hidden {req.hidden_size} x {req.dtype_bytes} B = {human_bytes(req.row_bytes)}; "
         f"vocab {req.vocab_size}"
     )
     if req.padded_seq_len is not None:
@@ -149,8 +117,8 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         else (f"!= the minimum {f['bytes_minimum']} B")
     )
     add(
-        f"bytes: {fmt_bytes(f['bytes_total'])} total = {fmt_bytes(f['bytes_cross'])} across ranks "
-        f"+ {fmt_bytes(f['bytes_local'])} local copies ({f['bytes_total']} B, {minimum}: "
+        f"bytes: {human_bytes(f['bytes_total'])} total = {human_bytes(f['bytes_cross'])} across ranks "
+        f"+ {human_bytes(f['bytes_local'])} local copies ({f['bytes_total']} B, {minimum}: "
         "tokens x row)"
     )
     add("")
@@ -158,21 +126,21 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     links, floor = f["link_bytes"], f["link_bytes_minimum"]
     add(f"{'link class':<52}{'bytes':>14}{'minimum':>14}")
     for key, what in LINK_CLASSES:
-        low = "" if key in ("cross", "local") else fmt_bytes(floor[key])
-        add(f"{what:<52}{fmt_bytes(links[key]):>14}{low:>14}")
+        low = "" if key in ("cross", "local") else human_bytes(floor[key])
+        add(f"{what:<52}{human_bytes(links[key]):>14}{low:>14}")
     add(
         f"{'  crossing + local copies (each needed row once)':<52}"
-        f"{fmt_bytes(links['cross'] + links['local']):>14}"
-        f"{fmt_bytes(floor['cross_plus_local']):>14}"
+        f"{human_bytes(links['cross'] + links['local']):>14}"
+        f"{human_bytes(floor['cross_plus_local']):>14}"
     )
     add(
-        f"{'total':<52}{fmt_bytes(f['link_bytes_total']):>14}"
-        f"{fmt_bytes(f['link_bytes_total_minimum']):>14}"
+        f"{'total':<52}{human_bytes(f['link_bytes_total']):>14}"
+        f"{human_bytes(f['link_bytes_total_minimum']):>14}"
     )
     add(
         "at the minimum"
         if f["links_at_minimum"]
-        else f"above the minimum by {fmt_bytes(f['link_bytes_total'] - f['link_bytes_total_minimum'])}"
+        else f"above the minimum by {human_bytes(f['link_bytes_total'] - f['link_bytes_total_minimum'])}"
         + (
             " (the teacher's SP all-gather: send from the shards, the default)"
             if links["teacher_tp"]
@@ -202,11 +170,11 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     add(f"{len(by_src)} source ranks, {e.shape[0]} nonzero entries; top {len(shown_rows)} rows:")
     for r in shown_rows:
         dst, nb = by_src[r]
-        add(f"  {r:>5} ({fmt_bytes(sum(nb))}) -> {_row_entries(dst, nb)}")
+        add(f"  {r:>5} ({human_bytes(sum(nb))}) -> {_row_entries(dst, nb)}")
     if len(order) > len(shown_rows):
         rest = sum(sum(by_src[r][1]) for r in order[len(shown_rows) :])
-        add(f"  ... {len(order) - len(shown_rows)} more source ranks, {fmt_bytes(rest)}")
-    add(f"  total {fmt_bytes(int(e[:, 2].sum()))}")
+        add(f"  ... {len(order) - len(shown_rows)} more source ranks, {human_bytes(rest)}")
+    add(f"  total {human_bytes(int(e[:, 2].sum()))}")
     add("")
     add("== per-rank volume across ranks (local copies apart) ==")
     for what, v in (("send", report.send_W), ("recv", report.recv_W)):
@@ -219,17 +187,17 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
         for r in nz:
             groups.setdefault(int(v[r]), []).append(r)
         add(
-            f"{what}: {len(nz)} ranks, max {fmt_bytes(int(vals.max()))}, "
-            f"mean {fmt_bytes(float(vals.mean()))}, min {fmt_bytes(int(vals.min()))}, "
+            f"{what}: {len(nz)} ranks, max {human_bytes(int(vals.max()))}, "
+            f"mean {human_bytes(float(vals.mean()))}, min {human_bytes(int(vals.min()))}, "
             f"imbalance max/mean {f[what + '_imbalance']:.4f}"
         )
         for val, ranks in sorted(groups.items(), key=lambda kv: -kv[0])[:top]:
-            add(f"  {fmt_bytes(val)}: ranks {_ranges(ranks)}")
+            add(f"  {human_bytes(val)}: ranks {rank_list(ranks, sep=',')}")
         if len(groups) > top:
             add(f"  ... {len(groups) - top} more distinct volumes")
     if f["bytes_local"]:
         nz = np.flatnonzero(report.local_W).tolist()
-        add(f"local copies: ranks {_ranges(nz)}, {fmt_bytes(f['bytes_local'])} in all")
+        add(f"local copies: ranks {rank_list(nz, sep=',')}, {human_bytes(f['bytes_local'])} in all")
     if not req.sources_from_shards:  # a source is one rank: nothing to balance within it
         add(f"teacher TP replica balance: max/mean {f['replica_imbalance']:.4f}")
     add("")
@@ -245,16 +213,16 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     ]
     for name, nbytes in table:
         ratio = nbytes / tot if tot else 0.0
-        add(f"{name:<58}{fmt_bytes(nbytes):>14}{ratio:>9.2f}x")
+        add(f"{name:<58}{human_bytes(nbytes):>14}{ratio:>9.2f}x")
     add(
-        f"host path: D2H {fmt_bytes(f['host_d2h_bytes'])} on teacher ranks, "
-        f"H2D {fmt_bytes(f['host_h2d_bytes'])} on student ranks "
+        f"host path: D2H {human_bytes(f['host_d2h_bytes'])} on teacher ranks, "
+        f"H2D {human_bytes(f['host_h2d_bytes'])} on student ranks "
         f"({'SP slices' if req.keeps_sp_slice else 'every TP rank loads its whole shard'}); "
         f"{f['host_hops_per_token']} hops per token (D2H, network, H2D) vs "
         f"{f['bridge_hops_per_token']} (GPU->GPU)"
     )
     add(
-        f"student TP all-gather after the crossing: {fmt_bytes(f['student_allgather_bytes'])} "
+        f"student TP all-gather after the crossing: {human_bytes(f['student_allgather_bytes'])} "
         + (
             "(none: the student keeps SP slices)"
             if req.keeps_sp_slice or s.tp == 1
@@ -270,24 +238,24 @@ def format_report(report: PlanReport, *, top: int = 8) -> str:
     )
     slow = f["slowest_rank"]
     add(
-        f"bridge crossing: {fmt_time(f['time_cross_s'])} (slowest rank {slow}: send "
-        f"{fmt_bytes(int(report.send_W[slow]))}, recv {fmt_bytes(int(report.recv_W[slow]))})"
+        f"bridge crossing: {human_seconds(f['time_cross_s'])} (slowest rank {slow}: send "
+        f"{human_bytes(int(report.send_W[slow]))}, recv {human_bytes(int(report.recv_W[slow]))})"
     )
-    add(f"student TP all-gather (NVLink): {fmt_time(f['time_student_allgather_s'])}")
+    add(f"student TP all-gather (NVLink): {human_seconds(f['time_student_allgather_s'])}")
     if f["teacher_tp_gather_bytes"]:
         add(
             "teacher SP all-gather before the bridge (NVLink): "
-            f"{fmt_time(f['time_teacher_tp_gather_s'])}"
+            f"{human_seconds(f['time_teacher_tp_gather_s'])}"
         )
-    add(f"bridge total: {fmt_time(f['time_bridge_s'])}")
+    add(f"bridge total: {human_seconds(f['time_bridge_s'])}")
     add(
-        f"logits, same routing: full {fmt_time(f['time_logits_full_s'])}, "
-        f"vocab slice {fmt_time(f['time_logits_sharded_s'])}"
+        f"logits, same routing: full {human_seconds(f['time_logits_full_s'])}, "
+        f"vocab slice {human_seconds(f['time_logits_sharded_s'])}"
     )
     add(
-        f"host path (stages in sequence): D2H {fmt_time(f['time_host_d2h_s'])} + network "
-        f"{fmt_time(f['time_cross_s'])} + H2D {fmt_time(f['time_host_h2d_s'])} = "
-        f"{fmt_time(f['time_host_s'])} ({f['host_time_ratio']:.2f}x the bridge)"
+        f"host path (stages in sequence): D2H {human_seconds(f['time_host_d2h_s'])} + network "
+        f"{human_seconds(f['time_cross_s'])} + H2D {human_seconds(f['time_host_h2d_s'])} = "
+        f"{human_seconds(f['time_host_s'])} ({f['host_time_ratio']:.2f}x the bridge)"
     )
     return "\n".join(lines) + "\n"
 

@@ -88,7 +88,8 @@ def test_capture_plot_carries_the_cpu_caveat(
 def test_tables_print_times_and_sizes_as_a_person_writes_them() -> None:
     """A column of times is headed without its unit suffix and each time carries the unit that
     suits it; no number of everyday size is printed with an exponent."""
-    from mopd.profiling.results import format_table, human_seconds
+    from mopd.common.units import human_seconds
+    from mopd.profiling.results import format_table
 
     table = format_table(
         [
