@@ -14,7 +14,7 @@ with the same meshes, in the same program order as its other ``new_group`` calls
 2. for each student ``(dp_rank, cp_rank)`` shard in :meth:`Mesh.shards` order (dp major), the
    student's last-stage TP group, when ``student.tp > 1`` (the all-gather after the crossing).
    The pool creates a rank set once: when the student model's own groups came from the same pool
-   (:func:`mopd.mcore.groups.megatron_process_groups`), this *is* Megatron's TP group;
+   (:func:`mopd.mcore.megatron_groups.megatron_process_groups`), this *is* Megatron's TP group;
 3. a gloo group over the same ranks as 1. (the step metadata and verdicts run on the host there,
    so they never queue behind GPU work nor force a device sync), always a group of its own, also
    when the pool's backend is ``"gloo"``: the bridge's collectives and its point-to-point then

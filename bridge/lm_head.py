@@ -15,7 +15,7 @@ vocabulary differently. This is the token planner again, keyed by vocab row
 
 Every rank knows every group from the sizes alone, so the only collectives are one small
 all-gather of what each rank holds (sizes, dtype, its local problems) and, when something is
-wrong, :func:`mopd.common.dist.same_verdict`. :func:`mopd.mcore.lm_head.lm_head_from_models`
+wrong, :func:`mopd.common.dist.same_verdict`. :func:`mopd.mcore.megatron_lm_head.lm_head_from_models`
 reads the weight shard, the real vocabulary and both padded sizes off the Megatron models.
 """
 

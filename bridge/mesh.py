@@ -11,7 +11,7 @@ dense LM head and the hidden states do not see it; tp varies fastest)::
     global_rank = rank_offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 A mesh is built from explicit sizes (:class:`Mesh`), or from live process groups
-(:func:`mesh_from_groups`; from megatron's objects, :mod:`mopd.mcore.groups`), which are checked against the formula above (``ValueError`` on mismatch; the check is local to
+(:func:`mesh_from_groups`; from megatron's objects, :mod:`mopd.mcore.megatron_groups`), which are checked against the formula above (``ValueError`` on mismatch; the check is local to
 each rank, so call them on every rank of the mesh before the bridge's first collective).
 """
 

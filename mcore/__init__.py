@@ -29,14 +29,14 @@ from mopd.mcore.batch import (
 )
 from mopd.mcore.distill import Distiller
 from mopd.mcore.distill_step import DistillationStep
-from mopd.mcore.groups import (
+from mopd.mcore.logprob import cross_entropy, token_logprobs
+from mopd.mcore.loss import TeacherSignal, megatron_loss_output, teacher_signal
+from mopd.mcore.megatron_groups import (
     megatron_process_groups,
     mesh_from_parallel_state,
     mesh_from_pg_collection,
 )
-from mopd.mcore.lm_head import lm_head_from_models
-from mopd.mcore.logprob import cross_entropy, token_logprobs
-from mopd.mcore.loss import TeacherSignal, megatron_loss_output, teacher_signal
+from mopd.mcore.megatron_lm_head import lm_head_from_models
 from mopd.mcore.mesh_model import MeshModel
 from mopd.mcore.ray_groups import PendingCall, WorkerGroup  # Ray only when a group is made
 from mopd.mcore.rollouts import Rollouts

@@ -49,9 +49,9 @@ from mopd.common import dist as cdist
 from mopd.common.log import warn_once
 from mopd.kernels.kl import KLConfig
 from mopd.mcore.batch import MicroBatch
-from mopd.mcore.checks import check_micro_batches
 from mopd.mcore.distill_step import DistillationStep
-from mopd.mcore.lm_head import (
+from mopd.mcore.megatron_checks import check_micro_batches
+from mopd.mcore.megatron_lm_head import (
     lm_head_from_models,
     model_vocab_size,
     resolve_vocab_size,
@@ -686,7 +686,7 @@ class Distiller:
         """This rank's checks of a step's micro-batches (run inside the bridge's guarded phase,
         so a problem is the same ``ValueError`` on every rank): each model it holds has its
         micro-batches, and every field its schedule reads fits them
-        (:func:`~mopd.mcore.checks.check_micro_batches`); returns the counts (a mapping) and
+        (:func:`~mopd.mcore.megatron_checks.check_micro_batches`); returns the counts (a mapping) and
         the shapes each model replica's ranks must give alike, which the bridge compares.
         ``deferred``: what building this rank's micro-batches from rollouts found, raised
         first."""

@@ -5,7 +5,7 @@ Why this file exists: the loss terms a job puts beside the teachers' KL (a polic
 an SFT cross-entropy) need ``log p_S(y_t)`` of a token per row, and under tensor parallelism each
 rank holds a slice of the vocabulary. megatron's ``vocab_parallel_cross_entropy`` (and
 ``GPTModel(labels=...)``) reduces over its global TP group, not over the student's own group
-when the models live on their own meshes (:func:`mopd.mcore.groups.megatron_process_groups`):
+when the models live on their own meshes (:func:`mopd.mcore.megatron_groups.megatron_process_groups`):
 with megatron's globals at TP 1 and a student on its own TP2 groups it treats each rank's slice
 as the whole vocabulary. :func:`token_logprobs` and :func:`cross_entropy` take the group and the
 real vocabulary explicitly. Three all-reduces over the group (max, sum of exponentials, target

@@ -118,7 +118,7 @@ def teacher_signal(
         step: the bridge step (its :meth:`~mopd.bridge.step.BridgeStep.receive` runs inside).
         logits: ``[B, S_local, V_local]`` (or ``[1, T_local, V_local]``) as megatron's GPTModel
             returns them, rows in the order of the student's ``"logits"`` layout.
-        lm_heads: one resharded LM-head shard per teacher (:func:`~mopd.mcore.lm_head.
+        lm_heads: one resharded LM-head shard per teacher (:func:`~mopd.mcore.megatron_lm_head.
             lm_head_from_models`), the student's vocab partition.
         tp_group: the student's TP group (``None`` without TP).
         teacher_weights: one weight per teacher (default: all 1).

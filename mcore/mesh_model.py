@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mopd.bridge.mesh import Mesh
 from mopd.common.log import warn_once
 from mopd.mcore.batch import MicroBatch, micro_batch_layout
-from mopd.mcore.groups import mesh_group_ranks
+from mopd.mcore.megatron_groups import mesh_group_ranks
 from mopd.mcore.teacher import (
     Forward,
     check_interleaved_micro_batches,
@@ -45,7 +45,7 @@ class MeshModel:
         model: the (wrapped) megatron model, or its list of virtual-pipeline chunks; ``None`` on
             ranks outside the mesh.
         pg_collection: its megatron ``ProcessGroupCollection``
-            (:func:`mopd.mcore.groups.megatron_process_groups`); ``None`` outside.
+            (:func:`mopd.mcore.megatron_groups.megatron_process_groups`); ``None`` outside.
         forward: ``forward(model, micro_batch) -> output`` (default: a GPTModel call with the
             micro-batch's tokens, positions, mask and packed-sequence parameters).
         packed: how the model takes the micro-batches :meth:`Distiller.step` builds from

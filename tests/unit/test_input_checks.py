@@ -1,6 +1,6 @@
 """Tier 1: a rank's micro-batch checks and the agreements its peers must match, in one process.
 
-``mopd.mcore.checks.check_micro_batches`` on its own (no process group, no model): each field
+``mopd.mcore.megatron_checks.check_micro_batches`` on its own (no process group, no model): each field
 the schedule reads is a ``ValueError`` naming the micro-batch, the field and the shapes, valid
 variants pass, and the shapes its replica must agree on are one record per micro-batch.
 ``mopd.bridge.inputs.Agreement`` names the first differing micro-batch and field;
@@ -21,7 +21,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SIZE, StepMatrix, encode_step_record
 from mopd.bridge.record import stack_records
 from mopd.mcore import padded_micro_batch
-from mopd.mcore.checks import SHAPE_FIELDS, check_micro_batches
+from mopd.mcore.megatron_checks import SHAPE_FIELDS, check_micro_batches
 
 V, S = 64, 16
 MESH = Mesh(tp=2, pp=2)  # global rank 0: tp 0, first stage

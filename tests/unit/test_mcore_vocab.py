@@ -1,4 +1,4 @@
-"""Tier 1: the vocabulary rule (:mod:`mopd.mcore.lm_head`): the real vocabulary is said once,
+"""Tier 1: the vocabulary rule (:mod:`mopd.mcore.megatron_lm_head`): the real vocabulary is said once,
 models may each be padded to their own size, and a size read off the models must agree."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from mopd.mcore.lm_head import MEGATRON_VOCAB_MULTIPLE, looks_padded, resolve_vocab_size
+from mopd.mcore.megatron_lm_head import MEGATRON_VOCAB_MULTIPLE, looks_padded, resolve_vocab_size
 
 
 def test_a_given_vocabulary_wins_over_every_padded_size() -> None:
@@ -92,7 +92,7 @@ H, V_PAD, TP = 16, 256, 2
     ids=["gtp2", "gtp2-padded", "gtp-param", "short"],
 )
 def test_a_head_sharded_below_its_tp_shard_is_refused_by_name(head: Any, says: str) -> None:
-    from mopd.mcore.lm_head import head_shard_problem
+    from mopd.mcore.megatron_lm_head import head_shard_problem
 
     msg = head_shard_problem(head, head.weight, vocab=V_PAD, tp=TP, what="teacher 0")
     assert msg is not None and msg.startswith("teacher 0: its output_layer.weight holds "), msg

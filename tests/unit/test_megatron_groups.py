@@ -1,4 +1,4 @@
-"""Tier 1: the expert groups of :func:`mopd.mcore.groups.mesh_group_ranks` are
+"""Tier 1: the expert groups of :func:`mopd.mcore.megatron_groups.mesh_group_ranks` are
 megatron's own (its ``RankGenerator`` for expert layers, offset to the mesh's first rank), and a
 dense mesh (``ep=1``) gets the same rank sets as before."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mopd.bridge.mesh import Mesh
-from mopd.mcore.groups import mesh_group_ranks
+from mopd.mcore.megatron_groups import mesh_group_ranks
 
 CASES = [  # (tp, cp, dp, pp, ep, expert_tp, offset)
     (1, 1, 4, 1, 2, None, 0),

@@ -24,7 +24,7 @@ from mopd.capture.unwrap import unwrap_model
 from mopd.common.digest import Digest
 from mopd.common.log import warn_once
 from mopd.mcore.batch import MicroBatch, _ints, sample_id_problem
-from mopd.mcore.lm_head import MEGATRON_VOCAB_MULTIPLE, VOCAB_ATTRIBUTE, looks_padded
+from mopd.mcore.megatron_lm_head import MEGATRON_VOCAB_MULTIPLE, VOCAB_ATTRIBUTE, looks_padded
 from mopd.mcore.teacher import pipeline_shape
 
 __all__ = ["ID_DTYPES", "SHAPE_FIELDS", "check_micro_batches", "check_tokens"]
@@ -295,7 +295,7 @@ def check_tokens(
     size under TP, and would embed a padded row for ids between the two); position ids within
     ``position_table`` (the model's learned table, if any); with ``row_masks``, a ``loss_mask``
     of bools or 0/1. A vocabulary read off the models (``given`` false) that looks padded
-    (:func:`~mopd.mcore.lm_head.looks_padded`) warns once. The fields' shapes and dtypes are
+    (:func:`~mopd.mcore.megatron_lm_head.looks_padded`) warns once. The fields' shapes and dtypes are
     checked first (:func:`check_micro_batches`)."""
     fields: list[torch.Tensor | None] = []
     for mb in mbs:
