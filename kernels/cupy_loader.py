@@ -1,10 +1,11 @@
 """Loading the ``.cu`` sources of :mod:`mopd.kernels` into CuPy, compiled once and cached.
 
-Why this file exists: the CUDA sources live as ``.cu`` files next to the Python code (so nvcc
-can check them, see tests/launch/test_kernels_compile.py); CuPy compiles them with NVRTC on first
-use (and keeps the binary in its on-disk kernel cache). This module is the one place that
-reads a source, builds the ``cupy.RawModule`` and hands out kernels per device, and the one
-place that bridges torch's CUDA stream and tensors to CuPy.
+Why this file exists: the CUDA sources live as ``.cu`` files next to the Python code of their
+family, ``kl/`` and ``rows/`` (so nvcc can check them, see tests/launch/test_kernels_compile.py);
+CuPy compiles them with NVRTC on first use (and keeps the binary in its on-disk kernel cache).
+This module, shared by both families, is the one place that reads a source, builds the
+``cupy.RawModule`` and hands out kernels per device, and the one place that bridges torch's CUDA
+stream and tensors to CuPy.
 
 CuPy is imported lazily, inside the functions: importing this module never needs CuPy.
 """
@@ -35,7 +36,7 @@ _failures: dict[tuple[str, int, str, tuple[str, ...]], KernelCompileError] = {}
 
 
 def kernel_source(filename: str) -> str:
-    """The text of ``kernels/<filename>``."""
+    """The text of ``kernels/<filename>`` (a path under kernels/, e.g. ``"rows/rows.cu"``)."""
     return (Path(__file__).resolve().parent / filename).read_text()
 
 
@@ -87,7 +88,8 @@ def _kernel(filename: str, name: str, device_index: int, defines: tuple[str, ...
 def get_kernel(
     filename: str, name: str, device: torch.device, *, defines: tuple[str, ...] = ()
 ) -> Any:
-    """The ``cupy.RawKernel`` ``name`` of ``kernels/<filename>`` on CUDA ``device``.
+    """The ``cupy.RawKernel`` ``name`` of ``kernels/<filename>`` on CUDA ``device`` (``filename``
+    is a path under kernels/, e.g. ``"kl/kl_kernels.cu"``).
 
     Compiled on first use (NVRTC, or CuPy's on-disk cache; nvcc if NVRTC fails, with a
     warning), then kept for the process. ``defines`` (``"NAME=VALUE"`` or ``"NAME"``) are

@@ -49,7 +49,7 @@ class KLConfig:
             weight; 0 when it is 0) or ``"none"`` (``[T]`` fp32 ``mask * KL``).
         memory_budget_bytes: working memory for one chunk's ``[C, V_local]`` blocks; sets ``C``.
         chunk_tokens: explicit chunk size; overrides the budget.
-        backend: row-wise passes on ``"auto"`` / ``"cupy"`` / ``"torch"`` (see kl_rowwise).
+        backend: row-wise passes on ``"auto"`` / ``"cupy"`` / ``"torch"`` (see ``kl.rowwise``).
         debug: check inputs for NaN/inf and check, with one extra all-reduce, that the TP ranks
             agree on tokens, mask and teacher index.
         timeout_s: seconds each all-reduce of a CPU (gloo) group may wait, a positive finite

@@ -3,7 +3,7 @@
 Why this file exists: both entry points of :mod:`mopd.kernels.kl` take the same arguments
 (:class:`KLArgs`) and must reject bad ones with a clear ``ValueError`` *before* any collective,
 locally, so that a debug-mode failure can still join the TP agreement all-reduce
-(:mod:`mopd.kernels.kl.collectives`). :func:`prepare` checks everything and builds the
+(:mod:`mopd.kernels.kl.agreement`). :func:`prepare` checks everything and builds the
 :class:`KLJob`: the processing order of the active tokens (grouped by teacher, so each teacher's
 LM-head matmul runs on contiguous rows), each teacher's rows in it, the mask weights, the
 dtypes the logits and gradients are formed in, the backend and the chunk size.

@@ -11,7 +11,7 @@ fused hidden states + LM head); the work is split by concern:
 - :mod:`~mopd.kernels.kl.loop`: the chunk loop and the autograd function;
 - :mod:`~mopd.kernels.kl.matmul`: fp32 logits and gradients from bf16 operands;
 - :mod:`~mopd.kernels.kl.rowwise` (CuPy kernels on CUDA, a torch twin elsewhere): the two
-  row-wise passes; :mod:`~mopd.kernels.kl.collectives`: the debug agreement check.
+  row-wise passes; :mod:`~mopd.kernels.kl.agreement`: the debug agreement check.
 
 How: tokens are processed in chunks of ``C`` rows (``C`` from a memory budget), so extra memory is
 ``O(C x V_local)`` plus the gradients; a ``[T, V]`` fp32 tensor never exists. Per chunk the
@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from mopd.common.log import warn_once
-from mopd.kernels.kl.collectives import (
+from mopd.kernels.kl.agreement import (
     check_agreement,
     collective_device,
     group_position,

@@ -4,7 +4,7 @@
 // buffers and unpacks received rows straight into the student's final layout. These kernels do
 // those moves at close to the device's copy bandwidth. They are loaded by CuPy (cupy_rows.py,
 // through cupy_loader.py, compiled once by NVRTC and cached); each has a torch twin in
-// rows_torch.py with the same meaning.
+// torch_rows.py with the same meaning.
 //
 // Layout and types:
 // - A "row" is W contiguous bytes; rows are `stride` bytes apart (any stride, including views).

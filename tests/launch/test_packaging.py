@@ -103,8 +103,14 @@ def test_wheel_holds_only_the_mopd_namespace(wheel: Path):
         assert f"mopd/{sub}/py.typed" in names
     assert not any("/results/" in n for n in names)
     assert "mopd/profiling/nsys.sh" in names  # what `mopd nsys` runs
-    src_cu = sorted(p.name for p in (ROOT / "kernels").rglob("*.cu"))
-    assert sorted(n.split("/")[-1] for n in names if n.endswith(".cu")) == src_cu
+    for family in ("kl", "rows"):  # each kernel family ships as its own package, sources too
+        assert f"mopd/kernels/{family}/__init__.py" in names
+    kernels = ROOT / "kernels"
+    src_cu = sorted(
+        f"mopd/kernels/{p.relative_to(kernels).as_posix()}" for p in kernels.rglob("*.cu")
+    )
+    assert len(src_cu) >= 2
+    assert sorted(n for n in names if n.endswith(".cu")) == src_cu
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "mopd = mopd.profiling.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 

@@ -1,6 +1,5 @@
 """Tier 1: the API reference pages (docs/api/) list exactly the packages' public names, each
-with its docstring's first paragraph, and moved names still resolve for one release, with a
-warning that says where they went.
+with its docstring's first paragraph.
 
 A reader takes the reference for the whole public surface: a name missing there, or listed but
 gone, or described by a docstring that has since changed, is a broken promise either way.

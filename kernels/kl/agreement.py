@@ -1,11 +1,12 @@
-"""The KL's collectives beyond the per-chunk statistics: timed all-reduce and debug agreement.
+"""The KL's debug agreement: the TP ranks of one call check that they were given the same job.
 
 Why this file exists: the TP ranks of one KL call must agree on tokens, mask and teacher index
 (they shard the vocabulary, not the tokens), and an argument that is wrong on one rank only
 raises there only, leaving the others waiting in the first all-reduce. In debug mode one extra
 MAX all-reduce (:func:`check_agreement`) carries every rank's signature and whether any rank's
 validation failed, and :func:`mopd.common.dist.same_verdict` makes every rank raise the same
-``ValueError`` instead of hanging.
+``ValueError`` instead of hanging. The collectives themselves are the library's one timed
+all-reduce and verdict, in :mod:`mopd.common.dist`; what is here is what the KL agrees on.
 """
 
 from __future__ import annotations
