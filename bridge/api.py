@@ -65,6 +65,7 @@ from mopd.bridge.checks import agreed_slots, agreed_state, rank_checks
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.executor import Executor
 from mopd.bridge.failures import FailureBoard
+from mopd.bridge.faults import Faults
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import Agreement, LayoutArg, StepChecks, called, check_buffer, layout_list
 from mopd.bridge.layout import TokenLayout
@@ -274,7 +275,7 @@ class HiddenStateBridge:
         self._memo = None
         # the board's watcher ends with the last bridge on its group (other bridges of this
         # process on the same group share it)
-        self._executor.board = None
+        self.faults.board = None
         self._executor.close()
         self.groups = BridgeGroups(bridge=None, student_tp=None, members=self.groups.members)
 
@@ -293,6 +294,11 @@ class HiddenStateBridge:
     def lifecycle(self) -> Lifecycle:
         """Whether this rank's bridge may be used, and the first failure that ended it."""
         return self._executor.lifecycle
+
+    @property
+    def faults(self) -> Faults:
+        """What a failure on this rank means, what is recorded of it, and where the rank is."""
+        return self._executor.faults
 
     def _check_student_tp_group(self) -> str:
         """Why ``groups.student_tp`` cannot serve this rank's all-gather, or ``""``."""
@@ -368,7 +374,6 @@ class HiddenStateBridge:
                 all-gather except the agreed ``ValueError``, the bridge refuses further use.
             BridgeStateError: an earlier exchange failed.
         """
-        ex = self._executor
         if self.closed:
             self.lifecycle.check_usable()
         if self.groups.bridge is None:
@@ -386,13 +391,13 @@ class HiddenStateBridge:
                 stacklevel=2,
             )
         self._open_steps = open_steps
-        ex.at(self.steps, "plan")
+        self.faults.at(self.steps, "plan")
         record, sections, agreements = self._local_record(
             teacher_layouts, student_layouts, _buffers, check, open_steps
         )
         with ranges.span("metadata"):
             meta_group = self.groups.metadata_group
-            matrix = self._executor.timed(
+            matrix = self.faults.timed(
                 lambda: self._gather(record, meta_group, agreements),
                 lambda: (
                     "the bridge's metadata all-gather over global ranks "
@@ -545,7 +550,7 @@ class HiddenStateBridge:
         n_slots_ok = matrix.uniform_slots()  # every record ready and agreeing (the summary)
         if n_slots_ok is None:
             members = self.topology.members
-            agreed_state(matrix, members=members, rank=self.rank, executor=ex)  # the fence
+            agreed_state(matrix, members=members, rank=self.rank, faults=self.faults)  # the fence
             n_slots = agreed_slots(matrix, members=members)  # the same ValueError everywhere
         else:
             n_slots = n_slots_ok
@@ -615,11 +620,11 @@ class HiddenStateBridge:
             )
         except BaseException as exc:
             if not agreed:  # the others may be in the verdict or in this step: refuse from now
-                self._executor.mark_failed(exc)
+                self.faults.mark_failed(exc)
             raise
         self._open_steps.append(step)
         self._live_steps.add(step)
-        ex.at(self.steps, "planned")
+        self.faults.at(self.steps, "planned")
         self.steps += 1
         return step
 

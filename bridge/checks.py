@@ -19,7 +19,7 @@ from mopd.bridge.catalog import RunCatalog, dense_samples, read_runs
 from mopd.bridge.config import TeacherSpec
 from mopd.bridge.coverage import check_rank
 from mopd.bridge.errors import BridgeStateError
-from mopd.bridge.executor import Executor
+from mopd.bridge.faults import Faults
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import MAGIC, STATE_FAILED, STATE_OPEN, StepMatrix, code_dtype
@@ -33,9 +33,7 @@ __all__ = [
 ]
 
 
-def agreed_state(
-    matrix: StepMatrix, *, members: Sequence[int], rank: int, executor: Executor
-) -> None:
+def agreed_state(matrix: StepMatrix, *, members: Sequence[int], rank: int, faults: Faults) -> None:
     """The fence, from every rank's state in the matrix (the same verdict everywhere).
 
     A step failed or was abandoned on some rank: :class:`BridgeStateError` naming the first
@@ -61,7 +59,7 @@ def agreed_state(
             f"step {k} on global ranks {v}" for k, v in sorted(by.items())
         )
     if first:
-        executor.mark_abandoned(first, publish=False)  # what the failed ranks said already
+        faults.mark_abandoned(first, publish=False)  # what the failed ranks said already
         raise BridgeStateError(
             f"global rank {rank}: this bridge cannot be used after a failed exchange "
             f"({first}); its process group may still hold sends/receives of that step, "

@@ -29,7 +29,10 @@ counts are checked against the layouts before anything is taken.
 Reliability: a failed or timed-out wait raises :class:`~mopd.bridge.errors.BridgeTimeoutError` /
 :class:`~mopd.bridge.errors.BridgeCommError` naming this rank, the pending peers and the timeout;
 the executor then refuses further work (:class:`~mopd.bridge.errors.BridgeStateError`): the
-process group may still hold operations of the failed slot that a later one could match.
+process group may still hold operations of the failed slot that a later one could match. What a
+failure means (a cause or a symptom of another rank's) and what is recorded of it is judged by
+:class:`~mopd.bridge.faults.Faults`, which the executor owns beside its
+:class:`~mopd.bridge.lifecycle.Lifecycle`.
 Integrity mode (:mod:`mopd.bridge.integrity`) wraps the transport (checksums travel beside the
 rows) and plugs its checks into the data path's check points; they run on the device and are
 judged together, on every rank alike, by :meth:`Executor.verdict`.
@@ -38,17 +41,17 @@ judged together, on every rank alike, by :meth:`Executor.verdict`.
 from __future__ import annotations
 
 import functools
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mopd.bridge.errors import BridgeCommError, BridgeError, BridgeTimeoutError
+from mopd.bridge.errors import BridgeError
 from mopd.bridge.failures import FailureBoard
+from mopd.bridge.faults import Faults
 from mopd.bridge.integrity import (
     IntegrityTransport,
     NoChecks,
@@ -80,8 +83,6 @@ __all__ = ["DebugHook", "Executor", "Slot", "comm_failure"]
 #: blocks: tests corrupt bytes in flight or fail a rank mid-exchange through it
 #: (``Executor.debug_hook``).
 DebugHook = Callable[[str, list[tuple[int, int, torch.Tensor]]], None]
-_T = TypeVar("_T")
-#: Characters of the failure text a refusal quotes.
 
 
 def _pack(src_NH: torch.Tensor, side: _Side, stage_RH: torch.Tensor, dev: DeviceIndices) -> None:
@@ -273,11 +274,16 @@ class Executor:
         board: FailureBoard | None = None,
     ) -> None:
         self.rank = rank
-        self.board = board
         self.timeout_s = timeout_s
         self.max_schedules = max_schedules
         self.integrity = integrity
-        inner = transport or P2PTransport(rank=rank, timeout_s=timeout_s, on_wait=self._waiting)
+        #: whether this rank's bridge may be used, and the first failure that ended it
+        self.lifecycle = Lifecycle(rank)
+        #: what a failure means and where this rank is (:mod:`mopd.bridge.faults`)
+        self.faults = Faults(rank=rank, timeout_s=timeout_s, lifecycle=self.lifecycle, board=board)
+        inner = transport or P2PTransport(
+            rank=rank, timeout_s=timeout_s, on_wait=self.faults.waiting
+        )
         self.transport: Transport = IntegrityTransport(inner) if integrity else inner
         self._checks: NoChecks = RowChecks() if integrity else NoChecks()
         #: see :data:`DebugHook` (tests only)
@@ -289,8 +295,6 @@ class Executor:
         self._devs: dict[tuple[str, str], DeviceIndices] = {}
         self._pool = _StagePool()
         self._zeros: dict[tuple[Any, ...], torch.Tensor] = {}
-        #: whether this rank's bridge may be used, and the first failure that ended it
-        self.lifecycle = Lifecycle(rank)
         #: schedules built (cache misses) and slots issued, for figures and tests
         self.schedules_built = 0
         self.slots_issued = 0
@@ -394,51 +398,6 @@ class Executor:
         self._pool = _StagePool()
         self.debug_hook = None
 
-    def at(self, step: int, phase: str, micro_batch: int | None = None) -> None:
-        """Note where this rank is (what a census reports; the place a cause names)."""
-        if self.board is not None:
-            self.board.progress.at(step, phase, micro_batch)
-
-    def mark_failed(self, exc: BaseException) -> None:
-        """Refuse further work, locally (:meth:`Lifecycle.check_usable`); keeps the first cause.
-
-        The job's first failure is published or read (:attr:`board`): a timeout or transport
-        error here is a symptom, and a bridge error of that kind then leads with another
-        rank's first failure (:meth:`BridgeError.lead_with`); any other error is a cause,
-        published as the first failure unless one is there."""
-        if self.lifecycle.failure is None:
-            text = f"{type(exc).__name__}: {exc}"
-            board = self.board
-            if board is not None:
-                if isinstance(exc, BridgeTimeoutError | BridgeCommError):
-                    first = board.lead(text, peers=exc.peers)
-                    if first is not None:
-                        exc.lead_with(first, rank=self.rank, where=board.progress.describe())
-                        text = f"{type(exc).__name__}: {exc}"
-                else:
-                    board.cause(f"{type(exc).__name__}: {exc}")
-            self.lifecycle.fail(text, hard=True)
-        else:
-            self.lifecycle.fail(None, hard=True)
-
-    def mark_abandoned(
-        self,
-        text: str,
-        *,
-        cause: str | None = None,
-        publish: bool = True,
-        rank: int | None = None,
-        where: str | None = None,
-    ) -> None:
-        """Refuse further work after a step its caller abandoned (:class:`State` ``ABANDONED``);
-        keeps the first cause. ``cause`` (default ``text``) is published as the job's first
-        failure unless one is there (``publish=False``: ``text`` only repeats what the matrix
-        said of other ranks); ``rank``, ``where``: the rank it is about and its place (default
-        this one, where it is)."""
-        first = self.lifecycle.fail(text, hard=False)  # always recorded, published if first
-        if first and publish and self.board is not None:
-            self.board.cause(cause if cause is not None else text, rank=rank, where=where)
-
     def _dev(self, sched: RankSchedule, device: torch.device) -> DeviceIndices:
         key = (sched.digest, str(device))
         d = self._devs.get(key)
@@ -523,7 +482,7 @@ class Executor:
     def _fail_slot(self, slot: Slot, exc: BaseException) -> None:
         # peers' messages may still arrive for this rank and its posted receives may still land
         # in the staging buffers: neither is reused
-        self.mark_failed(exc)
+        self.faults.mark_failed(exc)
         slot.drop(self._pool)
 
     def _targets(self, slot: Slot, sched: RankSchedule) -> dict[int, torch.Tensor]:
@@ -641,38 +600,13 @@ class Executor:
 
     # --- complete ------------------------------------------------------------------------------
 
-    def _waiting(self, peers: Sequence[int]) -> None:
-        """The transport waits for ``peers`` now: part of this rank's progress (what a census
-        of a failure reads)."""
-        if self.board is not None:
-            self.board.progress.waiting_for = tuple(peers)
-
     def _wait(self, posted: Posted, *, sends: bool, deadline: float) -> None:
         """The transport's wait; a failure refuses further work."""
         try:
             self.transport.wait(posted, sends=sends, deadline=deadline)
         except BridgeError as err:
-            self.mark_failed(err)
+            self.faults.mark_failed(err)
             raise
-
-    def timed(self, fn: Callable[[], _T], what: str | Callable[[], str]) -> _T:
-        """``fn()``'s value; a failure becomes a named timeout / comm error (``what``: the phase,
-        or a function writing it, called only then) and refuses further work."""
-        t0 = time.monotonic()
-        try:
-            return fn()
-        except BridgeError:
-            raise
-        except Exception as exc:
-            err = comm_failure(
-                exc,
-                rank=self.rank,
-                what=what() if callable(what) else what,
-                timeout_s=self.timeout_s,
-                elapsed_s=time.monotonic() - t0,
-            )
-            self.mark_failed(err)
-            raise err from exc
 
     def complete(self, slot: Slot, *, tp_group: dist.ProcessGroup | None, deadline: float) -> None:
         """Wait for ``slot``'s receives, unpack, and all-gather over ``tp_group`` (see module doc).
@@ -711,7 +645,7 @@ class Executor:
                 raise AssertionError("a destination group of several ranks needs its TP group")
             with ranges.span("tp_all_gather", slot.index):
                 for owner in sorted(slot.outputs):
-                    self.timed(
+                    self.faults.timed(
                         functools.partial(
                             all_gather_flat,
                             slot.outputs[owner],
@@ -733,7 +667,7 @@ class Executor:
                 tp_group=tp_group,
                 group_size=group_size,
                 deadline=deadline,
-                timed=self.timed,
+                timed=self.faults.timed,
                 hook=self.debug_hook,
             )
         slot.give_back(self._pool, receives=True)
@@ -772,7 +706,7 @@ class Executor:
             rank=self.rank,
             group=group,
             deadline=deadline,
-            timed=self.timed,
+            timed=self.faults.timed,
         )
 
     # --- helpers -------------------------------------------------------------------------------

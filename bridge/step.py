@@ -20,6 +20,7 @@ from mopd.bridge.catalog import RunCatalog
 from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.errors import BridgeNonFiniteError, BridgeStateError
 from mopd.bridge.executor import Executor, Slot
+from mopd.bridge.faults import Faults
 from mopd.bridge.groups import BridgeGroups
 from mopd.bridge.inputs import check_buffer
 from mopd.bridge.lifecycle import Lifecycle
@@ -66,6 +67,9 @@ class StepBridge(Protocol):
 
     @property
     def lifecycle(self) -> Lifecycle: ...
+
+    @property
+    def faults(self) -> Faults: ...
 
 
 class BridgeStep:
@@ -269,7 +273,7 @@ class BridgeStep:
         self._check_index(micro_batch)
         b = self._bridge
         b.lifecycle.check_usable()
-        b.executor.at(self.seq, "send", micro_batch)
+        b.faults.at(self.seq, "send", micro_batch)
         if not isinstance(hidden, Mapping):
             raise ValueError(
                 f"hidden must be a mapping teacher index -> tensor, got {type(hidden).__name__}"
@@ -323,7 +327,7 @@ class BridgeStep:
         self._check_index(micro_batch)
         b = self._bridge
         b.lifecycle.check_usable()
-        b.executor.at(self.seq, "receive", micro_batch)
+        b.faults.at(self.seq, "receive", micro_batch)
         self._order.complete_through(micro_batch, deadline=time.monotonic() + b.config.timeout_s)
         self._order.release_done()
         slot = self._slots[micro_batch]
@@ -368,7 +372,7 @@ class BridgeStep:
                 f"it sent non-finite (NaN/Inf) teacher rows in micro-batch {slot.index} of step "
                 f"{self.seq} (found by global rank {b.rank}: {first_found})"
             )
-        b.executor.mark_abandoned(
+        b.faults.mark_abandoned(
             text,
             cause=cause,
             rank=sender if cause is not None else None,
@@ -437,7 +441,7 @@ class BridgeStep:
             return
         b = self._bridge
         b.lifecycle.check_usable()
-        b.executor.at(self.seq, "finish")
+        b.faults.at(self.seq, "finish")
         deadline = time.monotonic() + b.config.timeout_s
         self._order.finish(deadline=deadline)
         self.finished = True
@@ -445,7 +449,7 @@ class BridgeStep:
             meta = b.groups.metadata_group
             with ranges.span("integrity"):
                 b.executor.verdict(self._slots, group=meta, deadline=deadline)
-        b.executor.at(self.seq, "done")
+        b.faults.at(self.seq, "done")
 
     def __enter__(self) -> BridgeStep:
         return self
@@ -470,7 +474,7 @@ class BridgeStep:
             return
         b = self._bridge
         what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
-        b.executor.mark_abandoned(
+        b.faults.mark_abandoned(
             f"step {self.seq} abandoned on global rank {b.rank} after {self._order.posted} of "
             f"{self.num_micro_batches} micro-batches posted, {self._order.received} received: "
             f"{what}",

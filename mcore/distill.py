@@ -632,10 +632,10 @@ class Distiller:
                     f"global rank {rank} is outside every mesh: it cannot hold rollouts"
                 )
             return None, None, [None] * len(self.teachers), None
-        ex = self.bridge.executor
+        faults = self.bridge.faults
         if self.bridge.lifecycle.hard:  # the transport may be out of step: refuse locally
             self.bridge.lifecycle.check_usable()
-        ex.at(seq, "rollouts")
+        faults.at(seq, "rollouts")
         samples = exchange_rollouts(
             rollouts,
             num_micro_batches=num_micro_batches,
@@ -644,7 +644,7 @@ class Distiller:
             group=self.groups.metadata_group,
             vocab_size=self.vocab_size,
             timeout_s=self.bridge_config.timeout_s,
-            executor=ex,
+            faults=faults,
             problems=problems,
         )
         device = cdist.group_device(self.groups.bridge)
@@ -673,7 +673,7 @@ class Distiller:
             student = build(self.student, None)
             teachers = [build(t, o) for o, t in enumerate(self.teachers)]
         except BaseException as exc:  # the others go on to plan: the job's first failure
-            ex.mark_failed(exc)
+            faults.mark_failed(exc)
             raise
         return samples, student, teachers, deferred[0] if deferred else None
 

@@ -120,7 +120,7 @@ class DistillationStep:
     # --- where this rank is (what a census of a failure reports) ----------------------------
 
     def _note(self, phase: str, micro_batch: int | None = None) -> None:
-        self.distiller.bridge.executor.at(self.bridge_step.seq, phase, micro_batch)
+        self.distiller.bridge.faults.at(self.bridge_step.seq, phase, micro_batch)
 
     def _noted(self, forward: Forward, phase: str, model: Any) -> Forward:
         """``forward`` noting each micro-batch it runs (per model chunk, in order)."""
@@ -369,9 +369,8 @@ class DistillationStep:
             total += v.to(device)
         if group is not None and group.size() > 1:
             self.distiller.bridge.lifecycle.check_usable()
-            ex = self.distiller.bridge.executor
             ranks = dist.get_process_group_ranks(group)
-            ex.timed(
+            self.distiller.bridge.faults.timed(
                 lambda: cdist.all_reduce(
                     total, group=group, timeout_s=self.distiller.bridge_config.timeout_s
                 ),
@@ -415,7 +414,7 @@ class DistillationStep:
                 timeout_s=d.bridge_config.timeout_s,
                 elapsed_s=0.0,
             )
-            d.bridge.executor.mark_failed(named)
+            d.bridge.faults.mark_failed(named)
         self.bridge_step.__exit__(exc_type, exc, tb)
         if named is not None:
             raise self.distiller.named(named) from exc if isinstance(exc, Exception) else None

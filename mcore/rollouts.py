@@ -49,7 +49,7 @@ from mopd.mcore.batch import (
 )
 
 if TYPE_CHECKING:
-    from mopd.bridge.executor import Executor
+    from mopd.bridge.faults import Faults
 
 __all__ = [
     "Rollouts",
@@ -426,7 +426,7 @@ def exchange_rollouts(
     group: dist.ProcessGroup | None,
     vocab_size: int,
     timeout_s: float,
-    executor: Executor | None = None,
+    faults: Faults | None = None,
     problems: Sequence[str] = (),
 ) -> StepSamples:
     """Agree one step's samples on every rank and send each sample's tokens where they are used.
@@ -443,7 +443,7 @@ def exchange_rollouts(
         group: the process group over every rank of every mesh.
         vocab_size: the real vocabulary (token ids must lie in ``[0, vocab_size)``).
         timeout_s: the deadline of each collective.
-        executor: the bridge's executor: each collective runs under its failure board (a
+        faults: the bridge's failure verdicts: each collective runs under them (a
             failed or late peer is a named :class:`~mopd.bridge.errors.BridgeTimeoutError` /
             :class:`~mopd.bridge.errors.BridgeCommError` in the phase "the rollouts exchange",
             and the bridge refuses from then on), and an error of this rank past the verdict
@@ -463,9 +463,9 @@ def exchange_rollouts(
     problems = [*problems, *mine]
 
     def timed(fn: Callable[[], _T], detail: str) -> _T:
-        if executor is None:
+        if faults is None:
             return fn()
-        return executor.timed(fn, f"the rollouts exchange ({detail}) over global ranks {members}")
+        return faults.timed(fn, f"the rollouts exchange ({detail}) over global ranks {members}")
 
     def verdict() -> ValueError | None:
         try:
@@ -500,8 +500,8 @@ def exchange_rollouts(
     except BridgeError:
         raise  # named by ``timed`` (the bridge refuses from now on)
     except BaseException as exc:  # this rank's own failure past the verdict: the job's first
-        if executor is not None:
-            executor.mark_failed(exc)
+        if faults is not None:
+            faults.mark_failed(exc)
         raise
     if problems:  # from the headers every rank holds: the same on every rank
         raise ValueError("rollouts rejected: " + "; ".join(problems))

@@ -165,6 +165,7 @@ def _step(n: int, timeout_s: float, sleep_s: float) -> tuple[BridgeStep, Recordi
         config=SimpleNamespace(timeout_s=timeout_s, integrity=False),
         executor=ex,
         lifecycle=ex.lifecycle,
+        faults=ex,
         groups=SimpleNamespace(student_tp=None),
     )
     step.num_micro_batches = n

@@ -470,8 +470,8 @@ def test_the_schedule_cache_is_bounded_least_recently_used_first(one_rank_world)
 def test_a_failed_executor_refuses_every_call(one_rank_world):
     b = bridge()
     step, t, s = plan(b, 0)
-    b.executor.mark_failed(BridgeTimeoutError("first cause"))
-    b.executor.mark_failed(BridgeTimeoutError("second cause"))
+    b.faults.mark_failed(BridgeTimeoutError("first cause"))
+    b.faults.mark_failed(BridgeTimeoutError("second cause"))
     refusal = r"global rank 0: this bridge cannot be used after a failed exchange \(BridgeTimeoutError: first cause\)"
     with pytest.raises(BridgeStateError, match=refusal):
         b.plan_step(teacher_layouts={0: t}, student_layouts=s)
