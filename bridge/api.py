@@ -88,7 +88,7 @@ from mopd.bridge.metadata import (
     uniform_count,
 )
 from mopd.bridge.peers import exchange_records
-from mopd.bridge.record import rank_roles, rank_sections, read_step
+from mopd.bridge.record import config_signature, rank_roles, rank_sections, read_step
 from mopd.bridge.route import GroupWire, Wire
 from mopd.bridge.step import BridgeStep, ExchangeHandle
 from mopd.bridge.topology import Topology
@@ -96,7 +96,6 @@ from mopd.bridge.transport import comm_failure
 from mopd.bridge.worlds import WorldLink
 from mopd.common import dist as cdist
 from mopd.common import ranges
-from mopd.common.digest import Digest
 
 __all__ = [
     "BridgeConfig",
@@ -198,18 +197,13 @@ class HiddenStateBridge:
             keep_sp_shard=self.config.keep_sp_shard,
             shard_sources=self.topology.shard_sources,  # the topology's sources, one rule
         )
-        sig = repr(
-            [(*t.mesh.as_ints(), t.hidden_size, t.sp_shards) for t in self.teachers]
-            + [
-                student.as_ints(),
-                self.config.local_copy,
-                self.config.keep_sp_shard,
-                self.config.integrity,
-                self.topology.members,
-                groups.meta_routes is not None,
-            ]
+        self.config_sig = config_signature(
+            self.teachers,
+            student,
+            self.config,
+            members=self.topology.members,
+            routed=groups.meta_routes is not None,
         )
-        self.config_sig = Digest(sig, size=7).word()
         self._open_steps: list[BridgeStep] = []
         #: what the last planned step derived from the job's tables (:class:`_PlanMemo`)
         self._memo: _PlanMemo | None = None

@@ -23,7 +23,7 @@ from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import Section, StepMatrix, encode_step_record
-from mopd.bridge.record import rank_roles, rank_sections
+from mopd.bridge.record import config_signature, rank_roles, rank_sections
 from mopd.bridge.route import Wire
 from mopd.bridge.step import BridgeStep
 from mopd.bridge.topology import Topology
@@ -192,9 +192,8 @@ def step_records(
     topo = topology or Topology.build(
         meshes, student, per_rank_dests=cfg.keep_sp_shard, shard_sources=shards
     )
-    sig = HiddenStateBridge.offline(
-        teachers=teachers, student=student, rank=topo.members[0], config=cfg, topology=topo
-    ).config_sig  # the configuration word of every record: the bridge's own
+    # the configuration word of every record: an offline bridge's own
+    sig = config_signature(teachers, student, cfg, members=topo.members, routed=False)
     dtypes = [t.dtype for t in teachers]
     hiddens = [t.hidden_size for t in teachers]
     given = agreements or {}

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from mopd.bridge.catalog import RunCatalog, StepBatch
+from mopd.bridge.config import BridgeConfig, TeacherSpec
 from mopd.bridge.layout import TokenLayout
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import SLOT_COLUMNS, Section, StepMatrix
@@ -48,6 +49,7 @@ from mopd.common.lazy import LazySequence
 
 __all__ = [
     "StepView",
+    "config_signature",
     "rank_roles",
     "rank_sections",
     "read_step",
@@ -362,3 +364,27 @@ def read_step(topology: Topology, matrix: StepMatrix, n_slots: int) -> StepView:
     must be agreed (same ``n_slots`` everywhere, no errors: the bridge's fence and checks
     ran)."""
     return StepView(topology=topology, matrix=matrix, n_slots=n_slots)
+
+
+def config_signature(
+    teachers: Sequence[TeacherSpec],
+    student: Mesh,
+    config: BridgeConfig,
+    *,
+    members: Sequence[int],
+    routed: bool,
+) -> int:
+    """The configuration word every record of a job carries (the same on every rank of one
+    bridge): its meshes, teachers, settings, members and whether its metadata is routed."""
+    sig = repr(
+        [(*t.mesh.as_ints(), t.hidden_size, t.sp_shards) for t in teachers]
+        + [
+            student.as_ints(),
+            config.local_copy,
+            config.keep_sp_shard,
+            config.integrity,
+            tuple(members),
+            routed,
+        ]
+    )
+    return Digest(sig, size=7).word()
