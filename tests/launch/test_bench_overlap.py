@@ -20,6 +20,7 @@ import pytest
 from mopd.profiling import cli
 from mopd.profiling.bench import overlap as bench_overlap
 from tests.support.processes import run_module
+from tests.support.rounding import ratio_of_rounded
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RATIOS = (0.5, 2.0)
@@ -56,9 +57,9 @@ def test_floor_and_ratios_follow_from_the_row(run: tuple) -> None:
             m=r["micro_batches"],
         )
         assert r["floor_ms"] == pytest.approx(floor, abs=0.02)  # the row's figures are rounded
-        assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"], abs=2e-3)
-        assert r["lockstep_over_floor"] == pytest.approx(r["lockstep_ms"] / r["floor_ms"], abs=2e-3)
-        assert r["teacher_to_student"] == pytest.approx(r["teacher_ms"] / r["student_ms"], abs=2e-3)
+        assert ratio_of_rounded(r["step_over_floor"], r["step_ms"], r["floor_ms"]), r
+        assert ratio_of_rounded(r["lockstep_over_floor"], r["lockstep_ms"], r["floor_ms"]), r
+        assert ratio_of_rounded(r["teacher_to_student"], r["teacher_ms"], r["student_ms"]), r
         assert r["teacher_pass_ms"] < r["teacher_ms"]  # the pass is part of the teacher's step
 
 

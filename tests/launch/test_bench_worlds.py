@@ -22,6 +22,7 @@ import pytest
 from mopd.profiling import cli
 from mopd.profiling.bench import worlds as bench_worlds
 from tests.support.processes import run_module
+from tests.support.rounding import ratio_of_rounded
 
 CONFIGS = [
     "bridge, lockstep",
@@ -49,7 +50,7 @@ def test_one_object_per_configuration_each_naming_its_peer(run: tuple) -> None:
         assert r["step_ms"] > 0 and r["teacher_ms"] > 0, r
         assert r["peer"] in by and r["peer"] != r["config"], r
         peer = by[r["peer"]]
-        assert r["over_peer"] == pytest.approx(r["step_ms"] / peer["step_ms"], abs=2e-3)
+        assert ratio_of_rounded(r["over_peer"], r["step_ms"], peer["step_ms"])
         assert r["steps_ahead"] == (1 if "ahead" in r["config"] else 0)
         assert r["figures"] == "functional (CPU ranks)"
     assert by["bridge, lockstep"]["peer"] == "host, lockstep"
@@ -63,9 +64,9 @@ def test_hidden_time_is_the_lockstep_step_less_the_step_ahead(run: tuple) -> Non
         assert lock["hidden_ms"] == 0
         want = max(lock["step_ms"] - ahead["step_ms"], 0.0)
         assert ahead["hidden_ms"] == pytest.approx(want, abs=0.02)
-        assert ahead["hidden_of_teacher"] == pytest.approx(
-            ahead["hidden_ms"] / ahead["teacher_ms"], abs=2e-3
-        )
+        assert ratio_of_rounded(
+            ahead["hidden_of_teacher"], ahead["hidden_ms"], ahead["teacher_ms"]
+        ), ahead
 
 
 def test_the_host_path_copies_its_payload_through_host_memory_the_bridge_none(
