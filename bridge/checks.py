@@ -11,7 +11,8 @@ verdict; they communicate nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -247,31 +248,31 @@ def _duplicate_samples(
 ) -> list[str]:
     """Sample ids the student wants on two DP ranks in one micro-batch (it would train on
     them twice). Each destination group's first rank checks its group against the earlier
-    groups whose sample range meets it (its peers, not the job); ``skip``: micro-batches
+    groups of other DP ranks whose sample range meets it (its peers, not the job; the groups
+    of its own DP rank, its CP shards, want its samples by design); ``skip``: micro-batches
     whose inputs this rank has seen pass before."""
     topo = topology
     mine = [d for d in topo.index.dest_groups.get(rank, ()) if topo.dests[d].ranks[0] == rank]
     problems: list[str] = []
     todo = [i for i in range(len(catalogs)) if not skip[i]]
-    flagged = _shared_samples([catalogs[i] for i in todo], mine) if mine and todo else set()
-    for i in todo:
+    if not mine or not todo:
+        return problems
+    dp_of = functools.partial(_dp_of, student, topo)
+    flagged = _shared_samples([catalogs[i] for i in todo], mine, dp_of)
+    for k, i in enumerate(todo):
         catalog = catalogs[i]
         for d in mine:
-            if (todo.index(i), d) not in flagged:
+            if (k, d) not in flagged:
                 continue
-            earlier = _earlier_dests(catalog, d)
-            if not earlier.size:
-                continue
-            dp = _dp_of(student, topo.dests[d].ranks[0])
+            dp = dp_of(d)
             wanted = np.unique(catalog.dest_runs(d)[:, 0])
             first: dict[int, int] = {}  # sample -> DP rank of the first group wanting it
-            for e in earlier.tolist():
-                dp_e = _dp_of(student, topo.dests[e].ranks[0])
+            for e in _earlier_dests(catalog, d, dp_of).tolist():
                 runs = catalog.dest_runs(e)
                 for sample in np.intersect1d(wanted, runs[:, 0]).tolist():
-                    first.setdefault(sample, dp_e)
+                    first.setdefault(sample, dp_of(e))
             for sample, dp0 in sorted(first.items()):
-                if dp0 != dp and len(problems) < 4:
+                if len(problems) < 4:
                     problems.append(
                         f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
                         f"{dp0} and {dp}: it would be trained on twice; give each sample "
@@ -281,25 +282,31 @@ def _duplicate_samples(
     return problems
 
 
-def _earlier_dests(catalog: RunCatalog, d: int) -> np.ndarray:
-    """The destination groups before ``d`` whose runs meet ``d``'s range in ``catalog``
-    (empty: none)."""
+def _earlier_dests(catalog: RunCatalog, d: int, dp_of: Callable[[int], int]) -> np.ndarray:
+    """The destination groups before ``d``, of DP ranks other than ``d``'s, whose runs meet
+    ``d``'s range in ``catalog`` (empty: none)."""
     lo, hi = catalog.dest_range(d)
     if lo > hi:
         return np.empty(0, dtype=np.int64)
     earlier = catalog.dests_meeting(lo, hi)
-    return earlier[earlier < d]
+    earlier = earlier[earlier < d]
+    if not earlier.size:
+        return earlier
+    dp = dp_of(d)
+    return earlier[[dp_of(e) != dp for e in earlier.tolist()]]
 
 
-def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[tuple[int, int]]:
+def _shared_samples(
+    catalogs: Sequence[RunCatalog], mine: Sequence[int], dp_of: Callable[[int], int]
+) -> set[tuple[int, int]]:
     """``(catalog, group)`` pairs where destination group ``group`` (of ``mine``) wants a sample
-    an earlier destination group that meets it wants too: one pass per group over every
-    catalog (sample ids made distinct per catalog)."""
+    an earlier destination group of another DP rank that meets it wants too: one pass per
+    group over every catalog (sample ids made distinct per catalog)."""
     out: set[tuple[int, int]] = set()
     for d in mine:
         mb_parts, grp_parts = [], []
         for i, catalog in enumerate(catalogs):
-            earlier = _earlier_dests(catalog, d)
+            earlier = _earlier_dests(catalog, d, dp_of)
             if not earlier.size:
                 continue
             mb_parts.append(np.full(earlier.size + 1, i, dtype=np.int64))
@@ -317,8 +324,9 @@ def _shared_samples(catalogs: Sequence[RunCatalog], mine: Sequence[int]) -> set[
     return out
 
 
-def _dp_of(student: Mesh, rank: int) -> int:
-    c = student.coord(rank)
+def _dp_of(student: Mesh, topology: Topology, d: int) -> int:
+    """The student DP rank of destination group ``d``."""
+    c = student.coord(topology.dests[d].ranks[0])
     assert c is not None
     return c.dp_rank
 

@@ -52,6 +52,7 @@ __all__ = [
     "layout_to_runs",
     "megatron_padded_length",
     "packed_layout",
+    "packed_layouts",
     "padded_layout",
     "token_keys",
 ]
@@ -272,46 +273,138 @@ def packed_layout(
         cp_size, cp_rank: per-sequence zigzag; each padded length must divide ``2 * cp``.
         sp_size, sp_rank: split of the local ``T`` into ``sp`` slices.
     """
-    sample_N = _ints(sample_ids)
-    len_N = _ints(seq_lens)
-    if sample_N.size != len_N.size:
-        raise ValueError(f"{sample_N.size} sample ids but {len_N.size} sequence lengths")
-    if bool((sample_N < 0).any()) or bool((len_N < 0).any()):
-        raise ValueError("sample ids and sequence lengths must be non-negative")
+    return packed_layouts(
+        [sample_ids],
+        [seq_lens],
+        cu_seqlens_padded=None if cu_seqlens_padded is None else [cu_seqlens_padded],
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        sp_size=sp_size,
+        sp_rank=sp_rank,
+    )[0]
+
+
+def packed_layouts(
+    sample_ids: Sequence[Sequence[int] | torch.Tensor],
+    seq_lens: Sequence[Sequence[int] | torch.Tensor],
+    *,
+    cu_seqlens_padded: Sequence[Sequence[int] | torch.Tensor] | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sp_size: int = 1,
+    sp_rank: int = 0,
+) -> list[TokenLayout]:
+    """:func:`packed_layout` of each of a step's micro-batches, built in one pass (the same
+    layouts and runs; the fixed cost of a call paid once for the step, not per micro-batch).
+
+    Args:
+        sample_ids, seq_lens: per micro-batch, its ``[N_i]`` sample ids and real lengths.
+        cu_seqlens_padded: per micro-batch, its ``[N_i + 1]`` padded offsets (see
+            :func:`packed_layout`; by default Megatron's padding).
+        cp_size, cp_rank, sp_size, sp_rank: this rank's, the same for every micro-batch.
+    """
+    n_mb = len(sample_ids)
+    if len(seq_lens) != n_mb or (cu_seqlens_padded is not None and len(cu_seqlens_padded) != n_mb):
+        raise ValueError(
+            f"{n_mb} micro-batches of sample ids but {len(seq_lens)} of sequence lengths"
+            + ("" if cu_seqlens_padded is None else f" and {len(cu_seqlens_padded)} of offsets")
+        )
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
+    where = (lambda k: "") if n_mb == 1 else (lambda k: f"micro-batch {k}: ")
+    ids_B = [_ints(x) for x in sample_ids]
+    lens_B = [_ints(x) for x in seq_lens]
+    for k, (ids, lens) in enumerate(zip(ids_B, lens_B, strict=True)):
+        if ids.size != lens.size:
+            raise ValueError(f"{where(k)}{ids.size} sample ids but {lens.size} sequence lengths")
+    count_B = np.fromiter((x.size for x in ids_B), dtype=np.int64, count=n_mb)
+    sample_N = np.concatenate(ids_B) if n_mb else np.empty(0, dtype=np.int64)
+    len_N = np.concatenate(lens_B) if n_mb else np.empty(0, dtype=np.int64)
+    mb_N = np.repeat(np.arange(n_mb, dtype=np.int64), count_B)
+    if sample_N.size and (int(sample_N.min()) < 0 or int(len_N.min()) < 0):
+        k = int(mb_N[np.flatnonzero((sample_N < 0) | (len_N < 0))[0]])
+        raise ValueError(f"{where(k)}sample ids and sequence lengths must be non-negative")
     if cu_seqlens_padded is None:
         mult = megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)  # the rule's multiple
         pad_N = (len_N + mult - 1) // mult * mult
     else:
-        cu = _ints(cu_seqlens_padded)
-        if cu.size != len_N.size + 1 or int(cu[0]) != 0:
+        pads = []
+        for k, x in enumerate(cu_seqlens_padded):
+            cu = _ints(x)
+            if cu.size != count_B[k] + 1 or int(cu[0]) != 0:
+                raise ValueError(
+                    f"{where(k)}cu_seqlens_padded must be {count_B[k] + 1} offsets from 0, "
+                    f"got {cu.tolist()}"
+                )
+            pads.append(cu[1:] - cu[:-1])
+        pad_N = np.concatenate(pads) if pads else np.empty(0, dtype=np.int64)
+        short = pad_N < len_N
+        if bool(short.any()):
+            k = int(mb_N[np.flatnonzero(short)[0]])
             raise ValueError(
-                f"cu_seqlens_padded must be {len_N.size + 1} offsets from 0, got {cu.tolist()}"
-            )
-        pad_N = cu[1:] - cu[:-1]
-        if bool((pad_N < len_N).any()):
-            raise ValueError(
-                f"cu_seqlens_padded {cu.tolist()} leaves less room than seq_lens {len_N.tolist()}"
+                f"{where(k)}cu_seqlens_padded {_ints(cu_seqlens_padded[k]).tolist()} leaves "
+                f"less room than seq_lens {lens_B[k].tolist()}"
             )
     if cp_size > 1:
         bad = pad_N % (2 * cp_size) != 0
         if bool(bad.any()):
             i = int(np.flatnonzero(bad)[0])
+            k = int(mb_N[i])
+            i_k = i - int(count_B[:k].sum())
             raise ValueError(
-                f"packed sequence {i} (sample {int(sample_N[i])}) has padded length {int(pad_N[i])}, "
-                f"not divisible by 2*cp = {2 * cp_size} (context parallelism)"
+                f"{where(k)}packed sequence {i_k} (sample {int(sample_N[i])}) has padded length "
+                f"{int(pad_N[i])}, not divisible by 2*cp = {2 * cp_size} (context parallelism)"
             )
     local_N = pad_N // cp_size
     chunk_N = pad_N // (2 * cp_size) if cp_size > 1 else pad_N
-    sl = _sp_slice(int(local_N.sum()), sp_size, sp_rank, "local packed length")
-    srt = np.sort(sample_N)
-    if not (srt[1:] == srt[:-1]).any():
-        # the runs from the sequences' CP chunks, the rows from the runs: no per-row key sort
-        return _packed_unique(
-            sample_N, len_N, local_N, chunk_N, cp_size, cp_rank, sl.start, sl.stop
+    first_B = np.cumsum(count_B) - count_B
+    cum_N = np.concatenate([[0], np.cumsum(local_N)])
+    local_B = cum_N[first_B + count_B] - cum_N[first_B]
+    start_N = cum_N[:-1] - cum_N[first_B][mb_N]  # a sequence's first local row in its micro-batch
+    slices = [
+        _sp_slice(int(t), sp_size, sp_rank, f"{where(k)}local packed length")
+        for k, t in enumerate(local_B.tolist())
+    ]
+    # a sample id twice in a micro-batch: its rows first, its runs from the rows (rare)
+    key = np.lexsort((sample_N, mb_N))
+    twice = np.zeros(n_mb, dtype=bool)
+    same = (sample_N[key][1:] == sample_N[key][:-1]) & (mb_N[key][1:] == mb_N[key][:-1])
+    twice[mb_N[key][1:][same]] = True
+    out: list[TokenLayout | None] = [None] * n_mb
+    for k in np.flatnonzero(twice).tolist():
+        at = slice(int(first_B[k]), int(first_B[k] + count_B[k]))
+        out[k] = _packed_rows(
+            sample_N[at], len_N[at], local_N[at], chunk_N[at], cp_size, cp_rank, slices[k]
         )
-    # a sample id twice: rows first, runs from the rows (layout_to_runs)
+    if not twice.all():
+        lo_B = np.asarray([sl.start for sl in slices], dtype=np.int64)
+        hi_B = np.asarray([sl.stop for sl in slices], dtype=np.int64)
+        lo_B[twice], hi_B[twice] = 0, 0  # built above: no pieces, no rows
+        keep = ~twice[mb_N]
+        if not keep.all():
+            sample_N, len_N, chunk_N, start_N, mb_N = (
+                x[keep] for x in (sample_N, len_N, chunk_N, start_N, mb_N)
+            )
+        built = _packed_unique(
+            sample_N, len_N, chunk_N, start_N, mb_N, lo_B, hi_B, cp_size, cp_rank
+        )
+        for k, layout in enumerate(built):
+            if out[k] is None:
+                out[k] = layout
+    return [x for x in out if x is not None]
+
+
+def _packed_rows(
+    sample_N: np.ndarray,
+    len_N: np.ndarray,
+    local_N: np.ndarray,
+    chunk_N: np.ndarray,
+    cp_size: int,
+    cp_rank: int,
+    sl: slice,
+) -> TokenLayout:
+    """One micro-batch's packed layout row by row (a sample id twice: runs from the rows,
+    :func:`layout_to_runs`)."""
     n = torch.from_numpy(local_N)
     seq_T = torch.repeat_interleave(torch.arange(sample_N.size, dtype=_I64), n)
     starts = torch.cumsum(n, 0) - n
@@ -418,67 +511,86 @@ _PAIR = np.asarray([0, 1], dtype=np.int64)
 def _packed_unique(
     sample_N: np.ndarray,
     len_N: np.ndarray,
-    local_N: np.ndarray,
     chunk_N: np.ndarray,
+    start_N: np.ndarray,
+    mb_N: np.ndarray,
+    lo_B: np.ndarray,
+    hi_B: np.ndarray,
     cp_size: int,
     cp_rank: int,
-    lo: int,
-    hi: int,
-) -> TokenLayout:
-    """The layout of packed sequences of distinct sample ids, local rows ``[lo, hi)`` (the SP
-    slice), built from its pieces (a CP chunk of a sequence, cut to the slice and to the real
-    length) in a fixed number of array operations, and carrying its runs: those of
-    the per-row rule gives (every piece advances one row per position, so the per-row rule only
-    joins a piece to the one before when it continues it in sample, position and row: the two
-    chunks of a sequence on the middle CP rank)."""
-    # pieces in key order (samples ascending, a sequence's chunks in position order)
-    seq = np.argsort(sample_N, kind="stable")
-    c_N, len_N = chunk_N[seq, None], len_N[seq, None]
-    start_N = (np.cumsum(local_N) - local_N)[seq, None]
+) -> list[TokenLayout]:
+    """The layouts of micro-batches of packed sequences of distinct sample ids, each its local
+    rows ``[lo_B[k], hi_B[k])`` (the SP slice), built from their pieces (a CP chunk of a
+    sequence, cut to the slice and to the real length) in a fixed number of array operations
+    for every micro-batch together, each carrying its runs: those the per-row rule gives
+    (every piece advances one row per position, so the per-row rule only joins a piece to the
+    one before when it continues it in sample, position and row: the two chunks of a sequence
+    on the middle CP rank). ``[N]`` arrays: every micro-batch's sequences one after another,
+    ``mb_N`` a sequence's micro-batch, ``start_N`` its first local row in it."""
+    n_mb = lo_B.size
+    rows_B = hi_B - lo_B
+    # a micro-batch's rows at this offset of one buffer holding every micro-batch's
+    off_B = np.cumsum(rows_B) - rows_B
+    # pieces in key order (micro-batch, samples ascending, a sequence's chunks in position order)
+    seq = np.lexsort((sample_N, mb_N))
+    c_N, len_N, mb_N = chunk_N[seq, None], len_N[seq, None], mb_N[seq, None]
+    start_N = start_N[seq, None]
     if cp_size > 1:  # chunk cp_rank at the sequence's first rows, chunk 2 cp - 1 - cp_rank next
         rows = start_N + c_N * _PAIR
         first = c_N * np.asarray([cp_rank, 2 * cp_size - 1 - cp_rank], dtype=np.int64)
     else:
         rows, first = start_N, np.zeros_like(start_N)
+    lo, hi = lo_B[mb_N], hi_B[mb_N]
     a = np.maximum(rows, lo)
     pos = first + (a - rows)
     n_M = np.minimum(np.minimum(rows + c_N, hi) - a, len_N - pos).reshape(-1)
     keep = n_M > 0  # empty pieces dropped
     n_M = n_M[keep]
     s_M = np.repeat(sample_N[seq], rows.shape[1])[keep]
+    b_M = np.repeat(mb_N[:, 0], rows.shape[1])[keep]
     p_M = pos.reshape(-1)[keep]
-    r_M = (a - lo).reshape(-1)[keep]
-    num_rows = hi - lo
+    r_M = (a - lo).reshape(-1)[keep]  # rows within the micro-batch
+    total = int(rows_B.sum())
     m = n_M.size
     runs = np.empty((0, 5), dtype=np.int64)
+    run_b = np.empty(0, dtype=np.int64)
     if not m:
-        sample_R = np.full(num_rows, -1, dtype=np.int64)
+        sample_R = np.full(total, -1, dtype=np.int64)
         pos_R = sample_R.copy()
     else:
         new = np.ones(m, dtype=bool)
-        new[1:] = (s_M[1:] != s_M[:-1]) | (p_M[1:] != p_M[:-1] + n_M[:-1])
+        new[1:] = (b_M[1:] != b_M[:-1]) | (s_M[1:] != s_M[:-1]) | (p_M[1:] != p_M[:-1] + n_M[:-1])
         assert bool((new[1:] | (r_M[1:] == r_M[:-1] + n_M[:-1])).all()), "a piece jumps rows"
         at = np.flatnonzero(new)
         runs = np.ones((at.size, 5), dtype=np.int64)
         runs[:, 0], runs[:, 1], runs[:, 2] = s_M[at], p_M[at], r_M[at]
         runs[:, 4] = np.add.reduceat(n_M, at)
-        # rows: the pieces in row order, padding around them
-        o = np.argsort(r_M, kind="stable")
-        r_o, n_o = r_M[o], n_M[o]
+        run_b = b_M[at]
+        # rows: the pieces in row order (of the one buffer), padding around them
+        g_M = r_M + off_B[b_M]
+        o = np.argsort(g_M, kind="stable")
+        r_o, n_o = g_M[o], n_M[o]
         seg = np.empty((3, 2 * m + 1), dtype=np.int64)  # length, sample, position - row
         seg[:, 1::2] = n_o, s_M[o], p_M[o] - r_o
         seg[0, 2:-1:2] = r_o[1:] - r_o[:-1] - n_o[:-1]
-        seg[0, 0], seg[0, -1] = r_o[0], num_rows - r_o[-1] - n_o[-1]
+        seg[0, 0], seg[0, -1] = r_o[0], total - r_o[-1] - n_o[-1]
         seg[1, 0::2], seg[2, 0::2] = -1, 0
         sample_R = np.repeat(seg[1], seg[0])
         pos_R = np.repeat(seg[2], seg[0])
-        pos_R += np.arange(num_rows)
+        pos_R += np.arange(total)
         pos_R[sample_R < 0] = -1
-    layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
-    object.__setattr__(layout, "sample_id_R", torch.from_numpy(sample_R))
-    object.__setattr__(layout, "position_R", torch.from_numpy(pos_R))
-    _attach_runs(layout, runs)
-    return layout
+    cut_R = off_B[1:].tolist()
+    cut_K = np.searchsorted(run_b, np.arange(1, n_mb)).tolist()
+    out = []
+    for s_R, p_R, runs_K5 in zip(
+        np.split(sample_R, cut_R), np.split(pos_R, cut_R), np.split(runs, cut_K), strict=True
+    ):
+        layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
+        object.__setattr__(layout, "sample_id_R", torch.from_numpy(s_R))
+        object.__setattr__(layout, "position_R", torch.from_numpy(p_R))
+        _attach_runs(layout, runs_K5)
+        out.append(layout)
+    return out
 
 
 def _segment_runs(

@@ -361,12 +361,12 @@ def exchange_records(
     got = wire.swap({m: view.intro.reshape(-1) for m in view.intro_to}, view.intro_from)
     peers = dict(view.peers)
     introduced: set[int] = set()
-    for m in view.intro_from:
-        intro = got[m].reshape(-1, 3)
-        for p, w in zip(intro[:, 1].tolist(), intro[:, 2].tolist(), strict=True):
-            if p != me:
-                peers[p] = w
-                introduced.add(p)
+    if view.intro_from:
+        intro = np.concatenate([got[m].reshape(-1, 3) for m in view.intro_from])[::-1]
+        intro = intro[intro[:, 1] != me]
+        p, last = np.unique(intro[:, 1], return_index=True)  # a peer's last introduction
+        peers.update(zip(p.tolist(), intro[last, 2].tolist(), strict=True))
+        introduced = set(p.tolist())
     # 4: records with every peer
     order = sorted(peers)
     got = wire.swap({p: rec for p in order}, order, sizes={p: peers[p] for p in order})
@@ -374,7 +374,7 @@ def exchange_records(
     held.update((p, got[p]) for p in order)
     # 5: the leaders' records to the other ranks of their groups
     to_source, to_dest, from_ = forward_pairs(topology, rank)
-    parts = [bundle_records(held)]
+    parts = []
     if to_source or to_dest or from_:
         sends = forward_bundles(
             held,
@@ -386,26 +386,29 @@ def exchange_records(
         )
         got = wire.swap(sends, from_)
         parts += [got[m] for m in from_ if got[m].size]
-    return _stack_bundles(parts)
+    return _stack_records(held, parts)
 
 
-def _stack_bundles(bundles: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """``([k, width], [k] members)``: the records of several :func:`bundle_records` messages, one
-    row per member (the first copy of a record given twice), ascending, zero-padded to the
-    widest; in a fixed number of array operations."""
-    heads = []
+def _stack_records(
+    held: dict[int, np.ndarray], bundles: Sequence[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``([k, width], [k] members)``: the records ``held`` (member -> record) and those of the
+    :func:`bundle_records` messages ``bundles``, one row per member (the first copy of a record
+    given twice: ``held``'s, then by message order), ascending, zero-padded to the widest. One
+    row copy per member: a record is a few thousand words, a gather word by word would cost
+    more than the rows."""
+    records = dict(held)
     for msg in bundles:
         k = int(msg[0])
-        heads.append((msg, k, msg[1 : 1 + k], msg[1 + k : 1 + 2 * k]))
-    member = np.concatenate([h[2] for h in heads])
-    size = np.concatenate([h[3] for h in heads])
-    words = np.concatenate([h[0][1 + 2 * h[1] :] for h in heads])
-    start = np.cumsum(size) - size
-    members, first = np.unique(member, return_index=True)
-    width = int(size[first].max()) if first.size else 0
-    out = np.zeros((members.size, width), dtype=_I64)
-    n = size[first]
-    row = np.repeat(np.arange(members.size, dtype=_I64), n)
-    col = np.arange(int(n.sum()), dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
-    out[row, col] = words[np.repeat(start[first], n) + col]
-    return out, members
+        ms, sizes = msg[1 : 1 + k].tolist(), msg[1 + k : 1 + 2 * k].tolist()
+        at = 1 + 2 * k
+        for m, n in zip(ms, sizes, strict=True):
+            records.setdefault(m, msg[at : at + n])
+            at += n
+    members = sorted(records)
+    width = max((records[m].size for m in members), default=0)
+    out = np.zeros((len(members), width), dtype=_I64)
+    for row, m in zip(out, members, strict=True):
+        rec = records[m]
+        row[: rec.size] = rec
+    return out, np.asarray(members, dtype=_I64)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mopd.bridge.config import TeacherSpec
-from mopd.bridge.layout import TokenLayout, packed_layout
+from mopd.bridge.layout import TokenLayout, packed_layouts
 from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import (
     StepMatrix,
@@ -101,22 +101,23 @@ def _samples(ranks: int, tokens_per_rank: int, max_len: int, seed: int) -> Sampl
     return Samples(lengths_S=lengths, teacher_parts=teacher, student_parts=student)
 
 
-def _layout(
-    ids: np.ndarray,
-    lengths_S: np.ndarray,
+def _layouts(
+    parts: Sequence[np.ndarray],
+    lengths: Sequence[np.ndarray],
     cp: int,
     cp_rank: int,
     mult: int,
     sp: int = 1,
     sp_rank: int = 0,
-) -> TokenLayout:
-    lens = lengths_S[ids]
-    padded = (lens + mult - 1) // mult * mult
-    cu = np.concatenate([[0], np.cumsum(padded)])
-    return packed_layout(
-        torch.from_numpy(ids),
-        torch.from_numpy(lens),
-        cu_seqlens_padded=torch.from_numpy(cu),
+) -> list[TokenLayout]:
+    """A rank's layouts of a step's micro-batches (``parts[i]``: micro-batch ``i``'s sample ids
+    on this rank; ``lengths[i]``: that micro-batch's length per sample id), in one call."""
+    lens = [lengths_S[ids] for ids, lengths_S in zip(parts, lengths, strict=True)]
+    cus = [np.concatenate([[0], np.cumsum((x + mult - 1) // mult * mult)]) for x in lens]
+    return packed_layouts(
+        [torch.from_numpy(ids) for ids in parts],
+        [torch.from_numpy(x) for x in lens],
+        cu_seqlens_padded=[torch.from_numpy(cu) for cu in cus],
         cp_size=cp,
         cp_rank=cp_rank,
         sp_size=sp,
@@ -158,14 +159,13 @@ def rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenLa
     assert tc is not None and sc is not None
     t_mult, s_mult = _mult(T_TP, T_CP), _mult(S_TP, S_CP)
     sp = (T_TP, tc.tp_rank) if step.sp_shards else (1, 0)
-    t = [
-        _layout(m.teacher_parts[tc.dp_rank], m.lengths_S, T_CP, tc.cp_rank, t_mult, *sp)
-        for m in step.micro
-    ]
-    s = [
-        _layout(m.student_parts[sc.dp_rank], m.lengths_S, S_CP, sc.cp_rank, s_mult)
-        for m in step.micro
-    ]
+    lengths = [m.lengths_S for m in step.micro]
+    t = _layouts(
+        [m.teacher_parts[tc.dp_rank] for m in step.micro], lengths, T_CP, tc.cp_rank, t_mult, *sp
+    )
+    s = _layouts(
+        [m.student_parts[sc.dp_rank] for m in step.micro], lengths, S_CP, sc.cp_rank, s_mult
+    )
     return t, s
 
 
@@ -207,11 +207,13 @@ def build_step(
     # a DP index's layouts, built when its first rank asks (ranks come in order; kept a while)
     @functools.lru_cache(maxsize=4 * BLOCK)
     def teacher_shard(d: int, c: int, k: int) -> list[TokenLayout]:
-        return [_layout(m.teacher_parts[d], m.lengths_S, T_CP, c, t_mult, sp, k) for m in micro]
+        parts = [m.teacher_parts[d] for m in micro]
+        return _layouts(parts, [m.lengths_S for m in micro], T_CP, c, t_mult, sp, k)
 
     @functools.lru_cache(maxsize=4 * BLOCK)
     def student_shard(d: int, c: int) -> list[TokenLayout]:
-        return [_layout(m.student_parts[d], m.lengths_S, S_CP, c, s_mult) for m in micro]
+        parts = [m.student_parts[d] for m in micro]
+        return _layouts(parts, [m.lengths_S for m in micro], S_CP, c, s_mult)
 
     def teacher_layouts(key: Any) -> list[TokenLayout]:
         if not sp_shards:

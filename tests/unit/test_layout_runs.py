@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from mopd.bridge.layout import (
     layout_to_runs,
     megatron_padded_length,
     packed_layout,
+    packed_layouts,
     padded_layout,
 )
 
@@ -62,11 +64,13 @@ def test_padded_layout_runs_equal_the_per_row_runs(case: dict) -> None:
 
 
 @st.composite
-def packed_cases(draw: st.DrawFn) -> dict:
-    cp = draw(st.sampled_from([1, 1, 2, 3, 4]))
-    sp = draw(st.sampled_from([1, 1, 2, 4]))
+def packed_cases(
+    draw: st.DrawFn, cp: int | None = None, sp: int | None = None, unique: bool = True
+) -> dict:
+    cp = draw(st.sampled_from([1, 1, 2, 3, 4])) if cp is None else cp
+    sp = draw(st.sampled_from([1, 1, 2, 4])) if sp is None else sp
     n = draw(st.integers(0, 6))
-    ids = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n, unique=True))
+    ids = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n, unique=unique))
     lens = draw(st.lists(st.integers(0, 37), min_size=n, max_size=n))
     extra = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))  # more padding than needed
     mult = megatron_padded_length(1, cp_size=cp, sp_size=sp)
@@ -117,6 +121,70 @@ def test_packed_layout_runs_equal_the_per_row_runs(case: dict) -> None:
     sample, pos = _packed_rows(case)  # the rows too: built from the runs, they must be right
     assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
     _same_runs(lay)
+
+
+@st.composite
+def packed_steps(draw: st.DrawFn) -> list[dict]:
+    """A step's micro-batches on one rank (its CP and SP ranks); some may repeat a sample id
+    (those build their rows), some may be empty."""
+    cp = draw(st.sampled_from([1, 2, 3, 4]))
+    sp = draw(st.sampled_from([1, 2, 4]))
+    cp_rank, sp_rank = draw(st.integers(0, cp - 1)), draw(st.integers(0, sp - 1))
+    n_mb = draw(st.integers(0, 5))
+    cases = [draw(packed_cases(cp, sp, unique=draw(st.booleans()))) for _ in range(n_mb)]
+    given_cu = draw(st.booleans())
+    for c in cases:
+        c.update(cp_rank=cp_rank, sp_rank=sp_rank)
+        if not given_cu:
+            c["cu_seqlens_padded"] = None
+        elif c["cu_seqlens_padded"] is None:  # every micro-batch given its offsets
+            pads = [megatron_padded_length(x, cp_size=cp, sp_size=sp) for x in c["seq_lens"]]
+            c["cu_seqlens_padded"] = np.concatenate([[0], np.cumsum(pads)]).astype(int).tolist()
+    return cases
+
+
+@given(cases=packed_steps())
+@SETTINGS
+def test_packed_layouts_of_a_step_are_each_micro_batch_s_packed_layout(cases: list[dict]) -> None:
+    """One call for a step's micro-batches gives every micro-batch the rows and runs its own
+    :func:`packed_layout` gives (bit-equal; no runs where that has none)."""
+    kw = {k: cases[0][k] for k in ("cp_size", "cp_rank", "sp_size", "sp_rank")} if cases else {}
+    given_cu = bool(cases) and cases[0]["cu_seqlens_padded"] is not None
+    step = packed_layouts(
+        [torch.tensor(c["sample_ids"], dtype=torch.int64) for c in cases],
+        [c["seq_lens"] for c in cases],
+        cu_seqlens_padded=[c["cu_seqlens_padded"] for c in cases] if given_cu else None,
+        **kw,
+    )
+    assert len(step) == len(cases)
+    for lay, c in zip(step, cases, strict=True):
+        one = packed_layout(**c)
+        sample, pos = _packed_rows(c)
+        assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
+        assert lay.same_as(one)
+        if "_runs_K5" in one.__dict__:
+            assert torch.equal(lay.__dict__["_runs_K5"], one.__dict__["_runs_K5"])
+            _same_runs(lay)
+        else:
+            assert "_runs_K5" not in lay.__dict__
+
+
+def test_packed_layouts_name_the_micro_batch_of_bad_input() -> None:
+    kw = {"cp_size": 2, "cp_rank": 0}
+    with pytest.raises(
+        ValueError,
+        match=r"micro-batch 1: packed sequence 0 \(sample 9\) has "
+        r"padded length 6, not divisible by 2\*cp = 4",
+    ):
+        packed_layouts([[1], [9]], [[3], [5]], cu_seqlens_padded=[[0, 4], [0, 6]], **kw)
+    with pytest.raises(ValueError, match=r"micro-batch 2: 2 sample ids but 1 sequence lengths"):
+        packed_layouts([[1], [2], [3, 4]], [[1], [1], [1]], **kw)
+    with pytest.raises(ValueError, match=r"2 micro-batches of sample ids but 1 of sequence"):
+        packed_layouts([[1], [2]], [[1]], **kw)
+    with pytest.raises(ValueError, match=r"micro-batch 1: sample ids and sequence lengths must"):
+        packed_layouts([[1], [2]], [[1], [-1]], **kw)
+    with pytest.raises(ValueError, match=r"^packed sequence 0 \(sample 9\)"):  # one: no prefix
+        packed_layout([9], [5], cu_seqlens_padded=[0, 6], **kw)
 
 
 def test_packed_layout_with_a_repeated_sample_id_builds_its_rows() -> None:
