@@ -60,41 +60,74 @@ def _expand(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndar
     return row_S[seg] + i * step_S[seg]
 
 
-@dataclass(kw_only=True, eq=False)
 class _Side:
     """How one side of a transfer touches its buffer.
 
     ``mode``: ``"view"`` (rows ``first .. first + count``), ``"runs"`` (``copy_runs`` over
     ``run_row`` / ``run_pos`` / ``run_len``) or ``"index"`` (per-row ``rows``). The index
-    tensors are made on first use (each once: the device cache keys on them).
+    tensors are made on first use (each once: the device cache keys on them). A side keeps
+    the arrays of its batch (:meth:`many`) and its bounds in them: a step's transfers are many
+    and most of them are views that never read their runs.
     """
 
-    mode: str
-    count: int
-    first: int
-    _run_row: np.ndarray  # [K] buffer rows where runs start
-    _run_pos: np.ndarray  # [K] positions in the transfer (staging offset) where runs start
-    _run_len: np.ndarray  # [K]
-    _row_S: np.ndarray
-    _step_S: np.ndarray
-    _len_S: np.ndarray
+    __slots__ = ("_made", "_ra", "_rb", "_runs", "_sa", "_sb", "_segs", "count", "first", "mode")
 
-    @functools.cached_property
+    def __init__(
+        self,
+        mode: str,
+        count: int,
+        first: int,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        run_bounds: tuple[int, int],
+        segs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        seg_bounds: tuple[int, int],
+    ) -> None:
+        self.mode, self.count, self.first = mode, count, first
+        #: ``(row, pos, len)`` of the batch's runs (``[K]`` each: buffer rows where runs start,
+        #: positions in the transfer, the staging offset, where they start, lengths), and this
+        #: side's ``[ra, rb)`` of them
+        self._runs, (self._ra, self._rb) = runs, run_bounds
+        #: ``(row, step, len)`` of the batch's segments (``[S]`` each), this side's ``[sa, sb)``
+        self._segs, (self._sa, self._sb) = segs, seg_bounds
+        self._made: dict[str, torch.Tensor] = {}
+
+    def _run(self, k: int) -> np.ndarray:
+        return self._runs[k][self._ra : self._rb]
+
+    @property
+    def _row_S(self) -> np.ndarray:
+        return self._segs[0][self._sa : self._sb]
+
+    @property
+    def _step_S(self) -> np.ndarray:
+        return self._segs[1][self._sa : self._sb]
+
+    @property
+    def _len_S(self) -> np.ndarray:
+        return self._segs[2][self._sa : self._sb]
+
+    def _tensor(self, name: str, make: Any) -> torch.Tensor:
+        got = self._made.get(name)
+        if got is None:
+            got = self._made[name] = _t(make())
+        return got
+
+    @property
     def run_row(self) -> torch.Tensor:
-        return _t(self._run_row)
+        return self._tensor("run_row", lambda: self._run(0))
 
-    @functools.cached_property
+    @property
     def run_pos(self) -> torch.Tensor:
-        return _t(self._run_pos)
+        return self._tensor("run_pos", lambda: self._run(1))
 
-    @functools.cached_property
+    @property
     def run_len(self) -> torch.Tensor:
-        return _t(self._run_len)
+        return self._tensor("run_len", lambda: self._run(2))
 
-    @functools.cached_property
+    @property
     def rows(self) -> torch.Tensor:
         """``[count]`` int64 buffer row of every token (expanded on first use)."""
-        return _t(_expand(self._row_S, self._step_S, self._len_S))
+        return self._tensor("rows", lambda: _expand(self._row_S, self._step_S, self._len_S))
 
     @staticmethod
     def of(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> _Side:
@@ -137,45 +170,23 @@ class _Side:
         out = []
         counts, units = count_T.tolist(), unit_T.tolist()
         r_off, s_off, first = run_off.tolist(), off_T1.tolist(), row_S[starts].tolist()
+        runs, segs = (run_row, run_pos, run_len), (row_S, step_S, len_S)
         for t in range(n_T):
             a, b = (r_off[t], r_off[t + 1]) if units[t] else (0, 0)
-            k = b - a
-            if units[t] and k <= 1:
+            if units[t] and b - a <= 1:
                 mode = "view"
-            elif units[t] and counts[t] >= MIN_AVG_RUN * k:
+            elif units[t] and counts[t] >= MIN_AVG_RUN * (b - a):
                 mode = "runs"
             else:
                 mode = "index"
-            lo, hi = s_off[t], s_off[t + 1]
-            out.append(
-                _Side(
-                    mode=mode,
-                    count=counts[t],
-                    first=first[t],
-                    _run_row=run_row[a:b],
-                    _run_pos=run_pos[a:b],
-                    _run_len=run_len[a:b],
-                    _row_S=row_S[lo:hi],
-                    _step_S=step_S[lo:hi],
-                    _len_S=len_S[lo:hi],
-                )
-            )
+            bounds = (s_off[t], s_off[t + 1])
+            out.append(_Side(mode, counts[t], first[t], runs, (a, b), segs, bounds))
         return out
 
     @staticmethod
     def _empty() -> _Side:
         e = np.empty(0, dtype=np.int64)
-        return _Side(
-            mode="view",
-            count=0,
-            first=0,
-            _run_row=e,
-            _run_pos=e,
-            _run_len=e,
-            _row_S=e,
-            _step_S=e,
-            _len_S=e,
-        )
+        return _Side("view", 0, 0, (e, e, e), (0, 0), (e, e, e), (0, 0))
 
 
 @dataclass(kw_only=True, eq=False)
