@@ -488,8 +488,9 @@ def _row_runs(layout: TokenLayout) -> torch.Tensor:
     return torch.stack([s[start], p[start], row[start], step, length], dim=1)
 
 
-def _attach_runs(layout: TokenLayout, runs_K5: np.ndarray) -> None:
-    object.__setattr__(layout, "_runs_K5", torch.from_numpy(runs_K5))
+def _attach_runs(layout: TokenLayout, runs_K5: np.ndarray | torch.Tensor) -> None:
+    runs = torch.from_numpy(runs_K5) if isinstance(runs_K5, np.ndarray) else runs_K5
+    object.__setattr__(layout, "_runs_K5", runs)
 
 
 def _pieces(pos_S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -579,16 +580,16 @@ def _packed_unique(
         pos_R = np.repeat(seg[2], seg[0])
         pos_R += np.arange(total)
         pos_R[sample_R < 0] = -1
-    cut_R = off_B[1:].tolist()
-    cut_K = np.searchsorted(run_b, np.arange(1, n_mb)).tolist()
+    cut_R = [0, *off_B[1:].tolist(), total]
+    cut_K = [0, *np.searchsorted(run_b, np.arange(1, n_mb)).tolist(), run_b.size]
+    sample_T, pos_T, runs_T = (torch.from_numpy(x) for x in (sample_R, pos_R, runs))
     out = []
-    for s_R, p_R, runs_K5 in zip(
-        np.split(sample_R, cut_R), np.split(pos_R, cut_R), np.split(runs, cut_K), strict=True
-    ):
+    for k in range(n_mb):
         layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
-        object.__setattr__(layout, "sample_id_R", torch.from_numpy(s_R))
-        object.__setattr__(layout, "position_R", torch.from_numpy(p_R))
-        _attach_runs(layout, runs_K5)
+        rows = slice(cut_R[k], cut_R[k + 1])
+        object.__setattr__(layout, "sample_id_R", sample_T[rows])
+        object.__setattr__(layout, "position_R", pos_T[rows])
+        _attach_runs(layout, runs_T[cut_K[k] : cut_K[k + 1]])
         out.append(layout)
     return out
 

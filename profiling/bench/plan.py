@@ -49,6 +49,7 @@ Records ``plan-step-<machine>-<date>.{csv,md}`` and a log-log figure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -58,7 +59,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,20 @@ def _groups_read(step: Step, rank: int) -> int:
     return len(source_ids) + len(dest_ids)
 
 
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """The simulation's objects (every rank's topology, samples and messages: what no rank
+    holds) moved out of the garbage collector's sight while timing (``gc.freeze``): a
+    collection of them would otherwise land in some measured step. A step's own objects are
+    collected as usual."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, float]:
     """``plan_ms`` (slowest median), ``plan_ms_min`` (fastest median), ``plan_alloc_mib``
     (largest tracemalloc peak) and ``groups_read`` (most groups read) over ``ranks``."""
@@ -176,12 +191,6 @@ def measure_local(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, f
         "plan_ms_min": 1e3 * min(medians),
         "plan_alloc_mib": max(peaks) / 2**20,
     }
-
-
-# --- one rank's step, as the live bridge runs it ------------------------------------------------
-
-
-# --- the routed exchange, as every member plays it ------------------------------------------------
 
 
 # --- one rank's step, as the live bridge runs it ------------------------------------------------
@@ -620,8 +629,8 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
     lines += [
         "`step_host_miss_ms`: one rank's host work on a changed step (new lengths, as every "
         "on-policy step: an empty schedule cache, every micro-batch planned and checked): "
-        "building its 2 x micro-batches layouts (`layouts_ms`, the caller's packed_layout "
-        "calls), its record (`encode_ms`), the routed exchange's own work (`exchange_ms`: "
+        "building its 2 x micro-batches layouts (`layouts_ms`, the caller's packed_layouts "
+        "calls, one per side for the step), its record (`encode_ms`), the routed exchange's own work (`exchange_ms`: "
         "registrations, the Bruck rounds' partitions, the replies it serves as a home and "
         "reads, its introductions, its peers' and leaders' records into one matrix; the "
         "messages themselves come from a simulation of every member playing the same rules, "
@@ -636,7 +645,10 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "plan memo's records serve; no planner runs). Each: the least of up to "
         f"{args.repeats} steps (every record: a third of that), the slowest of three ranks "
         "(rank 0, one in the middle, the last teacher leader); each measured rank's plans from "
-        "its routed records are checked equal to those from every record.",
+        "its routed records are checked equal to those from every record. While timing, the "
+        "simulation's objects (every rank's topology, samples and messages, which no rank "
+        "holds) are frozen out of the garbage collector (gc.freeze); a step's own objects are "
+        "collected as usual.",
         "`allgather_bytes`: the metadata bytes one rank receives on a changed step: its "
         "point-to-point rounds counted word for word (the most of the three ranks), and the "
         "summary's all-reduce (26 words) and the verdict's sum (1 + micro-batches words) "
@@ -715,8 +727,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         reps = representative_ranks(n)
-        local = measure_local(step, reps, args.repeats)
-        host = measure_step(step, reps, args.repeats)
+        with _frozen_heap():
+            local = measure_local(step, reps, args.repeats)
+            host = measure_step(step, reps, args.repeats)
         row = _row(step, local, host, baseline.get(n, {}), rss_mib, previous.get((n, src)))
         del step
         gc.collect()
