@@ -61,7 +61,7 @@ from mopd.bridge.integrity import (
 )
 from mopd.bridge.lifecycle import Lifecycle
 from mopd.bridge.plan import RankPlan
-from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Side, plan_digest
+from mopd.bridge.schedule import DeviceIndices, RankSchedule, _Local, _Side, plan_digests
 from mopd.bridge.transport import (
     Message,
     P2PTransport,
@@ -346,7 +346,8 @@ class Executor:
         widths, LRU-bounded; those not cached built together:
         :meth:`~mopd.bridge.schedule.RankSchedule.build_many`)."""
         widths = ",".join(map(str, row_bytes))
-        keys = [f"{plan_digest(p)}:{n}:{widths}" for p, n in zip(plans, slice_rows, strict=True)]
+        digests = plan_digests(plans)
+        keys = [f"{h}:{n}:{widths}" for h, n in zip(digests, slice_rows, strict=True)]
         out: list[RankSchedule | None] = []
         todo: dict[str, int] = {}
         for k, key in enumerate(keys):

@@ -22,7 +22,7 @@ import torch
 from mopd.bridge.plan import DestSlot, RankPlan, Transfer
 from mopd.common.digest import Digest
 
-__all__ = ["MIN_AVG_RUN", "DeviceIndices", "RankSchedule", "plan_digest"]
+__all__ = ["MIN_AVG_RUN", "DeviceIndices", "RankSchedule", "plan_digest", "plan_digests"]
 
 _I64 = torch.int64
 #: Average run length from which rows move as block copies (``copy_runs``) rather than per row.
@@ -306,16 +306,43 @@ def _fill(plan: RankPlan, slice_rows: int, num_owners: int) -> dict[int, torch.T
 
 def plan_digest(plan: RankPlan) -> str:
     """A content hash of a rank's plan (peers, owners and segments): schedules cache on it."""
-    h = Digest(size=16)
-    d = plan.dest
-    h.update(repr((plan.rank, None if d is None else tuple(d.__dict__.values()))))
-    for kind, ts in (("s", plan.sends), ("r", plan.recvs), ("l", plan.locals)):
-        for t in ts:
-            h.update(f"{kind}{t.owner},{t.src_rank},{t.dst_rank}|")
-            h.update(np.asarray(t.segments_S5, dtype=np.int64))
-    if plan.owner_N is not None:
-        h.update(np.asarray(plan.owner_N, dtype=np.int64))
-    return h.hexdigest()
+    return plan_digests([plan])[0]
+
+
+def plan_digests(plans: Sequence[RankPlan]) -> list[str]:
+    """:func:`plan_digest` of each plan, their transfers' fields and segments gathered once:
+    per plan its rank and slice, then per transfer ``(kind, owner, src_rank, dst_rank,
+    segments)`` (kind ``0`` send, ``1`` receive, ``2`` local copy), then its segments, then its
+    row owners."""
+    every = [
+        (k, c, t)
+        for k, p in enumerate(plans)
+        for c, ts in enumerate((p.sends, p.recvs, p.locals))
+        for t in ts
+    ]
+    head_T5 = np.asarray(
+        [(c, t.owner, t.src_rank, t.dst_rank, t.segments_S5.shape[0]) for _, c, t in every],
+        dtype=np.int64,
+    ).reshape(-1, 5)
+    seg = [t.segments_S5 for _, _, t in every]
+    seg_S5 = np.concatenate(seg).astype(np.int64, copy=False) if seg else np.empty((0, 5), np.int64)
+    n_T = np.bincount([k for k, _, _ in every], minlength=len(plans)).tolist()
+    out = []
+    t0 = s0 = 0
+    for p, n in zip(plans, n_T, strict=True):
+        d = p.dest
+        s1 = s0 + int(head_T5[t0 : t0 + n, 4].sum())
+        h = Digest(
+            repr((p.rank, None if d is None else tuple(d.__dict__.values()))),
+            head_T5[t0 : t0 + n],
+            seg_S5[s0:s1],
+            size=16,
+        )
+        if p.owner_N is not None:
+            h.update(np.asarray(p.owner_N, dtype=np.int64))
+        out.append(h.hexdigest())
+        t0, s0 = t0 + n, s1
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -449,6 +476,7 @@ class RankSchedule:
         ``slice_rows``: per plan, as :meth:`build`'s; ``digests``: per plan, its
         :func:`plan_digest` when the caller has it.
         """
+        digests = plan_digests(plans) if digests is None else digests
         every = [t for p in plans for t in (*p.sends, *p.recvs, *p.locals)]
         src_x, dst_x = _sides(every)  # both sides of every transfer, in one batch each
         at = 0
@@ -498,7 +526,7 @@ class RankSchedule:
             out_s.append(
                 RankSchedule(
                     rank=plan.rank,
-                    digest=plan_digest(plan) if digests is None else digests[k],
+                    digest=digests[k],
                     sends=tuple(sends),
                     recvs=tuple(recvs),
                     locals=tuple(locals_),

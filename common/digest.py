@@ -36,9 +36,9 @@ class Digest:
         if isinstance(part, str):
             part = part.encode()
         elif isinstance(part, torch.Tensor):
-            part = np.ascontiguousarray(part.numpy()).tobytes()
+            part = np.ascontiguousarray(part.numpy())
         elif isinstance(part, np.ndarray):
-            part = np.ascontiguousarray(part).tobytes()
+            part = np.ascontiguousarray(part)  # its buffer, read in place
         self._h.update(part)
         return self
 
