@@ -76,6 +76,7 @@ from mopd.bridge.metadata import (
     STATE_FAILED,
     STATE_OPEN,
     STATE_READY,
+    RaggedRecords,
     RecordRoute,
     Section,
     StepMatrix,
@@ -429,7 +430,7 @@ class HiddenStateBridge:
         if routes and n_slots is not None and summary_heads(summary) is not None:
             deadline = time.monotonic() + self.config.timeout_s
 
-            def route(rec: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+            def route(rec: torch.Tensor) -> tuple[RaggedRecords, np.ndarray]:
                 assert n_slots is not None
                 return exchange_records(
                     rec,
@@ -781,7 +782,7 @@ class _PlanMemo:
 
     step: int
     tables: np.ndarray
-    matrix: np.ndarray
+    matrix: np.ndarray | RaggedRecords
     members: np.ndarray | None
     n_slots: int
     extra: bytes

@@ -586,9 +586,9 @@ def _packed_unique(
     out = []
     for k in range(n_mb):
         layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
-        rows = slice(cut_R[k], cut_R[k + 1])
-        object.__setattr__(layout, "sample_id_R", sample_T[rows])
-        object.__setattr__(layout, "position_R", pos_T[rows])
+        lo, hi = cut_R[k], cut_R[k + 1]
+        object.__setattr__(layout, "sample_id_R", sample_T[lo:hi])
+        object.__setattr__(layout, "position_R", pos_T[lo:hi])
         _attach_runs(layout, runs_T[cut_K[k] : cut_K[k + 1]])
         out.append(layout)
     return out

@@ -75,6 +75,7 @@ __all__ = [
     "STATE_FAILED",
     "STATE_OPEN",
     "STATE_READY",
+    "RaggedRecords",
     "RecordRoute",
     "Section",
     "StepMatrix",
@@ -366,6 +367,7 @@ def gather_step_matrix(
         timeout_s=timeout_s,
         nodes=nodes,
     )
+    assert isinstance(matrix, np.ndarray)  # not routed: every record, padded
     return matrix, summary_2H
 
 
@@ -396,7 +398,33 @@ def reduce_summary(
 
 #: What :func:`gather_records` calls to route a record to the members that read it instead of
 #: gathering every record: ``record -> ([k, width] records, [k] their member indices)``.
-RecordRoute = Callable[[torch.Tensor], tuple[np.ndarray, np.ndarray]]
+@dataclass(frozen=True, eq=False)
+class RaggedRecords:
+    """Several records one after another, unpadded (what a routed exchange receives: stacking
+    them into a padded ``[k, width]`` matrix would copy them row by row).
+
+    Attributes:
+        words_W: ``[W]`` int64, the records' words.
+        off_K1: ``[k + 1]`` int64, record ``r`` is ``words_W[off_K1[r] : off_K1[r + 1]]``.
+    """
+
+    words_W: np.ndarray
+    off_K1: np.ndarray
+
+    @staticmethod
+    def of(records: Sequence[np.ndarray]) -> RaggedRecords:
+        """``records`` (each a 1-D int64 record) one after another, in order."""
+        sizes = np.fromiter((r.size for r in records), dtype=_I64, count=len(records))
+        off = np.zeros(len(records) + 1, dtype=_I64)
+        np.cumsum(sizes, out=off[1:])
+        words = np.concatenate(records).astype(_I64, copy=False) if records else off[:0]
+        return RaggedRecords(words, off)
+
+    def copy(self) -> RaggedRecords:
+        return RaggedRecords(self.words_W.copy(), self.off_K1.copy())
+
+
+RecordRoute = Callable[[torch.Tensor], tuple[RaggedRecords, np.ndarray]]
 
 
 def gather_records(
@@ -409,8 +437,9 @@ def gather_records(
     timeout_s: float | None,
     nodes: NodeGroups | None = None,
     route: RecordRoute | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """The records this rank reads: ``([k, width] int64, members)``.
+) -> tuple[np.ndarray | RaggedRecords, np.ndarray | None]:
+    """The records this rank reads: ``([k, width] int64, members)``, or routed
+    (:class:`RaggedRecords`, the members whose records they are).
 
     Without ``route``: every member's (``k = n``, ``members`` ``None``: row ``j`` is member
     ``j``'s record in group-rank order, zero-padded to ``width``, the widest: the summary's
@@ -432,8 +461,8 @@ def gather_records(
 
 
 class StepMatrix:
-    """Lazy reader of a step's records (``[k, width]`` int64): every member's (gathered) or
-    some members' (routed: ``members``).
+    """Lazy reader of a step's records (``[k, width]`` int64 zero-padded, or
+    :class:`RaggedRecords`): every member's (gathered) or some members' (routed: ``members``).
 
     Methods take member indices (positions in the bridge group, not global ranks) and section
     indices (``0 .. n_owners - 1`` teachers, ``n_owners`` the student). Nothing is decoded up
@@ -445,11 +474,22 @@ class StepMatrix:
 
     def __init__(
         self,
-        matrix: np.ndarray,
+        matrix: np.ndarray | RaggedRecords,
         summary_2H: np.ndarray | None = None,
         members: np.ndarray | None = None,
     ) -> None:
+        #: the records: ``[k, width]`` zero-padded (gathered), or unpadded (routed)
         self.matrix = matrix
+        if isinstance(matrix, RaggedRecords):
+            self._flat, start = matrix.words_W, matrix.off_K1
+            self._start, self._end = start[:-1], start[1:]
+        else:
+            k, width = matrix.shape
+            self._flat = np.ascontiguousarray(matrix).reshape(-1)
+            self._start = np.arange(k, dtype=_I64) * width
+            self._end = self._start + width
+        #: records held
+        self.n_rows = int(self._start.size)
         #: ``[2 * HEADER (+ heads)]`` the exchange's reduced :func:`header_summary`
         #: (``None``: offline, the headers are read off the matrix)
         self.summary_2H = summary_2H
@@ -467,7 +507,7 @@ class StepMatrix:
     def has(self, j: int) -> bool:
         """Whether member ``j``'s record is here."""
         if self.members is None:
-            return 0 <= j < self.matrix.shape[0]
+            return 0 <= j < self.n_rows
         at = int(np.searchsorted(self.members, j))
         return at < self.members.size and int(self.members[at]) == j
 
@@ -485,8 +525,9 @@ class StepMatrix:
         return at
 
     def row(self, j: int) -> np.ndarray:
-        """Member ``j``'s record (its row: padding past its ``size`` included)."""
-        return self.matrix[int(self.rows(np.asarray([j], dtype=_I64))[0])]
+        """Member ``j``'s record (its row: padding past its ``size`` included, if any)."""
+        r = int(self.rows(np.asarray([j], dtype=_I64))[0])
+        return self._flat[int(self._start[r]) : int(self._end[r])]
 
     def header_NH(self) -> np.ndarray:
         """``[n_members, HEADER]`` every record's fixed header, copied once in one pass over the
@@ -495,7 +536,10 @@ class StepMatrix:
         if self.members is not None:
             raise AssertionError("a routed matrix holds some records only: no header verdicts")
         if self._header is None:
-            self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
+            if isinstance(self.matrix, RaggedRecords):
+                self._header = self._flat[self._start[:, None] + np.arange(HEADER, dtype=_I64)]
+            else:
+                self._header = np.ascontiguousarray(self.matrix[:, :HEADER])
         return self._header
 
     def uniform_slots(self) -> int | None:
@@ -527,7 +571,7 @@ class StepMatrix:
         ``memo_step`` (see the module doc): then a plan key derived from that step's tables
         holds for this one. One pass over two header columns (none when every header agrees,
         :meth:`uniform_slots` having seen that in the summary)."""
-        if memo_step < 0 or not self.matrix.shape[0]:
+        if memo_step < 0 or not self.n_rows:
             return False
         if self._uniform and self.summary_2H is not None:
             return reuses_memo(self.summary_2H, memo_step)
@@ -604,14 +648,11 @@ class StepMatrix:
         """``[len(members), len(fields)]`` slot-table rows ``(n_rows, n_runs, runs_offset,
         sample_min, sample_max, digest, n_tokens)`` of ``section`` / ``slot`` in each given member's
         record (the members must hold the section); ``fields``: which of those columns."""
-        m = self.matrix
-        rows = self.rows(np.asarray(members, dtype=_I64))
-        at = m[rows, HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
-        cols = np.asarray(fields, dtype=_I64)
-        if not m.flags.c_contiguous:
-            return m[rows[:, None], at[:, None] + cols]
-        # one gather from the flat matrix: a third of a 2-D fancy index over scattered rows
-        return m.reshape(-1)[(rows * m.shape[1] + at)[:, None] + cols]
+        flat = self._flat
+        start = self._start[self.rows(np.asarray(members, dtype=_I64))]
+        at = start + flat[start + HEADER + section] + _SECTION_HEAD + SLOT_FIELDS * slot
+        # one gather from the flat records: a third of a 2-D fancy index over scattered rows
+        return flat[at[:, None] + np.asarray(fields, dtype=_I64)]
 
     def slot_tables(
         self, members: np.ndarray, section: int, *, n_sections: int, n_slots: int
@@ -621,7 +662,11 @@ class StepMatrix:
         strided slice at :func:`table_offset`, the same column in every record."""
         at = table_offset(section, n_sections=n_sections, n_slots=n_slots)
         rows = self.rows(np.asarray(members, dtype=_I64))
-        block = self.matrix[rows, at : at + SLOT_FIELDS * n_slots]
+        if isinstance(self.matrix, RaggedRecords):
+            cols = at + np.arange(SLOT_FIELDS * n_slots, dtype=_I64)
+            block = self._flat[self._start[rows][:, None] + cols]
+        else:
+            block = self.matrix[rows, at : at + SLOT_FIELDS * n_slots]
         return block.reshape(len(rows), n_slots, SLOT_FIELDS)
 
     def runs_many(
@@ -630,24 +675,22 @@ class StepMatrix:
         """``([K, 5], [len(members)])``: the runs each given member sent for its section (of
         ``sections``) in its slot (of ``slots``), concatenated in order, and how many each
         sent; one gather from the flat records (:meth:`runs` of each, in one read)."""
-        m = self.matrix
-        if not m.flags.c_contiguous:
-            m = np.ascontiguousarray(m)
-        rows = self.rows(np.asarray(members, dtype=_I64))
-        width = m.shape[1]
+        flat = self._flat
+        row_at = self._start[self.rows(np.asarray(members, dtype=_I64))]
         at = (
-            m[rows, HEADER + np.asarray(sections, dtype=_I64)]
+            row_at
+            + flat[row_at + HEADER + np.asarray(sections, dtype=_I64)]
             + _SECTION_HEAD
             + SLOT_FIELDS * np.asarray(slots, dtype=_I64)
         )
-        n_X = m[rows, at + _N_RUNS]
+        n_X = flat[at + _N_RUNS]
         if n_X.size and int(n_X.min()) < 0:
             raise AssertionError(f"members {members[n_X < 0][:4].tolist()} sent no runs")
-        start = rows * width + m[rows, at + _RUNS_OFF]
+        start = row_at + flat[at + _RUNS_OFF]
         words = 5 * n_X
         total = int(words.sum())
         idx = np.repeat(start - np.cumsum(words) + words, words) + np.arange(total, dtype=_I64)
-        return m.reshape(-1)[idx].reshape(-1, 5), n_X
+        return flat[idx].reshape(-1, 5), n_X
 
     def runs(self, j: int, section: int, slot: int) -> np.ndarray:
         """``[K, 5]`` runs member ``j`` sent for ``section`` / ``slot`` (a view, no copy)."""

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from mopd.bridge.inputs import Agreement
-from mopd.bridge.metadata import HEADER, SIZE, SLOT_FIELDS
+from mopd.bridge.metadata import HEADER, SIZE, SLOT_FIELDS, RaggedRecords
 from mopd.bridge.route import RADIX, Wire, route_rows
 from mopd.bridge.topology import Topology
 
@@ -332,9 +332,9 @@ def exchange_records(
     n_slots: int,
     agreements: Sequence[Agreement] = (),
     radix: int = RADIX,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The records ``rank`` reads of an agreed step: ``([k, width] int64, [k] members)``, its
-    own among them, rows by ascending member index, zero-padded to the widest.
+) -> tuple[RaggedRecords, np.ndarray]:
+    """The records ``rank`` reads of an agreed step: ``(records, [k] members)``, its own among
+    them, by ascending member index (:class:`~mopd.bridge.metadata.RaggedRecords`).
 
     Collective over the wire's members (every member of the bridge calls it, each with its
     own record): the rounds of the module doc. ``n_slots``: the step's agreed micro-batch
@@ -391,12 +391,10 @@ def exchange_records(
 
 def _stack_records(
     held: dict[int, np.ndarray], bundles: Sequence[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """``([k, width], [k] members)``: the records ``held`` (member -> record) and those of the
-    :func:`bundle_records` messages ``bundles``, one row per member (the first copy of a record
-    given twice: ``held``'s, then by message order), ascending, zero-padded to the widest. One
-    row copy per member: a record is a few thousand words, a gather word by word would cost
-    more than the rows."""
+) -> tuple[RaggedRecords, np.ndarray]:
+    """``(records, [k] members)``: the records ``held`` (member -> record) and those of the
+    :func:`bundle_records` messages ``bundles``, one per member (the first copy of a record
+    given twice: ``held``'s, then by message order), by ascending member, one after another."""
     records = dict(held)
     for msg in bundles:
         k = int(msg[0])
@@ -406,9 +404,4 @@ def _stack_records(
             records.setdefault(m, msg[at : at + n])
             at += n
     members = sorted(records)
-    width = max((records[m].size for m in members), default=0)
-    out = np.zeros((len(members), width), dtype=_I64)
-    for row, m in zip(out, members, strict=True):
-        rec = records[m]
-        row[: rec.size] = rec
-    return out, np.asarray(members, dtype=_I64)
+    return RaggedRecords.of([records[m] for m in members]), np.asarray(members, dtype=_I64)

@@ -34,12 +34,13 @@ class Digest:
     def update(self, part: bytes | str | np.ndarray | torch.Tensor) -> Digest:
         """Feed one more part; returns this digest."""
         if isinstance(part, str):
-            part = part.encode()
+            self._h.update(part.encode())
         elif isinstance(part, torch.Tensor):
-            part = np.ascontiguousarray(part.numpy())
+            self._h.update(np.ascontiguousarray(part.numpy()).data)
         elif isinstance(part, np.ndarray):
-            part = np.ascontiguousarray(part)  # its buffer, read in place
-        self._h.update(part)
+            self._h.update(np.ascontiguousarray(part).data)  # its buffer, read in place
+        else:
+            self._h.update(part)
         return self
 
     def digest(self) -> bytes:
