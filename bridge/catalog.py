@@ -41,6 +41,7 @@ __all__ = [
     "RunFetch",
     "SourceGroup",
     "StepBatch",
+    "StepRanges",
     "dense_samples",
     "fan_out",
     "group_runs",
@@ -347,6 +348,58 @@ def groups_meeting(
     a, b = range_X2[:, 0], range_X2[:, 1]
     at = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
     return at if ids_X is None else ids_X[at]
+
+
+@dataclass(frozen=True, eq=False)
+class StepRanges:
+    """Every catalog's group sample ranges on one side, one after another (rows ``R``): how a
+    step's micro-batches find the groups that meet a range in one pass, not one per
+    micro-batch.
+
+    Attributes:
+        range_R2: ``[R, 2]`` smallest and largest sample id (``(1, 0)``: no tokens).
+        mb_R: ``[R]`` the catalog (its index in the sequence given) of each row.
+        id_R: ``[R]`` the group of each row (ascending within a catalog).
+        n: how many catalogs.
+    """
+
+    range_R2: np.ndarray
+    mb_R: np.ndarray
+    id_R: np.ndarray
+    n: int
+
+    @staticmethod
+    def of(catalogs: Sequence[RunCatalog], side: str) -> StepRanges:
+        """The source (``side`` ``"s"``) or destination (``"d"``) ranges of ``catalogs``."""
+        rng = [c.source_range_G2 if side == "s" else c.dest_range_D2 for c in catalogs]
+        ids = [c.source_ids if side == "s" else c.dest_ids for c in catalogs]
+        sizes = [r.shape[0] for r in rng]
+        id_R = [
+            np.arange(k, dtype=_I64) if x is None else x for x, k in zip(ids, sizes, strict=True)
+        ]
+        return StepRanges(
+            range_R2=np.concatenate(rng) if rng else np.empty((0, 2), dtype=_I64),
+            mb_R=np.repeat(np.arange(len(rng), dtype=_I64), sizes),
+            id_R=np.concatenate(id_R).astype(_I64, copy=False) if id_R else _EMPTY,
+            n=len(rng),
+        )
+
+    def range_of(self, x: int) -> tuple[np.ndarray, np.ndarray]:
+        """``([n] lo, [n] hi)``: group ``x``'s range in each catalog (``(1, 0)`` where it is
+        not among the catalog's groups)."""
+        lo, hi = np.ones(self.n, dtype=_I64), np.zeros(self.n, dtype=_I64)
+        at = np.flatnonzero(self.id_R == x)
+        lo[self.mb_R[at]], hi[self.mb_R[at]] = self.range_R2[at, 0], self.range_R2[at, 1]
+        return lo, hi
+
+    def meeting(self, lo_I: np.ndarray, hi_I: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``([P] catalog, [P] group)``: in each catalog ``i``, the groups whose non-empty range
+        meets ``[lo_I[i], hi_I[i]]`` (none where that is empty), by catalog, then group:
+        :meth:`RunCatalog.sources_meeting` (``dests_meeting``) of every catalog at once."""
+        a, b = self.range_R2[:, 0], self.range_R2[:, 1]
+        lo, hi = lo_I[self.mb_R], hi_I[self.mb_R]
+        at = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b) & (lo <= hi))
+        return self.mb_R[at], self.id_R[at]
 
 
 def _range_of(range_X2: np.ndarray, ids_X: np.ndarray | None, x: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mopd.bridge.catalog import RunCatalog, dense_samples, read_runs
+from mopd.bridge.catalog import RunCatalog, StepRanges, dense_samples, read_runs
 from mopd.bridge.config import TeacherSpec
 from mopd.bridge.coverage import check_rank
 from mopd.bridge.errors import BridgeStateError
@@ -303,19 +303,20 @@ def _shared_samples(
     an earlier destination group of another DP rank that meets it wants too: one pass per
     group over every catalog (sample ids made distinct per catalog)."""
     out: set[tuple[int, int]] = set()
+    ranges = StepRanges.of(catalogs, "d")
     for d in mine:
-        mb_parts, grp_parts = [], []
-        for i, catalog in enumerate(catalogs):
-            earlier = _earlier_dests(catalog, d, dp_of)
-            if not earlier.size:
-                continue
-            mb_parts.append(np.full(earlier.size + 1, i, dtype=np.int64))
-            grp_parts.append(np.append(earlier, d))
-        if not mb_parts:
+        mb_P, grp_P = ranges.meeting(*ranges.range_of(d))
+        keep = grp_P < d
+        if keep.any():
+            dp = dp_of(d)
+            keep[keep] = [dp_of(e) != dp for e in grp_P[keep].tolist()]
+        if not keep.any():
             continue
-        runs, mb, tag = read_runs(
-            catalogs, "d", np.concatenate(mb_parts), np.concatenate(grp_parts), raw=True
-        )
+        mb_P, grp_P = mb_P[keep], grp_P[keep]
+        mbs = np.unique(mb_P)  # and in each of those micro-batches, the group itself
+        mb_P = np.concatenate([mb_P, mbs])
+        grp_P = np.concatenate([grp_P, np.full(mbs.size, d, dtype=grp_P.dtype)])
+        runs, mb, tag = read_runs(catalogs, "d", mb_P, grp_P, raw=True)
         own = tag == d
         ids = dense_samples(mb, runs[:, 0])
         shared = np.intersect1d(ids[own], ids[~own])

@@ -19,6 +19,7 @@ import numpy as np
 
 from mopd.bridge.catalog import (
     RunCatalog,
+    StepRanges,
     dense_samples,
     group_runs,
     interval_overlaps,
@@ -200,19 +201,14 @@ def _source_flags(catalogs: Sequence[RunCatalog], g: int) -> np.ndarray:
     """``[n]`` whether :func:`_check_source` finds a problem with source group ``g`` in each
     catalog: one pass over every catalog's runs of ``g`` and of the earlier groups that meet
     it (keys made distinct per catalog)."""
-    mb_parts, grp_parts = [], []
-    for i, cat in enumerate(catalogs):
-        lo, hi = cat.source_range(g)
-        if lo > hi:
-            continue
-        cands = cat.sources_meeting(lo, hi)
-        groups = np.append(cands[cands < g], g)
-        mb_parts.append(np.full(groups.size, i, dtype=_I64))
-        grp_parts.append(groups)
+    ranges = StepRanges.of(catalogs, "s")
+    mb_P, grp_P = ranges.meeting(*ranges.range_of(g))
+    keep = grp_P <= g  # the group itself and the earlier ones
+    mb_P, grp_P = mb_P[keep], grp_P[keep]
     flags = np.zeros(len(catalogs), dtype=bool)
-    if not mb_parts:
+    if not mb_P.size:
         return flags
-    runs, mb, tag = read_runs(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
+    runs, mb, tag = read_runs(catalogs, "s", mb_P, grp_P)
     if not runs.shape[0]:
         return flags
     ids = dense_samples(mb, runs[:, 0])
@@ -243,13 +239,8 @@ def _dest_flags(catalogs: Sequence[RunCatalog], d: int) -> np.ndarray:
     dst, dmb, _ = read_runs(catalogs, "d", every, np.full(n, d, dtype=_I64))
     if not dst.shape[0]:
         return np.zeros(n, dtype=bool)
-    mb_parts, grp_parts = [], []
-    for i, cat in enumerate(catalogs):
-        lo, hi = cat.dest_range(d)
-        cands = cat.sources_meeting(lo, hi)
-        mb_parts.append(np.full(cands.size, i, dtype=_I64))
-        grp_parts.append(cands)
-    src, smb, _ = read_runs(catalogs, "s", np.concatenate(mb_parts), np.concatenate(grp_parts))
+    mb_P, grp_P = StepRanges.of(catalogs, "s").meeting(*StepRanges.of(catalogs, "d").range_of(d))
+    src, smb, _ = read_runs(catalogs, "s", mb_P, grp_P)
     ids = dense_samples(np.concatenate([smb, dmb]), np.concatenate([src[:, 0], dst[:, 0]]))
     both = np.concatenate([src, dst])
     stride = int((both[:, 1] + both[:, 4]).max()) + 1
