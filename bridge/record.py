@@ -325,14 +325,21 @@ class StepView:
             meet_d = np.zeros((n_i, dst.shape[0]), dtype=bool)
         meet_s[:, own_s] = True
         meet_d[:, own_d] = True
+        # per side, micro-batch major: each micro-batch's groups, their ids and key columns
+        sides = []
+        for meet_IG, ids, table_GIF in ((meet_s, ids_s, src), (meet_d, ids_d, dst)):
+            i_P, g_P = np.nonzero(meet_IG)
+            at = np.searchsorted(i_P, np.arange(n_i + 1)).tolist()
+            cols_PK = table_GIF[g_P, i_P][:, _KEY_COLS]
+            sides.append((at, np.asarray(ids[g_P], dtype=_I64), cols_PK))
         keys = []
         for i in range(n_i):
-            gs, ds = np.flatnonzero(meet_s[i]), np.flatnonzero(meet_d[i])
             h = Digest(extra, size=16)
-            for rows, ids, table in ((gs, ids_s, src), (ds, ids_d, dst)):
-                h.update(np.asarray([rows.size], dtype=_I64).tobytes())
-                h.update(np.asarray(ids[rows], dtype=_I64))
-                h.update(table[rows, i][:, _KEY_COLS])
+            for at, ids_P, cols_PK in sides:
+                a, b = at[i], at[i + 1]
+                h.update(np.asarray([b - a], dtype=_I64))
+                h.update(ids_P[a:b])
+                h.update(cols_PK[a:b])
             keys.append(h.digest())
         return keys
 
