@@ -328,16 +328,18 @@ def packed_layouts(
         mult = megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)  # the rule's multiple
         pad_N = (len_N + mult - 1) // mult * mult
     else:
-        pads = []
-        for k, x in enumerate(cu_seqlens_padded):
-            cu = _ints(x)
-            if cu.size != count_B[k] + 1 or int(cu[0]) != 0:
-                raise ValueError(
-                    f"{where(k)}cu_seqlens_padded must be {count_B[k] + 1} offsets from 0, "
-                    f"got {cu.tolist()}"
-                )
-            pads.append(cu[1:] - cu[:-1])
-        pad_N = np.concatenate(pads) if pads else np.empty(0, dtype=np.int64)
+        cu_B = [_ints(x) for x in cu_seqlens_padded]
+        cu_C = np.concatenate(cu_B) if n_mb else np.empty(0, dtype=np.int64)
+        first_C = np.cumsum(count_B + 1) - (count_B + 1)  # each micro-batch's first offset
+        sizes_ok = np.fromiter((c.size for c in cu_B), dtype=np.int64, count=n_mb) == count_B + 1
+        bad = np.flatnonzero(~sizes_ok) if not sizes_ok.all() else np.flatnonzero(cu_C[first_C])
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(
+                f"{where(k)}cu_seqlens_padded must be {count_B[k] + 1} offsets from 0, "
+                f"got {cu_B[k].tolist()}"
+            )
+        pad_N = np.delete(np.diff(cu_C), first_C[1:] - 1)  # not across micro-batches
         short = pad_N < len_N
         if bool(short.any()):
             k = int(mb_N[np.flatnonzero(short)[0]])

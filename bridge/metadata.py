@@ -226,21 +226,27 @@ def encode_step_record(
             len(sec.layouts),
         )
         slots = head[at + _SECTION_HEAD : at + per].reshape(-1, SLOT_FIELDS)
-        for i, layout in enumerate(sec.layouts):
-            runs = _layout_runs(layout)
-            slots[i, _N_ROWS] = layout.num_rows
-            slots[i, _DIGEST] = layout_digest(layout.num_rows, runs)
-            if runs.shape[0]:
-                slots[i, _SMIN], slots[i, _SMAX] = runs[:, 0].min(), runs[:, 0].max()
-                slots[i, _N_TOKENS] = runs[:, 4].sum()
-            else:
-                slots[i, _SMIN], slots[i, _SMAX] = 1, 0
-            if sec.send_runs:
-                slots[i, _N_RUNS], slots[i, _RUNS_OFF] = runs.shape[0], runs_at
-                parts.append(runs.reshape(-1))
-                runs_at += runs.size
-            else:
-                slots[i, _N_RUNS] = -1
+        runs_I = [_layout_runs(layout) for layout in sec.layouts]
+        rows_I = [layout.num_rows for layout in sec.layouts]
+        slots[:, _N_ROWS] = rows_I
+        slots[:, _DIGEST] = [layout_digest(n, r) for n, r in zip(rows_I, runs_I, strict=True)]
+        # every slot's sample range and tokens in one pass over the section's runs
+        n_I = np.fromiter((r.shape[0] for r in runs_I), dtype=_I64, count=len(runs_I))
+        slots[:, _SMIN], slots[:, _SMAX], slots[:, _N_TOKENS] = 1, 0, 0
+        if int(n_I.sum()):
+            every = np.concatenate(runs_I)
+            live = np.flatnonzero(n_I)
+            start = (np.cumsum(n_I) - n_I)[live]
+            slots[live, _SMIN] = np.minimum.reduceat(every[:, 0], start)
+            slots[live, _SMAX] = np.maximum.reduceat(every[:, 0], start)
+            slots[live, _N_TOKENS] = np.add.reduceat(every[:, 4], start)
+        if sec.send_runs:
+            slots[:, _N_RUNS] = n_I
+            slots[:, _RUNS_OFF] = runs_at + 5 * (np.cumsum(n_I) - n_I)
+            parts += [r.reshape(-1) for r in runs_I]
+            runs_at += 5 * int(n_I.sum())
+        else:
+            slots[:, _N_RUNS] = -1
     text = error.encode()[:4000]
     if text:
         head[3], head[4] = len(text), runs_at

@@ -47,14 +47,12 @@ import numpy as np
 from mopd.bridge.catalog import (
     GroupIndex,
     RunCatalog,
+    StepRanges,
     dense_samples,
     fan_out,
-    groups_meeting,
     interval_overlaps,
     key_space,
-    ranges_meeting,
     read_runs,
-    rows_in,
     run_keys,
 )
 
@@ -611,57 +609,71 @@ def plan_ranks(
     mine = ix.dest_groups.get(rank)
     d0 = mine[0] if mine else None
     my_src = np.asarray(ix.source_groups.get(rank, ()), dtype=_I64)
-    # 1. the destination instances (micro-batch, group) and each one's candidate sources
-    inst_mb: list[int] = []
-    inst_d: list[int] = []
-    pair_e: list[int] = []
+    # 1. the destination instances (micro-batch, group) and each one's candidate sources,
+    #    every micro-batch at once: per micro-batch the rank's own destination first, then
+    #    the others its sources meet, ascending
+    s_rng, d_rng = StepRanges.of(catalogs, "s"), StepRanges.of(catalogs, "d")
+    pair_mb: list[np.ndarray] = []
     pair_g: list[np.ndarray] = []
-    recv_e = np.full(n_mb, -1, dtype=_I64)
-    for i, cat in enumerate(catalogs):
-        s_rng, d_rng = cat.source_range_G2, cat.dest_range_D2
-        s_ids = np.arange(s_rng.shape[0], dtype=_I64) if cat.source_ids is None else cat.source_ids
-        d_ids = np.arange(d_rng.shape[0], dtype=_I64) if cat.dest_ids is None else cat.dest_ids
-        here: dict[int, int] = {}
-        if d0 is not None:  # the rank's own destination: every source that meets it
-            lo, hi = cat.dest_range(d0)
-            here[d0] = recv_e[i] = len(inst_mb)
-            inst_mb.append(i)
-            inst_d.append(d0)
-            cands = groups_meeting(s_rng, lo, hi, cat.source_ids)
-            pair_e.append(int(recv_e[i]))
-            pair_g.append(cands)
-        if not my_src.size:
-            continue
-        g_rng = s_rng[rows_in(cat.source_ids, my_src)]
-        meet_gd = ranges_meeting(g_rng[:, 0], g_rng[:, 1], d_rng)  # [S, D']
-        ds = np.flatnonzero(meet_gd.any(axis=0))
-        if not ds.size:
-            continue
+    inst_mb, inst_d, inst_own = [_EMPTY], [_EMPTY], [_EMPTY]
+    if d0 is not None:  # the rank's own destination: every source that meets it
+        every = np.arange(n_mb, dtype=_I64)
+        inst_mb.append(every)
+        inst_d.append(np.full(n_mb, d0, dtype=_I64))
+        inst_own.append(np.zeros(n_mb, dtype=_I64))
+        got_mb, got_g = s_rng.meeting(*d_rng.range_of(d0))
+        pair_mb.append(got_mb)
+        pair_g.append(got_g)
+    if my_src.size:
+        # [M, R_d]: each of this rank's sources (per micro-batch) against every destination of
+        # its micro-batch
+        m_r = np.flatnonzero(np.isin(s_rng.id_R, my_src))
+        m_lo, m_hi = s_rng.range_R2[m_r, 0], s_rng.range_R2[m_r, 1]
+        d_lo, d_hi = d_rng.range_R2[:, 0], d_rng.range_R2[:, 1]
+        meet_MQ = (
+            (s_rng.mb_R[m_r, None] == d_rng.mb_R)
+            & (d_lo <= m_hi[:, None])
+            & (d_hi >= m_lo[:, None])
+            & (d_lo <= d_hi)
+            & (m_lo <= m_hi)[:, None]
+        )
+        qs = np.flatnonzero(meet_MQ.any(axis=0))  # the destinations met, by micro-batch
+        q_mb, q_d = d_rng.mb_R[qs], d_rng.id_R[qs]
+        mi, qi = np.nonzero(meet_MQ[:, qs])
         if compact:  # per destination, every source of an owner that serves it there
-            owners_d = np.zeros((ds.size, max(num_owners, 1)), dtype=bool)
-            gi, di = np.nonzero(meet_gd[:, ds].T)
-            owners_d[gi, ix.owner_G[my_src[di]]] = True
-            rng = d_rng[ds]
-            ok = ranges_meeting(rng[:, 0], rng[:, 1], s_rng) & owners_d[:, ix.owner_G[s_ids]]
+            owners_QO = np.zeros((qs.size, max(num_owners, 1)), dtype=bool)
+            owners_QO[qi, ix.owner_G[s_rng.id_R[m_r[mi]]]] = True
+            s_off = np.searchsorted(s_rng.mb_R, np.arange(n_mb + 1))
+            j, t = fan_out(s_off[q_mb + 1] - s_off[q_mb])  # each destination x its sources
+            r = s_off[q_mb][j] + t
+            s_lo, s_hi = s_rng.range_R2[r, 0], s_rng.range_R2[r, 1]
+            ok = (
+                (s_lo <= d_hi[qs][j])
+                & (s_hi >= d_lo[qs][j])
+                & (s_lo <= s_hi)
+                & owners_QO[j, ix.owner_G[s_rng.id_R[r]]]
+            )
+            pair_mb.append(q_mb[j[ok]])
+            pair_g.append(s_rng.id_R[r[ok]])
         else:  # this rank's own sources alone
-            ok = np.zeros((ds.size, s_ids.size), dtype=bool)
-            gs = rows_in(cat.source_ids, my_src)
-            ok[:, gs] = meet_gd[:, ds].T
-        for k, d in enumerate(d_ids[ds].tolist()):
-            e = here.get(d)
-            if e is None:
-                e = here[d] = len(inst_mb)
-                inst_mb.append(i)
-                inst_d.append(d)
-            pair_e.append(e)
-            pair_g.append(s_ids[ok[k]])
-    n_e = len(inst_mb)
-    e_mb, e_d = np.asarray(inst_mb, dtype=_I64), np.asarray(inst_d, dtype=_I64)
+            pair_mb.append(q_mb[qi])
+            pair_g.append(s_rng.id_R[m_r[mi]])
+        other = q_d != d0
+        inst_mb.append(q_mb[other])
+        inst_d.append(q_d[other])
+        inst_own.append(np.ones(int(other.sum()), dtype=_I64))
+    e_mb, e_d, e_own = (np.concatenate(x) for x in (inst_mb, inst_d, inst_own))
+    order = np.lexsort((e_d, e_own, e_mb))
+    e_mb, e_d, e_own = e_mb[order], e_d[order], e_own[order]
+    n_e = int(e_mb.size)
+    recv_e = np.full(n_mb, -1, dtype=_I64)
+    at_own = np.flatnonzero(e_own == 0)
+    recv_e[e_mb[at_own]] = at_own
     # 2. the runs: each destination instance's, each candidate source's (once per micro-batch)
-    pe = np.repeat(np.asarray(pair_e, dtype=_I64), [g.size for g in pair_g])
-    pg = np.concatenate(pair_g) if pair_g else _EMPTY
     n_s = max(n_src, 1)
-    key = np.unique(e_mb[pe] * n_s + pg)  # (micro-batch, source) pairs, each once
+    pm = np.concatenate(pair_mb) if pair_mb else _EMPTY
+    pg = np.concatenate(pair_g) if pair_g else _EMPTY
+    key = np.unique(pm * n_s + pg)  # (micro-batch, source) pairs, each once
     src, _, src_tag = read_runs(catalogs, "s", key // n_s, key % n_s, tag_X=key)
     dst, _, dst_e = read_runs(catalogs, "d", e_mb, e_d, tag_X=np.arange(n_e, dtype=_I64))
     # 3. one join of every micro-batch: sample ids made distinct per micro-batch

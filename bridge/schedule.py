@@ -268,22 +268,28 @@ def _stage_many(groups: Sequence[Sequence[_Side]]) -> list[_Side]:
     return out
 
 
-def _spans(reads: Sequence[Transfer]) -> dict[int, tuple[int, int]]:
-    """``owner -> (lo, hi)``: the source rows the given sends and local copies read."""
-    span: dict[int, tuple[int, int]] = {}
+def _spans(plans: Sequence[RankPlan]) -> list[dict[int, tuple[int, int]]]:
+    """Per plan, ``owner -> (lo, hi)``: the source rows its sends and local copies read; every
+    plan's transfers in one pass."""
+    reads = [
+        (k, t) for k, p in enumerate(plans) for t in (*p.sends, *p.locals) if t.segments_S5.size
+    ]
+    out: list[dict[int, tuple[int, int]]] = [{} for _ in plans]
     if not reads:
-        return span
-    seg = np.concatenate([t.segments_S5 for t in reads])
+        return out
+    seg = np.concatenate([t.segments_S5 for _, t in reads])
     row, step, length = seg[:, 0], seg[:, 1], seg[:, 4]
     lo_S = row + np.minimum(step, 0) * (length - 1)
     hi_S = row + np.maximum(step, 0) * (length - 1) + 1
-    at = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in reads])[:-1]])
+    n = np.fromiter((t.segments_S5.shape[0] for _, t in reads), dtype=np.int64, count=len(reads))
+    at = np.cumsum(n) - n
     lo_T = np.minimum.reduceat(lo_S, at).tolist()
     hi_T = np.maximum.reduceat(hi_S, at).tolist()
-    for t, lo, hi in zip(reads, lo_T, hi_T, strict=True):
+    for (k, t), lo, hi in zip(reads, lo_T, hi_T, strict=True):
+        span = out[k]
         old = span.get(t.owner, (lo, hi))
         span[t.owner] = (min(lo, old[0]), max(hi, old[1]))
-    return span
+    return out
 
 
 def _fill(plan: RankPlan, slice_rows: int, num_owners: int) -> dict[int, torch.Tensor]:
@@ -520,6 +526,7 @@ class RankSchedule:
         unpack: list[dict[int, _Side]] = [{} for _ in plans]
         for (k, kind, owner, _), side in zip(staged, packed, strict=True):
             (pack if kind == "s" else unpack)[k][owner] = side
+        spans = _spans(plans)
         out_s = []
         for k, plan in enumerate(plans):
             sends, recvs, locals_, send_rows, recv_rows = built[k]
@@ -538,7 +545,7 @@ class RankSchedule:
                     recv_stage_rows=recv_rows,
                     pack_sides=pack[k],
                     unpack_sides=unpack[k],
-                    src_span=_spans([*plan.sends, *plan.locals]),
+                    src_span=spans[k],
                     row_bytes=tuple(row_bytes),
                 )
             )

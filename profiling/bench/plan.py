@@ -630,9 +630,10 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "`step_host_miss_ms`: one rank's host work on a changed step (new lengths, as every "
         "on-policy step: an empty schedule cache, every micro-batch planned and checked): "
         "building its 2 x micro-batches layouts (`layouts_ms`, the caller's packed_layouts "
-        "calls, one per side for the step), its record (`encode_ms`), the routed exchange's own work (`exchange_ms`: "
-        "registrations, the Bruck rounds' partitions, the replies it serves as a home and "
-        "reads, its introductions, its peers' and leaders' records into one matrix; the "
+        "calls, one per side for the step), its record (`encode_ms`), the routed exchange's "
+        "own work (`exchange_ms`: registrations, the Bruck rounds' partitions, the replies it "
+        "serves as a home and reads, its introductions, its peers' and leaders' records one "
+        "after another; the "
         "messages themselves come from a simulation of every member playing the same rules, "
         "mopd.bridge.peers' own functions, not timed), the fence, the verdict checks, plan "
         "keys, plans and schedules (`verdict_plan_miss_ms`), the token counts (the step's and "
@@ -697,7 +698,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(SOURCES),
         help="the teacher's sources: TP replicas, or each rank's SP shard",
     )
-    parser.add_argument("--repeats", type=int, default=9, help="timed calls per rank")
+    parser.add_argument(
+        "--repeats", type=int, default=15, help="timed calls per rank (the least is the figure)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per rank count")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument("--no-record", action="store_true", help="print only")

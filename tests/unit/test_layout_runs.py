@@ -181,6 +181,10 @@ def test_packed_layouts_name_the_micro_batch_of_bad_input() -> None:
         packed_layouts([[1], [2], [3, 4]], [[1], [1], [1]], **kw)
     with pytest.raises(ValueError, match=r"2 micro-batches of sample ids but 1 of sequence"):
         packed_layouts([[1], [2]], [[1]], **kw)
+    with pytest.raises(ValueError, match=r"micro-batch 1: cu_seqlens_padded must be 2 offsets "):
+        packed_layouts([[1], [2]], [[3], [4]], cu_seqlens_padded=[[0, 4], [1, 4]], **kw)
+    with pytest.raises(ValueError, match=r"micro-batch 0: cu_seqlens_padded must be 2 offsets "):
+        packed_layouts([[1], [2]], [[3], [4]], cu_seqlens_padded=[[0], [0, 4]], **kw)
     with pytest.raises(ValueError, match=r"micro-batch 1: sample ids and sequence lengths must"):
         packed_layouts([[1], [2]], [[1], [-1]], **kw)
     with pytest.raises(ValueError, match=r"^packed sequence 0 \(sample 9\)"):  # one: no prefix
