@@ -39,6 +39,7 @@ How a rank plans (never a token at a time, never a group it has no business with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -732,8 +733,9 @@ def plan_ranks(
             _chunk(q, ix, local_copy=local_copy), ix.owner_G, None, rank
         ):
             (locals_ if local else recvs)[mb].append(t)
-        for i, cat in enumerate(catalogs):
-            g_i = cat.dests[d0]
+        rows_I = num_rows[recv_e].tolist()
+        for i in range(n_mb):
+            g_i = dataclasses.replace(group, num_rows=rows_I[i])  # this micro-batch's rows
             start, stop = g_i.slice_bounds(j)
             dest[i] = DestSlot(
                 group=d0,
