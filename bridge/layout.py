@@ -431,7 +431,7 @@ def _packed_rows(
 def _ints(x: Sequence[int] | torch.Tensor) -> np.ndarray:
     """``x`` as a flat int64 NumPy array."""
     if isinstance(x, torch.Tensor):
-        if x.dtype == _I64 and x.device.type == "cpu" and x.dim() == 1:
+        if x.dtype is _I64 and x.is_cpu and x.ndim == 1:
             return x.numpy()
         return x.detach().to(device="cpu", dtype=_I64).reshape(-1).numpy()
     return np.asarray(x, dtype=np.int64).reshape(-1)

@@ -235,11 +235,11 @@ def encode_step_record(
         slots[:, _SMIN], slots[:, _SMAX], slots[:, _N_TOKENS] = 1, 0, 0
         if int(n_I.sum()):
             every = np.concatenate(runs_I)
-            live = np.flatnonzero(n_I)
-            start = (np.cumsum(n_I) - n_I)[live]
-            slots[live, _SMIN] = np.minimum.reduceat(every[:, 0], start)
-            slots[live, _SMAX] = np.maximum.reduceat(every[:, 0], start)
-            slots[live, _N_TOKENS] = np.add.reduceat(every[:, 4], start)
+            held = np.flatnonzero(n_I)  # the slots with runs
+            start = (np.cumsum(n_I) - n_I)[held]
+            slots[held, _SMIN] = np.minimum.reduceat(every[:, 0], start)
+            slots[held, _SMAX] = np.maximum.reduceat(every[:, 0], start)
+            slots[held, _N_TOKENS] = np.add.reduceat(every[:, 4], start)
         if sec.send_runs:
             slots[:, _N_RUNS] = n_I
             slots[:, _RUNS_OFF] = runs_at + 5 * (np.cumsum(n_I) - n_I)

@@ -645,16 +645,16 @@ def plan_ranks(
             owners_QO = np.zeros((qs.size, max(num_owners, 1)), dtype=bool)
             owners_QO[qi, ix.owner_G[s_rng.id_R[m_r[mi]]]] = True
             s_off = np.searchsorted(s_rng.mb_R, np.arange(n_mb + 1))
-            j, t = fan_out(s_off[q_mb + 1] - s_off[q_mb])  # each destination x its sources
-            r = s_off[q_mb][j] + t
+            qj, qt = fan_out(s_off[q_mb + 1] - s_off[q_mb])  # each destination x its sources
+            r = s_off[q_mb][qj] + qt
             s_lo, s_hi = s_rng.range_R2[r, 0], s_rng.range_R2[r, 1]
             ok = (
-                (s_lo <= d_hi[qs][j])
-                & (s_hi >= d_lo[qs][j])
+                (s_lo <= d_hi[qs][qj])
+                & (s_hi >= d_lo[qs][qj])
                 & (s_lo <= s_hi)
-                & owners_QO[j, ix.owner_G[s_rng.id_R[r]]]
+                & owners_QO[qj, ix.owner_G[s_rng.id_R[r]]]
             )
-            pair_mb.append(q_mb[j[ok]])
+            pair_mb.append(q_mb[qj[ok]])
             pair_g.append(s_rng.id_R[r[ok]])
         else:  # this rank's own sources alone
             pair_mb.append(q_mb[qi])
