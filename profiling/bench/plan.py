@@ -118,9 +118,10 @@ __all__ = [
 #: rank count at 4096 tokens per rank in one micro-batch, samples up to 4096 long, seed 0), under
 #: ``results/``.
 BASELINE = "plan-scale-cpu-2026-12-01"
-#: The path before the routed exchange, recorded (``step_host_miss_ms`` per rank count and
-#: source mode at this benchmark's default setup), under ``results/``.
-PREVIOUS = "plan-step-cpu-2026-12-02"
+#: The last recorded run of this benchmark, the figure it is set beside (``step_host_miss_ms``
+#: per rank count and source mode at its default setup: routed records, a packed_layout call
+#: per micro-batch, records stacked into one padded matrix), under ``results/``.
+PREVIOUS = "plan-step-cpu-2026-12-03"
 _PREVIOUS_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 8}
 _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
 #: The teacher's source modes measured: TP replicas (one sending group per TP group), or every
@@ -466,8 +467,8 @@ def recorded_global(results_dir: Path | None = None) -> dict[int, dict[str, floa
 
 
 def recorded_previous(results_dir: Path | None = None) -> dict[tuple[int, str], float]:
-    """``(ranks, sources) -> step_host_miss_ms`` of the path before the routed exchange, as
-    recorded (:data:`PREVIOUS`; empty where the record is not there)."""
+    """``(ranks, sources) -> step_host_miss_ms`` of the last recorded run (:data:`PREVIOUS`;
+    empty where the record is not there)."""
     import csv
 
     path = (
@@ -599,7 +600,7 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
                 f"{hi['verdict_plan_miss_ms']:.3g} ms the verdict and the plans), against "
                 f"{hi['step_host_miss_gather_ms']:.3g} ms planning from every record"
                 + (
-                    f" ({hi['step_host_miss_recorded_ms']:.3g} ms recorded before this change)"
+                    f" ({hi['step_host_miss_recorded_ms']:.3g} ms in the last recorded run)"
                     if hi.get("step_host_miss_recorded_ms")
                     else ""
                 )
@@ -640,8 +641,8 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "each micro-batch's). `step_host_miss_gather_ms`: the same step planned from every "
         "record (the all-gather's matrix, a fresh copy, not timed; `verdict_plan_gather_ms` "
         "its verdict and plans), by the same planner: what routing saves; "
-        f"`step_host_miss_recorded_ms`: the path before this change, as recorded in "
-        f"docs/results/{PREVIOUS}.md (another run, another load). "
+        f"`step_host_miss_recorded_ms`: the last recorded run, docs/results/{PREVIOUS}.md "
+        "(the code before this change; another run, another load). "
         "`step_host_ms`: a repeated step (the "
         "plan memo's records serve; no planner runs). Each: the least of up to "
         f"{args.repeats} steps (every record: a third of that), the slowest of three ranks "
