@@ -43,7 +43,13 @@ from mopd.bridge.errors import (
     BridgeTimeoutError,
 )
 from mopd.bridge.groups import BridgeGroups, GroupPool, create_bridge_groups
-from mopd.bridge.layout import TokenLayout, concat_layouts, packed_layout, padded_layout
+from mopd.bridge.layout import (
+    TokenLayout,
+    concat_layouts,
+    packed_layout,
+    packed_layouts,
+    padded_layout,
+)
 from mopd.bridge.lm_head import LMHeadShard, VocabSpec, reshard_lm_head
 from mopd.bridge.mesh import Mesh, MeshCoord, mesh_from_groups
 from mopd.bridge.step import BridgeStep, ExchangeHandle
@@ -76,6 +82,7 @@ __all__ = [
     "layout_rows",
     "mesh_from_groups",
     "packed_layout",
+    "packed_layouts",
     "padded_layout",
     "reshard_lm_head",
 ]
