@@ -275,6 +275,11 @@ class SimWire:
         self._total = total
         self._at = 0
         self._received = 0
+        # per round, what it receives: its members, its words, its messages from others (a
+        # round's bookkeeping done once, not in the timed step)
+        self._froms = [frozenset(got) for got in self._rounds]
+        self._words = [sum(a.size for a in got.values()) for got in self._rounds]
+        self._others = [len(got) - (member in got) for got in self._rounds]
 
     @property
     def received_words(self) -> int:
@@ -287,16 +292,17 @@ class SimWire:
         *,
         sizes: Mapping[int, int] | None = None,
     ) -> dict[int, np.ndarray]:
-        got = self._rounds[self._at]
+        at = self._at
+        got = self._rounds[at]
         self._at += 1
-        if set(recv_from) != set(got):
+        if len(recv_from) != len(got) or self._froms[at] != frozenset(recv_from):
             raise AssertionError(
                 f"member {self.member}, round {self._at}: expects {sorted(recv_from)[:8]}, "
                 f"the job sends from {sorted(got)[:8]}"
             )
-        for p in recv_from:
-            self._received += got[p].size + (0 if sizes is not None or p == self.member else 1)
-        return {p: got[p] for p in recv_from}
+        # every message's words, and its size word where sizes travel first
+        self._received += self._words[at] + (0 if sizes is not None else self._others[at])
+        return dict(got)
 
     def reduce_sum(self, words: np.ndarray) -> np.ndarray:
         if words.size != self._total.size:
