@@ -27,6 +27,8 @@ __all__ = ["MIN_AVG_RUN", "DeviceIndices", "RankSchedule", "plan_digest", "plan_
 _I64 = torch.int64
 #: Average run length from which rows move as block copies (``copy_runs``) rather than per row.
 MIN_AVG_RUN = 16
+#: A side's modes by code (:meth:`_Side.many`).
+_MODES = ("view", "runs", "index")
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -167,21 +169,27 @@ class _Side:
         rs = np.flatnonzero(~joins)
         run_row, run_pos, run_len = row_S[rs], pos_S[rs], np.add.reduceat(len_S, rs)
         run_off = np.concatenate([[0], np.cumsum(np.bincount(tid[rs], minlength=n_T))])
-        out = []
-        counts, units = count_T.tolist(), unit_T.tolist()
-        r_off, s_off, first = run_off.tolist(), off_T1.tolist(), row_S[starts].tolist()
+        # each transfer's mode in one pass: one view, block copies, or per-row indices
+        k_T = np.where(unit_T, np.diff(run_off), 0)
+        mode_T = np.where(
+            unit_T & (k_T <= 1), 0, np.where(unit_T & (count_T >= MIN_AVG_RUN * k_T), 1, 2)
+        )
+        r_lo = np.where(unit_T, run_off[:-1], 0).tolist()
+        r_hi = np.where(unit_T, run_off[1:], 0).tolist()
         runs, segs = (run_row, run_pos, run_len), (row_S, step_S, len_S)
-        for t in range(n_T):
-            a, b = (r_off[t], r_off[t + 1]) if units[t] else (0, 0)
-            if units[t] and b - a <= 1:
-                mode = "view"
-            elif units[t] and counts[t] >= MIN_AVG_RUN * (b - a):
-                mode = "runs"
-            else:
-                mode = "index"
-            bounds = (s_off[t], s_off[t + 1])
-            out.append(_Side(mode, counts[t], first[t], runs, (a, b), segs, bounds))
-        return out
+        return [
+            _Side(_MODES[m], count, first, runs, (a, b), segs, (lo, hi))
+            for m, count, first, a, b, lo, hi in zip(
+                mode_T.tolist(),
+                count_T.tolist(),
+                row_S[starts].tolist(),
+                r_lo,
+                r_hi,
+                off_T1[:-1].tolist(),
+                off_T1[1:].tolist(),
+                strict=True,
+            )
+        ]
 
     @staticmethod
     def _empty() -> _Side:
