@@ -37,6 +37,7 @@ from mopd.bridge.mesh import Mesh
 from mopd.bridge.metadata import (
     HEADER,
     SIZE,
+    RaggedRecords,
     StepMatrix,
     record_heads,
     reduced_summary,
@@ -289,6 +290,48 @@ def test_agreements_and_duplicate_samples_are_judged_alike() -> None:
     assert "global rank 7 gives none, global rank 6 does" in text
     assert "s 17 on global rank 4, 16 on global rank 0" in text
     assert "sample id 11 is wanted by student DP ranks 1 and 3" in text
+
+
+def test_unpadded_records_read_as_the_padded_matrix() -> None:
+    """What a routed exchange holds (records one after another, some members only) reads
+    word for word as the all-gather's zero-padded matrix: rows, slot fields and tables, runs,
+    agreements and section heads."""
+    micro = []
+    for i in range(2):
+        layouts = {(d, 0): padded_layout([10 * i + d, 10 * i + d + 4], 6) for d in range(4)}
+        micro.append(([layouts], dict(layouts), None))
+    agreements = {
+        r: [Agreement(what="shapes", ranks=(0, 2), fields=("s",), words=(16,))] for r in (0, 2)
+    }
+    topo, records = step_records([TEACHER], STUDENT, micro, agreements=agreements)
+    dense, sizes = stack_records(records)
+    some = np.asarray([0, 2, 3, 6], dtype=np.int64)  # members whose records are held
+    ragged = RaggedRecords.of([dense[j, : sizes[j]] for j in some.tolist()])
+    full, routed = StepMatrix(dense), StepMatrix(ragged, None, some)
+    n_sec = topo.student_section + 1
+    for j in some.tolist():
+        assert np.array_equal(routed.row(j), dense[j, : sizes[j]])
+        assert routed.agreements(j).keys() == full.agreements(j).keys()
+        for sec in range(n_sec):
+            if full.row(j)[HEADER + sec]:
+                assert routed.section_head(j, sec) == full.section_head(j, sec)
+    for sec in range(n_sec):
+        holders = [j for j in some.tolist() if full.row(j)[HEADER + sec]]
+        if not holders:
+            continue
+        m = np.asarray(holders, dtype=np.int64)
+        for slot in range(2):
+            assert np.array_equal(routed.slot_fields(m, sec, slot), full.slot_fields(m, sec, slot))
+        kw = {"n_sections": n_sec, "n_slots": 2}
+        assert np.array_equal(routed.slot_tables(m, sec, **kw), full.slot_tables(m, sec, **kw))
+        senders = [j for j in holders if full.slot_fields(np.asarray([j]), sec, 0)[0, 1] >= 0]
+        if senders:
+            x = np.asarray(senders, dtype=np.int64)
+            args = (x, np.full(x.size, sec), np.zeros(x.size, dtype=np.int64))
+            got, want = routed.runs_many(*args), full.runs_many(*args)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    with pytest.raises(AssertionError, match="were not routed here"):
+        routed.row(1)
 
 
 # --- the exchange follows a rank's own work ------------------------------------------------------
