@@ -48,7 +48,6 @@ __all__ = [
     "groups_meeting",
     "interval_overlaps",
     "key_space",
-    "ranges_meeting",
     "read_runs",
     "rows_in",
     "run_keys",
@@ -510,10 +509,3 @@ def dense_samples(mb_K: np.ndarray, sample_K: np.ndarray) -> np.ndarray:
 def rows_in(ids_X: np.ndarray | None, groups: np.ndarray) -> np.ndarray:
     """Rows of ``groups`` in a catalog's range arrays (with ``ids_X``: where those ids are)."""
     return groups if ids_X is None else np.searchsorted(ids_X, groups)
-
-
-def ranges_meeting(lo_A: np.ndarray, hi_A: np.ndarray, range_X2: np.ndarray) -> np.ndarray:
-    """``[A, X]`` whether range ``a`` (``[lo_A[a], hi_A[a]]``, non-empty) meets each non-empty
-    row of ``range_X2``."""
-    a, b = range_X2[:, 0], range_X2[:, 1]
-    return (a <= hi_A[:, None]) & (b >= lo_A[:, None]) & (a <= b) & (lo_A <= hi_A)[:, None]

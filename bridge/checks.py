@@ -259,50 +259,35 @@ def _duplicate_samples(
         return problems
     dp_of = functools.partial(_dp_of, student, topo)
     flagged = _shared_samples([catalogs[i] for i in todo], mine, dp_of)
-    for k, i in enumerate(todo):
+    for (k, d), earlier in sorted(flagged.items()):
+        i = todo[k]
         catalog = catalogs[i]
-        for d in mine:
-            if (k, d) not in flagged:
-                continue
-            dp = dp_of(d)
-            wanted = np.unique(catalog.dest_runs(d)[:, 0])
-            first: dict[int, int] = {}  # sample -> DP rank of the first group wanting it
-            for e in _earlier_dests(catalog, d, dp_of).tolist():
-                runs = catalog.dest_runs(e)
-                for sample in np.intersect1d(wanted, runs[:, 0]).tolist():
-                    first.setdefault(sample, dp_of(e))
-            for sample, dp0 in sorted(first.items()):
-                if len(problems) < 4:
-                    problems.append(
-                        f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
-                        f"{dp0} and {dp}: it would be trained on twice; give each sample "
-                        "to one DP rank, or BridgeConfig(duplicate_samples=True) if that is "
-                        "meant"
-                    )
+        dp = dp_of(d)
+        wanted = np.unique(catalog.dest_runs(d)[:, 0])
+        first: dict[int, int] = {}  # sample -> DP rank of the first group wanting it
+        for e in earlier.tolist():
+            runs = catalog.dest_runs(e)
+            for sample in np.intersect1d(wanted, runs[:, 0]).tolist():
+                first.setdefault(sample, dp_of(e))
+        for sample, dp0 in sorted(first.items()):
+            if len(problems) < 4:
+                problems.append(
+                    f"micro-batch {i}: sample id {sample} is wanted by student DP ranks "
+                    f"{dp0} and {dp}: it would be trained on twice; give each sample "
+                    "to one DP rank, or BridgeConfig(duplicate_samples=True) if that is "
+                    "meant"
+                )
     return problems
-
-
-def _earlier_dests(catalog: RunCatalog, d: int, dp_of: Callable[[int], int]) -> np.ndarray:
-    """The destination groups before ``d``, of DP ranks other than ``d``'s, whose runs meet
-    ``d``'s range in ``catalog`` (empty: none)."""
-    lo, hi = catalog.dest_range(d)
-    if lo > hi:
-        return np.empty(0, dtype=np.int64)
-    earlier = catalog.dests_meeting(lo, hi)
-    earlier = earlier[earlier < d]
-    if not earlier.size:
-        return earlier
-    dp = dp_of(d)
-    return earlier[[dp_of(e) != dp for e in earlier.tolist()]]
 
 
 def _shared_samples(
     catalogs: Sequence[RunCatalog], mine: Sequence[int], dp_of: Callable[[int], int]
-) -> set[tuple[int, int]]:
-    """``(catalog, group)`` pairs where destination group ``group`` (of ``mine``) wants a sample
-    an earlier destination group of another DP rank that meets it wants too: one pass per
-    group over every catalog (sample ids made distinct per catalog)."""
-    out: set[tuple[int, int]] = set()
+) -> dict[tuple[int, int], np.ndarray]:
+    """``(catalog, group) -> earlier groups``: where destination group ``group`` (of ``mine``)
+    wants a sample that an earlier destination group of another DP rank, meeting its sample
+    range there, wants too, those earlier groups (ascending); one pass per group over every
+    catalog (sample ids made distinct per catalog)."""
+    out: dict[tuple[int, int], np.ndarray] = {}
     ranges = StepRanges.of(catalogs, "d")
     for d in mine:
         mb_P, grp_P = ranges.meeting(*ranges.range_of(d))
@@ -314,14 +299,18 @@ def _shared_samples(
             continue
         mb_P, grp_P = mb_P[keep], grp_P[keep]
         mbs = np.unique(mb_P)  # and in each of those micro-batches, the group itself
-        mb_P = np.concatenate([mb_P, mbs])
-        grp_P = np.concatenate([grp_P, np.full(mbs.size, d, dtype=grp_P.dtype)])
-        runs, mb, tag = read_runs(catalogs, "d", mb_P, grp_P, raw=True)
+        runs, mb, tag = read_runs(
+            catalogs,
+            "d",
+            np.concatenate([mb_P, mbs]),
+            np.concatenate([grp_P, np.full(mbs.size, d, dtype=grp_P.dtype)]),
+            raw=True,
+        )
         own = tag == d
         ids = dense_samples(mb, runs[:, 0])
         shared = np.intersect1d(ids[own], ids[~own])
         for i in np.unique(mb[np.isin(ids, shared)]).tolist():
-            out.add((i, d))
+            out[(i, d)] = grp_P[mb_P == i]
     return out
 
 
