@@ -402,8 +402,6 @@ def reduce_summary(
     return summary.cpu().numpy()
 
 
-#: What :func:`gather_records` calls to route a record to the members that read it instead of
-#: gathering every record: ``record -> ([k, width] records, [k] their member indices)``.
 @dataclass(frozen=True, eq=False)
 class RaggedRecords:
     """Several records one after another, unpadded (what a routed exchange receives: stacking
@@ -430,6 +428,8 @@ class RaggedRecords:
         return RaggedRecords(self.words_W.copy(), self.off_K1.copy())
 
 
+#: What :func:`gather_records` calls to route a record to the members that read it instead of
+#: gathering every record: ``record -> (records, [k] their member indices)``.
 RecordRoute = Callable[[torch.Tensor], tuple[RaggedRecords, np.ndarray]]
 
 
