@@ -48,6 +48,7 @@ __all__ = [
     "groups_meeting",
     "interval_overlaps",
     "key_space",
+    "ranges_meet",
     "read_runs",
     "rows_in",
     "run_keys",
@@ -344,9 +345,16 @@ def groups_meeting(
     ``range_X2``'s rows, or with ``ids_X`` the ids of those rows."""
     if lo > hi:
         return _EMPTY
-    a, b = range_X2[:, 0], range_X2[:, 1]
-    at = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b))
+    at = np.flatnonzero(ranges_meet(range_X2[:, 0], range_X2[:, 1], lo, hi))
     return at if ids_X is None else ids_X[at]
+
+
+def ranges_meet(
+    lo_a: np.ndarray | int, hi_a: np.ndarray | int, lo_b: np.ndarray | int, hi_b: np.ndarray | int
+) -> np.ndarray:
+    """Whether sample range ``[lo_a, hi_a]`` meets ``[lo_b, hi_b]``, both non-empty (an empty
+    range is ``lo > hi``, a group without tokens ``(1, 0)``); elementwise, broadcast."""
+    return np.asarray((lo_a <= hi_b) & (hi_a >= lo_b) & (lo_a <= hi_a) & (lo_b <= hi_b))
 
 
 @dataclass(frozen=True, eq=False)
@@ -395,9 +403,10 @@ class StepRanges:
         """``([P] catalog, [P] group)``: in each catalog ``i``, the groups whose non-empty range
         meets ``[lo_I[i], hi_I[i]]`` (none where that is empty), by catalog, then group:
         :meth:`RunCatalog.sources_meeting` (``dests_meeting``) of every catalog at once."""
-        a, b = self.range_R2[:, 0], self.range_R2[:, 1]
-        lo, hi = lo_I[self.mb_R], hi_I[self.mb_R]
-        at = np.flatnonzero((a <= hi) & (b >= lo) & (a <= b) & (lo <= hi))
+        mb = self.mb_R
+        at = np.flatnonzero(
+            ranges_meet(self.range_R2[:, 0], self.range_R2[:, 1], lo_I[mb], hi_I[mb])
+        )
         return self.mb_R[at], self.id_R[at]
 
 

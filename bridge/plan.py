@@ -53,6 +53,7 @@ from mopd.bridge.catalog import (
     fan_out,
     interval_overlaps,
     key_space,
+    ranges_meet,
     read_runs,
     run_keys,
 )
@@ -631,12 +632,8 @@ def plan_ranks(
         m_r = np.flatnonzero(np.isin(s_rng.id_R, my_src))
         m_lo, m_hi = s_rng.range_R2[m_r, 0], s_rng.range_R2[m_r, 1]
         d_lo, d_hi = d_rng.range_R2[:, 0], d_rng.range_R2[:, 1]
-        meet_MQ = (
-            (s_rng.mb_R[m_r, None] == d_rng.mb_R)
-            & (d_lo <= m_hi[:, None])
-            & (d_hi >= m_lo[:, None])
-            & (d_lo <= d_hi)
-            & (m_lo <= m_hi)[:, None]
+        meet_MQ = (s_rng.mb_R[m_r, None] == d_rng.mb_R) & ranges_meet(
+            m_lo[:, None], m_hi[:, None], d_lo, d_hi
         )
         qs = np.flatnonzero(meet_MQ.any(axis=0))  # the destinations met, by micro-batch
         q_mb, q_d = d_rng.mb_R[qs], d_rng.id_R[qs]
@@ -648,12 +645,8 @@ def plan_ranks(
             qj, qt = fan_out(s_off[q_mb + 1] - s_off[q_mb])  # each destination x its sources
             r = s_off[q_mb][qj] + qt
             s_lo, s_hi = s_rng.range_R2[r, 0], s_rng.range_R2[r, 1]
-            ok = (
-                (s_lo <= d_hi[qs][qj])
-                & (s_hi >= d_lo[qs][qj])
-                & (s_lo <= s_hi)
-                & owners_QO[qj, ix.owner_G[s_rng.id_R[r]]]
-            )
+            ok = ranges_meet(s_lo, s_hi, d_lo[qs][qj], d_hi[qs][qj])
+            ok &= owners_QO[qj, ix.owner_G[s_rng.id_R[r]]]
             pair_mb.append(q_mb[qj[ok]])
             pair_g.append(s_rng.id_R[r[ok]])
         else:  # this rank's own sources alone
