@@ -404,16 +404,18 @@ def reduce_summary(
 
 @dataclass(frozen=True, eq=False)
 class RaggedRecords:
-    """Several records one after another, unpadded (what a routed exchange receives: stacking
-    them into a padded ``[k, width]`` matrix would copy them row by row).
+    """Several records in one flat array, unpadded (what a routed exchange receives: stacking
+    them into a padded ``[k, width]`` matrix would copy them row by row, and so would putting
+    them one after another in member order).
 
     Attributes:
-        words_W: ``[W]`` int64, the records' words.
-        off_K1: ``[k + 1]`` int64, record ``r`` is ``words_W[off_K1[r] : off_K1[r + 1]]``.
+        words_W: ``[W]`` int64 holding the records (and possibly words between them).
+        start_K, end_K: ``[k]`` int64, record ``r`` is ``words_W[start_K[r] : end_K[r]]``.
     """
 
     words_W: np.ndarray
-    off_K1: np.ndarray
+    start_K: np.ndarray
+    end_K: np.ndarray
 
     @staticmethod
     def of(records: Sequence[np.ndarray]) -> RaggedRecords:
@@ -422,10 +424,10 @@ class RaggedRecords:
         off = np.zeros(len(records) + 1, dtype=_I64)
         np.cumsum(sizes, out=off[1:])
         words = np.concatenate(records).astype(_I64, copy=False) if records else off[:0]
-        return RaggedRecords(words, off)
+        return RaggedRecords(words, off[:-1], off[1:])
 
     def copy(self) -> RaggedRecords:
-        return RaggedRecords(self.words_W.copy(), self.off_K1.copy())
+        return RaggedRecords(self.words_W.copy(), self.start_K.copy(), self.end_K.copy())
 
 
 #: What :func:`gather_records` calls to route a record to the members that read it instead of
@@ -487,8 +489,7 @@ class StepMatrix:
         #: the records: ``[k, width]`` zero-padded (gathered), or unpadded (routed)
         self.matrix = matrix
         if isinstance(matrix, RaggedRecords):
-            self._flat, start = matrix.words_W, matrix.off_K1
-            self._start, self._end = start[:-1], start[1:]
+            self._flat, self._start, self._end = matrix.words_W, matrix.start_K, matrix.end_K
         else:
             k, width = matrix.shape
             self._flat = np.ascontiguousarray(matrix).reshape(-1)

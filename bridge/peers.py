@@ -367,15 +367,18 @@ def exchange_records(
         p, last = np.unique(intro[:, 1], return_index=True)  # a peer's last introduction
         peers.update(zip(p.tolist(), intro[last, 2].tolist(), strict=True))
         introduced = set(p.tolist())
-    # 4: records with every peer
+    # 4: records with every peer (sizes known: one buffer, ascending peers)
     order = sorted(peers)
-    got = wire.swap({p: rec for p in order}, order, sizes={p: peers[p] for p in order})
-    held: dict[int, np.ndarray] = {me: rec}
-    held.update((p, got[p]) for p in order)
+    sizes_P = [peers[p] for p in order]
+    got_W = wire.swap_sized({p: rec for p in order}, order, sizes_P)
     # 5: the leaders' records to the other ranks of their groups
     to_source, to_dest, from_ = forward_pairs(topology, rank)
-    parts = []
+    bundles = []
     if to_source or to_dest or from_:
+        held = {me: rec}
+        if to_source or to_dest:
+            off = np.cumsum([0, *sizes_P]).tolist()
+            held.update((p, got_W[off[i] : off[i + 1]]) for i, p in enumerate(order))
         sends = forward_bundles(
             held,
             member=me,
@@ -385,23 +388,35 @@ def exchange_records(
             dest_side=view.dest_side,
         )
         got = wire.swap(sends, from_)
-        parts += [got[m] for m in from_ if got[m].size]
-    return _stack_records(held, parts)
+        bundles += [got[m] for m in from_ if got[m].size]
+    return _stack_records(me, rec, order, got_W, sizes_P, bundles)
 
 
 def _stack_records(
-    held: dict[int, np.ndarray], bundles: Sequence[np.ndarray]
+    me: int,
+    rec: np.ndarray,
+    peers: Sequence[int],
+    peers_W: np.ndarray,
+    sizes_P: Sequence[int],
+    bundles: Sequence[np.ndarray],
 ) -> tuple[RaggedRecords, np.ndarray]:
-    """``(records, [k] members)``: the records ``held`` (member -> record) and those of the
-    :func:`bundle_records` messages ``bundles``, one per member (the first copy of a record
-    given twice: ``held``'s, then by message order), by ascending member, one after another."""
-    records = dict(held)
-    for msg in bundles:
+    """``(records, [k] members)``, ascending: member ``me``'s record ``rec``, the records of
+    ``peers`` (``peers_W``: theirs one after another, ``sizes_P`` words each) and those of
+    the :func:`bundle_records` messages ``bundles``, one per member (the first copy of a
+    record given twice: ``me``'s, the peers', then by message order). The pieces are put
+    side by side once; the records stay where they are in them."""
+    parts = [rec, peers_W, *bundles]
+    base = np.cumsum([0, *(x.size for x in parts[:-1])], dtype=_I64)
+    members = [np.asarray([me], dtype=_I64), np.asarray(peers, dtype=_I64)]
+    sizes = [np.asarray([rec.size], dtype=_I64), np.asarray(sizes_P, dtype=_I64)]
+    starts = [base[:1], base[1] + np.cumsum(sizes[1]) - sizes[1]]
+    for msg, at in zip(bundles, base[2:].tolist(), strict=True):
         k = int(msg[0])
-        ms, sizes = msg[1 : 1 + k].tolist(), msg[1 + k : 1 + 2 * k].tolist()
-        at = 1 + 2 * k
-        for m, n in zip(ms, sizes, strict=True):
-            records.setdefault(m, msg[at : at + n])
-            at += n
-    members = sorted(records)
-    return RaggedRecords.of([records[m] for m in members]), np.asarray(members, dtype=_I64)
+        n_K = msg[1 + k : 1 + 2 * k]
+        members.append(msg[1 : 1 + k])
+        sizes.append(n_K)
+        starts.append(at + 1 + 2 * k + np.cumsum(n_K) - n_K)
+    member_K, size_K, start_K = (np.concatenate(x) for x in (members, sizes, starts))
+    uniq, first = np.unique(member_K, return_index=True)  # ascending, first copies
+    words = np.concatenate(parts).astype(_I64, copy=False)
+    return RaggedRecords(words, start_K[first], start_K[first] + size_K[first]), uniq

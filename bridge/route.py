@@ -6,7 +6,8 @@ cost grows with the job. Two mechanisms serve it, on any :class:`Wire`:
 
 - :meth:`Wire.swap`: one round of messages to peers both ends know (a member sends to each peer
   that expects it, possibly an empty message). Sizes the receiver does not know travel first
-  (one word per message), then the payloads; where the receiver knows them, the payloads alone.
+  (one word per message), then the payloads; where both ends know them
+  (:meth:`Wire.swap_sized`), the payloads alone, received into one buffer.
 - :func:`route_rows`: rows whose destination is any member, delivered in
   ``ceil(log_radix(n))`` rounds of :meth:`Wire.swap` (a radix-``radix`` Bruck schedule: in round
   ``j`` a row moves ``t * radix**j`` members ahead when digit ``j`` of its offset to its
@@ -50,18 +51,21 @@ class Wire(Protocol):
     size: int
 
     def swap(
-        self,
-        sends: Mapping[int, np.ndarray],
-        recv_from: Sequence[int],
-        *,
-        sizes: Mapping[int, int] | None = None,
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int]
     ) -> dict[int, np.ndarray]:
         """One round: ``sends[p]`` (1-D int64, may be empty) to member ``p``; one message from
         each member in ``recv_from``, returned by member. Every member calls it in the same
-        round; ``sends`` names exactly the members whose ``recv_from`` names this one.
-        ``sizes``: the words expected from each member of ``recv_from`` when the protocol lets
-        the receiver know them (then no size travels; every member of the round must pass
-        them)."""
+        round; ``sends`` names exactly the members whose ``recv_from`` names this one. Sizes
+        travel first (one word per message)."""
+        ...
+
+    def swap_sized(
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
+    ) -> np.ndarray:
+        """One round whose sizes both ends know (no size travels; every member of the round
+        calls this form): as :meth:`swap`, the message from ``recv_from[i]`` being
+        ``sizes_P[i]`` words; returns ``[sum(sizes_P)]`` int64, the messages one after another
+        in ``recv_from`` order, in one buffer."""
         ...
 
     def reduce_sum(self, words: np.ndarray) -> np.ndarray:
@@ -71,7 +75,7 @@ class Wire(Protocol):
 
     @property
     def received_words(self) -> int:
-        """Words this member received so far (sizes and payloads of :meth:`swap`)."""
+        """Words this member received so far (sizes and payloads of its rounds)."""
         ...
 
 
@@ -170,29 +174,40 @@ class GroupWire:
             cdist.wait(work, device=torch.device("cpu"), timeout_s=self._left())
 
     def swap(
-        self,
-        sends: Mapping[int, np.ndarray],
-        recv_from: Sequence[int],
-        *,
-        sizes: Mapping[int, int] | None = None,
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int]
     ) -> dict[int, np.ndarray]:
         me = self.member
-        out: dict[int, np.ndarray] = {}
-        if me in sends:
-            out[me] = np.asarray(sends[me], dtype=_I64)
         away = {p: np.ascontiguousarray(a, dtype=_I64) for p, a in sends.items() if p != me}
         froms = [p for p in recv_from if p != me]
-        if sizes is None:
-            counts = {p: torch.full((1,), a.size, dtype=torch.int64) for p, a in away.items()}
-            got = {p: torch.empty(1, dtype=torch.int64) for p in froms}
-            self._post(counts, got)
-            want = {p: int(t) for p, t in got.items()}
-            self._received += len(froms)
-        else:
-            want = {p: int(sizes[p]) for p in froms}
-        bufs = {p: torch.empty(k, dtype=torch.int64) for p, k in want.items() if k}
-        self._post({p: torch.from_numpy(a) for p, a in away.items() if a.size}, bufs)
-        for p in froms:
-            out[p] = bufs[p].numpy() if p in bufs else np.empty(0, dtype=_I64)
-        self._received += sum(want.values())
-        return out
+        counts = {p: torch.full((1,), a.size, dtype=torch.int64) for p, a in away.items()}
+        got = {p: torch.empty(1, dtype=torch.int64) for p in froms}
+        self._post(counts, got)
+        self._received += len(froms)
+        sizes = {p: int(t) for p, t in got.items()}
+        if me in recv_from:
+            sizes[me] = int(np.size(sends[me]))
+        sizes_P = [sizes[p] for p in recv_from]
+        flat = self.swap_sized(sends, recv_from, sizes_P)
+        off = np.cumsum([0, *sizes_P]).tolist()
+        return {p: flat[off[i] : off[i + 1]] for i, p in enumerate(recv_from)}
+
+    def swap_sized(
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
+    ) -> np.ndarray:
+        me = self.member
+        off = np.cumsum([0, *sizes_P]).tolist()
+        flat = torch.empty(off[-1], dtype=torch.int64)
+        bufs = {}
+        for i, p in enumerate(recv_from):
+            if p == me:
+                flat[off[i] : off[i + 1]] = torch.from_numpy(np.asarray(sends[me], dtype=_I64))
+            elif off[i + 1] > off[i]:
+                bufs[p] = flat[off[i] : off[i + 1]]
+        away = {
+            p: torch.from_numpy(np.ascontiguousarray(a, dtype=_I64))
+            for p, a in sends.items()
+            if p != me and np.size(a)
+        }
+        self._post(away, bufs)
+        self._received += off[-1] - sum(n for p, n in zip(recv_from, sizes_P) if p == me)
+        return flat.numpy()

@@ -264,14 +264,22 @@ class SimWire:
         rounds: per :meth:`~mopd.bridge.route.Wire.swap`, in order, ``member -> words`` it
             receives.
         total: what :meth:`reduce_sum` returns (the verdict's flag and the step's tokens).
+        flats: per round, its messages one after another by ascending member (what
+            :meth:`~mopd.bridge.route.Wire.swap_sized` receives into one buffer).
     """
 
     def __init__(
-        self, member: int, size: int, rounds: Sequence[dict[int, np.ndarray]], total: np.ndarray
+        self,
+        member: int,
+        size: int,
+        rounds: Sequence[dict[int, np.ndarray]],
+        total: np.ndarray,
+        flats: Sequence[np.ndarray],
     ) -> None:
         self.member = member
         self.size = size
         self._rounds = list(rounds)
+        self._flats = flats
         self._total = total
         self._at = 0
         self._received = 0
@@ -286,12 +294,24 @@ class SimWire:
         return self._received
 
     def swap(
-        self,
-        sends: Mapping[int, np.ndarray],
-        recv_from: Sequence[int],
-        *,
-        sizes: Mapping[int, int] | None = None,
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int]
     ) -> dict[int, np.ndarray]:
+        at = self._next(recv_from, sized=False)
+        return dict(self._rounds[at])
+
+    def swap_sized(
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
+    ) -> np.ndarray:
+        at = self._next(recv_from, sized=True)
+        if list(recv_from) != sorted(recv_from) or sum(sizes_P) != self._words[at]:
+            raise AssertionError(
+                f"member {self.member}, round {self._at}: a sized round from "
+                f"{list(recv_from)[:8]} of {sum(sizes_P)} words, the job sends {self._words[at]}"
+            )
+        return self._flats[at]
+
+    def _next(self, recv_from: Sequence[int], *, sized: bool) -> int:
+        """The round ``recv_from`` receives in: checked, counted."""
         at = self._at
         got = self._rounds[at]
         self._at += 1
@@ -301,8 +321,8 @@ class SimWire:
                 f"the job sends from {sorted(got)[:8]}"
             )
         # every message's words, and its size word where sizes travel first
-        self._received += self._words[at] + (0 if sizes is not None else self._others[at])
-        return dict(got)
+        self._received += self._words[at] + (0 if sized else self._others[at])
+        return at
 
     def reduce_sum(self, words: np.ndarray) -> np.ndarray:
         if words.size != self._total.size:
@@ -328,7 +348,15 @@ class ExchangeSim:
 
     def wire(self, size: int) -> SimWire:
         total = np.concatenate([[0], self.tokens_I]).astype(np.int64)
-        return SimWire(self.member, size, self.rounds, total)
+        return SimWire(self.member, size, self.rounds, total, self.flats)
+
+    @functools.cached_property
+    def flats(self) -> tuple[np.ndarray, ...]:
+        """Per round, its messages one after another by ascending member (built once)."""
+        return tuple(
+            np.concatenate([np.empty(0, np.int64), *(got[p].reshape(-1) for p in sorted(got))])
+            for got in self.rounds
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

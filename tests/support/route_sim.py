@@ -67,11 +67,21 @@ class LocalWire:
         return self._received
 
     def swap(
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int]
+    ) -> dict[int, np.ndarray]:
+        return self._round_of(sends, recv_from, None)
+
+    def swap_sized(
+        self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
+    ) -> np.ndarray:
+        got = self._round_of(sends, recv_from, dict(zip(recv_from, sizes_P, strict=True)))
+        return np.concatenate([np.empty(0, np.int64), *(got[p] for p in recv_from)])
+
+    def _round_of(
         self,
         sends: Mapping[int, np.ndarray],
         recv_from: Sequence[int],
-        *,
-        sizes: Mapping[int, int] | None = None,
+        sizes: Mapping[int, int] | None,
     ) -> dict[int, np.ndarray]:
         self._round += 1
         rnd = self._round

@@ -42,7 +42,7 @@ from mopd.bridge.metadata import (
     record_heads,
     reduced_summary,
 )
-from mopd.bridge.peers import exchange_records
+from mopd.bridge.peers import _stack_records, bundle_records, exchange_records
 from mopd.bridge.plan import plan_rank, plan_ranks
 from mopd.bridge.record import read_step, stack_records
 from mopd.bridge.route import bruck_partners, route_rows
@@ -292,10 +292,14 @@ def test_agreements_and_duplicate_samples_are_judged_alike() -> None:
     assert "sample id 11 is wanted by student DP ranks 1 and 3" in text
 
 
-def test_unpadded_records_read_as_the_padded_matrix() -> None:
-    """What a routed exchange holds (records one after another, some members only) reads
-    word for word as the all-gather's zero-padded matrix: rows, slot fields and tables, runs,
-    agreements and section heads."""
+@pytest.mark.parametrize("held", ["in_order", "as_received"])
+def test_unpadded_records_read_as_the_padded_matrix(held: str) -> None:
+    """What a routed exchange holds (some members' records only, unpadded) reads word for
+    word as the all-gather's zero-padded matrix: rows, slot fields and tables, runs,
+    agreements and section heads. ``in_order``: the records one after another by member;
+    ``as_received``: where the exchange received them (its own, its peers', a forwarded
+    bundle with its header words between them and a stale second copy of a peer's record,
+    which must not be read)."""
     micro = []
     for i in range(2):
         layouts = {(d, 0): padded_layout([10 * i + d, 10 * i + d + 4], 6) for d in range(4)}
@@ -306,7 +310,20 @@ def test_unpadded_records_read_as_the_padded_matrix() -> None:
     topo, records = step_records([TEACHER], STUDENT, micro, agreements=agreements)
     dense, sizes = stack_records(records)
     some = np.asarray([0, 2, 3, 6], dtype=np.int64)  # members whose records are held
-    ragged = RaggedRecords.of([dense[j, : sizes[j]] for j in some.tolist()])
+    rec = {j: dense[j, : sizes[j]].copy() for j in some.tolist()}
+    if held == "in_order":
+        ragged = RaggedRecords.of([rec[j] for j in some.tolist()])
+    else:
+        stale = rec[6] + 1  # a second copy that differs: the first copy is the one read
+        ragged, members = _stack_records(
+            2,
+            rec[2],
+            [0, 6],
+            np.concatenate([rec[0], rec[6]]),
+            [rec[0].size, rec[6].size],
+            [bundle_records({3: rec[3], 6: stale})],
+        )
+        assert members.tolist() == some.tolist()
     full, routed = StepMatrix(dense), StepMatrix(ragged, None, some)
     n_sec = topo.student_section + 1
     for j in some.tolist():
