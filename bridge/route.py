@@ -195,12 +195,15 @@ class GroupWire:
         self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
     ) -> np.ndarray:
         me = self.member
+        if len(sizes_P) != len(recv_from):
+            raise AssertionError(f"{len(sizes_P)} sizes for {len(recv_from)} messages")
         off = np.cumsum([0, *sizes_P]).tolist()
         flat = torch.empty(off[-1], dtype=torch.int64)
-        bufs = {}
+        bufs, own = {}, 0
         for i, p in enumerate(recv_from):
             if p == me:
                 flat[off[i] : off[i + 1]] = torch.from_numpy(np.asarray(sends[me], dtype=_I64))
+                own += off[i + 1] - off[i]
             elif off[i + 1] > off[i]:
                 bufs[p] = flat[off[i] : off[i + 1]]
         away = {
@@ -209,5 +212,5 @@ class GroupWire:
             if p != me and np.size(a)
         }
         self._post(away, bufs)
-        self._received += off[-1] - sum(n for p, n in zip(recv_from, sizes_P) if p == me)
+        self._received += off[-1] - own
         return flat.numpy()
