@@ -232,7 +232,7 @@ def reshard_lm_head(
         plan = plan_rank(catalog, rank, local_copy=local_copy)
         ex = Executor(rank=rank, timeout_s=timeout_s)
         sched = None
-        if plan.sends or plan.recvs or plan.locals or plan.dest is not None:
+        if plan.busy:
             nominal = catalog.dests[plan.dest.group].slice_rows if plan.dest is not None else 0
             sched = ex.schedule(
                 plan,

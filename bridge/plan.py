@@ -40,6 +40,7 @@ How a rank plans (never a token at a time, never a group it has no business with
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,10 +60,15 @@ from mopd.bridge.catalog import (
 )
 
 __all__ = [
+    "LOCAL",
+    "RECV",
     "SEGMENT_COLUMNS",
+    "SEND",
+    "TRANSFER_COLUMNS",
     "DestSlot",
     "RankPlan",
     "Transfer",
+    "TransferTable",
     "plan_rank",
     "plan_ranks",
 ]
@@ -164,26 +170,117 @@ class DestSlot:
         )
 
 
+#: Columns of a ``[T, 5]`` int64 transfer table (:class:`TransferTable`): the transfer's
+#: kind (:data:`SEND`, :data:`RECV`, :data:`LOCAL`), owner, source and destination global
+#: ranks, and how many segments it has.
+TRANSFER_COLUMNS = ("kind", "owner", "src_rank", "dst_rank", "segments")
+#: Transfer kinds, in plan order.
+SEND, RECV, LOCAL = 0, 1, 2
+
+
+@dataclass(frozen=True, eq=False)
+class TransferTable:
+    """A plan's transfers as columns: its sends by ``(owner, dst_rank)``, then its receives
+    by ``(owner, src_rank)``, then its local copies by owner.
+
+    Attributes:
+        head_T5: ``[T, 5]`` int64 (:data:`TRANSFER_COLUMNS`).
+        segments_S5: ``[S, 5]`` int64 (:data:`SEGMENT_COLUMNS`): transfer ``t``'s segments are
+            rows ``off_T1[t] : off_T1[t + 1]``.
+        off_T1: ``[T + 1]`` int64.
+    """
+
+    head_T5: np.ndarray
+    segments_S5: np.ndarray
+    off_T1: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """Transfers."""
+        return int(self.head_T5.shape[0])
+
+    def transfers(self, kind: int) -> tuple[Transfer, ...]:
+        """The transfers of ``kind``, as :class:`Transfer` views of the segments."""
+        k = self.head_T5[:, 0]
+        a, b = np.searchsorted(k, [kind, kind + 1]).tolist()
+        h = self.head_T5[a:b].tolist()
+        off = self.off_T1[a : b + 1].tolist()
+        seg = self.segments_S5
+        return tuple(
+            Transfer(owner=o, src_rank=sr, dst_rank=dr, segments_S5=seg[off[i] : off[i + 1]])
+            for i, (_, o, sr, dr, _) in enumerate(h)
+        )
+
+    @staticmethod
+    def of(
+        sends: Sequence[Transfer], recvs: Sequence[Transfer], locals_: Sequence[Transfer]
+    ) -> TransferTable:
+        """The table of transfers given as objects (each list already in plan order)."""
+        every = [(c, t) for c, ts in enumerate((sends, recvs, locals_)) for t in ts]
+        head = np.asarray(
+            [(c, t.owner, t.src_rank, t.dst_rank, t.segments_S5.shape[0]) for c, t in every],
+            dtype=_I64,
+        ).reshape(-1, 5)
+        seg = [np.asarray(t.segments_S5, dtype=_I64).reshape(-1, 5) for _, t in every]
+        return TransferTable(
+            head,
+            np.concatenate(seg) if seg else np.empty((0, 5), dtype=_I64),
+            np.concatenate([[0], np.cumsum(head[:, 4])]).astype(_I64),
+        )
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class RankPlan:
     """One global rank's share of an exchange.
 
     Attributes:
         rank: the global rank.
-        sends: transfers this rank sends, sorted by ``(owner, dst_rank)``.
-        recvs: transfers this rank receives, sorted by ``(owner, src_rank)``.
-        locals: local copies (source replica on this rank), sorted by owner.
+        table: its transfers (:class:`TransferTable`); :attr:`sends`, :attr:`recvs` and
+            :attr:`locals` are views of it.
         dest: this rank's slice, or ``None`` when it receives nothing.
         owner_N: ``[N]`` int64 (``dest.num_rows``), which owner fills each row of the whole
             destination group's buffer (``-1``: padding or missing); ``None`` without ``dest``.
     """
 
     rank: int
-    sends: tuple[Transfer, ...]
-    recvs: tuple[Transfer, ...]
-    locals: tuple[Transfer, ...]
+    table: TransferTable
     dest: DestSlot | None
     owner_N: np.ndarray | None
+
+    @staticmethod
+    def of(
+        *,
+        rank: int,
+        sends: Sequence[Transfer],
+        recvs: Sequence[Transfer],
+        locals: Sequence[Transfer],
+        dest: DestSlot | None,
+        owner_N: np.ndarray | None,
+    ) -> RankPlan:
+        """A plan from its transfers as objects, each list in plan order."""
+        return RankPlan(
+            rank=rank, table=TransferTable.of(sends, recvs, locals), dest=dest, owner_N=owner_N
+        )
+
+    @functools.cached_property
+    def sends(self) -> tuple[Transfer, ...]:
+        """Transfers this rank sends, sorted by ``(owner, dst_rank)``."""
+        return self.table.transfers(SEND)
+
+    @functools.cached_property
+    def recvs(self) -> tuple[Transfer, ...]:
+        """Transfers this rank receives, sorted by ``(owner, src_rank)``."""
+        return self.table.transfers(RECV)
+
+    @functools.cached_property
+    def locals(self) -> tuple[Transfer, ...]:
+        """Local copies (source replica on this rank), sorted by owner."""
+        return self.table.transfers(LOCAL)
+
+    @property
+    def busy(self) -> bool:
+        """Whether this rank moves or receives anything."""
+        return self.table.size > 0 or self.dest is not None
 
 
 def _ceil_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -567,24 +664,40 @@ def _compact(p: _Pieces, own_P: np.ndarray, num_owners: int) -> tuple[_Pieces, n
     return _token_segments(p, i, src_M, pos_M, brk), rows_K
 
 
-def _transfers(
-    ch: _Chunked, owner_G: np.ndarray, slot_rank_S: np.ndarray | None, rank: int
-) -> list[tuple[int, bool, Transfer]]:
-    """``(micro-batch, local, transfer)`` of every chunk: received by ``rank`` (``slot_rank_S
-    is None``), or sent by it to ``slot_rank_S[slot]``."""
+def _step_tables(
+    chunks: Sequence[tuple[_Chunked, np.ndarray, np.ndarray, np.ndarray]],
+    owner_G: np.ndarray,
+    n_mb: int,
+) -> list[TransferTable]:
+    """Each micro-batch's :class:`TransferTable`, from chunk tables ``(chunks, [T] kind,
+    [T] src_rank, [T] dst_rank)``: every transfer of the step ordered at once (micro-batch,
+    kind, owner, peer; ties keep the chunks' order) and its segments gathered once."""
+    if not chunks:
+        empty = TransferTable(np.empty((0, 5), _I64), np.empty((0, 5), _I64), np.zeros(1, _I64))
+        return [empty] * n_mb
+    base = np.cumsum([0, *(ch.segments_S5.shape[0] for ch, _, _, _ in chunks[:-1])])
+    mb = np.concatenate([ch.mb_T for ch, _, _, _ in chunks])
+    kind = np.concatenate([k for _, k, _, _ in chunks])
+    src = np.concatenate([x for _, _, x, _ in chunks])
+    dst = np.concatenate([x for _, _, _, x in chunks])
+    owner = owner_G[np.concatenate([ch.grp_T for ch, _, _, _ in chunks])]
+    first = np.concatenate(
+        [ch.off_T1[:-1] + b for (ch, _, _, _), b in zip(chunks, base, strict=True)]
+    )
+    nseg = np.concatenate([np.diff(ch.off_T1) for ch, _, _, _ in chunks])
+    peer = np.where(kind == SEND, dst, np.where(kind == RECV, src, 0))
+    o = np.lexsort((peer, owner, kind, mb))
+    head_T5 = np.stack([kind[o], owner[o], src[o], dst[o], nseg[o]], axis=1)
+    i, t = fan_out(nseg[o])
+    seg_all = np.concatenate([ch.segments_S5 for ch, _, _, _ in chunks])
+    seg_S5 = seg_all[first[o][i] + t]
+    at_T = np.searchsorted(mb[o], np.arange(n_mb + 1)).tolist()
+    off_T1 = np.concatenate([[0], np.cumsum(nseg[o])]).astype(_I64)
     out = []
-    owner = owner_G[ch.grp_T].tolist()
-    dst = [rank] * len(owner) if slot_rank_S is None else slot_rank_S[ch.slot_T].tolist()
-    src = ch.src_rank_T.tolist() if slot_rank_S is None else [rank] * len(owner)
-    local, off, mb = ch.local_T.tolist(), ch.off_T1.tolist(), ch.mb_T.tolist()
-    for t in range(len(owner)):
-        tr = Transfer(
-            owner=owner[t],
-            src_rank=src[t],
-            dst_rank=dst[t],
-            segments_S5=ch.segments_S5[off[t] : off[t + 1]],
-        )
-        out.append((mb[t], bool(local[t]), tr))
+    for k in range(n_mb):
+        a, b = at_T[k], at_T[k + 1]
+        s0, s1 = int(off_T1[a]), int(off_T1[b])
+        out.append(TransferTable(head_T5[a:b], seg_S5[s0:s1], off_T1[a : b + 1] - s0))
     return out
 
 
@@ -712,20 +825,18 @@ def plan_ranks(
     p = _cut_slices(p, nominal_EK[p.dst, own], slot0_E[p.dst])
     own = ix.owner_G[p.grp]
     p.dst_row = p.dst_row - (p.slot - slot0_E[p.dst]) * nominal_EK[p.dst, own]
-    # 5. this rank's receives and local copies, then its sends
-    recvs: list[list[Transfer]] = [[] for _ in range(n_mb)]
-    locals_: list[list[Transfer]] = [[] for _ in range(n_mb)]
-    sends: list[list[Transfer]] = [[] for _ in range(n_mb)]
+    # 5. this rank's receives and local copies, then its sends: the step's transfer tables
+    chunks = []
     dest: list[DestSlot | None] = [None] * n_mb
     if d0 is not None:
         group = catalogs[0].dests[d0]
         j = group.ranks.index(rank)
         s_glob = int(ix.slot_off_D1[d0]) + j
         q = p.take(np.flatnonzero(np.isin(p.dst, recv_e) & (p.slot == s_glob)))
-        for mb, local, t in _transfers(
-            _chunk(q, ix, local_copy=local_copy), ix.owner_G, None, rank
-        ):
-            (locals_ if local else recvs)[mb].append(t)
+        ch = _chunk(q, ix, local_copy=local_copy)
+        n_t = ch.mb_T.size
+        kind = np.where(ch.local_T, LOCAL, RECV)
+        chunks.append((ch, kind, ch.src_rank_T, np.full(n_t, rank, dtype=_I64)))
         rows_I = num_rows[recv_e].tolist()
         for i in range(n_mb):
             g_i = dataclasses.replace(group, num_rows=rows_I[i])  # this micro-batch's rows
@@ -743,24 +854,13 @@ def plan_ranks(
     if my_src.size:
         q = p.take(np.flatnonzero(np.isin(p.grp, my_src)))
         ch = _chunk(q, ix, local_copy=local_copy, send_rank=rank)
-        for mb, _, t in _transfers(ch, ix.owner_G, ix.slot_rank_S, rank):
-            sends[mb].append(t)
-    out = []
-    for i in range(n_mb):
-        sends[i].sort(key=lambda t: (t.owner, t.dst_rank))
-        recvs[i].sort(key=lambda t: (t.owner, t.src_rank))
-        locals_[i].sort(key=lambda t: t.owner)
-        out.append(
-            RankPlan(
-                rank=rank,
-                sends=tuple(sends[i]),
-                recvs=tuple(recvs[i]),
-                locals=tuple(locals_[i]),
-                dest=dest[i],
-                owner_N=owner_of[i],
-            )
-        )
-    return out
+        n_t = ch.mb_T.size
+        sent = np.full(n_t, SEND, dtype=_I64)
+        chunks.append((ch, sent, np.full(n_t, rank, dtype=_I64), ix.slot_rank_S[ch.slot_T]))
+    tables = _step_tables(chunks, ix.owner_G, n_mb)
+    return [
+        RankPlan(rank=rank, table=tables[i], dest=dest[i], owner_N=owner_of[i]) for i in range(n_mb)
+    ]
 
 
 def plan_rank(

@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 
-from mopd.bridge.plan import DestSlot, RankPlan, Transfer
+from mopd.bridge.plan import LOCAL, RECV, SEND, DestSlot, RankPlan, TransferTable
 from mopd.common.digest import Digest
 
 __all__ = ["MIN_AVG_RUN", "DeviceIndices", "RankSchedule", "plan_digest", "plan_digests"]
@@ -139,12 +139,13 @@ class _Side:
     @staticmethod
     def many(
         row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray, off_T1: np.ndarray
-    ) -> list[_Side]:
+    ) -> Sequence[_Side]:
         """The sides of several transfers at once: transfer ``t``'s segments are
         ``[off_T1[t], off_T1[t + 1])`` of the ``[S]`` arrays. Per transfer: its token count,
         whether every segment advances by one row, and its maximal contiguous runs
         (:func:`_merge_runs`, never across transfers), in a fixed number of array operations
-        for all of them; then the mode (one view, block copies, or per-row indices)."""
+        for all of them; then the mode (one view, block copies, or per-row indices). Each side
+        is made on first use (:class:`_Sides`): most transfers read one of their two."""
         row_S, step_S, len_S = (np.asarray(a, dtype=np.int64) for a in (row_S, step_S, len_S))
         n_T = off_T1.size - 1
         n_S = np.diff(off_T1)
@@ -174,22 +175,16 @@ class _Side:
         mode_T = np.where(
             unit_T & (k_T <= 1), 0, np.where(unit_T & (count_T >= MIN_AVG_RUN * k_T), 1, 2)
         )
-        r_lo = np.where(unit_T, run_off[:-1], 0).tolist()
-        r_hi = np.where(unit_T, run_off[1:], 0).tolist()
-        runs, segs = (run_row, run_pos, run_len), (row_S, step_S, len_S)
-        return [
-            _Side(_MODES[m], count, first, runs, (a, b), segs, (lo, hi))
-            for m, count, first, a, b, lo, hi in zip(
-                mode_T.tolist(),
-                count_T.tolist(),
-                row_S[starts].tolist(),
-                r_lo,
-                r_hi,
-                off_T1[:-1].tolist(),
-                off_T1[1:].tolist(),
-                strict=True,
-            )
-        ]
+        return _Sides(
+            mode_T.tolist(),
+            count_T.tolist(),
+            row_S[starts].tolist(),
+            np.where(unit_T, run_off[:-1], 0).tolist(),
+            np.where(unit_T, run_off[1:], 0).tolist(),
+            off_T1.tolist(),
+            (run_row, run_pos, run_len),
+            (row_S, step_S, len_S),
+        )
 
     @staticmethod
     def _empty() -> _Side:
@@ -197,16 +192,94 @@ class _Side:
         return _Side("view", 0, 0, (e, e, e), (0, 0), (e, e, e), (0, 0))
 
 
-@dataclass(kw_only=True, eq=False)
-class _Op:
-    """One send or receive: this rank's side of it, its peer and its staging offset."""
+class _Sides(Sequence[_Side]):
+    """The sides of a batch of transfers (:meth:`_Side.many`), side ``t`` made on first use.
 
-    owner: int
-    peer: int
-    count: int
-    stage_off: int  # offset in this owner's staging buffer (send or recv), -1 for a view
-    side: _Side
-    peer_side: _Side  # the other end's rows (integrity messages)
+    Per transfer ``t``: its mode code, token count, first row, ``[run_lo_T[t], run_hi_T[t])``
+    of the batch's runs (``(0, 0)``: not a unit-step side) and ``[seg_T1[t], seg_T1[t + 1])``
+    of its segments.
+    """
+
+    __slots__ = (
+        "_count",
+        "_first",
+        "_made",
+        "_mode",
+        "_run_hi",
+        "_run_lo",
+        "_runs",
+        "_seg_T1",
+        "_segs",
+    )
+
+    def __init__(
+        self,
+        mode_T: list[int],
+        count_T: list[int],
+        first_T: list[int],
+        run_lo_T: list[int],
+        run_hi_T: list[int],
+        seg_T1: list[int],
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        segs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> None:
+        self._mode, self._count, self._first = mode_T, count_T, first_T
+        self._run_lo, self._run_hi, self._seg_T1 = run_lo_T, run_hi_T, seg_T1
+        self._runs, self._segs = runs, segs
+        self._made: list[_Side | None] = [None] * len(mode_T)
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    @overload
+    def __getitem__(self, t: int) -> _Side: ...
+
+    @overload
+    def __getitem__(self, t: slice) -> list[_Side]: ...
+
+    def __getitem__(self, t: int | slice) -> _Side | list[_Side]:
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(len(self)))]
+        got = self._made[t]
+        if got is None:
+            got = self._made[t] = _Side(
+                _MODES[self._mode[t]],
+                self._count[t],
+                self._first[t],
+                self._runs,
+                (self._run_lo[t], self._run_hi[t]),
+                self._segs,
+                (self._seg_T1[t], self._seg_T1[t + 1]),
+            )
+        return got
+
+
+class _Op:
+    """One send or receive: this rank's side of it, its peer and its staging offset.
+
+    ``stage_off``: offset in this owner's staging buffer (send or recv), -1 for a view;
+    :attr:`peer_side`: the other end's rows (integrity messages), made on first use.
+    """
+
+    __slots__ = ("_peer_at", "_peers", "count", "owner", "peer", "side", "stage_off")
+
+    def __init__(
+        self,
+        *,
+        owner: int,
+        peer: int,
+        count: int,
+        stage_off: int,
+        side: _Side,
+        peers: Sequence[_Side],
+        peer_at: int,
+    ) -> None:
+        self.owner, self.peer, self.count, self.stage_off = owner, peer, count, stage_off
+        self.side, self._peers, self._peer_at = side, peers, peer_at
+
+    @property
+    def peer_side(self) -> _Side:
+        return self._peers[self._peer_at]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -223,20 +296,22 @@ class _Local:
     joint_len: torch.Tensor
 
 
-def _sides(ts: Sequence[Transfer]) -> tuple[list[_Side], list[_Side]]:
-    """``(sources, destinations)``: both sides of every transfer, in one batch each."""
-    if not ts:
+def _sides(tables: Sequence[TransferTable]) -> tuple[Sequence[_Side], Sequence[_Side]]:
+    """``(sources, destinations)``: both sides of every transfer of ``tables`` (in order), in
+    one batch each."""
+    if not tables:
         return [], []
-    s = np.concatenate([t.segments_S5 for t in ts])
-    off = np.concatenate([[0], np.cumsum([t.segments_S5.shape[0] for t in ts])]).astype(np.int64)
+    s = np.concatenate([t.segments_S5 for t in tables])
+    n = np.concatenate([t.head_T5[:, 4] for t in tables])
+    off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
     return (
         _Side.many(s[:, 0], s[:, 1], s[:, 4], off),
         _Side.many(s[:, 2], s[:, 3], s[:, 4], off),
     )
 
 
-def _local(t: Transfer, src: _Side, dst: _Side) -> _Local:
-    s = t.segments_S5
+def _local(owner: int, s: np.ndarray, src: _Side, dst: _Side) -> _Local:
+    """A local copy of ``owner`` with ``[S, 5]`` segments ``s`` and sides ``src``, ``dst``."""
     unit = bool((((s[:, 1] == 1) & (s[:, 3] == 1)) | (s[:, 4] == 1)).all())
     if unit and (s.shape[0] <= 1 or src.count >= MIN_AVG_RUN * s.shape[0]):
         mode, js, jd, jl = "runs", s[:, 0], s[:, 2], s[:, 4]
@@ -248,7 +323,7 @@ def _local(t: Transfer, src: _Side, dst: _Side) -> _Local:
         src_rows, dst_rows = src.rows.numpy(), dst.rows.numpy()
         mode, js, jd, jl = "runs", src_rows, dst_rows, np.ones_like(src_rows)
     return _Local(
-        owner=t.owner,
+        owner=owner,
         mode=mode,
         src=src,
         dst=dst,
@@ -258,7 +333,7 @@ def _local(t: Transfer, src: _Side, dst: _Side) -> _Local:
     )
 
 
-def _stage_many(groups: Sequence[Sequence[_Side]]) -> list[_Side]:
+def _stage_many(groups: Sequence[Sequence[_Side]]) -> Sequence[_Side]:
     """Per group of staged sides (one owner's sends or receives of one plan, in staging
     order), one side over all their rows: one kernel launch packs (unpacks) an owner's whole
     staging buffer. Every group in one batch (:meth:`_Side.many`)."""
@@ -279,24 +354,27 @@ def _stage_many(groups: Sequence[Sequence[_Side]]) -> list[_Side]:
 def _spans(plans: Sequence[RankPlan]) -> list[dict[int, tuple[int, int]]]:
     """Per plan, ``owner -> (lo, hi)``: the source rows its sends and local copies read; every
     plan's transfers in one pass."""
-    reads = [
-        (k, t) for k, p in enumerate(plans) for t in (*p.sends, *p.locals) if t.segments_S5.size
-    ]
     out: list[dict[int, tuple[int, int]]] = [{} for _ in plans]
-    if not reads:
+    heads = [p.table.head_T5 for p in plans]
+    head = np.concatenate(heads) if heads else np.empty((0, 5), np.int64)
+    if not head.shape[0]:
         return out
-    seg = np.concatenate([t.segments_S5 for _, t in reads])
-    row, step, length = seg[:, 0], seg[:, 1], seg[:, 4]
-    lo_S = row + np.minimum(step, 0) * (length - 1)
-    hi_S = row + np.maximum(step, 0) * (length - 1) + 1
-    n = np.fromiter((t.segments_S5.shape[0] for _, t in reads), dtype=np.int64, count=len(reads))
-    at = np.cumsum(n) - n
-    lo_T = np.minimum.reduceat(lo_S, at).tolist()
-    hi_T = np.maximum.reduceat(hi_S, at).tolist()
-    for (k, t), lo, hi in zip(reads, lo_T, hi_T, strict=True):
-        span = out[k]
-        old = span.get(t.owner, (lo, hi))
-        span[t.owner] = (min(lo, old[0]), max(hi, old[1]))
+    seg = np.concatenate([p.table.segments_S5 for p in plans])
+    n_own = int(head[:, 1].max()) + 1
+    plan_T = np.repeat(np.arange(len(plans), dtype=np.int64), [h.shape[0] for h in heads])
+    key_T = np.where(head[:, 0] != RECV, plan_T * n_own + head[:, 1], -1)
+    key_S = np.repeat(key_T, head[:, 4])
+    reads = np.flatnonzero(key_S >= 0)
+    if not reads.size:
+        return out
+    o = reads[np.argsort(key_S[reads], kind="stable")]
+    row, step, length = seg[o, 0], seg[o, 1], seg[o, 4]
+    key = key_S[o]
+    at = np.flatnonzero(np.diff(key, prepend=-1))
+    lo = np.minimum.reduceat(row + np.minimum(step, 0) * (length - 1), at).tolist()
+    hi = np.maximum.reduceat(row + np.maximum(step, 0) * (length - 1) + 1, at).tolist()
+    for k, a, b in zip(key[at].tolist(), lo, hi, strict=True):
+        out[k // n_own][k % n_own] = (a, b)
     return out
 
 
@@ -324,38 +402,21 @@ def plan_digest(plan: RankPlan) -> str:
 
 
 def plan_digests(plans: Sequence[RankPlan]) -> list[str]:
-    """:func:`plan_digest` of each plan, their transfers' fields and segments gathered once:
-    per plan its rank and slice, then per transfer ``(kind, owner, src_rank, dst_rank,
-    segments)`` (kind ``0`` send, ``1`` receive, ``2`` local copy), then its segments, then its
-    row owners."""
-    every = [
-        (k, c, t)
-        for k, p in enumerate(plans)
-        for c, ts in enumerate((p.sends, p.recvs, p.locals))
-        for t in ts
-    ]
-    head_T5 = np.asarray(
-        [(c, t.owner, t.src_rank, t.dst_rank, t.segments_S5.shape[0]) for _, c, t in every],
-        dtype=np.int64,
-    ).reshape(-1, 5)
-    seg = [t.segments_S5 for _, _, t in every]
-    seg_S5 = np.concatenate(seg).astype(np.int64, copy=False) if seg else np.empty((0, 5), np.int64)
-    n_T = np.bincount([k for k, _, _ in every], minlength=len(plans)).tolist()
+    """:func:`plan_digest` of each plan: its rank and slice, then its transfer table (the
+    head's :data:`~mopd.bridge.plan.TRANSFER_COLUMNS`, then the segments), then its row
+    owners."""
     out = []
-    t0 = s0 = 0
-    for p, n in zip(plans, n_T, strict=True):
+    for p in plans:
         d = p.dest
-        s1 = s0 + int(head_T5[t0 : t0 + n, 4].sum())
         h = Digest(
             repr((p.rank, None if d is None else tuple(d.__dict__.values()))),
-            head_T5[t0 : t0 + n],
-            seg_S5[s0:s1],
+            p.table.head_T5,
+            p.table.segments_S5,
             size=16,
         )
         if p.owner_N is not None:
             h.update(np.asarray(p.owner_N, dtype=np.int64))
         out.append(h.hexdigest())
-        t0, s0 = t0 + n, s1
     return out
 
 
@@ -491,42 +552,45 @@ class RankSchedule:
         :func:`plan_digest` when the caller has it.
         """
         digests = plan_digests(plans) if digests is None else digests
-        every = [t for p in plans for t in (*p.sends, *p.recvs, *p.locals)]
-        src_x, dst_x = _sides(every)  # both sides of every transfer, in one batch each
+        src_x, dst_x = _sides([p.table for p in plans])  # every transfer's sides, one batch
         at = 0
         built = []
         staged: list[tuple[int, str, int, list[_Side]]] = []
         for k, plan in enumerate(plans):
+            tab = plan.table
             send_rows: dict[int, int] = {}
             recv_rows: dict[int, int] = {}
             sends: list[_Op] = []
             recvs: list[_Op] = []
-            for kind, ts, rows in (("s", plan.sends, send_rows), ("r", plan.recvs, recv_rows)):
-                out = sends if kind == "s" else recvs
-                parts: dict[int, list[_Side]] = {}
-                for t in ts:
-                    mine, peer = (src_x[at], dst_x[at]) if kind == "s" else (dst_x[at], src_x[at])
-                    at += 1
-                    off = -1
-                    if mine.mode != "view":
-                        off = rows.get(t.owner, 0)
-                        rows[t.owner] = off + mine.count
-                        parts.setdefault(t.owner, []).append(mine)
-                    out.append(
-                        _Op(
-                            owner=t.owner,
-                            peer=t.dst_rank if kind == "s" else t.src_rank,
-                            count=mine.count,
-                            stage_off=off,
-                            side=mine,
-                            peer_side=peer,
-                        )
-                    )
-                staged += [(k, kind, o, sides) for o, sides in parts.items()]
-            locals_ = []
-            for t in plan.locals:
-                locals_.append(_local(t, src_x[at], dst_x[at]))
+            locals_: list[_Local] = []
+            parts: dict[tuple[str, int], list[_Side]] = {}  # sends' owners first (plan order)
+            off = tab.off_T1.tolist()
+            for t, (kind, owner, src_rank, dst_rank, _) in enumerate(tab.head_T5.tolist()):
                 at += 1
+                if kind == LOCAL:
+                    seg = tab.segments_S5[off[t] : off[t + 1]]
+                    locals_.append(_local(owner, seg, src_x[at - 1], dst_x[at - 1]))
+                    continue
+                send = kind == SEND
+                mine, peers = (src_x[at - 1], dst_x) if send else (dst_x[at - 1], src_x)
+                rows = send_rows if send else recv_rows
+                stage = -1
+                if mine.mode != "view":
+                    stage = rows.get(owner, 0)
+                    rows[owner] = stage + mine.count
+                    parts.setdefault(("s" if send else "r", owner), []).append(mine)
+                (sends if send else recvs).append(
+                    _Op(
+                        owner=owner,
+                        peer=dst_rank if send else src_rank,
+                        count=mine.count,
+                        stage_off=stage,
+                        side=mine,
+                        peers=peers,
+                        peer_at=at - 1,
+                    )
+                )
+            staged += [(k, kind, o, sides) for (kind, o), sides in parts.items()]
             built.append((sends, recvs, locals_, send_rows, recv_rows))
         # every plan's staged ops, per (plan, direction, owner): one launch each
         packed = _stage_many([sides for _, _, _, sides in staged])

@@ -131,11 +131,7 @@ class BridgeStep:
                 for i in todo
             ]
             view.batch.done()
-            busy = [
-                (i, p)
-                for i, p in zip(todo, plans, strict=True)
-                if p.sends or p.recvs or p.locals or p.dest is not None
-            ]
+            busy = [(i, p) for i, p in zip(todo, plans, strict=True) if p.busy]
             made = ex.schedules(
                 [p for _, p in busy],
                 slice_rows=[

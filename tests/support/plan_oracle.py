@@ -202,7 +202,7 @@ def oracle_plans(
                 sel = t_d == d
                 owner_N[t_row[sel]] = owner_G[t_g[sel]]
                 break
-        out[r] = RankPlan(
+        out[r] = RankPlan.of(
             rank=r,
             sends=tuple(sorted(sends[r], key=lambda t: (t.owner, t.dst_rank))),
             recvs=tuple(sorted(recvs[r], key=lambda t: (t.owner, t.src_rank))),
