@@ -52,6 +52,7 @@ __all__ = [
     "read_runs",
     "rows_in",
     "run_keys",
+    "slice_bounds",
     "tagged_runs",
 ]
 
@@ -102,8 +103,14 @@ class DestGroup:
 
     def slice_bounds(self, j: int) -> tuple[int, int]:
         """``[start, stop)`` rows of slice ``j`` (the last ones may be short or empty)."""
-        n = self.slice_rows
-        return min(j * n, self.num_rows), min((j + 1) * n, self.num_rows)
+        return slice_bounds(self.num_rows, len(self.ranks), j)
+
+
+def slice_bounds(num_rows: int, size: int, j: int) -> tuple[int, int]:
+    """``[start, stop)`` rows of slice ``j`` when ``num_rows`` rows are cut into ``size``
+    slices of ``ceil(num_rows / size)`` rows (the last ones may be short or empty)."""
+    n = -(-num_rows // size)
+    return min(j * n, num_rows), min((j + 1) * n, num_rows)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

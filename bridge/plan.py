@@ -39,7 +39,6 @@ How a rank plans (never a token at a time, never a group it has no business with
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from mopd.bridge.catalog import (
     ranges_meet,
     read_runs,
     run_keys,
+    slice_bounds,
 )
 
 __all__ = [
@@ -742,7 +742,9 @@ def plan_ranks(
     if my_src.size:
         # [M, R_d]: each of this rank's sources (per micro-batch) against every destination of
         # its micro-batch
-        m_r = np.flatnonzero(np.isin(s_rng.id_R, my_src))
+        mine_G = np.zeros(max(n_src, 1), dtype=bool)  # this rank's source groups
+        mine_G[my_src] = True
+        m_r = np.flatnonzero(mine_G[s_rng.id_R])
         m_lo, m_hi = s_rng.range_R2[m_r, 0], s_rng.range_R2[m_r, 1]
         d_lo, d_hi = d_rng.range_R2[:, 0], d_rng.range_R2[:, 1]
         meet_MQ = (s_rng.mb_R[m_r, None] == d_rng.mb_R) & ranges_meet(
@@ -798,14 +800,16 @@ def plan_ranks(
     # 4. each destination instance's rows, owners and slices
     group_size = ix.slot_off_D1[e_d + 1] - ix.slot_off_D1[e_d]
     num_rows = np.zeros(n_e, dtype=_I64)
+    e_at = np.searchsorted(e_mb, np.arange(n_mb + 1)).tolist()  # instances by micro-batch
     for i, cat in enumerate(catalogs):
-        at = np.flatnonzero(e_mb == i)
-        num_rows[at] = cat.dest_rows(e_d[at])
+        num_rows[e_at[i] : e_at[i + 1]] = cat.dest_rows(e_d[e_at[i] : e_at[i + 1]])
     owner_of: list[np.ndarray | None] = [None] * n_mb
     if d0 is not None:
         base = np.concatenate([[0], np.cumsum(num_rows[recv_e])])
         owner_all = np.full(int(base[-1]), -1, dtype=_I64)
-        mine_p = p.take(np.flatnonzero(np.isin(p.dst, recv_e)))
+        recv_E = np.zeros(n_e, dtype=bool)  # the instances of this rank's own destination
+        recv_E[recv_e] = True
+        mine_p = p.take(np.flatnonzero(recv_E[p.dst]))
         if mine_p.size:
             mine_p.dst_row = mine_p.dst_row + base[mine_p.mb]
             _fill_owners(owner_all, mine_p, ix.owner_G)
@@ -832,27 +836,29 @@ def plan_ranks(
         group = catalogs[0].dests[d0]
         j = group.ranks.index(rank)
         s_glob = int(ix.slot_off_D1[d0]) + j
-        q = p.take(np.flatnonzero(np.isin(p.dst, recv_e) & (p.slot == s_glob)))
+        q = p.take(np.flatnonzero(recv_E[p.dst] & (p.slot == s_glob)))
         ch = _chunk(q, ix, local_copy=local_copy)
         n_t = ch.mb_T.size
         kind = np.where(ch.local_T, LOCAL, RECV)
         chunks.append((ch, kind, ch.src_rank_T, np.full(n_t, rank, dtype=_I64)))
         rows_I = num_rows[recv_e].tolist()
+        owner_rows_IK = rows_EK[recv_e, :num_owners].tolist()
+        size = len(group.ranks)
         for i in range(n_mb):
-            g_i = dataclasses.replace(group, num_rows=rows_I[i])  # this micro-batch's rows
-            start, stop = g_i.slice_bounds(j)
+            n = rows_I[i]  # this micro-batch's rows
+            start, stop = slice_bounds(n, size, j)
             dest[i] = DestSlot(
                 group=d0,
                 slot=j,
                 row_offset=start,
                 slice_rows=stop - start,
-                num_rows=g_i.num_rows,
-                padded_rows=g_i.slice_rows * len(g_i.ranks),
-                group_size=len(g_i.ranks),
-                owner_rows=tuple(rows_EK[recv_e[i], :num_owners].tolist()) if compact else (),
+                num_rows=n,
+                padded_rows=-(-n // size) * size,
+                group_size=size,
+                owner_rows=tuple(owner_rows_IK[i]) if compact else (),
             )
     if my_src.size:
-        q = p.take(np.flatnonzero(np.isin(p.grp, my_src)))
+        q = p.take(np.flatnonzero(mine_G[p.grp]))
         ch = _chunk(q, ix, local_copy=local_copy, send_rank=rank)
         n_t = ch.mb_T.size
         sent = np.full(n_t, SEND, dtype=_I64)
