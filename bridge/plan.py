@@ -599,10 +599,10 @@ def _chunk(
             src_rank[keep],
             local[keep],
         )
-    tid = np.ones(p.size, dtype=bool)
-    tid[1:] = (block[1:] != block[:-1]) | (c[1:] != c[:-1])
-    tid = np.cumsum(tid) - 1
-    firsts = np.flatnonzero(np.diff(tid, prepend=-1))
+    first = np.ones(p.size, dtype=bool)  # a piece that starts a transfer (block, chunk)
+    first[1:] = (block[1:] != block[:-1]) | (c[1:] != c[:-1])
+    tid = np.cumsum(first) - 1
+    firsts = np.flatnonzero(first)
     mb_T, grp_T, slot_T = p.mb[firsts], p.grp[firsts], p.slot[firsts]
     src_T, local_T = src_rank[firsts], local[firsts]
     p, tid = _merge(p, tid)

@@ -143,18 +143,18 @@ def _same_as_gathered(
             want = normalise(plan_rank(cat, rank, local_copy=local_copy, compact=True))
             verdicts = check_rank(cat, rank)
             # every group the full matrix's planner and checks read that shares a sample with
-            # the rank's own groups, or with the destinations its sources serve, is here
+            # the rank's own groups, or with the destinations its sources serve, is here: a
+            # source that shares one with them, a destination that shares one with its sources
+            # (two destinations that want one sample have nothing to exchange)
             src_s, dst_s = _samples(full.catalogs[i])  # (not through the recording catalog)
             ix = topo.index
-            own = {x for g in ix.source_groups.get(rank, ()) for x in src_s[g]}
-            own |= {x for d in ix.dest_groups.get(rank, ()) for x in dst_s[d]}
-            served = set().union(
-                *(dst_s[d] for d in dest_ids if dst_s[d] & src_s_of(ix, rank, src_s))
-            )
+            sent = src_s_of(ix, rank, src_s)
+            own = sent | {x for d in ix.dest_groups.get(rank, ()) for x in dst_s[d]}
+            served = set().union(*(dst_s[d] for d in dest_ids if dst_s[d] & sent))
             assert {g for g in source_ids if src_s[g] & (own | served)} <= set(
                 routed.source_ids.tolist()
             ), (rank, i)
-            assert {d for d in dest_ids if dst_s[d] & own} <= set(routed.dest_ids.tolist()), (
+            assert {d for d in dest_ids if dst_s[d] & sent} <= set(routed.dest_ids.tolist()), (
                 rank,
                 i,
             )
