@@ -264,8 +264,7 @@ class SimWire:
         rounds: per :meth:`~mopd.bridge.route.Wire.swap`, in order, ``member -> words`` it
             receives.
         total: what :meth:`reduce_sum` returns (the verdict's flag and the step's tokens).
-        flats: per round, its messages one after another by ascending member (what
-            :meth:`~mopd.bridge.route.Wire.swap_sized` receives into one buffer).
+        book: the rounds' bookkeeping (:class:`RoundBook`, made once per simulated member).
     """
 
     def __init__(
@@ -274,20 +273,15 @@ class SimWire:
         size: int,
         rounds: Sequence[dict[int, np.ndarray]],
         total: np.ndarray,
-        flats: Sequence[np.ndarray],
+        book: RoundBook,
     ) -> None:
         self.member = member
         self.size = size
-        self._rounds = list(rounds)
-        self._flats = flats
+        self._rounds = rounds
+        self._book = book
         self._total = total
         self._at = 0
         self._received = 0
-        # per round, what it receives: its members, its words, its messages from others (a
-        # round's bookkeeping done once, not in the timed step)
-        self._froms = [frozenset(got) for got in self._rounds]
-        self._words = [sum(a.size for a in got.values()) for got in self._rounds]
-        self._others = [len(got) - (member in got) for got in self._rounds]
 
     @property
     def received_words(self) -> int:
@@ -303,25 +297,26 @@ class SimWire:
         self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
     ) -> np.ndarray:
         at = self._next(recv_from, sized=True)
-        if list(recv_from) != sorted(recv_from) or sum(sizes_P) != self._words[at]:
+        words = self._book.words[at]
+        if list(recv_from) != sorted(recv_from) or sum(sizes_P) != words:
             raise AssertionError(
                 f"member {self.member}, round {self._at}: a sized round from "
-                f"{list(recv_from)[:8]} of {sum(sizes_P)} words, the job sends {self._words[at]}"
+                f"{list(recv_from)[:8]} of {sum(sizes_P)} words, the job sends {words}"
             )
-        return self._flats[at]
+        return self._book.flats[at]
 
     def _next(self, recv_from: Sequence[int], *, sized: bool) -> int:
         """The round ``recv_from`` receives in: checked, counted."""
         at = self._at
         got = self._rounds[at]
         self._at += 1
-        if len(recv_from) != len(got) or self._froms[at] != frozenset(recv_from):
+        if len(recv_from) != len(got) or self._book.froms[at] != frozenset(recv_from):
             raise AssertionError(
                 f"member {self.member}, round {self._at}: expects {sorted(recv_from)[:8]}, "
                 f"the job sends from {sorted(got)[:8]}"
             )
         # every message's words, and its size word where sizes travel first
-        self._received += self._words[at] + (0 if sized else self._others[at])
+        self._received += self._book.words[at] + (0 if sized else self._book.others[at])
         return at
 
     def reduce_sum(self, words: np.ndarray) -> np.ndarray:
@@ -348,14 +343,35 @@ class ExchangeSim:
 
     def wire(self, size: int) -> SimWire:
         total = np.concatenate([[0], self.tokens_I]).astype(np.int64)
-        return SimWire(self.member, size, self.rounds, total, self.flats)
+        return SimWire(self.member, size, self.rounds, total, self.book)
 
     @functools.cached_property
-    def flats(self) -> tuple[np.ndarray, ...]:
-        """Per round, its messages one after another by ascending member (built once)."""
-        return tuple(
-            np.concatenate([np.empty(0, np.int64), *(got[p].reshape(-1) for p in sorted(got))])
-            for got in self.rounds
+    def book(self) -> RoundBook:
+        """The rounds' bookkeeping, made once (never in a timed step)."""
+        return RoundBook.of(self.member, self.rounds)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RoundBook:
+    """Per round of a simulated member's exchange: the members it receives from, the words
+    it receives, its messages from others, and its messages one after another by ascending
+    member (what :meth:`~mopd.bridge.route.Wire.swap_sized` receives into one buffer)."""
+
+    froms: tuple[frozenset[int], ...]
+    words: tuple[int, ...]
+    others: tuple[int, ...]
+    flats: tuple[np.ndarray, ...]
+
+    @staticmethod
+    def of(member: int, rounds: Sequence[dict[int, np.ndarray]]) -> RoundBook:
+        return RoundBook(
+            froms=tuple(frozenset(got) for got in rounds),
+            words=tuple(sum(a.size for a in got.values()) for got in rounds),
+            others=tuple(len(got) - (member in got) for got in rounds),
+            flats=tuple(
+                np.concatenate([np.empty(0, np.int64), *(got[p].reshape(-1) for p in sorted(got))])
+                for got in rounds
+            ),
         )
 
 
