@@ -27,6 +27,7 @@ Model (all tokens are keys ``(sample_id, position)``; rows are rows of a flat ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +162,22 @@ class GroupIndex:
             source_groups={r: tuple(gs) for r, gs in by_rank.items()},
             dest_groups={r: tuple(ds) for r, ds in by_slot.items()},
         )
+
+    @functools.cached_property
+    def _replica_keys(self) -> tuple[np.ndarray, int]:
+        """``([X] sorted group * stride + rank of every replica, stride)``, built once."""
+        stride = int(self.rep_rank_X.max(initial=-1)) + 1
+        group_X = np.repeat(np.arange(self.owner_G.size, dtype=_I64), np.diff(self.rep_off_G1))
+        return np.sort(group_X * stride + self.rep_rank_X), stride
+
+    def is_replica(self, rank_B: np.ndarray, group_B: np.ndarray) -> np.ndarray:
+        """``[B]`` whether ``rank_B[b]`` is a replica of source group ``group_B[b]``."""
+        keys, stride = self._replica_keys
+        if not keys.size:
+            return np.zeros(np.shape(rank_B), dtype=bool)
+        want = group_B * stride + rank_B
+        at = np.minimum(np.searchsorted(keys, want), keys.size - 1)
+        return (keys[at] == want) & (rank_B >= 0) & (rank_B < stride)
 
 
 @dataclass(eq=False)

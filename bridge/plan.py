@@ -498,16 +498,6 @@ def _untangle(
     return _sort_blocks(_Pieces.concat([p.take(~multi), new]))
 
 
-def _member(rank_B: np.ndarray, grp_B: np.ndarray, ix: GroupIndex) -> np.ndarray:
-    """``[B]`` whether ``rank_B[b]`` is a replica of source group ``grp_B[b]``."""
-    lo, hi = ix.rep_off_G1[grp_B], ix.rep_off_G1[grp_B + 1]
-    out = np.zeros(grp_B.size, dtype=bool)
-    for r in range(int((hi - lo).max(initial=0))):
-        has = lo + r < hi
-        out |= has & (ix.rep_rank_X[np.where(has, lo + r, 0)] == rank_B)
-    return out
-
-
 def _merge(p: _Pieces, tid_P: np.ndarray) -> tuple[_Pieces, np.ndarray]:
     """Consecutive pieces of one transfer that continue each other (same steps), merged."""
     if p.size < 2:
@@ -567,7 +557,7 @@ def _chunk(
     blk_g, blk_slot = p.grp[starts], p.slot[starts]
     blk_rank = ix.slot_rank_S[blk_slot]
     blk_k = ix.rep_off_G1[blk_g + 1] - ix.rep_off_G1[blk_g]
-    blk_local = _member(blk_rank, blk_g, ix) if local_copy else np.zeros(starts.size, bool)
+    blk_local = ix.is_replica(blk_rank, blk_g) if local_copy else np.zeros(starts.size, bool)
     cum = np.cumsum(p.length) - p.length
     off = cum - cum[starts][block]
     n = np.add.reduceat(p.length, starts)[block]

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mopd.bridge import Mesh, TokenLayout
-from mopd.bridge.catalog import DestGroup, RunCatalog, SourceGroup
+from mopd.bridge.catalog import DestGroup, GroupIndex, RunCatalog, SourceGroup
 from mopd.bridge.coverage import check_rank, check_ranks
 from mopd.bridge.plan import RankPlan, plan_rank, plan_ranks
 from mopd.profiling.synthetic import SideFormat, synthetic_step
@@ -611,3 +611,19 @@ def test_bench_plan_baseline_is_the_retired_planners_record(tmp_path: Path) -> N
     assert recorded[256]["global_plan_ms"] == 32.33
     assert recorded[16384]["global_rss_growth_mib"] == 3717.4
     assert bench_plan.recorded_global(tmp_path) == {}  # no record there: no baseline
+
+
+def test_replica_lookup_is_group_membership() -> None:
+    """``GroupIndex.is_replica`` (what decides a local copy) answers, for every rank and
+    group, whether the rank is among the group's replicas: ranks in any order, a rank in
+    several groups, a group of one, ranks outside every group."""
+    sources = [
+        SourceGroup(owner=0, ranks=(5, 1, 3), num_rows=4),
+        SourceGroup(owner=0, ranks=(2,), num_rows=4),
+        SourceGroup(owner=1, ranks=(3, 0), num_rows=4),
+    ]
+    ix = GroupIndex.build(sources, [DestGroup(ranks=(0, 1), num_rows=4)])
+    rank_B = np.repeat(np.arange(-1, 8, dtype=np.int64), len(sources))
+    group_B = np.tile(np.arange(len(sources), dtype=np.int64), 9)
+    want = [int(r) in sources[int(g)].ranks for r, g in zip(rank_B, group_B, strict=True)]
+    assert ix.is_replica(rank_B, group_B).tolist() == want
