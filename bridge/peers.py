@@ -187,8 +187,9 @@ def directory_replies(at_home_E6: np.ndarray) -> dict[int, np.ndarray]:
     rows = e[idx, 1:]
     o = np.argsort(dest, kind="stable")
     dest, rows = dest[o], rows[o]
-    cuts = np.flatnonzero(np.diff(dest)) + 1
-    return {int(ds[0]): r for ds, r in zip(np.split(dest, cuts), np.split(rows, cuts), strict=True)}
+    at = [0, *(np.flatnonzero(dest[1:] != dest[:-1]) + 1).tolist(), dest.size]
+    first = dest[at[:-1]].tolist()
+    return {m: rows[a:b] for m, a, b in zip(first, at[:-1], at[1:], strict=True)}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -242,15 +243,16 @@ def read_replies(replies_Q5: np.ndarray, *, member: int, n_sources: int) -> Peer
 
     # samples: every other registrant; agreements: the first rank and the ranks giving it
     first_mine = keys_with(mine & agreement & (r[:, 2] == 1))
-    take = ~agreement | first_mine | (agreement & (r[:, 2] == 1))
-    for m, w in zip(r[take, 3].tolist(), r[take, 4].tolist(), strict=True):
-        if m != member:
-            peers[m] = w
+    take = (~agreement | first_mine | (agreement & (r[:, 2] == 1))) & ~mine
+    m_T, w_T = r[take, 3][::-1], r[take, 4][::-1]  # a member's last row says its words
+    m_U, first = np.unique(m_T, return_index=True)
+    peers.update(zip(m_U.tolist(), w_T[first].tolist(), strict=True))
     # introductions: the sources of the keys where this rank registered its destination
     on_my_dest = keys_with(mine & dst)
     s = r[on_my_dest & src][:, 2:5]
-    if s.shape[0]:
-        s = np.unique(s, axis=0)
+    if s.shape[0]:  # distinct rows, in row order
+        s = s[np.lexsort((s[:, 2], s[:, 1], s[:, 0]))]
+        s = s[np.concatenate([[True], (s[1:] != s[:-1]).any(axis=1)])]
     intro_to = tuple(sorted(set(s[:, 1].tolist())))
     on_my_source = keys_with(mine & src)
     intro_from = tuple(sorted(set(r[on_my_source & dst, 3].tolist())))
