@@ -530,10 +530,10 @@ class Executor:
         for i, op in enumerate(sched.sends):
             if op.owner != owner:
                 continue
-            if op.side.mode == "view":
+            if op.mode == "view":
                 # a contiguous block is copied too: the caller may reuse its buffer at once
                 buf = slot.hold(self._pool, "send1", owner, op.count, src)[: op.count]
-                buf.copy_(src[op.side.first : op.side.first + op.count])
+                buf.copy_(src[op.first : op.first + op.count])
             else:
                 buf = stage[op.stage_off : op.stage_off + op.count]
             slot.send_bufs[i] = buf
@@ -573,8 +573,8 @@ class Executor:
         }
         recvs = []
         for op in sched.recvs:
-            if op.side.mode == "view":
-                buf = targets[op.owner][op.side.first : op.side.first + op.count]
+            if op.mode == "view":
+                buf = targets[op.owner][op.first : op.first + op.count]
             else:
                 buf = slot.recv_stage[op.owner][op.stage_off : op.stage_off + op.count]
             slot.recv_blocks.append((op.owner, op.peer, buf))

@@ -139,7 +139,7 @@ class _Side:
     @staticmethod
     def many(
         row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray, off_T1: np.ndarray
-    ) -> Sequence[_Side]:
+    ) -> _Sides:
         """The sides of several transfers at once: transfer ``t``'s segments are
         ``[off_T1[t], off_T1[t + 1])`` of the ``[S]`` arrays. Per transfer: its token count,
         whether every segment advances by one row, and its maximal contiguous runs
@@ -150,14 +150,16 @@ class _Side:
         n_T = off_T1.size - 1
         n_S = np.diff(off_T1)
         if not n_T:
-            return []
+            return _Sides.made([])
         if int(n_S.min()) == 0:  # a transfer without segments: one at a time
-            return [
-                _Side.many(row_S[a:b], step_S[a:b], len_S[a:b], np.asarray([0, b - a]))[0]
-                if b > a
-                else _Side._empty()
-                for a, b in zip(off_T1[:-1].tolist(), off_T1[1:].tolist(), strict=True)
-            ]
+            return _Sides.made(
+                [
+                    _Side.many(row_S[a:b], step_S[a:b], len_S[a:b], np.asarray([0, b - a]))[0]
+                    if b > a
+                    else _Side._empty()
+                    for a, b in zip(off_T1[:-1].tolist(), off_T1[1:].tolist(), strict=True)
+                ]
+            )
         tid = np.repeat(np.arange(n_T, dtype=np.int64), n_S)
         starts = off_T1[:-1]
         count_T = np.add.reduceat(len_S, starts)
@@ -228,8 +230,26 @@ class _Sides(Sequence[_Side]):
         self._runs, self._segs = runs, segs
         self._made: list[_Side | None] = [None] * len(mode_T)
 
+    @staticmethod
+    def made(sides: list[_Side]) -> _Sides:
+        """A batch of sides made already."""
+        e = np.empty(0, dtype=np.int64)
+        out = _Sides(
+            [_MODES.index(x.mode) for x in sides],
+            [x.count for x in sides],
+            [x.first for x in sides],
+            [0] * len(sides),
+            [0] * len(sides),
+            [0] * (len(sides) + 1),
+            (e, e, e),
+            (e, e, e),
+        )
+        out._made = list(sides)
+        return out
+
     def __len__(self) -> int:
         return len(self._made)
+
 
     @overload
     def __getitem__(self, t: int) -> _Side: ...
@@ -257,29 +277,37 @@ class _Sides(Sequence[_Side]):
 class _Op:
     """One send or receive: this rank's side of it, its peer and its staging offset.
 
-    ``stage_off``: offset in this owner's staging buffer (send or recv), -1 for a view;
-    :attr:`peer_side`: the other end's rows (integrity messages), made on first use.
+    ``mode``, ``first``, ``count``: how this rank's side touches its buffer (:class:`_Side`'s:
+    a view is rows ``first .. first + count``, what the executor reads of most operations);
+    ``stage_off``: offset in this owner's staging buffer (send or recv), -1 for a view.
+    :attr:`side` (this rank's rows) and :attr:`peer_side` (the other end's, for integrity
+    messages) are made on first use from their batches.
     """
 
-    __slots__ = ("_peer_at", "_peers", "count", "owner", "peer", "side", "stage_off")
+    __slots__ = ("_at", "_mine", "_peers", "count", "first", "mode", "owner", "peer", "stage_off")
 
     def __init__(
         self,
         *,
         owner: int,
         peer: int,
-        count: int,
         stage_off: int,
-        side: _Side,
-        peers: Sequence[_Side],
-        peer_at: int,
+        mine: _Sides,
+        peers: _Sides,
+        at: int,
     ) -> None:
-        self.owner, self.peer, self.count, self.stage_off = owner, peer, count, stage_off
-        self.side, self._peers, self._peer_at = side, peers, peer_at
+        self.owner, self.peer, self.stage_off = owner, peer, stage_off
+        self.mode = _MODES[mine._mode[at]]
+        self.count, self.first = mine._count[at], mine._first[at]
+        self._mine, self._peers, self._at = mine, peers, at
+
+    @property
+    def side(self) -> _Side:
+        return self._mine[self._at]
 
     @property
     def peer_side(self) -> _Side:
-        return self._peers[self._peer_at]
+        return self._peers[self._at]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -296,11 +324,9 @@ class _Local:
     joint_len: torch.Tensor
 
 
-def _sides(tables: Sequence[TransferTable]) -> tuple[Sequence[_Side], Sequence[_Side]]:
+def _sides(tables: Sequence[TransferTable]) -> tuple[_Sides, _Sides]:
     """``(sources, destinations)``: both sides of every transfer of ``tables`` (in order), in
     one batch each."""
-    if not tables:
-        return [], []
     s = np.concatenate([t.segments_S5 for t in tables])
     n = np.concatenate([t.head_T5[:, 4] for t in tables])
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
@@ -333,12 +359,12 @@ def _local(owner: int, s: np.ndarray, src: _Side, dst: _Side) -> _Local:
     )
 
 
-def _stage_many(groups: Sequence[Sequence[_Side]]) -> Sequence[_Side]:
+def _stage_many(groups: Sequence[Sequence[_Side]]) -> _Sides:
     """Per group of staged sides (one owner's sends or receives of one plan, in staging
     order), one side over all their rows: one kernel launch packs (unpacks) an owner's whole
     staging buffer. Every group in one batch (:meth:`_Side.many`)."""
     if not groups:
-        return []
+        return _Sides.made([])
     sides = [x for g in groups for x in g]
     row = np.concatenate([x._row_S for x in sides])
     step = np.concatenate([x._step_S for x in sides])
@@ -566,30 +592,27 @@ class RankSchedule:
             parts: dict[tuple[str, int], list[_Side]] = {}  # sends' owners first (plan order)
             off = tab.off_T1.tolist()
             for t, (kind, owner, src_rank, dst_rank, _) in enumerate(tab.head_T5.tolist()):
-                at += 1
+                x, at = at, at + 1
                 if kind == LOCAL:
                     seg = tab.segments_S5[off[t] : off[t + 1]]
-                    locals_.append(_local(owner, seg, src_x[at - 1], dst_x[at - 1]))
+                    locals_.append(_local(owner, seg, src_x[x], dst_x[x]))
                     continue
                 send = kind == SEND
-                mine, peers = (src_x[at - 1], dst_x) if send else (dst_x[at - 1], src_x)
-                rows = send_rows if send else recv_rows
-                stage = -1
-                if mine.mode != "view":
-                    stage = rows.get(owner, 0)
-                    rows[owner] = stage + mine.count
-                    parts.setdefault(("s" if send else "r", owner), []).append(mine)
-                (sends if send else recvs).append(
-                    _Op(
-                        owner=owner,
-                        peer=dst_rank if send else src_rank,
-                        count=mine.count,
-                        stage_off=stage,
-                        side=mine,
-                        peers=peers,
-                        peer_at=at - 1,
-                    )
+                mine, peers = (src_x, dst_x) if send else (dst_x, src_x)
+                op = _Op(
+                    owner=owner,
+                    peer=dst_rank if send else src_rank,
+                    stage_off=-1,
+                    mine=mine,
+                    peers=peers,
+                    at=x,
                 )
+                if op.mode != "view":
+                    rows = send_rows if send else recv_rows
+                    op.stage_off = rows.get(owner, 0)
+                    rows[owner] = op.stage_off + op.count
+                    parts.setdefault(("s" if send else "r", owner), []).append(op.side)
+                (sends if send else recvs).append(op)
             staged += [(k, kind, o, sides) for (kind, o), sides in parts.items()]
             built.append((sends, recvs, locals_, send_rows, recv_rows))
         # every plan's staged ops, per (plan, direction, owner): one launch each
@@ -632,8 +655,8 @@ class RankSchedule:
             "messages": len(self.sends) + len(self.recvs),
             "send_bytes": sum(o.count * rb[o.owner] for o in self.sends),
             "recv_bytes": sum(o.count * rb[o.owner] for o in self.recvs),
-            "pack_bytes": sum(o.count * rb[o.owner] for o in self.sends if o.side.mode != "view"),
-            "unpack_bytes": sum(o.count * rb[o.owner] for o in self.recvs if o.side.mode != "view"),
+            "pack_bytes": sum(o.count * rb[o.owner] for o in self.sends if o.mode != "view"),
+            "unpack_bytes": sum(o.count * rb[o.owner] for o in self.recvs if o.mode != "view"),
             "local_bytes": sum(x.src.count * rb[x.owner] for x in self.locals),
             "local_passes": len(self.locals),
             "pack_launches": len(self.pack_sides),

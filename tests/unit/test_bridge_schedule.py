@@ -157,7 +157,11 @@ def rank_layouts(student: Mesh, shards: dict[tuple[int, int], TokenLayout]) -> d
 
 
 def schedule_modes(s: RankSchedule) -> Counter[str]:
+    """How many operations of each kind and mode ``s`` has; each operation's own mode, first
+    row and count (what the executor reads) checked against its side's (made from its rows)."""
     modes: Counter[str] = Counter()
+    for op in (*s.sends, *s.recvs):
+        assert (op.mode, op.first, op.count) == (op.side.mode, op.side.first, op.side.count)
     for op in s.sends:
         modes[f"send:{op.side.mode}"] += 1
     for op in s.recvs:
