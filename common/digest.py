@@ -33,12 +33,12 @@ class Digest:
 
     def update(self, part: bytes | str | np.ndarray | torch.Tensor) -> Digest:
         """Feed one more part; returns this digest."""
-        if isinstance(part, str):
+        if isinstance(part, np.ndarray):  # its buffer, read in place when it is C-ordered
+            self._h.update((part if part.flags.c_contiguous else np.ascontiguousarray(part)).data)
+        elif isinstance(part, str):
             self._h.update(part.encode())
         elif isinstance(part, torch.Tensor):
             self._h.update(np.ascontiguousarray(part.numpy()).data)
-        elif isinstance(part, np.ndarray):
-            self._h.update(np.ascontiguousarray(part).data)  # its buffer, read in place
         else:
             self._h.update(part)
         return self
