@@ -250,7 +250,6 @@ class _Sides(Sequence[_Side]):
     def __len__(self) -> int:
         return len(self._made)
 
-
     @overload
     def __getitem__(self, t: int) -> _Side: ...
 
