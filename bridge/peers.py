@@ -47,7 +47,7 @@ import torch
 
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.metadata import HEADER, SIZE, SLOT_FIELDS, RaggedRecords
-from mopd.bridge.route import RADIX, Wire, route_rows
+from mopd.bridge.route import RADIX, Wire, route_rows, split_words
 from mopd.bridge.topology import Topology
 
 __all__ = [
@@ -379,8 +379,7 @@ def exchange_records(
     if to_source or to_dest or from_:
         held = {me: rec}
         if to_source or to_dest:
-            off = np.cumsum([0, *sizes_P]).tolist()
-            held.update((p, got_W[off[i] : off[i + 1]]) for i, p in enumerate(order))
+            held.update(split_words(got_W, order, sizes_P))
         sends = forward_bundles(
             held,
             member=me,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mopd.common import dist as cdist
 
-__all__ = ["RADIX", "GroupWire", "Wire", "bruck_partners", "route_rows"]
+__all__ = ["RADIX", "GroupWire", "Wire", "bruck_partners", "route_rows", "split_words"]
 
 _I64 = np.int64
 #: Partners per round of :func:`route_rows` plus one: rounds are ``ceil(log_radix(n))``.
@@ -77,6 +77,15 @@ class Wire(Protocol):
     def received_words(self) -> int:
         """Words this member received so far (sizes and payloads of its rounds)."""
         ...
+
+
+def split_words(
+    words_W: np.ndarray, members: Sequence[int], sizes_P: Sequence[int]
+) -> dict[int, np.ndarray]:
+    """``member -> `` its message: views of ``words_W``, the messages of ``members`` one after
+    another, ``sizes_P[i]`` words each (what :meth:`Wire.swap_sized` returns)."""
+    off = np.cumsum([0, *sizes_P]).tolist()
+    return {p: words_W[off[i] : off[i + 1]] for i, p in enumerate(members)}
 
 
 def bruck_partners(n: int, me: int, step: int, radix: int) -> tuple[list[int], list[int]]:
@@ -176,9 +185,10 @@ class GroupWire:
         self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int]
     ) -> dict[int, np.ndarray]:
         me = self.member
-        away = {p: np.ascontiguousarray(a, dtype=_I64) for p, a in sends.items() if p != me}
         froms = [p for p in recv_from if p != me]
-        counts = {p: torch.full((1,), a.size, dtype=torch.int64) for p, a in away.items()}
+        counts = {
+            p: torch.full((1,), np.size(a), dtype=torch.int64) for p, a in sends.items() if p != me
+        }
         got = {p: torch.empty(1, dtype=torch.int64) for p in froms}
         self._post(counts, got)
         self._received += len(froms)
@@ -186,9 +196,7 @@ class GroupWire:
         if me in recv_from:
             sizes[me] = int(np.size(sends[me]))
         sizes_P = [sizes[p] for p in recv_from]
-        flat = self.swap_sized(sends, recv_from, sizes_P)
-        off = np.cumsum([0, *sizes_P]).tolist()
-        return {p: flat[off[i] : off[i + 1]] for i, p in enumerate(recv_from)}
+        return split_words(self.swap_sized(sends, recv_from, sizes_P), recv_from, sizes_P)
 
     def swap_sized(
         self, sends: Mapping[int, np.ndarray], recv_from: Sequence[int], sizes_P: Sequence[int]
