@@ -212,6 +212,13 @@ class TransferTable:
         )
 
     @staticmethod
+    def join(tables: Sequence[TransferTable]) -> TransferTable:
+        """One table of ``tables``' transfers, one table after another."""
+        head = np.concatenate([np.empty((0, 5), _I64), *(t.head_T5 for t in tables)])
+        seg = np.concatenate([np.empty((0, 5), _I64), *(t.segments_S5 for t in tables)])
+        return TransferTable(head, seg, np.concatenate([[0], np.cumsum(head[:, 4])]).astype(_I64))
+
+    @staticmethod
     def of(
         sends: Sequence[Transfer], recvs: Sequence[Transfer], locals_: Sequence[Transfer]
     ) -> TransferTable:

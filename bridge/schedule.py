@@ -323,12 +323,10 @@ class _Local:
     joint_len: torch.Tensor
 
 
-def _sides(tables: Sequence[TransferTable]) -> tuple[_Sides, _Sides]:
-    """``(sources, destinations)``: both sides of every transfer of ``tables`` (in order), in
-    one batch each."""
-    s = np.concatenate([t.segments_S5 for t in tables])
-    n = np.concatenate([t.head_T5[:, 4] for t in tables])
-    off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+def _sides(table: TransferTable) -> tuple[_Sides, _Sides]:
+    """``(sources, destinations)``: both sides of every transfer of ``table``, in one batch
+    each."""
+    s, off = table.segments_S5, table.off_T1
     return (
         _Side.many(s[:, 0], s[:, 1], s[:, 4], off),
         _Side.many(s[:, 2], s[:, 3], s[:, 4], off),
@@ -376,17 +374,17 @@ def _stage_many(groups: Sequence[Sequence[_Side]]) -> _Sides:
     return out
 
 
-def _spans(plans: Sequence[RankPlan]) -> list[dict[int, tuple[int, int]]]:
-    """Per plan, ``owner -> (lo, hi)``: the source rows its sends and local copies read; every
-    plan's transfers in one pass."""
-    out: list[dict[int, tuple[int, int]]] = [{} for _ in plans]
-    heads = [p.table.head_T5 for p in plans]
-    head = np.concatenate(heads) if heads else np.empty((0, 5), np.int64)
+def _spans(
+    table: TransferTable, plan_T: np.ndarray, n_plans: int
+) -> list[dict[int, tuple[int, int]]]:
+    """Per plan, ``owner -> (lo, hi)``: the source rows its sends and local copies read, from
+    ``table`` (every plan's transfers, :meth:`~mopd.bridge.plan.TransferTable.join`; transfer
+    ``t`` is plan ``plan_T[t]``'s) in one pass."""
+    out: list[dict[int, tuple[int, int]]] = [{} for _ in range(n_plans)]
+    head, seg = table.head_T5, table.segments_S5
     if not head.shape[0]:
         return out
-    seg = np.concatenate([p.table.segments_S5 for p in plans])
     n_own = int(head[:, 1].max()) + 1
-    plan_T = np.repeat(np.arange(len(plans), dtype=np.int64), [h.shape[0] for h in heads])
     key_T = np.where(head[:, 0] != RECV, plan_T * n_own + head[:, 1], -1)
     key_S = np.repeat(key_T, head[:, 4])
     reads = np.flatnonzero(key_S >= 0)
@@ -577,7 +575,8 @@ class RankSchedule:
         :func:`plan_digest` when the caller has it.
         """
         digests = plan_digests(plans) if digests is None else digests
-        src_x, dst_x = _sides([p.table for p in plans])  # every transfer's sides, one batch
+        every = TransferTable.join([p.table for p in plans])  # every plan's transfers
+        src_x, dst_x = _sides(every)  # both sides of each, one batch per side
         at = 0
         built = []
         staged: list[tuple[int, str, int, list[_Side]]] = []
@@ -620,7 +619,8 @@ class RankSchedule:
         unpack: list[dict[int, _Side]] = [{} for _ in plans]
         for (k, kind, owner, _), side in zip(staged, packed, strict=True):
             (pack if kind == "s" else unpack)[k][owner] = side
-        spans = _spans(plans)
+        plan_T = np.repeat(np.arange(len(plans)), [p.table.size for p in plans])
+        spans = _spans(every, plan_T, len(plans))
         out_s = []
         for k, plan in enumerate(plans):
             sends, recvs, locals_, send_rows, recv_rows = built[k]
