@@ -167,7 +167,7 @@ class GroupIndex:
     def _replica_keys(self) -> tuple[np.ndarray, int]:
         """``([X] sorted group * stride + rank of every replica, stride)``, built once."""
         stride = int(self.rep_rank_X.max(initial=-1)) + 1
-        group_X = np.repeat(np.arange(self.owner_G.size, dtype=_I64), np.diff(self.rep_off_G1))
+        group_X = np.arange(self.owner_G.size, dtype=_I64).repeat(np.diff(self.rep_off_G1))
         return np.sort(group_X * stride + self.rep_rank_X), stride
 
     def is_replica(self, rank_B: np.ndarray, group_B: np.ndarray) -> np.ndarray:
@@ -176,7 +176,7 @@ class GroupIndex:
         if not keys.size:
             return np.zeros(np.shape(rank_B), dtype=bool)
         want = group_B * stride + rank_B
-        at = np.minimum(np.searchsorted(keys, want), keys.size - 1)
+        at = np.minimum(keys.searchsorted(want), keys.size - 1)
         return (keys[at] == want) & (rank_B >= 0) & (rank_B < stride)
 
 
@@ -358,7 +358,7 @@ def tagged_runs(
     tables = [group_runs(catalog, side, int(g)) for g in groups.tolist()]
     if not tables:
         return np.empty((0, 5), dtype=_I64), _EMPTY
-    tag = np.repeat(groups.astype(_I64), [t.shape[0] for t in tables])
+    tag = groups.astype(_I64).repeat([t.shape[0] for t in tables])
     return np.concatenate(tables), tag
 
 
@@ -369,7 +369,7 @@ def groups_meeting(
     ``range_X2``'s rows, or with ``ids_X`` the ids of those rows."""
     if lo > hi:
         return _EMPTY
-    at = np.flatnonzero(ranges_meet(range_X2[:, 0], range_X2[:, 1], lo, hi))
+    at = ranges_meet(range_X2[:, 0], range_X2[:, 1], lo, hi).ravel().nonzero()[0]
     return at if ids_X is None else ids_X[at]
 
 
@@ -410,7 +410,7 @@ class StepRanges:
         ]
         return StepRanges(
             range_R2=np.concatenate(rng) if rng else np.empty((0, 2), dtype=_I64),
-            mb_R=np.repeat(np.arange(len(rng), dtype=_I64), sizes),
+            mb_R=np.arange(len(rng), dtype=_I64).repeat(sizes),
             id_R=np.concatenate(id_R).astype(_I64, copy=False) if id_R else _EMPTY,
             n=len(rng),
         )
@@ -419,7 +419,7 @@ class StepRanges:
         """``([n] lo, [n] hi)``: group ``x``'s range in each catalog (``(1, 0)`` where it is
         not among the catalog's groups)."""
         lo, hi = np.ones(self.n, dtype=_I64), np.zeros(self.n, dtype=_I64)
-        at = np.flatnonzero(self.id_R == x)
+        at = (self.id_R == x).ravel().nonzero()[0]
         lo[self.mb_R[at]], hi[self.mb_R[at]] = self.range_R2[at, 0], self.range_R2[at, 1]
         return lo, hi
 
@@ -428,8 +428,10 @@ class StepRanges:
         meets ``[lo_I[i], hi_I[i]]`` (none where that is empty), by catalog, then group:
         :meth:`RunCatalog.sources_meeting` (``dests_meeting``) of every catalog at once."""
         mb = self.mb_R
-        at = np.flatnonzero(
+        at = (
             ranges_meet(self.range_R2[:, 0], self.range_R2[:, 1], lo_I[mb], hi_I[mb])
+            .ravel()
+            .nonzero()[0]
         )
         return self.mb_R[at], self.id_R[at]
 
@@ -439,7 +441,7 @@ def _range_of(range_X2: np.ndarray, ids_X: np.ndarray | None, x: int) -> tuple[i
     there)."""
     at = x
     if ids_X is not None:
-        at = int(np.searchsorted(ids_X, x))
+        at = int(ids_X.searchsorted(x))
         if at >= ids_X.size or int(ids_X[at]) != x:
             raise AssertionError(f"group {x} is not among the catalog's groups")
     lo, hi = range_X2[at]
@@ -461,7 +463,7 @@ def key_space(*tables: np.ndarray) -> tuple[np.ndarray, int]:
 
 def run_keys(runs_K5: np.ndarray, u: np.ndarray, stride: int) -> np.ndarray:
     """``[K]`` first key of each run (see :func:`key_space`)."""
-    return np.searchsorted(u, runs_K5[:, 0]) * stride + runs_K5[:, 1]
+    return u.searchsorted(runs_K5[:, 0]) * stride + runs_K5[:, 1]
 
 
 def interval_overlaps(
@@ -469,8 +471,8 @@ def interval_overlaps(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pairs ``(b, a)`` of intervals ``[start, end)`` that overlap: ``A`` sorted and disjoint
     (``start_A`` and ``end_A`` increasing), ``B`` any; by ``b``, then ``a`` increasing."""
-    lo = np.searchsorted(end_A, start_B, side="right")
-    hi = np.searchsorted(start_A, end_B, side="left")
+    lo = end_A.searchsorted(start_B, side="right")
+    hi = start_A.searchsorted(end_B, side="left")
     b, t = fan_out(np.maximum(hi - lo, 0))
     return b, lo[b] + t
 
@@ -478,8 +480,8 @@ def interval_overlaps(
 def fan_out(n_K: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(k, t)``: each index ``k`` repeated ``n_K[k]`` times, and beside it ``t = 0 ..
     n_K[k] - 1`` (a segmented arange)."""
-    k = np.repeat(np.arange(n_K.size, dtype=_I64), n_K)
-    t = np.arange(k.size, dtype=_I64) - np.repeat(np.cumsum(n_K) - n_K, n_K)
+    k = np.arange(n_K.size, dtype=_I64).repeat(n_K)
+    t = np.arange(k.size, dtype=_I64) - (n_K.cumsum() - n_K).repeat(n_K)
     return k, t
 
 
@@ -504,7 +506,7 @@ def read_runs(
         slots = np.asarray([c.slot for c in catalogs], dtype=_I64)[mb_X]
         got, n_X = fetch(side, slots, groups_X)
         runs = got if raw else np.array(got, dtype=_I64).reshape(-1, 5)
-        mb, tag = np.repeat(mb_X, n_X), np.repeat(tags, n_X)
+        mb, tag = mb_X.repeat(n_X), tags.repeat(n_X)
     else:
         tables = []
         for i, g in zip(mb_X.tolist(), groups_X.tolist(), strict=True):
@@ -517,7 +519,7 @@ def read_runs(
         if not tables:
             return np.empty((0, 5), dtype=_I64), _EMPTY, _EMPTY
         n = [t.shape[0] for t in tables]
-        return np.concatenate(tables), np.repeat(mb_X, n), np.repeat(tags, n)
+        return np.concatenate(tables), mb_X.repeat(n), tags.repeat(n)
     if raw:
         return runs, mb, tag
     keep = runs[:, 4] > 0
@@ -535,10 +537,10 @@ def dense_samples(mb_K: np.ndarray, sample_K: np.ndarray) -> np.ndarray:
     new = np.ones(o.size, dtype=bool)
     new[1:] = (m[1:] != m[:-1]) | (x[1:] != x[:-1])
     out = np.empty(o.size, dtype=_I64)
-    out[o] = np.cumsum(new) - 1
+    out[o] = new.cumsum() - 1
     return out
 
 
 def rows_in(ids_X: np.ndarray | None, groups: np.ndarray) -> np.ndarray:
     """Rows of ``groups`` in a catalog's range arrays (with ``ids_X``: where those ids are)."""
-    return groups if ids_X is None else np.searchsorted(ids_X, groups)
+    return groups if ids_X is None else ids_X.searchsorted(groups)

@@ -46,7 +46,7 @@ def agreed_state(matrix: StepMatrix, *, members: Sequence[int], rank: int, fault
     """
     state = matrix.state_N()
     steps = matrix.step_N()
-    failed = np.flatnonzero(state == STATE_FAILED).tolist()
+    failed = (state == STATE_FAILED).ravel().nonzero()[0].tolist()
     first = ""
     if failed:
         first = f"first failure on global rank {members[failed[0]]}: {matrix.error(failed[0])}"
@@ -67,7 +67,7 @@ def agreed_state(matrix: StepMatrix, *, members: Sequence[int], rank: int, fault
             "which a later one could match. Create new groups (a new GroupPool and "
             "create_bridge_groups) and a new HiddenStateBridge on every rank."
         )
-    open_ = np.flatnonzero(state == STATE_OPEN).tolist()
+    open_ = (state == STATE_OPEN).ravel().nonzero()[0].tolist()
     if open_:
         raise ValueError(
             f"step {int(steps[0])} planned while an earlier step of this bridge is not fully "
@@ -80,7 +80,7 @@ def agreed_state(matrix: StepMatrix, *, members: Sequence[int], rank: int, fault
 
 def agreed_slots(matrix: StepMatrix, *, members: Sequence[int]) -> int:
     """The step's micro-batch count; raises what every rank can see in the matrix alike."""
-    bad_magic = np.flatnonzero(matrix.magic_N() != MAGIC)
+    bad_magic = (matrix.magic_N() != MAGIC).ravel().nonzero()[0]
     if bad_magic.size:
         raise ValueError(
             f"global ranks {[members[j] for j in bad_magic.tolist()]} sent bridge metadata of "
@@ -94,7 +94,7 @@ def agreed_slots(matrix: StepMatrix, *, members: Sequence[int]) -> int:
         raise ValueError(
             f"ranks were built with different meshes or settings: {list(groups.values())}"
         )
-    bad = np.flatnonzero(matrix.error_bytes_N() > 0).tolist()
+    bad = (matrix.error_bytes_N() > 0).ravel().nonzero()[0].tolist()
     if bad:
         raise ValueError(
             f"bridge input rejected on global rank(s) {[members[j] for j in bad]}: "
@@ -329,5 +329,5 @@ def _first_differing_slot(
     t = matrix.slot_tables(
         np.asarray([me, leader]), section, n_sections=n_sections, n_slots=n_slots
     )
-    differ = np.flatnonzero((t[0, :, 0] != t[1, :, 0]) | (t[0, :, 5] != t[1, :, 5]))
+    differ = ((t[0, :, 0] != t[1, :, 0]) | (t[0, :, 5] != t[1, :, 5])).ravel().nonzero()[0]
     return int(differ[0]) if differ.size else None

@@ -41,12 +41,12 @@ def _where(label: str, ranks: tuple[int, ...], row: int) -> str:
 
 def _union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The union of intervals ``[start, end)`` as sorted, disjoint intervals."""
-    o = np.argsort(start, kind="stable")
+    o = start.argsort(kind="stable")
     start, end = start[o], end[o]
     reach = np.maximum.accumulate(end)
     head = np.ones(start.size, dtype=bool)
     head[1:] = start[1:] > reach[:-1]
-    at = np.flatnonzero(head)
+    at = head.ravel().nonzero()[0]
     return start[at], np.maximum.reduceat(end, at) if at.size else _EMPTY
 
 
@@ -55,7 +55,7 @@ def _depth2(start: np.ndarray, end: np.ndarray) -> int:
     pos = np.concatenate([start, end])
     delta = np.concatenate([np.ones(start.size, _I64), -np.ones(end.size, _I64)])
     o = np.lexsort((delta, pos))  # at one key, ends before starts
-    pos, depth = pos[o], np.cumsum(delta[o])
+    pos, depth = pos[o], delta[o].cumsum()
     return int((np.diff(pos) * (depth[:-1] >= 2)).sum())
 
 
@@ -77,7 +77,7 @@ def _check_source(catalog: RunCatalog, g: int) -> str | None:
     other, other_grp = tagged_runs(catalog, "s", cands)
     u, stride = key_space(runs, other)
     ks = run_keys(runs, u, stride)
-    o = np.argsort(ks, kind="stable")
+    o = ks.argsort(kind="stable")
     runs, ks = runs[o], ks[o]
     ke = ks + runs[:, 4]
     if ks.size > 1:
@@ -142,7 +142,7 @@ def _check_dest(catalog: RunCatalog, d: int) -> str | None:
     new[1:] = b[1:] != b[:-1]
     prev = np.where(new, kd[b], np.concatenate([[0], end[:-1]]))
     last_end = kd.copy()  # where each run's last piece ends (its start: no piece)
-    last = np.flatnonzero(np.diff(b, append=-1) != 0)
+    last = (np.diff(b, append=-1) != 0).ravel().nonzero()[0]
     last_end[b[last]] = end[last]
     gap_run = np.concatenate([b, np.arange(kd.size, dtype=_I64)])
     gap_lo = np.concatenate([prev, last_end])
@@ -216,7 +216,7 @@ def _source_flags(catalogs: Sequence[RunCatalog], g: int) -> np.ndarray:
     key = ids * stride + runs[:, 1]
     mine = tag == g
     ks, ke, kmb = key[mine], key[mine] + runs[mine, 4], mb[mine]
-    o = np.argsort(ks, kind="stable")
+    o = ks.argsort(kind="stable")
     ks, ke, kmb = ks[o], ke[o], kmb[o]
     if ks.size > 1:  # a key held twice inside the group
         dup = ks[1:] < np.maximum.accumulate(ke)[:-1]

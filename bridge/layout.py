@@ -238,11 +238,11 @@ def padded_layout(
     sample_b, len_b = sample_B.numpy(), len_B.numpy()
     if np.unique(sample_b).size == B:  # else two columns interleave: the per-row path
         p0, s0, m = _pieces(pos_S.numpy())
-        col = np.argsort(sample_b, kind="stable")
+        col = sample_b.argsort(kind="stable")
         # segments: columns in sample order, each column's pieces in position order
         p0_M = np.broadcast_to(p0, (B, p0.size)).reshape(-1)
         s0_M = np.broadcast_to(s0, (B, p0.size)).reshape(-1)
-        b_M = np.repeat(col, p0.size)
+        b_M = col.repeat(p0.size)
         n_M = np.clip(len_b[b_M] - p0_M, 0, np.broadcast_to(m, (B, p0.size)).reshape(-1))
         if order == "sbh":
             row_M, step_M = s0_M * B + b_M, np.full(b_M.size, B, dtype=np.int64)
@@ -320,9 +320,9 @@ def packed_layouts(
     count_B = np.fromiter((x.size for x in ids_B), dtype=np.int64, count=n_mb)
     sample_N = np.concatenate(ids_B) if n_mb else np.empty(0, dtype=np.int64)
     len_N = np.concatenate(lens_B) if n_mb else np.empty(0, dtype=np.int64)
-    mb_N = np.repeat(np.arange(n_mb, dtype=np.int64), count_B)
+    mb_N = np.arange(n_mb, dtype=np.int64).repeat(count_B)
     if sample_N.size and (int(sample_N.min()) < 0 or int(len_N.min()) < 0):
-        k = int(mb_N[np.flatnonzero((sample_N < 0) | (len_N < 0))[0]])
+        k = int(mb_N[((sample_N < 0) | (len_N < 0)).ravel().nonzero()[0][0]])
         raise ValueError(f"{where(k)}sample ids and sequence lengths must be non-negative")
     if cu_seqlens_padded is None:
         mult = megatron_padded_length(1, cp_size=cp_size, sp_size=sp_size)  # the rule's multiple
@@ -330,9 +330,13 @@ def packed_layouts(
     else:
         cu_B = [_ints(x) for x in cu_seqlens_padded]
         cu_C = np.concatenate(cu_B) if n_mb else np.empty(0, dtype=np.int64)
-        first_C = np.cumsum(count_B + 1) - (count_B + 1)  # each micro-batch's first offset
+        first_C = (count_B + 1).cumsum() - (count_B + 1)  # each micro-batch's first offset
         sizes_ok = np.fromiter((c.size for c in cu_B), dtype=np.int64, count=n_mb) == count_B + 1
-        bad = np.flatnonzero(~sizes_ok) if not sizes_ok.all() else np.flatnonzero(cu_C[first_C])
+        bad = (
+            (~sizes_ok).ravel().nonzero()[0]
+            if not sizes_ok.all()
+            else cu_C[first_C].ravel().nonzero()[0]
+        )
         if bad.size:
             k = int(bad[0])
             raise ValueError(
@@ -342,7 +346,7 @@ def packed_layouts(
         pad_N = np.delete(np.diff(cu_C), first_C[1:] - 1)  # not across micro-batches
         short = pad_N < len_N
         if bool(short.any()):
-            k = int(mb_N[np.flatnonzero(short)[0]])
+            k = int(mb_N[short.ravel().nonzero()[0][0]])
             raise ValueError(
                 f"{where(k)}cu_seqlens_padded {_ints(cu_seqlens_padded[k]).tolist()} leaves "
                 f"less room than seq_lens {lens_B[k].tolist()}"
@@ -350,7 +354,7 @@ def packed_layouts(
     if cp_size > 1:
         bad = pad_N % (2 * cp_size) != 0
         if bool(bad.any()):
-            i = int(np.flatnonzero(bad)[0])
+            i = int(bad.ravel().nonzero()[0][0])
             k = int(mb_N[i])
             i_k = i - int(count_B[:k].sum())
             raise ValueError(
@@ -359,8 +363,8 @@ def packed_layouts(
             )
     local_N = pad_N // cp_size
     chunk_N = pad_N // (2 * cp_size) if cp_size > 1 else pad_N
-    first_B = np.cumsum(count_B) - count_B
-    cum_N = np.concatenate([[0], np.cumsum(local_N)])
+    first_B = count_B.cumsum() - count_B
+    cum_N = np.concatenate([[0], local_N.cumsum()])
     local_B = cum_N[first_B + count_B] - cum_N[first_B]
     start_N = cum_N[:-1] - cum_N[first_B][mb_N]  # a sequence's first local row in its micro-batch
     slices = [
@@ -373,7 +377,7 @@ def packed_layouts(
     same = (sample_N[key][1:] == sample_N[key][:-1]) & (mb_N[key][1:] == mb_N[key][:-1])
     twice[mb_N[key][1:][same]] = True
     out: list[TokenLayout | None] = [None] * n_mb
-    for k in np.flatnonzero(twice).tolist():
+    for k in twice.ravel().nonzero()[0].tolist():
         at = slice(int(first_B[k]), int(first_B[k] + count_B[k]))
         out[k] = _packed_rows(
             sample_N[at], len_N[at], local_N[at], chunk_N[at], cp_size, cp_rank, slices[k]
@@ -501,10 +505,10 @@ def _pieces(pos_S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if pos_S.size == 0:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty, empty
-    cut = np.flatnonzero(pos_S[1:] != pos_S[:-1] + 1) + 1
+    cut = (pos_S[1:] != pos_S[:-1] + 1).ravel().nonzero()[0] + 1
     start = np.concatenate([[0], cut]).astype(np.int64)
     length = np.diff(np.concatenate([start, [pos_S.size]])).astype(np.int64)
-    order = np.argsort(pos_S[start], kind="stable")
+    order = pos_S[start].argsort(kind="stable")
     return pos_S[start][order], start[order], length[order]
 
 
@@ -533,7 +537,7 @@ def _packed_unique(
     n_mb = lo_B.size
     rows_B = hi_B - lo_B
     # a micro-batch's rows at this offset of one buffer holding every micro-batch's
-    off_B = np.cumsum(rows_B) - rows_B
+    off_B = rows_B.cumsum() - rows_B
     # pieces in key order (micro-batch, samples ascending, a sequence's chunks in position order)
     seq = np.lexsort((sample_N, mb_N))
     c_N, len_N, mb_N = chunk_N[seq, None], len_N[seq, None], mb_N[seq, None]
@@ -549,8 +553,8 @@ def _packed_unique(
     n_M = np.minimum(np.minimum(rows + c_N, hi) - a, len_N - pos).reshape(-1)
     keep = n_M > 0  # empty pieces dropped
     n_M = n_M[keep]
-    s_M = np.repeat(sample_N[seq], rows.shape[1])[keep]
-    b_M = np.repeat(mb_N[:, 0], rows.shape[1])[keep]
+    s_M = sample_N[seq].repeat(rows.shape[1])[keep]
+    b_M = mb_N[:, 0].repeat(rows.shape[1])[keep]
     p_M = pos.reshape(-1)[keep]
     r_M = (a - lo).reshape(-1)[keep]  # rows within the micro-batch
     total = int(rows_B.sum())
@@ -564,26 +568,26 @@ def _packed_unique(
         new = np.ones(m, dtype=bool)
         new[1:] = (b_M[1:] != b_M[:-1]) | (s_M[1:] != s_M[:-1]) | (p_M[1:] != p_M[:-1] + n_M[:-1])
         assert bool((new[1:] | (r_M[1:] == r_M[:-1] + n_M[:-1])).all()), "a piece jumps rows"
-        at = np.flatnonzero(new)
+        at = new.ravel().nonzero()[0]
         runs = np.ones((at.size, 5), dtype=np.int64)
         runs[:, 0], runs[:, 1], runs[:, 2] = s_M[at], p_M[at], r_M[at]
         runs[:, 4] = np.add.reduceat(n_M, at)
         run_b = b_M[at]
         # rows: the pieces in row order (of the one buffer), padding around them
         g_M = r_M + off_B[b_M]
-        o = np.argsort(g_M, kind="stable")
+        o = g_M.argsort(kind="stable")
         r_o, n_o = g_M[o], n_M[o]
         seg = np.empty((3, 2 * m + 1), dtype=np.int64)  # length, sample, position - row
         seg[:, 1::2] = n_o, s_M[o], p_M[o] - r_o
         seg[0, 2:-1:2] = r_o[1:] - r_o[:-1] - n_o[:-1]
         seg[0, 0], seg[0, -1] = r_o[0], total - r_o[-1] - n_o[-1]
         seg[1, 0::2], seg[2, 0::2] = -1, 0
-        sample_R = np.repeat(seg[1], seg[0])
-        pos_R = np.repeat(seg[2], seg[0])
+        sample_R = seg[1].repeat(seg[0])
+        pos_R = seg[2].repeat(seg[0])
         pos_R += np.arange(total)
         pos_R[sample_R < 0] = -1
     cut_R = [0, *off_B[1:].tolist(), total]
-    cut_K = [0, *np.searchsorted(run_b, np.arange(1, n_mb)).tolist(), run_b.size]
+    cut_K = [0, *run_b.searchsorted(np.arange(1, n_mb)).tolist(), run_b.size]
     sample_T, pos_T, runs_T = (torch.from_numpy(x) for x in (sample_R, pos_R, runs))
     out = []
     for k in range(n_mb):
@@ -632,13 +636,13 @@ def _segment_runs(
     # the pair (first, second token of segment k), k >= 1: its previous pair is boundary k
     cut_next = (n >= 2) & cont & (d != st)
     cut_next[0] = False
-    off = np.cumsum(n) - n
+    off = n.cumsum() - n
     starts = np.stack([np.where(cut_at, off, -1), np.where(cut_next, off + 1, -1)], axis=1)
     starts = starts.reshape(-1)
     starts = starts[starts >= 0]
     total = int(n.sum())
     length = np.diff(np.concatenate([starts, [total]]))
-    seg = np.searchsorted(off, starts, side="right") - 1
+    seg = off.searchsorted(starts, side="right") - 1
     j = starts - off[seg]
     step = np.ones(starts.size, dtype=np.int64)
     multi = length > 1

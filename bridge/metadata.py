@@ -235,14 +235,14 @@ def encode_step_record(
         slots[:, _SMIN], slots[:, _SMAX], slots[:, _N_TOKENS] = 1, 0, 0
         if int(n_I.sum()):
             every = np.concatenate(runs_I)
-            held = np.flatnonzero(n_I)  # the slots with runs
-            start = (np.cumsum(n_I) - n_I)[held]
+            held = n_I.ravel().nonzero()[0]  # the slots with runs
+            start = (n_I.cumsum() - n_I)[held]
             slots[held, _SMIN] = np.minimum.reduceat(every[:, 0], start)
             slots[held, _SMAX] = np.maximum.reduceat(every[:, 0], start)
             slots[held, _N_TOKENS] = np.add.reduceat(every[:, 4], start)
         if sec.send_runs:
             slots[:, _N_RUNS] = n_I
-            slots[:, _RUNS_OFF] = runs_at + 5 * (np.cumsum(n_I) - n_I)
+            slots[:, _RUNS_OFF] = runs_at + 5 * (n_I.cumsum() - n_I)
             parts += [r.reshape(-1) for r in runs_I]
             runs_at += 5 * int(n_I.sum())
         else:
@@ -515,14 +515,14 @@ class StepMatrix:
         """Whether member ``j``'s record is here."""
         if self.members is None:
             return 0 <= j < self.n_rows
-        at = int(np.searchsorted(self.members, j))
+        at = int(self.members.searchsorted(j))
         return at < self.members.size and int(self.members[at]) == j
 
     def rows(self, members: np.ndarray) -> np.ndarray:
         """``[len(members)]`` the row of each member's record (they must be here)."""
         if self.members is None:
             return members
-        at = np.searchsorted(self.members, members)
+        at = self.members.searchsorted(members)
         ok = at < self.members.size
         ok[ok] = self.members[at[ok]] == members[ok]
         if not bool(ok.all()):
@@ -696,7 +696,7 @@ class StepMatrix:
         start = row_at + flat[at + _RUNS_OFF]
         words = 5 * n_X
         total = int(words.sum())
-        idx = np.repeat(start - np.cumsum(words) + words, words) + np.arange(total, dtype=_I64)
+        idx = (start - words.cumsum() + words).repeat(words) + np.arange(total, dtype=_I64)
         return flat[idx].reshape(-1, 5), n_X
 
     def runs(self, j: int, section: int, slot: int) -> np.ndarray:

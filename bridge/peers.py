@@ -104,7 +104,7 @@ def _section_samples(record: np.ndarray, section: int, n_slots: int) -> np.ndarr
         return np.empty((0, 2), dtype=_I64)
     start = int(table[0, _RUNS_AT])
     sample = record[start : start + 5 * total : 5]
-    slot = np.repeat(np.arange(n_slots, dtype=_I64), n_runs)
+    slot = np.arange(n_slots, dtype=_I64).repeat(n_runs)
     o = np.lexsort((sample, slot))
     slot, sample = slot[o], sample[o]
     new = np.ones(total, dtype=bool)
@@ -171,23 +171,23 @@ def directory_replies(at_home_E6: np.ndarray) -> dict[int, np.ndarray]:
     m = e.shape[0]
     new_key = np.ones(m, dtype=bool)
     new_key[1:] = (e[1:, 1] != e[:-1, 1]) | (e[1:, 2] != e[:-1, 2])
-    key = np.cumsum(new_key) - 1
-    starts = np.flatnonzero(new_key)
+    key = new_key.cumsum() - 1
+    starts = new_key.ravel().nonzero()[0]
     ends = np.append(starts[1:], m)
     # one reply per (key, registering member): the key's rows
     new_pair = new_key.copy()
     new_pair[1:] |= e[1:, 4] != e[:-1, 4]
-    pair = np.flatnonzero(new_pair)
+    pair = new_pair.ravel().nonzero()[0]
     to, k = e[pair, 4], key[pair]
     length = ends[k] - starts[k]
-    idx = np.repeat(starts[k], length) + (
-        np.arange(int(length.sum()), dtype=_I64) - np.repeat(np.cumsum(length) - length, length)
+    idx = starts[k].repeat(length) + (
+        np.arange(int(length.sum()), dtype=_I64) - (length.cumsum() - length).repeat(length)
     )
-    dest = np.repeat(to, length)
+    dest = to.repeat(length)
     rows = e[idx, 1:]
-    o = np.argsort(dest, kind="stable")
+    o = dest.argsort(kind="stable")
     dest, rows = dest[o], rows[o]
-    at = [0, *(np.flatnonzero(dest[1:] != dest[:-1]) + 1).tolist(), dest.size]
+    at = [0, *((dest[1:] != dest[:-1]).ravel().nonzero()[0] + 1).tolist(), dest.size]
     first = dest[at[:-1]].tolist()
     return {m: rows[a:b] for m, a, b in zip(first, at[:-1], at[1:], strict=True)}
 
@@ -230,7 +230,7 @@ def read_replies(replies_Q5: np.ndarray, *, member: int, n_sources: int) -> Peer
     q = r.shape[0]
     new_key = np.ones(q, dtype=bool)
     new_key[1:] = (r[1:, 0] != r[:-1, 0]) | (r[1:, 1] != r[:-1, 1])
-    key = np.cumsum(new_key) - 1
+    key = new_key.cumsum() - 1
     n_keys = int(key[-1]) + 1
     mine = r[:, 3] == member
     agreement = r[:, 0] == _AGREEMENT
@@ -410,13 +410,13 @@ def _stack_records(
     base = np.cumsum([0, *(x.size for x in parts[:-1])], dtype=_I64)
     members = [np.asarray([me], dtype=_I64), np.asarray(peers, dtype=_I64)]
     sizes = [np.asarray([rec.size], dtype=_I64), np.asarray(sizes_P, dtype=_I64)]
-    starts = [base[:1], base[1] + np.cumsum(sizes[1]) - sizes[1]]
+    starts = [base[:1], base[1] + sizes[1].cumsum() - sizes[1]]
     for msg, at in zip(bundles, base[2:].tolist(), strict=True):
         k = int(msg[0])
         n_K = msg[1 + k : 1 + 2 * k]
         members.append(msg[1 : 1 + k])
         sizes.append(n_K)
-        starts.append(at + 1 + 2 * k + np.cumsum(n_K) - n_K)
+        starts.append(at + 1 + 2 * k + n_K.cumsum() - n_K)
     member_K, size_K, start_K = (np.concatenate(x) for x in (members, sizes, starts))
     uniq, first = np.unique(member_K, return_index=True)  # ascending, first copies
     words = np.concatenate(parts).astype(_I64, copy=False)

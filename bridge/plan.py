@@ -202,7 +202,7 @@ class TransferTable:
     def transfers(self, kind: int) -> tuple[Transfer, ...]:
         """The transfers of ``kind``, as :class:`Transfer` views of the segments."""
         k = self.head_T5[:, 0]
-        a, b = np.searchsorted(k, [kind, kind + 1]).tolist()
+        a, b = k.searchsorted([kind, kind + 1]).tolist()
         h = self.head_T5[a:b].tolist()
         off = self.off_T1[a : b + 1].tolist()
         seg = self.segments_S5
@@ -216,7 +216,7 @@ class TransferTable:
         """One table of ``tables``' transfers, one table after another."""
         head = np.concatenate([np.empty((0, 5), _I64), *(t.head_T5 for t in tables)])
         seg = np.concatenate([np.empty((0, 5), _I64), *(t.segments_S5 for t in tables)])
-        return TransferTable(head, seg, np.concatenate([[0], np.cumsum(head[:, 4])]).astype(_I64))
+        return TransferTable(head, seg, np.concatenate([[0], head[:, 4].cumsum()]).astype(_I64))
 
     @staticmethod
     def of(
@@ -232,7 +232,7 @@ class TransferTable:
         return TransferTable(
             head,
             np.concatenate(seg) if seg else np.empty((0, 5), dtype=_I64),
-            np.concatenate([[0], np.cumsum(head[:, 4])]).astype(_I64),
+            np.concatenate([[0], head[:, 4].cumsum()]).astype(_I64),
         )
 
 
@@ -385,7 +385,7 @@ def _join(
         return _no_pieces()
     u, stride = key_space(src_K5, dst_K5)
     ks = run_keys(src_K5, u, stride)
-    o = np.argsort(ks, kind="stable")
+    o = ks.argsort(kind="stable")
     src_K5, src_grp_K, ks = src_K5[o], src_grp_K[o], ks[o]
     ke = ks + src_K5[:, 4]
     kd = run_keys(dst_K5, u, stride)
@@ -446,7 +446,7 @@ def _sort_blocks(p: _Pieces) -> tuple[_Pieces, np.ndarray, np.ndarray]:
     p = p.take(o)
     new = np.ones(p.size, dtype=bool)
     new[1:] = (p.grp[1:] != p.grp[:-1]) | (p.slot[1:] != p.slot[:-1]) | (p.mb[1:] != p.mb[:-1])
-    return p, np.cumsum(new) - 1, np.flatnonzero(new)
+    return p, new.cumsum() - 1, new.ravel().nonzero()[0]
 
 
 def _token_segments(
@@ -467,7 +467,7 @@ def _token_segments(
         same = np.zeros(m - 1, dtype=bool)
         same[1:] = (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
         cont[1:] = ~brk_M[1:] & (brk_M[:-1] | same)
-    head = np.flatnonzero(~cont)
+    head = (~cont).ravel().nonzero()[0]
     n_seg = np.diff(head, append=m)
     nxt = np.minimum(head + 1, m - 1)
     multi = n_seg > 1
@@ -491,7 +491,7 @@ def _untangle(
     lone[1:] = block_P[1:] * big + p.dst_row[1:] > reach[:-1]
     if lone.all():
         return p, block_P, starts_B
-    cluster = np.cumsum(lone) - 1
+    cluster = lone.cumsum() - 1
     multi = np.bincount(cluster)[cluster] > 1
     q = p.take(multi)
     qc = cluster[multi]
@@ -519,7 +519,7 @@ def _merge(p: _Pieces, tid_P: np.ndarray) -> tuple[_Pieces, np.ndarray]:
     )
     if not cont.any():
         return p, tid_P
-    head = np.flatnonzero(~cont)
+    head = (~cont).ravel().nonzero()[0]
     out = p.take(head)
     out.length = np.add.reduceat(p.length, head)
     return out, tid_P[head]
@@ -565,7 +565,7 @@ def _chunk(
     blk_rank = ix.slot_rank_S[blk_slot]
     blk_k = ix.rep_off_G1[blk_g + 1] - ix.rep_off_G1[blk_g]
     blk_local = ix.is_replica(blk_rank, blk_g) if local_copy else np.zeros(starts.size, bool)
-    cum = np.cumsum(p.length) - p.length
+    cum = p.length.cumsum() - p.length
     off = cum - cum[starts][block]
     n = np.add.reduceat(p.length, starts)[block]
     k = np.where(blk_local, 1, blk_k)[block]
@@ -598,12 +598,12 @@ def _chunk(
         )
     first = np.ones(p.size, dtype=bool)  # a piece that starts a transfer (block, chunk)
     first[1:] = (block[1:] != block[:-1]) | (c[1:] != c[:-1])
-    tid = np.cumsum(first) - 1
-    firsts = np.flatnonzero(first)
+    tid = first.cumsum() - 1
+    firsts = first.ravel().nonzero()[0]
     mb_T, grp_T, slot_T = p.mb[firsts], p.grp[firsts], p.slot[firsts]
     src_T, local_T = src_rank[firsts], local[firsts]
     p, tid = _merge(p, tid)
-    off_T1 = np.searchsorted(tid, np.arange(firsts.size + 1, dtype=_I64))
+    off_T1 = tid.searchsorted(np.arange(firsts.size + 1, dtype=_I64))
     return _Chunked(
         mb_T=mb_T,
         grp_T=grp_T,
@@ -625,7 +625,7 @@ def _fill_owners(owner_N: np.ndarray, p: _Pieces, owner_G: np.ndarray) -> None:
         edge = np.zeros(n + 1, dtype=_I64)
         np.add.at(edge, p.dst_row, own + 1)
         np.add.at(edge, p.dst_row + p.length, -(own + 1))
-        owner_N[:] = np.cumsum(edge[:n]) - 1
+        owner_N[:] = edge[:n].cumsum() - 1
         return
     i, t = fan_out(p.length)
     owner_N[p.dst_row[i] + t * p.dst_step[i]] = own[i]
@@ -647,14 +647,14 @@ def _compact(p: _Pieces, own_P: np.ndarray, num_owners: int) -> tuple[_Pieces, n
     if bool((p.dst_step == 1).all()):
         o = np.lexsort((p.dst_row, own_P))
         q, own = p.take(o), own_P[o]
-        cum = np.cumsum(q.length) - q.length
-        q.dst_row = cum - cum[np.searchsorted(own, own, side="left")]
+        cum = q.length.cumsum() - q.length
+        q.dst_row = cum - cum[own.searchsorted(own, side="left")]
         return q, rows_K
     i, t = fan_out(p.length)
     row_M, own_M = p.dst_row[i] + t * p.dst_step[i], own_P[i]
     o = np.lexsort((row_M, own_M))
     pos_M = np.empty(i.size, dtype=_I64)
-    pos_M[o] = np.arange(i.size, dtype=_I64) - np.searchsorted(own_M[o], own_M[o], side="left")
+    pos_M[o] = np.arange(i.size, dtype=_I64) - own_M[o].searchsorted(own_M[o], side="left")
     src_M = p.src_row[i] + t * p.src_step[i]
     brk = np.ones(i.size, dtype=bool)
     brk[1:] = i[1:] != i[:-1]
@@ -688,8 +688,8 @@ def _step_tables(
     i, t = fan_out(nseg[o])
     seg_all = np.concatenate([ch.segments_S5 for ch, _, _, _ in chunks])
     seg_S5 = seg_all[first[o][i] + t]
-    at_T = np.searchsorted(mb[o], np.arange(n_mb + 1)).tolist()
-    off_T1 = np.concatenate([[0], np.cumsum(nseg[o])]).astype(_I64)
+    at_T = mb[o].searchsorted(np.arange(n_mb + 1)).tolist()
+    off_T1 = np.concatenate([[0], nseg[o].cumsum()]).astype(_I64)
     out = []
     for k in range(n_mb):
         a, b = at_T[k], at_T[k + 1]
@@ -741,19 +741,19 @@ def plan_ranks(
         # its micro-batch
         mine_G = np.zeros(max(n_src, 1), dtype=bool)  # this rank's source groups
         mine_G[my_src] = True
-        m_r = np.flatnonzero(mine_G[s_rng.id_R])
+        m_r = mine_G[s_rng.id_R].ravel().nonzero()[0]
         m_lo, m_hi = s_rng.range_R2[m_r, 0], s_rng.range_R2[m_r, 1]
         d_lo, d_hi = d_rng.range_R2[:, 0], d_rng.range_R2[:, 1]
         meet_MQ = (s_rng.mb_R[m_r, None] == d_rng.mb_R) & ranges_meet(
             m_lo[:, None], m_hi[:, None], d_lo, d_hi
         )
-        qs = np.flatnonzero(meet_MQ.any(axis=0))  # the destinations met, by micro-batch
+        qs = meet_MQ.any(axis=0).ravel().nonzero()[0]  # the destinations met, by micro-batch
         q_mb, q_d = d_rng.mb_R[qs], d_rng.id_R[qs]
         mi, qi = np.nonzero(meet_MQ[:, qs])
         if compact:  # per destination, every source of an owner that serves it there
             owners_QO = np.zeros((qs.size, max(num_owners, 1)), dtype=bool)
             owners_QO[qi, ix.owner_G[s_rng.id_R[m_r[mi]]]] = True
-            s_off = np.searchsorted(s_rng.mb_R, np.arange(n_mb + 1))
+            s_off = s_rng.mb_R.searchsorted(np.arange(n_mb + 1))
             qj, qt = fan_out(s_off[q_mb + 1] - s_off[q_mb])  # each destination x its sources
             r = s_off[q_mb][qj] + qt
             s_lo, s_hi = s_rng.range_R2[r, 0], s_rng.range_R2[r, 1]
@@ -773,7 +773,7 @@ def plan_ranks(
     e_mb, e_d, e_own = e_mb[order], e_d[order], e_own[order]
     n_e = int(e_mb.size)
     recv_e = np.full(n_mb, -1, dtype=_I64)
-    at_own = np.flatnonzero(e_own == 0)
+    at_own = (e_own == 0).ravel().nonzero()[0]
     recv_e[e_mb[at_own]] = at_own
     # 2. the runs: each destination instance's, each candidate source's (once per micro-batch)
     n_s = max(n_src, 1)
@@ -797,16 +797,16 @@ def plan_ranks(
     # 4. each destination instance's rows, owners and slices
     group_size = ix.slot_off_D1[e_d + 1] - ix.slot_off_D1[e_d]
     num_rows = np.zeros(n_e, dtype=_I64)
-    e_at = np.searchsorted(e_mb, np.arange(n_mb + 1)).tolist()  # instances by micro-batch
+    e_at = e_mb.searchsorted(np.arange(n_mb + 1)).tolist()  # instances by micro-batch
     for i, cat in enumerate(catalogs):
         num_rows[e_at[i] : e_at[i + 1]] = cat.dest_rows(e_d[e_at[i] : e_at[i + 1]])
     owner_of: list[np.ndarray | None] = [None] * n_mb
     if d0 is not None:
-        base = np.concatenate([[0], np.cumsum(num_rows[recv_e])])
+        base = np.concatenate([[0], num_rows[recv_e].cumsum()])
         owner_all = np.full(int(base[-1]), -1, dtype=_I64)
         recv_E = np.zeros(n_e, dtype=bool)  # the instances of this rank's own destination
         recv_E[recv_e] = True
-        mine_p = p.take(np.flatnonzero(recv_E[p.dst]))
+        mine_p = p.take(recv_E[p.dst].ravel().nonzero()[0])
         if mine_p.size:
             mine_p.dst_row = mine_p.dst_row + base[mine_p.mb]
             _fill_owners(owner_all, mine_p, ix.owner_G)
@@ -821,7 +821,7 @@ def plan_ranks(
     else:
         rows_EK = np.bincount(p.dst * k + own, weights=p.length, minlength=n_e * k)
         rows_EK = rows_EK.astype(_I64).reshape(n_e, k)
-        nominal_EK = np.repeat((-(-num_rows // group_size))[:, None], k, axis=1)
+        nominal_EK = (-(-num_rows // group_size))[:, None].repeat(k, axis=1)
     slot0_E = ix.slot_off_D1[e_d] if n_e else _EMPTY
     p = _cut_slices(p, nominal_EK[p.dst, own], slot0_E[p.dst])
     own = ix.owner_G[p.grp]
@@ -833,7 +833,7 @@ def plan_ranks(
         group = catalogs[0].dests[d0]
         j = group.ranks.index(rank)
         s_glob = int(ix.slot_off_D1[d0]) + j
-        q = p.take(np.flatnonzero(recv_E[p.dst] & (p.slot == s_glob)))
+        q = p.take((recv_E[p.dst] & (p.slot == s_glob)).ravel().nonzero()[0])
         ch = _chunk(q, ix, local_copy=local_copy)
         n_t = ch.mb_T.size
         kind = np.where(ch.local_T, LOCAL, RECV)
@@ -855,7 +855,7 @@ def plan_ranks(
                 owner_rows=tuple(owner_rows_IK[i]) if compact else (),
             )
     if my_src.size:
-        q = p.take(np.flatnonzero(mine_G[p.grp]))
+        q = p.take(mine_G[p.grp].ravel().nonzero()[0])
         ch = _chunk(q, ix, local_copy=local_copy, send_rank=rank)
         n_t = ch.mb_T.size
         sent = np.full(n_t, SEND, dtype=_I64)

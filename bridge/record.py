@@ -222,10 +222,10 @@ class StepView:
         return self._ids[1]
 
     def _source_rows(self, groups: np.ndarray) -> np.ndarray:
-        return groups if self.source_ids is None else np.searchsorted(self.source_ids, groups)
+        return groups if self.source_ids is None else self.source_ids.searchsorted(groups)
 
     def _dest_rows(self, groups: np.ndarray) -> np.ndarray:
-        return groups if self.dest_ids is None else np.searchsorted(self.dest_ids, groups)
+        return groups if self.dest_ids is None else self.dest_ids.searchsorted(groups)
 
     @cached_property
     def source_GIF(self) -> np.ndarray:
@@ -238,7 +238,7 @@ class StepView:
         section = topology.source_section if ids is None else topology.source_section[ids]
         src = np.zeros((leader.size, n_slots, len(SLOT_COLUMNS)), dtype=_I64)
         for o in range(topology.student_section):
-            sel = np.flatnonzero(section == o)
+            sel = (section == o).ravel().nonzero()[0]
             if sel.size:
                 src[sel] = matrix.slot_tables(leader[sel], o, n_sections=n_sec, n_slots=n_slots)
         return src
@@ -329,7 +329,7 @@ class StepView:
         sides = []
         for meet_IG, ids, table_GIF in ((meet_s, ids_s, src), (meet_d, ids_d, dst)):
             i_P, g_P = np.nonzero(meet_IG)
-            at = np.searchsorted(i_P, np.arange(n_i + 1)).tolist()
+            at = i_P.searchsorted(np.arange(n_i + 1)).tolist()
             cols_PK = table_GIF[g_P, i_P][:, _KEY_COLS]
             sides.append((at, np.asarray(ids[g_P], dtype=_I64), cols_PK))
         keys = []

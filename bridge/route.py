@@ -110,9 +110,9 @@ def route_rows(rows_RW: np.ndarray, wire: Wire, *, radix: int = RADIX) -> np.nda
     while step < n:
         digit = ((held[:, 0] - me) % n // step) % radix
         to, from_ = bruck_partners(n, me, step, radix)
-        order = np.argsort(digit, kind="stable")
+        order = digit.argsort(kind="stable")
         held = held[order]  # by digit: each partner's rows one slice
-        cuts = np.searchsorted(digit[order], np.arange(radix + 1)).tolist()
+        cuts = digit[order].searchsorted(np.arange(radix + 1)).tolist()
         sends = {p: held[cuts[t + 1] : cuts[t + 2]].reshape(-1) for t, p in enumerate(to)}
         got = wire.swap(sends, from_)
         held = np.concatenate([held[: cuts[1]], *(got[p].reshape(-1, w) for p in from_)], axis=0)

@@ -41,11 +41,11 @@ def _merge_runs(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.
     ``position`` is where the run starts in the transfer's token order. Only for sides whose
     segments all advance by one row (``step == 1``; length-1 segments count as such).
     """
-    pos = np.cumsum(len_S) - len_S
+    pos = len_S.cumsum() - len_S
     joins = np.zeros(row_S.size, dtype=bool)
     if row_S.size > 1:
         joins[1:] = row_S[1:] == row_S[:-1] + len_S[:-1]
-    start = np.flatnonzero(~joins)
+    start = (~joins).ravel().nonzero()[0]
     length = np.add.reduceat(len_S, start) if start.size else len_S[:0]
     return (
         np.stack([row_S[start], pos[start], length], axis=1)
@@ -57,8 +57,8 @@ def _merge_runs(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.
 def _expand(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndarray:
     """``[M]`` rows of every token of one side's segments, in order."""
     m = int(len_S.sum())
-    seg = np.repeat(np.arange(row_S.size), len_S)
-    i = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(len_S) - len_S, len_S)
+    seg = np.arange(row_S.size).repeat(len_S)
+    i = np.arange(m, dtype=np.int64) - (len_S.cumsum() - len_S).repeat(len_S)
     return row_S[seg] + i * step_S[seg]
 
 
@@ -160,18 +160,18 @@ class _Side:
                     for a, b in zip(off_T1[:-1].tolist(), off_T1[1:].tolist(), strict=True)
                 ]
             )
-        tid = np.repeat(np.arange(n_T, dtype=np.int64), n_S)
+        tid = np.arange(n_T, dtype=np.int64).repeat(n_S)
         starts = off_T1[:-1]
         count_T = np.add.reduceat(len_S, starts)
         unit_T = np.logical_and.reduceat((step_S == 1) | (len_S == 1), starts)
-        cum = np.cumsum(len_S) - len_S
+        cum = len_S.cumsum() - len_S
         pos_S = cum - cum[starts][tid]
         joins = np.zeros(row_S.size, dtype=bool)
         if row_S.size > 1:
             joins[1:] = (row_S[1:] == row_S[:-1] + len_S[:-1]) & (tid[1:] == tid[:-1])
-        rs = np.flatnonzero(~joins)
+        rs = (~joins).ravel().nonzero()[0]
         run_row, run_pos, run_len = row_S[rs], pos_S[rs], np.add.reduceat(len_S, rs)
-        run_off = np.concatenate([[0], np.cumsum(np.bincount(tid[rs], minlength=n_T))])
+        run_off = np.concatenate([[0], np.bincount(tid[rs], minlength=n_T).cumsum()])
         # each transfer's mode in one pass: one view, block copies, or per-row indices
         k_T = np.where(unit_T, np.diff(run_off), 0)
         mode_T = np.where(
@@ -386,14 +386,14 @@ def _spans(
         return out
     n_own = int(head[:, 1].max()) + 1
     key_T = np.where(head[:, 0] != RECV, plan_T * n_own + head[:, 1], -1)
-    key_S = np.repeat(key_T, head[:, 4])
-    reads = np.flatnonzero(key_S >= 0)
+    key_S = key_T.repeat(head[:, 4])
+    reads = (key_S >= 0).ravel().nonzero()[0]
     if not reads.size:
         return out
-    o = reads[np.argsort(key_S[reads], kind="stable")]
+    o = reads[key_S[reads].argsort(kind="stable")]
     row, step, length = seg[o, 0], seg[o, 1], seg[o, 4]
     key = key_S[o]
-    at = np.flatnonzero(np.diff(key, prepend=-1))
+    at = np.diff(key, prepend=-1).ravel().nonzero()[0]
     lo = np.minimum.reduceat(row + np.minimum(step, 0) * (length - 1), at).tolist()
     hi = np.maximum.reduceat(row + np.maximum(step, 0) * (length - 1) + 1, at).tolist()
     for k, a, b in zip(key[at].tolist(), lo, hi, strict=True):
@@ -415,7 +415,7 @@ def _fill(plan: RankPlan, slice_rows: int, num_owners: int) -> dict[int, torch.T
     mine = np.full(slice_rows, -1, dtype=np.int64)
     mine[: d.slice_rows] = plan.owner_N[d.row_offset : d.row_offset + d.slice_rows]
     for owner in range(num_owners):
-        fill[owner] = _t(np.flatnonzero(mine != owner))
+        fill[owner] = _t((mine != owner).ravel().nonzero()[0])
     return fill
 
 
@@ -619,7 +619,7 @@ class RankSchedule:
         unpack: list[dict[int, _Side]] = [{} for _ in plans]
         for (k, kind, owner, _), side in zip(staged, packed, strict=True):
             (pack if kind == "s" else unpack)[k][owner] = side
-        plan_T = np.repeat(np.arange(len(plans)), [p.table.size for p in plans])
+        plan_T = np.arange(len(plans)).repeat([p.table.size for p in plans])
         spans = _spans(every, plan_T, len(plans))
         out_s = []
         for k, plan in enumerate(plans):

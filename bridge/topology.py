@@ -152,7 +152,8 @@ class Topology:
     def _first_leaders(self) -> dict[int, int]:
         sec = self.source_section
         return {
-            int(o): int(self.source_leader[np.flatnonzero(sec == o)[0]]) for o in np.unique(sec)
+            int(o): int(self.source_leader[(sec == o).ravel().nonzero()[0][0]])
+            for o in np.unique(sec)
         }
 
     def member_index(self, global_rank: int) -> int:
@@ -179,12 +180,10 @@ class Topology:
         out = []
         for order, leaders in (self._leaders_sorted("s"), self._leaders_sorted("d")):
             m = np.asarray(members, dtype=_I64)
-            lo = np.searchsorted(leaders, m, side="left")
-            hi = np.searchsorted(leaders, m, side="right")
+            lo = leaders.searchsorted(m, side="left")
+            hi = leaders.searchsorted(m, side="right")
             n = hi - lo
-            at = np.repeat(lo, n) + (
-                np.arange(int(n.sum()), dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
-            )
+            at = lo.repeat(n) + (np.arange(int(n.sum()), dtype=_I64) - (n.cumsum() - n).repeat(n))
             out.append(np.sort(order[at]))
         return out[0], out[1]
 
@@ -197,7 +196,7 @@ class Topology:
     def _sorted_leaders(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
         out = []
         for leaders in (self.source_leader, self.dest_leader):
-            order = np.argsort(leaders, kind="stable").astype(_I64)
+            order = leaders.argsort(kind="stable").astype(_I64)
             out.append((order, leaders[order]))
         return tuple(out)
 
@@ -233,7 +232,7 @@ class Topology:
             sel_d = np.arange(len(self.dests)) if dst_ids is None else dst_ids
             src_fields = np.zeros((sel_s.size, 3), dtype=_I64)
             for o in np.unique(self.source_section[sel_s]).tolist():
-                at = np.flatnonzero(self.source_section[sel_s] == o)
+                at = (self.source_section[sel_s] == o).ravel().nonzero()[0]
                 src_fields[at] = matrix.slot_fields(self.source_leader[sel_s[at]], o, slot, cols)
             dst_fields = matrix.slot_fields(
                 self.dest_leader[sel_d], self.student_section, slot, cols
@@ -282,7 +281,7 @@ def _rows_by_id(n: int, ids: np.ndarray | None, rows: np.ndarray) -> Callable[[i
     ids, rows = ids.copy(), rows.copy()
 
     def of(j: int) -> int:
-        at = int(np.searchsorted(ids, j))
+        at = int(ids.searchsorted(j))
         return int(rows[at]) if at < ids.size and int(ids[at]) == j else 0
 
     return of
