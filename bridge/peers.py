@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mopd.bridge.catalog import unique_first
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.metadata import HEADER, SIZE, SLOT_FIELDS, RaggedRecords
 from mopd.bridge.route import RADIX, Wire, route_rows, split_words
@@ -245,7 +246,7 @@ def read_replies(replies_Q5: np.ndarray, *, member: int, n_sources: int) -> Peer
     first_mine = keys_with(mine & agreement & (r[:, 2] == 1))
     take = (~agreement | first_mine | (agreement & (r[:, 2] == 1))) & ~mine
     m_T, w_T = r[take, 3][::-1], r[take, 4][::-1]  # a member's last row says its words
-    m_U, first = np.unique(m_T, return_index=True)
+    m_U, first = unique_first(m_T)
     peers.update(zip(m_U.tolist(), w_T[first].tolist(), strict=True))
     # introductions: the sources of the keys where this rank registered its destination
     on_my_dest = keys_with(mine & dst)
@@ -366,7 +367,7 @@ def exchange_records(
     if view.intro_from:
         intro = np.concatenate([got[m].reshape(-1, 3) for m in view.intro_from])[::-1]
         intro = intro[intro[:, 1] != me]
-        p, last = np.unique(intro[:, 1], return_index=True)  # a peer's last introduction
+        p, last = unique_first(intro[:, 1])  # a peer's last introduction
         peers.update(zip(p.tolist(), intro[last, 2].tolist(), strict=True))
         introduced = set(p.tolist())
     # 4: records with every peer (sizes known: one buffer, ascending peers)
@@ -418,6 +419,6 @@ def _stack_records(
         sizes.append(n_K)
         starts.append(at + 1 + 2 * k + n_K.cumsum() - n_K)
     member_K, size_K, start_K = (np.concatenate(x) for x in (members, sizes, starts))
-    uniq, first = np.unique(member_K, return_index=True)  # ascending, first copies
+    uniq, first = unique_first(member_K)  # ascending, first copies
     words = np.concatenate(parts).astype(_I64, copy=False)
     return RaggedRecords(words, start_K[first], start_K[first] + size_K[first]), uniq

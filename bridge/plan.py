@@ -57,6 +57,7 @@ from mopd.bridge.catalog import (
     read_runs,
     run_keys,
     slice_bounds,
+    unique_first,
 )
 
 __all__ = [
@@ -463,7 +464,7 @@ def _token_segments(
     m = src_M.size
     cont = np.zeros(m, dtype=bool)
     if m > 1:
-        ds, dd = np.diff(src_M), np.diff(dst_M)
+        ds, dd = src_M[1:] - src_M[:-1], dst_M[1:] - dst_M[:-1]
         same = np.zeros(m - 1, dtype=bool)
         same[1:] = (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
         cont[1:] = ~brk_M[1:] & (brk_M[:-1] | same)
@@ -681,7 +682,7 @@ def _step_tables(
     first = np.concatenate(
         [ch.off_T1[:-1] + b for (ch, _, _, _), b in zip(chunks, base, strict=True)]
     )
-    nseg = np.concatenate([np.diff(ch.off_T1) for ch, _, _, _ in chunks])
+    nseg = np.concatenate([ch.off_T1[1:] - ch.off_T1[:-1] for ch, _, _, _ in chunks])
     peer = np.where(kind == SEND, dst, np.where(kind == RECV, src, 0))
     o = np.lexsort((peer, owner, kind, mb))
     head_T5 = np.stack([kind[o], owner[o], src[o], dst[o], nseg[o]], axis=1)
@@ -779,7 +780,7 @@ def plan_ranks(
     n_s = max(n_src, 1)
     pm = np.concatenate(pair_mb) if pair_mb else _EMPTY
     pg = np.concatenate(pair_g) if pair_g else _EMPTY
-    key = np.unique(pm * n_s + pg)  # (micro-batch, source) pairs, each once
+    key, _ = unique_first(pm * n_s + pg)  # (micro-batch, source) pairs, each once
     src, _, src_tag = read_runs(catalogs, "s", key // n_s, key % n_s, tag_X=key)
     dst, _, dst_e = read_runs(catalogs, "d", e_mb, e_d, tag_X=np.arange(n_e, dtype=_I64))
     # 3. one join of every micro-batch: sample ids made distinct per micro-batch
