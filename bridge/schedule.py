@@ -148,7 +148,7 @@ class _Side:
         is made on first use (:class:`_Sides`): most transfers read one of their two."""
         row_S, step_S, len_S = (np.asarray(a, dtype=np.int64) for a in (row_S, step_S, len_S))
         n_T = off_T1.size - 1
-        n_S = np.diff(off_T1)
+        n_S = off_T1[1:] - off_T1[:-1]
         if not n_T:
             return _Sides.made([])
         if int(n_S.min()) == 0:  # a transfer without segments: one at a time
@@ -173,7 +173,7 @@ class _Side:
         run_row, run_pos, run_len = row_S[rs], pos_S[rs], np.add.reduceat(len_S, rs)
         run_off = np.concatenate([[0], np.bincount(tid[rs], minlength=n_T).cumsum()])
         # each transfer's mode in one pass: one view, block copies, or per-row indices
-        k_T = np.where(unit_T, np.diff(run_off), 0)
+        k_T = np.where(unit_T, run_off[1:] - run_off[:-1], 0)
         mode_T = np.where(
             unit_T & (k_T <= 1), 0, np.where(unit_T & (count_T >= MIN_AVG_RUN * k_T), 1, 2)
         )
@@ -427,7 +427,7 @@ def plan_digest(plan: RankPlan) -> str:
 def plan_digests(plans: Sequence[RankPlan]) -> list[str]:
     """:func:`plan_digest` of each plan: its rank and slice, then its transfer table (the
     head's :data:`~mopd.bridge.plan.TRANSFER_COLUMNS`, then the segments), then its row
-    owners."""
+    owners (as runs: where each starts, and its owner)."""
     out = []
     for p in plans:
         d = p.dest
@@ -437,8 +437,12 @@ def plan_digests(plans: Sequence[RankPlan]) -> list[str]:
             p.table.segments_S5,
             size=16,
         )
-        if p.owner_N is not None:
-            h.update(np.asarray(p.owner_N, dtype=np.int64))
+        if p.owner_N is not None:  # as its runs of one owner: starts, owners (and the size)
+            own = np.asarray(p.owner_N, dtype=np.int64)
+            start = np.ones(own.size, dtype=bool)
+            start[1:] = own[1:] != own[:-1]
+            at = start.nonzero()[0]
+            h.update(np.concatenate([[own.size], at, own[at]]))
         out.append(h.hexdigest())
     return out
 
