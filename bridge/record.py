@@ -143,12 +143,6 @@ def stack_records(records: Sequence[torch.Tensor | np.ndarray]) -> tuple[np.ndar
     return matrix, sizes
 
 
-def _meets(lo_XI: np.ndarray, hi_XI: np.ndarray, lo_I: np.ndarray, hi_I: np.ndarray) -> np.ndarray:
-    """``[I, X]`` whether group ``x``'s range in micro-batch ``i`` meets ``[lo_I, hi_I]`` (a
-    superset of the planner's test: an empty group's ``(1, 0)`` may count as meeting)."""
-    return (hi_I[:, None] >= lo_XI.T) & (lo_I[:, None] <= hi_XI.T) & (lo_I <= hi_I)[:, None]
-
-
 def _catalogs(view: StepView) -> LazySequence[RunCatalog]:
     """A step's catalogs, each built on first access (a micro-batch a rank has planned before
     needs none), planned and checked together (one :class:`~mopd.bridge.catalog.StepBatch`,
@@ -305,61 +299,64 @@ class StepView:
         src, dst = self.source_GIF, self.dest_DIF
         ids_s = np.arange(src.shape[0]) if self.source_ids is None else self.source_ids
         ids_d = np.arange(dst.shape[0]) if self.dest_ids is None else self.dest_ids
-        own = np.concatenate([src[own_s], dst[own_d]])  # [own, I, F]
+        # [I, G] sample ranges, micro-batch major; a live group's range is not empty
+        lo_s, hi_s = src[:, :, _SMIN].T, src[:, :, _SMAX].T
+        lo_d, hi_d = dst[:, :, _SMIN].T, dst[:, :, _SMAX].T
         n_i = self.n_slots
-        if own.shape[0]:
-            lo_I, hi_I = _hull(own)
-            meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
-            meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
+        if own_s.size or own_d.size:
+            own_lo = np.concatenate([lo_s[:, own_s], lo_d[:, own_d]], axis=1)
+            own_hi = np.concatenate([hi_s[:, own_s], hi_d[:, own_d]], axis=1)
+            lo_I, hi_I = _hull(own_lo, own_hi, own_lo <= own_hi)
+            meet_s = _meets(lo_s, hi_s, lo_I, hi_I)
+            meet_d = _meets(lo_d, hi_d, lo_I, hi_I)
             # a second hop: in compact delivery a sender places its rows among those of the
             # other sources that meet the destinations it serves, so the key covers every
             # group meeting the hull of the groups met by the rank's own
-            lo2, hi2 = _met_hull(src, meet_s)
-            lo3, hi3 = _met_hull(dst, meet_d)
+            lo2, hi2 = _hull(lo_s, hi_s, meet_s & (lo_s <= hi_s))
+            lo3, hi3 = _hull(lo_d, hi_d, meet_d & (lo_d <= hi_d))
             lo_I = np.minimum(lo_I, np.minimum(lo2, lo3))
             hi_I = np.maximum(hi_I, np.maximum(hi2, hi3))
-            meet_s = _meets(src[:, :, _SMIN], src[:, :, _SMAX], lo_I, hi_I)
-            meet_d = _meets(dst[:, :, _SMIN], dst[:, :, _SMAX], lo_I, hi_I)
+            meet_s = _meets(lo_s, hi_s, lo_I, hi_I)
+            meet_d = _meets(lo_d, hi_d, lo_I, hi_I)
         else:
             meet_s = np.zeros((n_i, src.shape[0]), dtype=bool)
             meet_d = np.zeros((n_i, dst.shape[0]), dtype=bool)
         meet_s[:, own_s] = True
         meet_d[:, own_d] = True
-        # per side, micro-batch major: each micro-batch's groups, their ids and key columns
-        sides = []
+        # per side, micro-batch major: each micro-batch's groups, each as its id and key columns
+        at_I, rows_P = [], []
         for meet_IG, ids, table_GIF in ((meet_s, ids_s, src), (meet_d, ids_d, dst)):
-            i_P, g_P = np.nonzero(meet_IG)
-            at = i_P.searchsorted(np.arange(n_i + 1)).tolist()
-            cols_PK = table_GIF[g_P, i_P][:, _KEY_COLS]
-            sides.append((at, np.asarray(ids[g_P], dtype=_I64), cols_PK))
-        keys = []
-        for i in range(n_i):
-            h = Digest(extra, size=16)
-            for at, ids_P, cols_PK in sides:
-                a, b = at[i], at[i + 1]
-                h.update(np.asarray([b - a], dtype=_I64))
-                h.update(ids_P[a:b])
-                h.update(cols_PK[a:b])
-            keys.append(h.digest())
-        return keys
+            i_P, g_P = meet_IG.nonzero()
+            at_I.append(i_P.searchsorted(np.arange(n_i + 1)))
+            rows = np.empty((g_P.size, 1 + _KEY_COLS.size), dtype=_I64)
+            rows[:, 0] = ids[g_P]
+            rows[:, 1:] = table_GIF[g_P, i_P][:, _KEY_COLS]
+            rows_P.append(rows)
+        count_I2 = np.stack([a[1:] - a[:-1] for a in at_I], axis=1)
+        (at_s, at_d), (rows_s, rows_d) = [a.tolist() for a in at_I], rows_P
+        return [
+            Digest(extra, count_I2[i], rows_s[at_s[i] : at_s[i + 1]], size=16)
+            .update(rows_d[at_d[i] : at_d[i + 1]])
+            .digest()
+            for i in range(n_i)
+        ]
 
 
-def _met_hull(groups_GIF: np.ndarray, meet_IG: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``([I], [I])`` :func:`_hull` of the groups ``meet_IG[i]`` selects, per micro-batch."""
-    live = (groups_GIF[:, :, _SMIN] <= groups_GIF[:, :, _SMAX]).T & meet_IG
+def _meets(lo_IX: np.ndarray, hi_IX: np.ndarray, lo_I: np.ndarray, hi_I: np.ndarray) -> np.ndarray:
+    """``[I, X]`` whether group ``x``'s range in micro-batch ``i`` meets ``[lo_I, hi_I]`` (a
+    superset of the planner's test: an empty group's ``(1, 0)`` may count as meeting)."""
+    return (hi_I[:, None] >= lo_IX) & (lo_I[:, None] <= hi_IX) & (lo_I <= hi_I)[:, None]
+
+
+def _hull(
+    lo_IX: np.ndarray, hi_IX: np.ndarray, live_IX: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``([I], [I])`` smallest and largest sample id over the groups ``live_IX[i]`` selects of
+    ``[I, X]`` sample ranges, per micro-batch (none: the lowest int64 above the highest, which
+    meets nothing)."""
     big = np.iinfo(_I64)
-    lo = np.where(live, groups_GIF[:, :, _SMIN].T, big.max).min(axis=1, initial=big.max)
-    hi = np.where(live, groups_GIF[:, :, _SMAX].T, big.min).max(axis=1, initial=big.min)
-    return lo, hi
-
-
-def _hull(groups_GIF: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``([I], [I])`` smallest and largest sample id over the live groups of ``[G, I, F]`` slot
-    tables, per micro-batch (empty: the lowest int64 above the highest, which meets nothing)."""
-    live = groups_GIF[:, :, _SMIN] <= groups_GIF[:, :, _SMAX]
-    big = np.iinfo(_I64)
-    lo_I = np.where(live, groups_GIF[:, :, _SMIN], big.max).min(axis=0, initial=big.max)
-    hi_I = np.where(live, groups_GIF[:, :, _SMAX], big.min).max(axis=0, initial=big.min)
+    lo_I = np.where(live_IX, lo_IX, big.max).min(axis=1, initial=big.max)
+    hi_I = np.where(live_IX, hi_IX, big.min).max(axis=1, initial=big.min)
     return lo_I, hi_I
 
 
