@@ -134,9 +134,9 @@ class BridgeStep:
             busy = [(i, p) for i, p in zip(todo, plans, strict=True) if p.busy]
             made = ex.schedules(
                 [p for _, p in busy],
-                slice_rows=[
-                    0 if p.dest is None else self._catalogs[i].dests[p.dest.group].slice_rows
-                    for i, p in busy
+                slice_rows=[  # the group's slices' rows (DestGroup.slice_rows)
+                    0 if p.dest is None else p.dest.padded_rows // p.dest.group_size
+                    for _, p in busy
                 ],
                 num_owners=n,
                 row_bytes=row_bytes,
