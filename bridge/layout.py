@@ -343,7 +343,8 @@ def packed_layouts(
                 f"{where(k)}cu_seqlens_padded must be {count_B[k] + 1} offsets from 0, "
                 f"got {cu_B[k].tolist()}"
             )
-        pad_N = np.delete(np.diff(cu_C), first_C[1:] - 1)  # not across micro-batches
+        off_N = np.arange(mb_N.size) + mb_N  # sequence n's offset (one more per micro-batch)
+        pad_N = cu_C[off_N + 1] - cu_C[off_N]
         short = pad_N < len_N
         if bool(short.any()):
             k = int(mb_N[short.ravel().nonzero()[0][0]])
@@ -367,10 +368,17 @@ def packed_layouts(
     cum_N = np.concatenate([[0], local_N.cumsum()])
     local_B = cum_N[first_B + count_B] - cum_N[first_B]
     start_N = cum_N[:-1] - cum_N[first_B][mb_N]  # a sequence's first local row in its micro-batch
-    slices = [
-        _sp_slice(int(t), sp_size, sp_rank, f"{where(k)}local packed length")
-        for k, t in enumerate(local_B.tolist())
-    ]
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} outside [0, {sp_size})")
+    uneven = (local_B % sp_size).nonzero()[0]
+    if uneven.size:
+        k = int(uneven[0])
+        raise ValueError(
+            f"{where(k)}local packed length {int(local_B[k])} is not divisible by the "
+            f"sequence-parallel size {sp_size}"
+        )
+    lo_B = sp_rank * (local_B // sp_size)  # this SP rank's rows of each micro-batch
+    hi_B = lo_B + local_B // sp_size
     # a sample id twice in a micro-batch: its rows first, its runs from the rows (rare)
     key = np.lexsort((sample_N, mb_N))
     twice = np.zeros(n_mb, dtype=bool)
@@ -380,11 +388,16 @@ def packed_layouts(
     for k in twice.ravel().nonzero()[0].tolist():
         at = slice(int(first_B[k]), int(first_B[k] + count_B[k]))
         out[k] = _packed_rows(
-            sample_N[at], len_N[at], local_N[at], chunk_N[at], cp_size, cp_rank, slices[k]
+            sample_N[at],
+            len_N[at],
+            local_N[at],
+            chunk_N[at],
+            cp_size,
+            cp_rank,
+            slice(int(lo_B[k]), int(hi_B[k])),
         )
     if not twice.all():
-        lo_B = np.asarray([sl.start for sl in slices], dtype=np.int64)
-        hi_B = np.asarray([sl.stop for sl in slices], dtype=np.int64)
+        lo_B, hi_B = lo_B.copy(), hi_B.copy()
         lo_B[twice], hi_B[twice] = 0, 0  # built above: no pieces, no rows
         keep = ~twice[mb_N]
         if not keep.all():
