@@ -91,6 +91,7 @@ from mopd.profiling.bench.plan_job import (
     build_step,
     exchange_job,
     offline_bridge,
+    rank_batches,
     rank_layouts,
     representative_ranks,
     simulate_exchange,
@@ -219,8 +220,9 @@ def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -
     wire), ``"gathered"`` (a changed step as before: every record, read off the all-gather's
     matrix, a fresh copy so that the step reads what the collective wrote)."""
     rank = bridge.rank
+    batches = rank_batches(step, rank)  # the data loader's (not timed)
     tl = time.perf_counter()
-    t_lay, s_lay = rank_layouts(step, rank)
+    t_lay, s_lay = rank_layouts(step, rank, batches)
     t0 = time.perf_counter()
     local = bridge.record({0: t_lay}, s_lay)
     t1 = time.perf_counter()
@@ -631,7 +633,9 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "`step_host_miss_ms`: one rank's host work on a changed step (new lengths, as every "
         "on-policy step: an empty schedule cache, every micro-batch planned and checked): "
         "building its 2 x micro-batches layouts (`layouts_ms`, the caller's packed_layouts "
-        "calls, one per side for the step), its record (`encode_ms`), the routed exchange's "
+        "calls, one per side for the step, from the sample ids, lengths and padded offsets "
+        "its data loader gives, which are not timed), its record (`encode_ms`), the routed "
+        "exchange's "
         "own work (`exchange_ms`: registrations, the Bruck rounds' partitions, the replies it "
         "serves as a home and reads, its introductions, its peers' and leaders' records one "
         "after another; the "

@@ -43,6 +43,7 @@ from mopd.bridge.topology import Topology
 
 __all__ = [
     "BLOCK",
+    "Batch",
     "ExchangeJob",
     "ExchangeSim",
     "SimWire",
@@ -51,6 +52,7 @@ __all__ = [
     "exchange_job",
     "job_meshes",
     "offline_bridge",
+    "rank_batches",
     "rank_layouts",
     "representative_ranks",
     "simulate_exchange",
@@ -101,6 +103,42 @@ def _samples(ranks: int, tokens_per_rank: int, max_len: int, seed: int) -> Sampl
     return Samples(lengths_S=lengths, teacher_parts=teacher, student_parts=student)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Batch:
+    """One rank's packed micro-batches as its data loader hands them over (Megatron builds
+    ``cu_seqlens_padded`` for attention whether or not a bridge runs): per micro-batch its
+    ``[N_i]`` sample ids, their real lengths and ``[N_i + 1]`` padded offsets, int64 tensors."""
+
+    sample_ids: list[torch.Tensor]
+    seq_lens: list[torch.Tensor]
+    cu_seqlens_padded: list[torch.Tensor]
+
+    @staticmethod
+    def of(parts: Sequence[np.ndarray], lengths: Sequence[np.ndarray], mult: int) -> Batch:
+        """``parts[i]``: micro-batch ``i``'s sample ids on this rank; ``lengths[i]``: that
+        micro-batch's length per sample id; each sequence padded to a multiple of ``mult``."""
+        lens = [lengths_S[ids] for ids, lengths_S in zip(parts, lengths, strict=True)]
+        cus = [np.concatenate([[0], np.cumsum((x + mult - 1) // mult * mult)]) for x in lens]
+        return Batch(
+            sample_ids=[torch.from_numpy(ids) for ids in parts],
+            seq_lens=[torch.from_numpy(x) for x in lens],
+            cu_seqlens_padded=[torch.from_numpy(cu) for cu in cus],
+        )
+
+    def layouts(self, cp: int, cp_rank: int, sp: int = 1, sp_rank: int = 0) -> list[TokenLayout]:
+        """The rank's layouts of the micro-batches, in one call (what the rank builds each
+        step for the bridge)."""
+        return packed_layouts(
+            self.sample_ids,
+            self.seq_lens,
+            cu_seqlens_padded=self.cu_seqlens_padded,
+            cp_size=cp,
+            cp_rank=cp_rank,
+            sp_size=sp,
+            sp_rank=sp_rank,
+        )
+
+
 def _layouts(
     parts: Sequence[np.ndarray],
     lengths: Sequence[np.ndarray],
@@ -110,19 +148,8 @@ def _layouts(
     sp: int = 1,
     sp_rank: int = 0,
 ) -> list[TokenLayout]:
-    """A rank's layouts of a step's micro-batches (``parts[i]``: micro-batch ``i``'s sample ids
-    on this rank; ``lengths[i]``: that micro-batch's length per sample id), in one call."""
-    lens = [lengths_S[ids] for ids, lengths_S in zip(parts, lengths, strict=True)]
-    cus = [np.concatenate([[0], np.cumsum((x + mult - 1) // mult * mult)]) for x in lens]
-    return packed_layouts(
-        [torch.from_numpy(ids) for ids in parts],
-        [torch.from_numpy(x) for x in lens],
-        cu_seqlens_padded=[torch.from_numpy(cu) for cu in cus],
-        cp_size=cp,
-        cp_rank=cp_rank,
-        sp_size=sp,
-        sp_rank=sp_rank,
-    )
+    """:meth:`Batch.layouts` of :meth:`Batch.of` (the step's records are built from these)."""
+    return Batch.of(parts, lengths, mult).layouts(cp, cp_rank, sp, sp_rank)
 
 
 def _mult(tp: int, cp: int) -> int:
@@ -152,21 +179,28 @@ class Step:
     topology_ms: float
 
 
-def rank_layouts(step: Step, rank: int) -> tuple[list[TokenLayout], list[TokenLayout]]:
-    """``rank``'s teacher and student layouts, one per micro-batch (built as a rank builds
-    them each step)."""
+def rank_batches(step: Step, rank: int) -> tuple[Batch, Batch]:
+    """``rank``'s teacher and student micro-batches as its data loader gives them (not the
+    bridge's work: the caller times :func:`rank_layouts` of them)."""
     tc, sc = step.teacher.coord(rank), step.student.coord(rank)
     assert tc is not None and sc is not None
-    t_mult, s_mult = _mult(T_TP, T_CP), _mult(S_TP, S_CP)
-    sp = (T_TP, tc.tp_rank) if step.sp_shards else (1, 0)
     lengths = [m.lengths_S for m in step.micro]
-    t = _layouts(
-        [m.teacher_parts[tc.dp_rank] for m in step.micro], lengths, T_CP, tc.cp_rank, t_mult, *sp
-    )
-    s = _layouts(
-        [m.student_parts[sc.dp_rank] for m in step.micro], lengths, S_CP, sc.cp_rank, s_mult
-    )
+    t = Batch.of([m.teacher_parts[tc.dp_rank] for m in step.micro], lengths, _mult(T_TP, T_CP))
+    s = Batch.of([m.student_parts[sc.dp_rank] for m in step.micro], lengths, _mult(S_TP, S_CP))
     return t, s
+
+
+def rank_layouts(
+    step: Step, rank: int, batches: tuple[Batch, Batch] | None = None
+) -> tuple[list[TokenLayout], list[TokenLayout]]:
+    """``rank``'s teacher and student layouts, one per micro-batch, built as a rank builds
+    them each step from its micro-batches (``batches``: :func:`rank_batches`, made here when
+    not given)."""
+    tc, sc = step.teacher.coord(rank), step.student.coord(rank)
+    assert tc is not None and sc is not None
+    t_batch, s_batch = rank_batches(step, rank) if batches is None else batches
+    sp = (T_TP, tc.tp_rank) if step.sp_shards else (1, 0)
+    return t_batch.layouts(T_CP, tc.cp_rank, *sp), s_batch.layouts(S_CP, sc.cp_rank)
 
 
 def job_teachers(teacher: Mesh, sp_shards: bool) -> tuple[TeacherSpec, ...]:
