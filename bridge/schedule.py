@@ -393,7 +393,9 @@ def _spans(
     o = reads[key_S[reads].argsort(kind="stable")]
     row, step, length = seg[o, 0], seg[o, 1], seg[o, 4]
     key = key_S[o]
-    at = np.diff(key, prepend=-1).ravel().nonzero()[0]
+    new = np.ones(key.size, dtype=bool)  # where each key's reads start
+    new[1:] = key[1:] != key[:-1]
+    at = new.nonzero()[0]
     lo = np.minimum.reduceat(row + np.minimum(step, 0) * (length - 1), at).tolist()
     hi = np.maximum.reduceat(row + np.maximum(step, 0) * (length - 1) + 1, at).tolist()
     for k, a, b in zip(key[at].tolist(), lo, hi, strict=True):
