@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ class TokenLayout:
     Attributes:
         sample_id_R: ``[R]`` int64, the global sample id of row ``r`` or ``-1`` for padding.
         position_R: ``[R]`` int64, the token position inside its sample, or ``-1`` for padding.
+
+    A layout from :func:`packed_layouts` is built from its runs and makes these two tensors on
+    first read (the bridge reads runs; a step need not pay for rows nobody reads).
     """
 
     sample_id_R: torch.Tensor
@@ -86,10 +89,32 @@ class TokenLayout:
         if not torch.equal(pad_s, pad_p) or bool((s < -1).any()) or bool((p < -1).any()):
             raise ValueError("TokenLayout: padding rows must have sample_id == position == -1")
 
+    def __getattr__(self, name: str) -> Any:
+        # a layout built from its runs (packed_layouts) makes its row tensors on first use
+        rows = self.__dict__.get("_rows")
+        if rows is None or name not in ("sample_id_R", "position_R"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        sample_id_R, position_R = rows()
+        object.__setattr__(self, "sample_id_R", sample_id_R)
+        object.__setattr__(self, "position_R", position_R)
+        del self.__dict__["_rows"]
+        return self.__dict__[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if "_rows" in state:  # the rows themselves, not how to make them
+            state["sample_id_R"], state["position_R"] = self.sample_id_R, self.position_R
+            del state["_rows"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     def num_rows(self) -> int:
         """Rows of the local buffer (padding included)."""
-        return int(self.sample_id_R.numel())
+        n = self.__dict__.get("_num_rows")
+        return int(self.sample_id_R.numel()) if n is None else n
 
     @property
     def num_tokens(self) -> int:
@@ -574,40 +599,49 @@ def _packed_unique(
     m = n_M.size
     runs = np.empty((0, 5), dtype=np.int64)
     run_b = np.empty(0, dtype=np.int64)
-    if not m:
-        sample_R = np.full(total, -1, dtype=np.int64)
-        pos_R = sample_R.copy()
-    else:
+    seg = np.zeros((3, 1), dtype=np.int64)  # per stretch of rows: count, sample, position - row
+    seg[0, 0], seg[1, 0] = total, -1  # no pieces: every row padding
+    if m:
         new = np.ones(m, dtype=bool)
         new[1:] = (b_M[1:] != b_M[:-1]) | (s_M[1:] != s_M[:-1]) | (p_M[1:] != p_M[:-1] + n_M[:-1])
         assert bool((new[1:] | (r_M[1:] == r_M[:-1] + n_M[:-1])).all()), "a piece jumps rows"
-        at = new.ravel().nonzero()[0]
+        at = new.nonzero()[0]
         runs = np.ones((at.size, 5), dtype=np.int64)
         runs[:, 0], runs[:, 1], runs[:, 2] = s_M[at], p_M[at], r_M[at]
         runs[:, 4] = np.add.reduceat(n_M, at)
         run_b = b_M[at]
-        # rows: the pieces in row order (of the one buffer), padding around them
+        # the pieces in row order (of the one buffer), padding around them
         g_M = r_M + off_B[b_M]
         o = g_M.argsort(kind="stable")
         r_o, n_o = g_M[o], n_M[o]
-        seg = np.empty((3, 2 * m + 1), dtype=np.int64)  # length, sample, position - row
+        seg = np.empty((3, 2 * m + 1), dtype=np.int64)
         seg[:, 1::2] = n_o, s_M[o], p_M[o] - r_o
         seg[0, 2:-1:2] = r_o[1:] - r_o[:-1] - n_o[:-1]
         seg[0, 0], seg[0, -1] = r_o[0], total - r_o[-1] - n_o[-1]
         seg[1, 0::2], seg[2, 0::2] = -1, 0
-        sample_R = seg[1].repeat(seg[0])
-        pos_R = seg[2].repeat(seg[0])
-        pos_R += np.arange(total)
-        pos_R[sample_R < 0] = -1
     cut_R = [0, *off_B[1:].tolist(), total]
     cut_K = [0, *run_b.searchsorted(np.arange(1, n_mb)).tolist(), run_b.size]
-    sample_T, pos_T, runs_T = (torch.from_numpy(x) for x in (sample_R, pos_R, runs))
+    runs_T = torch.from_numpy(runs)
+    made: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def all_rows() -> tuple[torch.Tensor, torch.Tensor]:
+        """Every micro-batch's rows in one buffer (made once, when a layout's are first read)."""
+        if not made:
+            sample_R = seg[1].repeat(seg[0])
+            pos_R = seg[2].repeat(seg[0])
+            pos_R += np.arange(total)
+            pos_R[sample_R < 0] = -1
+            made.append((torch.from_numpy(sample_R), torch.from_numpy(pos_R)))
+        return made[0]
+
     out = []
     for k in range(n_mb):
         layout = TokenLayout.__new__(TokenLayout)  # valid by construction: skip the row checks
         lo, hi = cut_R[k], cut_R[k + 1]
-        object.__setattr__(layout, "sample_id_R", sample_T[lo:hi])
-        object.__setattr__(layout, "position_R", pos_T[lo:hi])
+        object.__setattr__(
+            layout, "_rows", lambda lo=lo, hi=hi: tuple(x[lo:hi] for x in all_rows())
+        )
+        object.__setattr__(layout, "_num_rows", hi - lo)
         _attach_runs(layout, runs_T[cut_K[k] : cut_K[k + 1]])
         out.append(layout)
     return out

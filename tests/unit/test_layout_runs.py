@@ -5,6 +5,7 @@ so the record's runs and digests do not depend on which path built them."""
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -160,7 +161,10 @@ def test_packed_layouts_of_a_step_are_each_micro_batch_s_packed_layout(cases: li
     for lay, c in zip(step, cases, strict=True):
         one = packed_layout(**c)
         sample, pos = _packed_rows(c)
+        num_rows = lay.num_rows  # read before the rows are made (a layout of runs makes them late)
+        copy = pickle.loads(pickle.dumps(lay))  # what is pickled is the rows, made here
         assert lay.sample_id_R.tolist() == sample and lay.position_R.tolist() == pos
+        assert num_rows == len(sample) and copy.same_as(lay) and copy.num_rows == num_rows
         assert lay.same_as(one)
         if "_runs_K5" in one.__dict__:
             assert torch.equal(lay.__dict__["_runs_K5"], one.__dict__["_runs_K5"])
