@@ -97,7 +97,7 @@ class TokenLayout:
         sample_id_R, position_R = rows()
         object.__setattr__(self, "sample_id_R", sample_id_R)
         object.__setattr__(self, "position_R", position_R)
-        del self.__dict__["_rows"]
+        self.__dict__.pop("_rows", None)
         return self.__dict__[name]
 
     def __getstate__(self) -> dict[str, Any]:
