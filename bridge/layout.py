@@ -34,7 +34,7 @@ each step costs no per-row sort; the runs are exactly those the per-row path giv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -204,13 +204,22 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def _sp_slice(n: int, sp_size: int, sp_rank: int, what: str) -> slice:
+def _sp_bounds(
+    n_B: np.ndarray, sp_size: int, sp_rank: int, what: Callable[[int], str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``([B] lo, [B] hi)``: SP rank ``sp_rank``'s rows of each of ``B`` local lengths split
+    into ``sp_size`` equal slices; a ``ValueError`` naming ``what(b)`` of the first that does
+    not split."""
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank {sp_rank} outside [0, {sp_size})")
-    if n % sp_size:
-        raise ValueError(f"{what} {n} is not divisible by the sequence-parallel size {sp_size}")
-    per = n // sp_size
-    return slice(sp_rank * per, (sp_rank + 1) * per)
+    uneven = (n_B % sp_size).nonzero()[0]
+    if uneven.size:
+        b = int(uneven[0])
+        raise ValueError(
+            f"{what(b)} {int(n_B[b])} is not divisible by the sequence-parallel size {sp_size}"
+        )
+    per_B = n_B // sp_size
+    return sp_rank * per_B, (sp_rank + 1) * per_B
 
 
 def padded_layout(
@@ -239,7 +248,10 @@ def padded_layout(
     if order not in ("sbh", "bsh"):
         raise ValueError(f"order must be 'sbh' or 'bsh', got {order!r}")
     pos_S = cp_positions(seq_len, cp_size, cp_rank)
-    pos_S = pos_S[_sp_slice(pos_S.numel(), sp_size, sp_rank, "local sequence length")]
+    lo, hi = _sp_bounds(
+        np.asarray([pos_S.numel()]), sp_size, sp_rank, lambda b: "local sequence length"
+    )
+    pos_S = pos_S[int(lo[0]) : int(hi[0])]
     B, S = sample_B.numel(), pos_S.numel()
     if lengths is None:
         len_B = torch.full((B,), seq_len, dtype=_I64)
@@ -393,17 +405,8 @@ def packed_layouts(
     cum_N = np.concatenate([[0], local_N.cumsum()])
     local_B = cum_N[first_B + count_B] - cum_N[first_B]
     start_N = cum_N[:-1] - cum_N[first_B][mb_N]  # a sequence's first local row in its micro-batch
-    if sp_size < 1 or not 0 <= sp_rank < sp_size:
-        raise ValueError(f"sp_rank {sp_rank} outside [0, {sp_size})")
-    uneven = (local_B % sp_size).nonzero()[0]
-    if uneven.size:
-        k = int(uneven[0])
-        raise ValueError(
-            f"{where(k)}local packed length {int(local_B[k])} is not divisible by the "
-            f"sequence-parallel size {sp_size}"
-        )
-    lo_B = sp_rank * (local_B // sp_size)  # this SP rank's rows of each micro-batch
-    hi_B = lo_B + local_B // sp_size
+    # this SP rank's rows of each micro-batch
+    lo_B, hi_B = _sp_bounds(local_B, sp_size, sp_rank, lambda k: f"{where(k)}local packed length")
     # a sample id twice in a micro-batch: its rows first, its runs from the rows (rare)
     key = np.lexsort((sample_N, mb_N))
     twice = np.zeros(n_mb, dtype=bool)
