@@ -61,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mopd.bridge.catalog import fan_out
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.layout import TokenLayout, layout_to_runs
 from mopd.common import dist as cdist
@@ -694,10 +695,8 @@ class StepMatrix:
         if n_X.size and int(n_X.min()) < 0:
             raise AssertionError(f"members {members[n_X < 0][:4].tolist()} sent no runs")
         start = row_at + flat[at + _RUNS_OFF]
-        words = 5 * n_X
-        total = int(words.sum())
-        idx = (start - words.cumsum() + words).repeat(words) + np.arange(total, dtype=_I64)
-        return flat[idx].reshape(-1, 5), n_X
+        x, t = fan_out(5 * n_X)
+        return flat[start[x] + t].reshape(-1, 5), n_X
 
     def runs(self, j: int, section: int, slot: int) -> np.ndarray:
         """``[K, 5]`` runs member ``j`` sent for ``section`` / ``slot`` (a view, no copy)."""

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mopd.bridge.catalog import unique_first
+from mopd.bridge.catalog import fan_out, unique_first
 from mopd.bridge.inputs import Agreement
 from mopd.bridge.metadata import HEADER, SIZE, SLOT_FIELDS, RaggedRecords
 from mopd.bridge.route import RADIX, Wire, route_rows, split_words
@@ -181,11 +181,9 @@ def directory_replies(at_home_E6: np.ndarray) -> dict[int, np.ndarray]:
     pair = new_pair.ravel().nonzero()[0]
     to, k = e[pair, 4], key[pair]
     length = ends[k] - starts[k]
-    idx = starts[k].repeat(length) + (
-        np.arange(int(length.sum()), dtype=_I64) - (length.cumsum() - length).repeat(length)
-    )
-    dest = to.repeat(length)
-    rows = e[idx, 1:]
+    j, t = fan_out(length)
+    dest = to[j]
+    rows = e[starts[k][j] + t, 1:]
     o = dest.argsort(kind="stable")
     dest, rows = dest[o], rows[o]
     at = [0, *((dest[1:] != dest[:-1]).ravel().nonzero()[0] + 1).tolist(), dest.size]

@@ -19,6 +19,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 
+from mopd.bridge.catalog import fan_out
 from mopd.bridge.plan import LOCAL, RECV, SEND, DestSlot, RankPlan, TransferTable
 from mopd.common.digest import Digest
 
@@ -56,9 +57,7 @@ def _merge_runs(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.
 
 def _expand(row_S: np.ndarray, step_S: np.ndarray, len_S: np.ndarray) -> np.ndarray:
     """``[M]`` rows of every token of one side's segments, in order."""
-    m = int(len_S.sum())
-    seg = np.arange(row_S.size).repeat(len_S)
-    i = np.arange(m, dtype=np.int64) - (len_S.cumsum() - len_S).repeat(len_S)
+    seg, i = fan_out(len_S)
     return row_S[seg] + i * step_S[seg]
 
 
