@@ -355,18 +355,28 @@ def _local(owner: int, s: np.ndarray, src: _Side, dst: _Side) -> _Local:
     )
 
 
-def _stage_many(groups: Sequence[Sequence[_Side]]) -> _Sides:
-    """Per group of staged sides (one owner's sends or receives of one plan, in staging
-    order), one side over all their rows: one kernel launch packs (unpacks) an owner's whole
-    staging buffer. Every group in one batch (:meth:`_Side.many`)."""
+def _stage_many(table: TransferTable, groups: Sequence[tuple[bool, Sequence[int]]]) -> _Sides:
+    """Per group of staged transfers (one owner's sends or receives of one plan, in staging
+    order), one side over this rank's rows of them: one kernel launch packs (unpacks) an
+    owner's whole staging buffer. Every group in one batch (:meth:`_Side.many`).
+
+    ``groups``: ``(sends, transfers)``: whether the group's transfers are sends (this rank's
+    side is their source) or receives (their destination), and their indices in ``table``.
+    """
     if not groups:
         return _Sides.made([])
-    sides = [x for g in groups for x in g]
-    row = np.concatenate([x._row_S for x in sides])
-    step = np.concatenate([x._step_S for x in sides])
-    length = np.concatenate([x._len_S for x in sides])
-    n = [sum(x._row_S.size for x in g) for g in groups]
-    out = _Side.many(row, step, length, np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
+    x_X = np.asarray([x for _, g in groups for x in g], dtype=np.int64)
+    src_X = np.asarray([send for send, g in groups for _ in g], dtype=bool)
+    off = table.off_T1
+    seg_X = off[x_X + 1] - off[x_X]
+    i, t = fan_out(seg_X)
+    at_S = off[x_X][i] + t  # the groups' segments, in order
+    col_S = np.where(src_X, 0, 2)[i]  # this rank's side: source or destination columns
+    seg = table.segments_S5
+    row, step, length = seg[at_S, col_S], seg[at_S, col_S + 1], seg[at_S, 4]
+    last_G = np.cumsum([len(g) for _, g in groups])  # each group's end in x_X
+    seg_G1 = np.concatenate([[0], seg_X.cumsum()[last_G - 1]]).astype(np.int64)
+    out = _Side.many(row, step, length, seg_G1)
     for side in out:
         if side.mode == "view":  # staged ops joined into one contiguous run: still a copy
             side.mode = "runs"
@@ -584,7 +594,7 @@ class RankSchedule:
         src_x, dst_x = _sides(every)  # both sides of each, one batch per side
         at = 0
         built = []
-        staged: list[tuple[int, str, int, list[_Side]]] = []
+        staged: list[tuple[int, str, int, list[int]]] = []
         for k, plan in enumerate(plans):
             tab = plan.table
             send_rows: dict[int, int] = {}
@@ -592,7 +602,7 @@ class RankSchedule:
             sends: list[_Op] = []
             recvs: list[_Op] = []
             locals_: list[_Local] = []
-            parts: dict[tuple[str, int], list[_Side]] = {}  # sends' owners first (plan order)
+            parts: dict[tuple[str, int], list[int]] = {}  # sends' owners first (plan order)
             off = tab.off_T1.tolist()
             for t, (kind, owner, src_rank, dst_rank, _) in enumerate(tab.head_T5.tolist()):
                 x, at = at, at + 1
@@ -614,12 +624,12 @@ class RankSchedule:
                     rows = send_rows if send else recv_rows
                     op.stage_off = rows.get(owner, 0)
                     rows[owner] = op.stage_off + op.count
-                    parts.setdefault(("s" if send else "r", owner), []).append(op.side)
+                    parts.setdefault(("s" if send else "r", owner), []).append(x)
                 (sends if send else recvs).append(op)
             staged += [(k, kind, o, sides) for (kind, o), sides in parts.items()]
             built.append((sends, recvs, locals_, send_rows, recv_rows))
         # every plan's staged ops, per (plan, direction, owner): one launch each
-        packed = _stage_many([sides for _, _, _, sides in staged])
+        packed = _stage_many(every, [(kind == "s", xs) for _, kind, _, xs in staged])
         pack: list[dict[int, _Side]] = [{} for _ in plans]
         unpack: list[dict[int, _Side]] = [{} for _ in plans]
         for (k, kind, owner, _), side in zip(staged, packed, strict=True):
