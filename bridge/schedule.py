@@ -178,6 +178,7 @@ class _Side:
         )
         return _Sides(
             mode_T.tolist(),
+            unit_T.tolist(),
             count_T.tolist(),
             row_S[starts].tolist(),
             np.where(unit_T, run_off[:-1], 0).tolist(),
@@ -196,7 +197,8 @@ class _Side:
 class _Sides(Sequence[_Side]):
     """The sides of a batch of transfers (:meth:`_Side.many`), side ``t`` made on first use.
 
-    Per transfer ``t``: its mode code, token count, first row, ``[run_lo_T[t], run_hi_T[t])``
+    Per transfer ``t``: its mode code, whether every segment advances by one row (or holds one
+    token), token count, first row, ``[run_lo_T[t], run_hi_T[t])``
     of the batch's runs (``(0, 0)``: not a unit-step side) and ``[seg_T1[t], seg_T1[t + 1])``
     of its segments.
     """
@@ -211,11 +213,13 @@ class _Sides(Sequence[_Side]):
         "_runs",
         "_seg_T1",
         "_segs",
+        "_unit",
     )
 
     def __init__(
         self,
         mode_T: list[int],
+        unit_T: list[bool],
         count_T: list[int],
         first_T: list[int],
         run_lo_T: list[int],
@@ -224,7 +228,7 @@ class _Sides(Sequence[_Side]):
         runs: tuple[np.ndarray, np.ndarray, np.ndarray],
         segs: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> None:
-        self._mode, self._count, self._first = mode_T, count_T, first_T
+        self._mode, self._unit, self._count, self._first = mode_T, unit_T, count_T, first_T
         self._run_lo, self._run_hi, self._seg_T1 = run_lo_T, run_hi_T, seg_T1
         self._runs, self._segs = runs, segs
         self._made: list[_Side | None] = [None] * len(mode_T)
@@ -235,6 +239,7 @@ class _Sides(Sequence[_Side]):
         e = np.empty(0, dtype=np.int64)
         out = _Sides(
             [_MODES.index(x.mode) for x in sides],
+            [bool(((x._step_S == 1) | (x._len_S == 1)).all()) for x in sides],
             [x.count for x in sides],
             [x.first for x in sides],
             [0] * len(sides),
@@ -332,9 +337,9 @@ def _sides(table: TransferTable) -> tuple[_Sides, _Sides]:
     )
 
 
-def _local(owner: int, s: np.ndarray, src: _Side, dst: _Side) -> _Local:
-    """A local copy of ``owner`` with ``[S, 5]`` segments ``s`` and sides ``src``, ``dst``."""
-    unit = bool((((s[:, 1] == 1) & (s[:, 3] == 1)) | (s[:, 4] == 1)).all())
+def _local(owner: int, s: np.ndarray, src: _Side, dst: _Side, *, unit: bool) -> _Local:
+    """A local copy of ``owner`` with ``[S, 5]`` segments ``s`` and sides ``src``, ``dst``;
+    ``unit``: whether every segment advances by one row on both sides (or holds one token)."""
     if unit and (s.shape[0] <= 1 or src.count >= MIN_AVG_RUN * s.shape[0]):
         mode, js, jd, jl = "runs", s[:, 0], s[:, 2], s[:, 4]
     elif dst.mode == "view":
@@ -608,7 +613,8 @@ class RankSchedule:
                 x, at = at, at + 1
                 if kind == LOCAL:
                     seg = tab.segments_S5[off[t] : off[t + 1]]
-                    locals_.append(_local(owner, seg, src_x[x], dst_x[x]))
+                    unit = src_x._unit[x] and dst_x._unit[x]
+                    locals_.append(_local(owner, seg, src_x[x], dst_x[x], unit=unit))
                     continue
                 send = kind == SEND
                 mine, peers = (src_x, dst_x) if send else (dst_x, src_x)
