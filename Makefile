@@ -53,18 +53,8 @@ demo: $(VENV)/.stamp
 	$(VENV)/bin/mopd demo
 
 # Every tier (tier 3 skips, with its reason, without a GPU); one tier: make test-unit, ...
-# Tier 1 is one process that runs beside tiers 2 and 3 (their ranks often wait on each other
-# and on timeouts, leaving a core idle): its report comes after theirs, in $(UNIT_LOG) too, and
-# the target fails when either run fails.
-UNIT_LOG ?= $(VENV)/test-unit.log
 test: $(VENV)/.stamp
-	@echo "make test: tier 1 (tests/unit) runs beside tiers 2 and 3; its report follows theirs"
-	@$(PYTEST) tests/unit > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	$(PYTEST) tests/launch tests/torchrun tests/gpu; rest=$$?; \
-	wait $$unit; tier1=$$?; \
-	echo "make test: tier 1 (tests/unit), run beside the others (exit $$tier1):"; cat $(UNIT_LOG); \
-	echo "make test: tiers 2 and 3 exit $$rest, tier 1 exit $$tier1"; \
-	test $$rest -eq 0 && test $$tier1 -eq 0
+	$(PYTEST)
 
 test-unit: $(VENV)/.stamp
 	$(PYTEST) tests/unit
