@@ -122,7 +122,7 @@ BASELINE = "plan-scale-cpu-2026-12-01"
 #: The last recorded run of this benchmark, the figure it is set beside (``step_host_miss_ms``
 #: per rank count and source mode at its default setup: routed records, a packed_layout call
 #: per micro-batch, records stacked into one padded matrix), under ``results/``.
-PREVIOUS = "plan-step-cpu-2026-12-04-3"
+PREVIOUS = "plan-step-cpu-2026-12-04-4"
 _PREVIOUS_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 8}
 _BASELINE_SETUP = {"tokens_per_rank": 4096, "max_len": 4096, "seed": 0, "micro_batches": 1}
 #: The teacher's source modes measured: TP replicas (one sending group per TP group), or every
