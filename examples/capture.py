@@ -10,6 +10,7 @@ Run it on 2 CPU ranks (gloo), a teacher under TP2 with sequence parallelism:
 from mopd.mcore import cpu
 
 cpu.quiet()  # megatron-core's known CPU notices (cpu.QUIETED), before megatron-core is imported
+cpu.apply()  # megatron-core on CPU ranks; before it is imported, so its fusions stay plain
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,6 @@ from mopd.capture import get_opd_full_capture_context
 from mopd.mcore import megatron_process_groups
 
 dist.init_process_group("gloo")  # torchrun --nproc-per-node 2 gives the world
-cpu.apply()  # megatron-core on CPU ranks
 parallel_state.initialize_model_parallel()
 model_parallel_cuda_manual_seed(0)
 pool = GroupPool(timeout_s=300)

@@ -19,6 +19,7 @@ from typing import Any
 from mopd.mcore import cpu
 
 cpu.quiet()  # megatron-core's known CPU notices (cpu.QUIETED), before megatron-core is imported
+cpu.apply()  # megatron-core on CPU ranks; before it is imported, so its fusions stay plain
 
 import torch
 import torch.distributed as dist
@@ -151,7 +152,6 @@ def train_step(job: Job, step: int) -> Any:
 
 def main() -> None:
     dist.init_process_group("gloo")  # torchrun --nproc-per-node 4 gives the world
-    cpu.apply()  # megatron-core on CPU ranks
     parallel_state.initialize_model_parallel()  # for what still reads megatron's globals
     model_parallel_cuda_manual_seed(0)
     job = build()

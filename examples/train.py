@@ -19,6 +19,7 @@ from typing import Any
 from mopd.mcore import cpu
 
 cpu.quiet()  # megatron-core's known CPU notices (cpu.QUIETED), before megatron-core is imported
+cpu.apply()  # megatron-core on CPU ranks; before it is imported, so its fusions stay plain
 
 import torch
 import torch.distributed as dist
@@ -141,7 +142,6 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 as megatron-LM trains")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torchrun --nproc-per-node 4 gives the world
-    cpu.apply()  # megatron-core on CPU ranks
     parallel_state.initialize_model_parallel()  # for what still reads megatron's globals
     model_parallel_cuda_manual_seed(0)
     job = build(bf16=args.bf16)

@@ -34,6 +34,7 @@ from typing import Any
 from mopd.mcore import cpu
 
 cpu.quiet()  # megatron-core's known CPU notices (cpu.QUIETED), before megatron-core is imported
+cpu.apply()  # megatron-core on CPU ranks; before it is imported, so its fusions stay plain
 
 import torch
 import torch.distributed as dist
@@ -206,7 +207,6 @@ def main() -> None:
     if args.address is None:
         parser.error("--world needs --address host:port (the same in both jobs)")
     dist.init_process_group("gloo")  # torchrun gives this world; the other job has its own
-    cpu.apply()  # megatron-core on CPU ranks
     parallel_state.initialize_model_parallel()  # for what still reads megatron's globals
     model_parallel_cuda_manual_seed(0)
     if args.world == "student":

@@ -35,6 +35,11 @@ What :func:`apply` patches:
 - ``HybridStack``'s final norm (megatron-core 0.18+, ``megatron.core.models.hybrid``), built with
   Transformer Engine's ``TENorm`` by name: without Transformer Engine it is ``WrappedTorchNorm``
   (so the SP rule above holds for it too);
+- megatron's fusions (``megatron.core.jit.jit_fuser``, which is ``torch.compile``) are plain
+  eager functions: compiled they would build C++ with Inductor at a fusion's first call on a CPU
+  rank. Applied before megatron-core is imported, its import also makes no ``torch.compile``
+  wrappers, so TorchDynamo and Inductor are not loaded (seconds of start-up per rank); applied
+  after, the fusions megatron defines from then on are plain;
 - mixture of experts: ``te_general_gemm`` is defined (as ``None``, Transformer Engine absent) in
   megatron's ``moe_utils``, whose allgather token dispatcher reads it; use
   ``moe_token_dispatcher_type="allgather"``: the alltoall and flex dispatchers make CUDA streams.
@@ -54,6 +59,7 @@ import copy
 import dataclasses
 import datetime
 import math
+import sys
 from typing import Any
 
 import torch
@@ -114,6 +120,7 @@ def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    _plain_fusions()
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import torch_norm
@@ -176,6 +183,28 @@ def apply() -> None:
     _patch_moe()
     _patch_hybrid()
     _APPLIED = True
+
+
+def _uncompiled(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile`` while megatron-core is imported by :func:`_plain_fusions`: the function
+    itself (``@torch.compile`` and ``torch.compile(fn)``) or, called bare, a decorator that is."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def _plain_fusions() -> None:
+    """megatron-core's ``jit_fuser`` a no-op decorator; megatron-core imported under
+    :func:`_uncompiled` first where it is not imported yet (its modules apply ``jit_fuser`` as
+    they load)."""
+    if "megatron.core" not in sys.modules:
+        compile_ = torch.compile
+        torch.compile = _uncompiled  # type: ignore[assignment]
+        try:
+            import megatron.core  # noqa: F401 (imported here, its fusions uncompiled)
+        finally:
+            torch.compile = compile_  # type: ignore[assignment]
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
 
 
 def _on_cpu(device: Any) -> Any:

@@ -361,6 +361,7 @@ def _run(args: argparse.Namespace) -> int:
     from mopd.mcore import cpu
 
     cpu.quiet()  # megatron-core's known CPU notices, before it is imported
+    cpu.apply()  # the CPU patches, before megatron-core is imported: its fusions plain
     cores = sorted(os.sched_getaffinity(0))
     rank = int(os.environ["RANK"])
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
@@ -369,7 +370,6 @@ def _run(args: argparse.Namespace) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    cpu.apply()
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)
     job = _Job(args)

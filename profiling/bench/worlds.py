@@ -114,6 +114,7 @@ class _Rank:
         from mopd.mcore import cpu
 
         cpu.quiet()
+        cpu.apply()  # before megatron-core is imported: its fusions plain
         torch.set_num_threads(1)
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -123,7 +124,6 @@ class _Rank:
         from mopd.mcore import megatron_process_groups
 
         dist.init_process_group("gloo")
-        cpu.apply()
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(0)
         self.args = argparse.Namespace(**argd)

@@ -34,10 +34,10 @@ def init_parallel(
     *, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
 ) -> None:
     """(Re)initialize megatron's parallel_state over the current world, and its RNG tracker."""
+    apply()  # first: megatron-core imported with its fusions plain (mopd.mcore.cpu)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    apply()
     destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -61,13 +61,13 @@ def megatron_world() -> Iterator[None]:
     """A module fixture's body for megatron on this torchrun world (gloo): the CPU patches, a
     TP=PP=1 ``parallel_state`` (the models under test take explicit ``pg_collection`` groups)
     and megatron's RNG tracker seeded; ``parallel_state`` is torn down afterwards."""
+    apply()  # first: megatron-core imported with its fusions plain (mopd.mcore.cpu)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from tests.support.dist import ensure_world
 
     ensure_world()
-    apply()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(7)
@@ -118,10 +118,10 @@ def build_gpt(
     for CP / THD packing); ``pg_collection`` (a megatron ``ProcessGroupCollection``) builds the
     model on explicit process groups instead of megatron's global ``parallel_state`` ones.
     """
+    apply()  # first: megatron-core imported with its fusions plain (mopd.mcore.cpu)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    apply()
     spec = get_gpt_layer_local_spec() if layer_spec is None else layer_spec
     extra: dict[str, Any] = {}
     if pg_collection is not None:
@@ -180,11 +180,11 @@ def build_hybrid(
     """A megatron-core HybridModel with the CPU stack spec (``mopd.mcore.cpu``) and learned
     absolute positions: ``pattern`` of ``*`` (attention) and ``-`` (MLP) layers, ``|`` between
     pipeline stages (each rank builds its own stage's segment)."""
+    apply()  # first: megatron-core imported with its fusions plain (mopd.mcore.cpu)
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from mopd.mcore.cpu import cpu_hybrid_stack_spec
 
-    apply()
     extra: dict[str, Any] = {}
     if pg_collection is not None:
         extra["pg_collection"] = pg_collection

@@ -242,14 +242,14 @@ def check_examples() -> None:
 
 
 def main() -> None:
+    from mopd.mcore import cpu
+
+    cpu.apply()  # before megatron-core is imported: its fusions plain
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mopd.mcore import cpu
-
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        cpu.apply()
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(0)
         check_examples()
