@@ -29,7 +29,7 @@ EDITABLE := $(wildcard $(VENV)/.editable)
 STAMP_DEPS := $(if $(EDITABLE),pyproject.toml,$(SOURCES))
 PYTEST := $(PY) -m pytest
 
-.PHONY: install dev demo test test-unit test-torchrun test-launch test-gpu test-newest lint typecheck clean
+.PHONY: install install-newest dev demo test test-unit test-torchrun test-launch test-gpu test-newest lint typecheck clean
 
 $(VENV)/.stamp: $(STAMP_DEPS)
 	@echo "make: installing into $(VENV): $(TORCH_PIN), then this package$(if $(EDITABLE), (editable),) with [$(EXTRAS)] (megatron-core and the rest); the first time takes minutes, quietly"
@@ -76,6 +76,9 @@ $(VENV_NEWEST)/.stamp: $(SOURCES)
 	$(VENV_NEWEST)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(VENV_NEWEST)/bin/python -m pip install -q ".[test]" "$(MCORE_NEWEST)"
 	touch $@
+
+# The second environment alone (CI installs it while `make test` runs).
+install-newest: $(VENV_NEWEST)/.stamp
 
 # The megatron-facing tests on Python 3.12 with the newest megatron-core release.
 test-newest: $(VENV_NEWEST)/.stamp
