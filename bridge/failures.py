@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import json
 import os
 import sys
@@ -116,10 +117,32 @@ def _where(frame: FrameType | None) -> tuple[str, bool]:
     return place or "an unknown place", waiting
 
 
-def _answer(progress: Progress) -> dict[str, Any]:
-    """What this rank tells a census: its progress and where its driving thread is."""
-    frame = sys._current_frames().get(progress.thread) if progress.thread is not None else None
-    place, waiting = _where(frame)
+def _frame_of(thread: int | None) -> FrameType | None:
+    """The current frame of ``thread``, read with the garbage collector paused.
+
+    ``sys._current_frames()`` allocates while it holds the interpreter's lock on its thread
+    list. A collection started there runs finalizers under that lock, and one that reads frames
+    again (a dropped bridge's watcher stopping, :func:`_stop`) or waits for a thread to end
+    blocks forever.
+    """
+    if thread is None:
+        return None
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(thread)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _answer(progress: Progress, *, where: str | None = None) -> dict[str, Any]:
+    """What this rank tells a census: its progress and where its driving thread is, or
+    ``where`` it stopped (then not waiting; its frames are not read)."""
+    if where is None:
+        place, waiting = _where(_frame_of(progress.thread))
+    else:
+        place, waiting = where, False
     return {
         "key": list(progress.key()),
         "at": progress.describe(),
@@ -178,13 +201,12 @@ class _Watcher:
         if self.store is None:
             return
         try:
-            answer = _answer(self.progress)
-            answer.update(where=where, waiting=False)
-            self._say(self.main, answer)
+            self._say(self.main, _answer(self.progress, where=where))
             self.main.set(f"wake/{self.rank}", "close")
         except Exception:  # the store is gone: the thread's wait ends with it
             pass
-        self.thread.join(timeout=5.0)
+        if self.thread is not threading.current_thread():  # a finalizer may run on it
+            self.thread.join(timeout=5.0)
         self.store = None
 
 
