@@ -38,8 +38,8 @@ What :func:`apply` patches:
 - megatron's fusions (``megatron.core.jit.jit_fuser``, which is ``torch.compile``) are plain
   eager functions: compiled they would build C++ with Inductor at a fusion's first call on a CPU
   rank. Applied before megatron-core is imported, its import also makes no ``torch.compile``
-  wrappers, so TorchDynamo and Inductor are not loaded (seconds of start-up per rank); applied
-  after, the fusions megatron defines from then on are plain;
+  wrappers, so no rank loads TorchDynamo and Inductor at start-up; applied after, the fusions
+  megatron defines from then on are plain;
 - mixture of experts: ``te_general_gemm`` is defined (as ``None``, Transformer Engine absent) in
   megatron's ``moe_utils``, whose allgather token dispatcher reads it; use
   ``moe_token_dispatcher_type="allgather"``: the alltoall and flex dispatchers make CUDA streams.
