@@ -106,6 +106,7 @@ __all__ = [
     "PREVIOUS",
     "SOURCES",
     "AllGatherModel",
+    "count_calls",
     "main",
     "measure_local",
     "measure_step",
@@ -213,23 +214,30 @@ def _summary(step: Step, memo_step: int, unchanged: int) -> np.ndarray:
     return np.concatenate([reduced_summary(header_NH), heads])
 
 
-def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -> dict[str, float]:
+def _step_parts(
+    step: Step,
+    bridge: OfflineBridge,
+    sim: ExchangeSim,
+    how: str,
+    now: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
     """One step of ``bridge``'s rank; seconds per part. ``how``: ``"repeat"`` (every record
     the memo step's: nothing exchanged, the memo's records serve), ``"routed"`` (a changed
     step: the routed exchange, :func:`~mopd.bridge.peers.exchange_records` on ``sim``'s
     wire), ``"gathered"`` (a changed step as before: every record, read off the all-gather's
-    matrix, a fresh copy so that the step reads what the collective wrote)."""
+    matrix, a fresh copy so that the step reads what the collective wrote). ``now``: the
+    clock read at each part's ends (:func:`count_calls` passes a call counter)."""
     rank = bridge.rank
     batches = rank_batches(step, rank)  # the data loader's (not timed)
-    tl = time.perf_counter()
+    tl = now()
     t_lay, s_lay = rank_layouts(step, rank, batches)
-    t0 = time.perf_counter()
+    t0 = now()
     local = bridge.record({0: t_lay}, s_lay)
-    t1 = time.perf_counter()
+    t1 = now()
     memo_step = bridge.memo_step
     n = len(step.topology.members)
     summary = _summary(step, -1, 0) if memo_step is None else _summary(step, memo_step, 1)
-    t1x = time.perf_counter()  # the summary's all-reduce (not timed)
+    t1x = now()  # the summary's all-reduce (not timed)
     if how == "repeat":
         matrix = bridge.memo_matrix(summary)
         if matrix is None:
@@ -240,7 +248,7 @@ def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -
             m = step.matrix_NW.copy()  # the all-gather's result (not timed)
             if memo_step is not None:
                 m[:, MEMO_STEP], m[:, UNCHANGED] = memo_step, 1
-            t1x = time.perf_counter()
+            t1x = now()
             matrix = StepMatrix(m, summary)
         else:
             rows, members = exchange_records(
@@ -252,11 +260,11 @@ def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -
                 agreements=local.agreements,
             )
             matrix = StepMatrix(rows, summary, members)
-    t2 = time.perf_counter()
+    t2 = now()
     bs = bridge.plan(matrix, local)
-    t3 = time.perf_counter()
+    t3 = now()
     _tokens(bs)
-    t4 = time.perf_counter()
+    t4 = now()
     mine = matrix.row(step.topology.member_index(rank))
     if not np.array_equal(record_tables(local.record), record_tables(mine)):
         raise AssertionError(f"rank {rank}: its record is not its row of the exchanged records")
@@ -269,6 +277,28 @@ def _step_parts(step: Step, bridge: OfflineBridge, sim: ExchangeSim, how: str) -
         "verdict_plan": t3 - t2,
         "tokens": t4 - t3,
     }
+
+
+def count_calls(step: Step, rank: int, sim: ExchangeSim) -> int:
+    """The calls one changed (routed) step of ``rank`` makes in its timed parts: Python
+    functions and built-in (C) functions and methods, as :func:`sys.setprofile` sees them
+    (NumPy's operators and ufuncs are not calls there). The same every time once the job's
+    shared caches are warm (:func:`measure_step` counts after a checked step): what the step's
+    time is made of, free of the machine's noise."""
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" or event == "c_call":
+            calls += 1
+
+    bridge = offline_bridge(step, rank, sim)
+    sys.setprofile(count)
+    try:
+        parts = _step_parts(step, bridge, sim, "routed", now=lambda: float(calls))
+    finally:
+        sys.setprofile(None)
+    return int(sum(parts.values()))
 
 
 def _check_plans(step: Step, rank: int, sim: ExchangeSim) -> int:
@@ -333,11 +363,12 @@ def measure_step(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, fl
     least of several steps (ms), and the most words a rank received in the exchange."""
     job = exchange_job(step)
     new, miss, gather = [], [], []
-    words, peers = [], []
+    words, peers, calls = [], [], []
     for r in ranks:
         sim = simulate_exchange(job, step.topology.member_index(r))
         words.append(_check_plans(step, r, sim))
         peers.append(sim.held.size - 1)
+        calls.append(count_calls(step, r, sim))
 
         def cold(r: int = r, sim: ExchangeSim = sim, how: str = "routed") -> dict[str, float]:
             return _step_parts(step, offline_bridge(step, r, sim), sim, how)
@@ -356,8 +387,11 @@ def measure_step(step: Step, ranks: Sequence[int], repeats: int) -> dict[str, fl
     def worst(rows: list[dict[str, float]], k: str) -> float:
         return max(x[k] for x in rows)
 
+    slowest = max(range(len(miss)), key=lambda i: miss[i]["total"])
     return {
         "step_host_miss_ms": worst(miss, "total"),
+        "step_calls_miss": float(calls[slowest]),
+        "us_per_call_miss": 1e3 * miss[slowest]["total"] / max(calls[slowest], 1),
         "step_host_miss_gather_ms": worst(gather, "total"),
         "bridge_host_miss_ms": worst(miss, "bridge"),
         "layouts_ms": worst(miss, "layouts"),
@@ -507,6 +541,8 @@ def _row(
         "step_host_miss_recorded_ms": previous,
         "allgather_bytes": routed_bytes,
         "allgather_bytes_gather": model.gathered_bytes,
+        "step_calls_miss": int(host["step_calls_miss"]),
+        "us_per_call_miss": round(host["us_per_call_miss"], 3),
         "peers": int(host["peers"]),
         "micro_batches": len(step.micro),
         "tokens": step.tokens,
@@ -599,7 +635,8 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
                 f"16,384 ranks ({'meets' if ok else 'misses'} the <= 5 ms target; "
                 f"{hi['layouts_ms']:.3g} ms of it the caller's layouts, "
                 f"{hi['exchange_ms']:.3g} ms the routed exchange, "
-                f"{hi['verdict_plan_miss_ms']:.3g} ms the verdict and the plans), against "
+                f"{hi['verdict_plan_miss_ms']:.3g} ms the verdict and the plans; "
+                f"{hi['step_calls_miss']:,} calls, {hi['us_per_call_miss']:.3g} us each), against "
                 f"{hi['step_host_miss_gather_ms']:.3g} ms planning from every record"
                 + (
                     f" ({hi['step_host_miss_recorded_ms']:.3g} ms in the last recorded run)"
@@ -642,7 +679,11 @@ def _notes(rows: Sequence[dict], args: argparse.Namespace, load: tuple[float, fl
         "messages themselves come from a simulation of every member playing the same rules, "
         "mopd.bridge.peers' own functions, not timed), the fence, the verdict checks, plan "
         "keys, plans and schedules (`verdict_plan_miss_ms`), the token counts (the step's and "
-        "each micro-batch's). `step_host_miss_gather_ms`: the same step planned from every "
+        "each micro-batch's). `step_calls_miss`: the calls that step makes at the slowest "
+        "rank (Python functions and built-in functions and methods, as sys.setprofile counts "
+        "them; NumPy's operators and ufuncs are not among them), a count free of the "
+        "machine's noise; `us_per_call_miss`: its time over its calls. "
+        "`step_host_miss_gather_ms`: the same step planned from every "
         "record (the all-gather's matrix, a fresh copy, not timed; `verdict_plan_gather_ms` "
         "its verdict and plans), by the same planner: what routing saves; "
         f"`step_host_miss_recorded_ms`: the last recorded run, docs/results/{PREVIOUS}.md "

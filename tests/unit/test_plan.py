@@ -11,6 +11,7 @@ verdicts; and a rank reads only the groups whose sample range meets its own grou
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -595,10 +596,61 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
             "allgather_bytes_gather",
         ]
         assert r["step_host_miss_ms"] > 0 and r["allgather_bytes"] > 0 and r["peers"] > 0
+        # beside the time, the calls it is made of, and their mean cost
+        assert isinstance(r["step_calls_miss"], int) and r["step_calls_miss"] > 0
+        assert r["us_per_call_miss"] == pytest.approx(
+            1e3 * r["step_host_miss_ms"] / r["step_calls_miss"], rel=1e-2, abs=1e-3
+        )
         assert {"ranks", "tokens", "plan_ms", "global_plan_ms", "metadata_bytes_per_rank"} <= set(r)
         # another setup than the recorded one: no baseline beside it
         assert r["global_plan_ms"] is None and r["plan_ms"] > 0 and r["peak_mib"] > 0
         assert r["tokens"] >= 64 * r["ranks"]
+
+
+def test_bench_plan_counts_a_changed_steps_calls_in_its_timed_parts_alone() -> None:
+    """The call count is the same every time once the job's caches are warm, as the benchmark
+    counts it (a figure free of the machine's noise), and it
+    counts the timed parts only: the step's untimed work (the data loader's batches, the
+    summary's all-reduce, the checks after it) is left out."""
+    from mopd.profiling.bench import plan as bench_plan
+    from mopd.profiling.bench.plan_job import (
+        build_step,
+        exchange_job,
+        representative_ranks,
+        simulate_exchange,
+    )
+
+    step = build_step(32, tokens_per_rank=64, max_len=40, seed=0, micro_batches=2)
+    rank = representative_ranks(32)[1]
+    sim = simulate_exchange(exchange_job(step), step.topology.member_index(rank))
+    cold = bench_plan.count_calls(step, rank, sim)  # the topology's caches filled: more calls
+    first = bench_plan.count_calls(step, rank, sim)
+    assert cold > first > 100 and bench_plan.count_calls(step, rank, sim) == first
+    # the whole step, untimed work included, makes more calls
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    bridge = bench_plan.offline_bridge(step, rank, sim)
+    sys.setprofile(count)
+    try:
+        bench_plan._step_parts(step, bridge, sim, "routed")
+    finally:
+        sys.setprofile(None)
+    assert calls > first
+    # a clock that ticks once per read: the parts' differences count the reads between them
+    ticks = iter(range(100))
+    parts = bench_plan._step_parts(
+        step,
+        bench_plan.offline_bridge(step, rank, sim),
+        sim,
+        "routed",
+        now=lambda: float(next(ticks)),
+    )
+    assert set(parts) == {"layouts", "encode", "exchange", "verdict_plan", "tokens"}
+    assert all(v == 1.0 for v in parts.values()), parts
 
 
 def test_bench_plan_baseline_is_the_retired_planners_record(tmp_path: Path) -> None:
