@@ -293,11 +293,16 @@ def count_calls(step: Step, rank: int, sim: ExchangeSim) -> int:
             calls += 1
 
     bridge = offline_bridge(step, rank, sim)
+    gc.collect()  # no collection inside: the finalizers it would run are not the step's calls
+    collecting = gc.isenabled()
+    gc.disable()
     sys.setprofile(count)
     try:
         parts = _step_parts(step, bridge, sim, "routed", now=lambda: float(calls))
     finally:
         sys.setprofile(None)
+        if collecting:
+            gc.enable()
     return int(sum(parts.values()))
 
 

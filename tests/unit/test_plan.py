@@ -623,9 +623,10 @@ def test_bench_plan_counts_a_changed_steps_calls_in_its_timed_parts_alone() -> N
     step = build_step(32, tokens_per_rank=64, max_len=40, seed=0, micro_batches=2)
     rank = representative_ranks(32)[1]
     sim = simulate_exchange(exchange_job(step), step.topology.member_index(rank))
-    cold = bench_plan.count_calls(step, rank, sim)  # the topology's caches filled: more calls
+    cold = bench_plan.count_calls(step, rank, sim)  # may fill the job's caches: more calls
     first = bench_plan.count_calls(step, rank, sim)
-    assert cold > first > 100 and bench_plan.count_calls(step, rank, sim) == first
+    assert cold >= first > 100
+    assert [bench_plan.count_calls(step, rank, sim) for _ in range(3)] == [first] * 3
     # the whole step, untimed work included, makes more calls
     calls = 0
 
