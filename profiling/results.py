@@ -277,7 +277,8 @@ def record(
     """Write ``<name>-<tag>.csv`` and ``<name>-<tag>.md`` (table + environment) and return both.
 
     ``tag`` is the GPU name (or ``cpu``) and the date, so runs on different machines sit side by
-    side instead of overwriting each other.
+    side instead of overwriting each other. A record never replaces another: a later run of the
+    same name, machine and day takes the next free suffix (``<tag>-2``, ``<tag>-3``, ...).
     """
     env = dict(env or environment())
     out_dir = out_dir or default_results_dir()
@@ -285,8 +286,12 @@ def record(
     machine = env.get("gpu", "cpu")
     machine = "cpu" if machine.startswith("none") else machine
     tag = "-".join([machine.replace(" ", "_").lower(), env["date"][:10]])
-    csv_path = out_dir / f"{name}-{tag}.csv"
-    md_path = out_dir / f"{name}-{tag}.md"
+    stem, k = f"{name}-{tag}", 1
+    while (out_dir / f"{stem}.csv").exists() or (out_dir / f"{stem}.md").exists():
+        k += 1
+        stem = f"{name}-{tag}-{k}"
+    csv_path = out_dir / f"{stem}.csv"
+    md_path = out_dir / f"{stem}.md"
     cols: list[str] = []
     for row in rows:
         cols.extend(k for k in row if k not in cols)

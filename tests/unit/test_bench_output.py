@@ -85,6 +85,21 @@ def test_capture_plot_carries_the_cpu_caveat(
     assert "functional" not in titles[1]
 
 
+def test_a_record_never_replaces_an_earlier_one_of_the_same_day(tmp_path: Path) -> None:
+    """Runs kept in one folder (``--results-dir docs/results``) keep each other: a second run of
+    the same name on the same machine and day takes the next suffix."""
+    from mopd.profiling.results import environment, record
+
+    env = environment()
+    paths = [record("same", [{"case": "a", "n": k}], out_dir=tmp_path, env=env) for k in (1, 2, 3)]
+    stems = [csv.stem for csv, _ in paths]
+    first = stems[0]
+    assert first.startswith("same-") and stems[1:] == [f"{first}-2", f"{first}-3"]
+    for k, (csv, md) in enumerate(paths, start=1):
+        assert csv.read_text().splitlines()[1] == f"a,{k}"  # each run's own rows, none replaced
+        assert md == csv.with_suffix(".md") and md.exists()
+
+
 def test_tables_print_times_and_sizes_as_a_person_writes_them() -> None:
     """A column of times is headed without its unit suffix and each time carries the unit that
     suits it; no number of everyday size is printed with an exponent."""
