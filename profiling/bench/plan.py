@@ -28,7 +28,9 @@ with what the simulated members send it):
 - ``step_host_miss_gather_ms``: the same step planned from every record (the all-gather's
   matrix: the path before the routed exchange);
 - ``step_host_ms``: a repeated step (every record says it is the plan memo's step's: nothing
-  is exchanged, the memo's records and plan keys serve, no planner runs).
+  is exchanged, the memo's records and plan keys serve, no planner runs);
+- ``step_calls_miss``: the calls the changed step makes at the slowest rank
+  (:func:`count_calls`), a count free of the machine's noise, and ``us_per_call_miss``.
 
 Each is the slowest rank's least of several steps; each measured rank's plans from its routed
 records are checked equal to its plans from every record. ``allgather_bytes``: the metadata one
