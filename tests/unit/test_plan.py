@@ -609,9 +609,9 @@ def test_bench_plan_json_has_one_object_per_rank_count(capsys: pytest.CaptureFix
 
 def test_bench_plan_counts_a_changed_steps_calls_in_its_timed_parts_alone() -> None:
     """The call count is the same every time once the job's caches are warm, as the benchmark
-    counts it (a figure free of the machine's noise), and it
-    counts the timed parts only: the step's untimed work (the data loader's batches, the
-    summary's all-reduce, the checks after it) is left out."""
+    counts it (a figure free of the machine's noise), and it counts the timed parts only: the
+    step's untimed work (the data loader's batches, the summary's all-reduce, the checks after
+    it) is left out."""
     from mopd.profiling.bench import plan as bench_plan
     from mopd.profiling.bench.plan_job import (
         build_step,
