@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mopd.common.collector import paused_collector
 from mopd.common.units import rank_list
 
 __all__ = ["FailureBoard", "Progress"]
@@ -127,13 +127,8 @@ def _frame_of(thread: int | None) -> FrameType | None:
     """
     if thread is None:
         return None
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_collector():
         return sys._current_frames().get(thread)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _answer(progress: Progress, *, where: str | None = None) -> dict[str, Any]:

@@ -87,6 +87,7 @@ from mopd.bridge.peers import (
 from mopd.bridge.plan import plan_rank
 from mopd.bridge.route import RADIX
 from mopd.bridge.step import BridgeStep
+from mopd.common.collector import paused_collector
 from mopd.profiling.bench.plan_job import (
     ExchangeSim,
     Step,
@@ -296,15 +297,12 @@ def count_calls(step: Step, rank: int, sim: ExchangeSim) -> int:
 
     bridge = offline_bridge(step, rank, sim)
     gc.collect()  # no collection inside: the finalizers it would run are not the step's calls
-    collecting = gc.isenabled()
-    gc.disable()
-    sys.setprofile(count)
-    try:
-        parts = _step_parts(step, bridge, sim, "routed", now=lambda: float(calls))
-    finally:
-        sys.setprofile(None)
-        if collecting:
-            gc.enable()
+    with paused_collector():
+        sys.setprofile(count)
+        try:
+            parts = _step_parts(step, bridge, sim, "routed", now=lambda: float(calls))
+        finally:
+            sys.setprofile(None)
     return int(sum(parts.values()))
 
 
